@@ -1,0 +1,5 @@
+import sys
+
+from smtpguard.cli import main
+
+sys.exit(main())

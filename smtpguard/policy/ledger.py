@@ -1,0 +1,413 @@
+"""The event ledger: one record per zone + key, and every transition it may take (DESIGN.md §4).
+
+Everything that affects a transition lives here. The store only offers compare-and-swap on
+a record's `version`, so these functions decide and the store makes the write atomic: a
+writer that lost a race gets the current record back and decides again.
+
+    (none) ──reserve──▶ in_flight ──▶ delivered | deferred | failed | unknown
+                          ▲  │ lease expired: before_data ▶ retryable, data_sent ▶ unknown
+    deferred (after min_retry_interval), failed (released), unknown (resolved as retry) ─┘
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Any
+
+from smtpguard import replies
+from smtpguard.policy.outcome import Kind, Outcome
+from smtpguard.replies import Reply
+
+
+class State(StrEnum):
+    QUEUED = "queued"
+    IN_FLIGHT = "in_flight"
+    DELIVERED = "delivered"
+    DEFERRED = "deferred"
+    FAILED = "failed"
+    UNKNOWN = "unknown"
+    EXPIRED = "expired"
+
+
+class Phase(StrEnum):
+    BEFORE_DATA = "before_data"
+    """Nothing can have been accepted upstream: safe to retry, safe to fail over."""
+    DATA_SENT = "data_sent"
+    """The final dot may have reached the provider: the outcome belongs to it."""
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerSettings:
+    min_retry_interval: float = 60.0
+    lease: float = 30.0
+    derive_window: float = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    attempt_id: str
+    at: float
+    instance: str
+    provider: str | None
+    phase: str
+    outcome: str
+    code: int | None = None
+    enhanced: str = ""
+    text: str = ""
+    upstream_id: str | None = None
+    message_id: str | None = None
+    rejected: tuple[tuple[str, Reply], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class AuditEntry:
+    at: float
+    actor: str
+    action: str
+    from_state: str
+    to_state: str
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    zone: str
+    key: str
+    state: State
+    fingerprint: str
+    created_at: float
+    updated_at: float
+    version: int
+    sg_id: str
+    """The current attempt's id; for a delivered record, the attempt that delivered."""
+    owner: str | None = None
+    lease_until: float | None = None
+    phase: Phase | None = None
+    next_attempt_at: float | None = None
+    reply: Reply | None = None
+    upstream_id: str | None = None
+    message_id: str | None = None
+    valid_until: float | None = None
+    """Derived (`auto:`) keys only: after this the same fingerprint is a new event."""
+    attempts: tuple[Attempt, ...] = field(default=())
+    audit: tuple[AuditEntry, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "zone": self.zone,
+            "key": self.key,
+            "state": self.state.value,
+            "fingerprint": self.fingerprint,
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+            "version": self.version,
+            "sg_id": self.sg_id,
+            "owner": self.owner,
+            "lease_until": self.lease_until,
+            "phase": self.phase.value if self.phase else None,
+            "next_attempt_at": self.next_attempt_at,
+            "reply": self.reply.to_dict() if self.reply else None,
+            "upstream_id": self.upstream_id,
+            "message_id": self.message_id,
+            "valid_until": self.valid_until,
+            "attempts": [_attempt_to_dict(a) for a in self.attempts],
+            "audit": [
+                {
+                    "at": e.at,
+                    "actor": e.actor,
+                    "action": e.action,
+                    "from_state": e.from_state,
+                    "to_state": e.to_state,
+                    "note": e.note,
+                }
+                for e in self.audit
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Record:
+        return cls(
+            zone=d["zone"],
+            key=d["key"],
+            state=State(d["state"]),
+            fingerprint=d["fingerprint"],
+            created_at=d["created_at"],
+            updated_at=d["updated_at"],
+            version=d["version"],
+            sg_id=d["sg_id"],
+            owner=d.get("owner"),
+            lease_until=d.get("lease_until"),
+            phase=Phase(d["phase"]) if d.get("phase") else None,
+            next_attempt_at=d.get("next_attempt_at"),
+            reply=Reply.from_dict(d["reply"]) if d.get("reply") else None,
+            upstream_id=d.get("upstream_id"),
+            message_id=d.get("message_id"),
+            valid_until=d.get("valid_until"),
+            attempts=tuple(_attempt_from_dict(a) for a in d.get("attempts", ())),
+            audit=tuple(AuditEntry(**e) for e in d.get("audit", ())),
+        )
+
+
+def _attempt_to_dict(a: Attempt) -> dict[str, Any]:
+    return {
+        "attempt_id": a.attempt_id,
+        "at": a.at,
+        "instance": a.instance,
+        "provider": a.provider,
+        "phase": a.phase,
+        "outcome": a.outcome,
+        "code": a.code,
+        "enhanced": a.enhanced,
+        "text": a.text,
+        "upstream_id": a.upstream_id,
+        "message_id": a.message_id,
+        "rejected": [[addr, r.to_dict()] for addr, r in a.rejected],
+    }
+
+
+def _attempt_from_dict(d: dict[str, Any]) -> Attempt:
+    rejected = tuple((addr, Reply.from_dict(r)) for addr, r in d.get("rejected", ()))
+    return Attempt(**{**d, "rejected": rejected})
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """One client submission of an event, as the ledger needs to see it."""
+
+    zone: str
+    key: str
+    fingerprint: str
+    attempt_id: str
+    instance: str
+    message_id: str | None
+    derived: bool = False
+
+
+# --- verdicts --------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """Reply now; nothing is written and nothing is sent."""
+
+    reply: Reply
+    decision: str
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Another submission holds a live lease on this key: wait for its outcome."""
+
+
+@dataclass(frozen=True, slots=True)
+class Proceed:
+    """Write `record` (compare-and-swap on `expected_version`), then relay."""
+
+    record: Record
+    expected_version: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """Write `record`, then answer `reply` (e.g. a lost lease after the dot becomes unknown)."""
+
+    record: Record
+    expected_version: int
+    reply: Reply
+    decision: str
+
+
+Verdict = Answer | Wait | Proceed | Transition
+
+
+def decide(existing: Record | None, sub: Submission, now: float, s: LedgerSettings) -> Verdict:
+    """What to do with a submission given the key's current record (DESIGN.md §3 rows)."""
+    if existing is None:
+        return Proceed(_fresh(sub, now, s), None)
+    if existing.valid_until is not None and existing.valid_until <= now:
+        return Proceed(replace(_fresh(sub, now, s), version=existing.version + 1), existing.version)
+    if existing.fingerprint != sub.fingerprint:
+        return Answer(replies.key_reused(sub.key), "reused")
+
+    state = existing.state
+    if state is State.DELIVERED:
+        return Answer(replies.duplicate(sub.key, existing.sg_id, existing.upstream_id), "duplicate")
+    if state is State.QUEUED:
+        return Answer(replies.duplicate_queued(sub.key, existing.sg_id), "duplicate")
+    if state is State.IN_FLIGHT:
+        if existing.lease_until is not None and existing.lease_until > now:
+            return Wait()
+        if existing.phase is Phase.DATA_SENT:
+            # The owner died after the final dot may have gone out: a blind retry is how
+            # duplicates are made (RFC 1047). Hold it for an operator.
+            lost = _bump(existing, now, state=State.UNKNOWN, owner=None, lease_until=None)
+            lost = _audit(
+                lost,
+                now,
+                "smtpguard",
+                "lease_expired",
+                State.IN_FLIGHT,
+                State.UNKNOWN,
+                f"owner {existing.owner} lost its lease after the final dot",
+            )
+            return Transition(lost, existing.version, replies.outcome_unknown(sub.key), "unknown_held")
+        return Proceed(_retry(existing, sub, now, s), existing.version)
+    if state is State.DEFERRED:
+        if existing.next_attempt_at is not None and now < existing.next_attempt_at:
+            return Answer(replies.retry_too_soon(sub.key, existing.next_attempt_at), "too_soon")
+        return Proceed(_retry(existing, sub, now, s), existing.version)
+    if state is State.FAILED:
+        return Answer(existing.reply or replies.malformed_message("failed"), "failed_held")
+    if state is State.UNKNOWN:
+        return Answer(replies.outcome_unknown(sub.key), "unknown_held")
+    return Answer(replies.expired(sub.key), "expired")
+
+
+def _fresh(sub: Submission, now: float, s: LedgerSettings) -> Record:
+    return Record(
+        zone=sub.zone,
+        key=sub.key,
+        state=State.IN_FLIGHT,
+        fingerprint=sub.fingerprint,
+        created_at=now,
+        updated_at=now,
+        version=1,
+        sg_id=sub.attempt_id,
+        owner=sub.instance,
+        lease_until=now + s.lease,
+        phase=Phase.BEFORE_DATA,
+        message_id=sub.message_id,
+        valid_until=now + s.derive_window if sub.derived else None,
+    )
+
+
+def _retry(existing: Record, sub: Submission, now: float, s: LedgerSettings) -> Record:
+    return _bump(
+        existing,
+        now,
+        state=State.IN_FLIGHT,
+        sg_id=sub.attempt_id,
+        owner=sub.instance,
+        lease_until=now + s.lease,
+        phase=Phase.BEFORE_DATA,
+        next_attempt_at=None,
+        message_id=sub.message_id or existing.message_id,
+    )
+
+
+def _bump(rec: Record, now: float, **changes: Any) -> Record:
+    return replace(rec, version=rec.version + 1, updated_at=now, **changes)
+
+
+def _audit(
+    rec: Record, now: float, actor: str, action: str, before: State, after: State, note: str = ""
+) -> Record:
+    entry = AuditEntry(now, actor, action, before.value, after.value, note)
+    return replace(rec, audit=(*rec.audit, entry))
+
+
+# --- the owner's writes while it relays ------------------------------------------------------
+def owns(rec: Record, attempt_id: str) -> bool:
+    return rec.state is State.IN_FLIGHT and rec.sg_id == attempt_id
+
+
+def mark_data_sent(rec: Record, attempt_id: str, now: float, s: LedgerSettings) -> Record | None:
+    """Persisted before DATA: from here a crash means `unknown`, never a blind retry."""
+    if not owns(rec, attempt_id):
+        return None
+    return _bump(rec, now, phase=Phase.DATA_SENT, lease_until=now + s.lease)
+
+
+def renew_lease(rec: Record, attempt_id: str, now: float, s: LedgerSettings) -> Record | None:
+    if not owns(rec, attempt_id):
+        return None
+    return _bump(rec, now, lease_until=now + s.lease)
+
+
+def settle(
+    rec: Record,
+    attempt_id: str,
+    instance: str,
+    outcome: Outcome,
+    now: float,
+    s: LedgerSettings,
+    message_id: str | None = None,
+) -> Record:
+    """Record an attempt's outcome. Idempotent per attempt; the truth of a 250 always wins.
+
+    If the lease was lost meanwhile (another instance took the key over), the attempt is
+    still appended to the history, and a delivery still marks the event delivered: that
+    is what happened upstream, and it is what stops the next duplicate.
+    """
+    if any(a.attempt_id == attempt_id for a in rec.attempts):
+        return rec
+    reply = outcome.reply
+    attempt = Attempt(
+        attempt_id=attempt_id,
+        at=now,
+        instance=instance,
+        provider=outcome.provider,
+        phase=(rec.phase.value if rec.phase and rec.sg_id == attempt_id else Phase.BEFORE_DATA.value),
+        outcome=outcome.kind.value,
+        code=reply.code if reply else None,
+        enhanced=reply.enhanced if reply else "",
+        text=(reply.text if reply else outcome.detail),
+        upstream_id=outcome.upstream_id,
+        message_id=message_id,
+        rejected=outcome.rejected,
+    )
+    rec = replace(rec, attempts=(*rec.attempts, attempt))
+    if not owns(rec, attempt_id) and outcome.kind is not Kind.DELIVERED:
+        return _bump(rec, now)
+    common: dict[str, Any] = {"owner": None, "lease_until": None, "phase": None}
+    if outcome.kind is Kind.DELIVERED:
+        return _bump(
+            rec,
+            now,
+            state=State.DELIVERED,
+            sg_id=attempt_id,
+            reply=reply,
+            upstream_id=outcome.upstream_id,
+            next_attempt_at=None,
+            **common,
+        )
+    if outcome.kind is Kind.DEFERRED:
+        return _bump(
+            rec,
+            now,
+            state=State.DEFERRED,
+            reply=reply,
+            next_attempt_at=now + s.min_retry_interval,
+            **common,
+        )
+    if outcome.kind is Kind.FAILED:
+        return _bump(rec, now, state=State.FAILED, reply=reply, next_attempt_at=None, **common)
+    if outcome.kind is Kind.UNKNOWN:
+        return _bump(rec, now, state=State.UNKNOWN, reply=None, **common)
+    # Nothing reached a provider: the event stays retryable at once, with no backoff.
+    return _bump(rec, now, state=State.DEFERRED, reply=replies.no_provider(), next_attempt_at=now, **common)
+
+
+# --- operator decisions ----------------------------------------------------------------------
+class OperatorRefused(Exception):
+    """An operator command that does not apply to the record's current state."""
+
+
+def resolve(rec: Record, as_: str, actor: str, now: float) -> Record:
+    """Close an `unknown` outcome after checking with the provider (runbook: resolve)."""
+    if rec.state is not State.UNKNOWN:
+        raise OperatorRefused(f"{rec.zone} {rec.key} is {rec.state.value}, not unknown; nothing to resolve")
+    if as_ == "delivered":
+        new = _bump(rec, now, state=State.DELIVERED)
+    elif as_ == "retry":
+        new = _bump(rec, now, state=State.DEFERRED, next_attempt_at=now)
+    else:
+        raise OperatorRefused(f"--as must be delivered or retry, not {as_!r}")
+    return _audit(new, now, actor, f"resolve:{as_}", State.UNKNOWN, new.state)
+
+
+def release(rec: Record, actor: str, now: float) -> Record:
+    """Allow one new attempt of a `failed` event once its cause is fixed."""
+    if rec.state is not State.FAILED:
+        raise OperatorRefused(f"{rec.zone} {rec.key} is {rec.state.value}, not failed; nothing to release")
+    new = _bump(rec, now, state=State.DEFERRED, next_attempt_at=now)
+    return _audit(new, now, actor, "release", State.FAILED, State.DEFERRED)

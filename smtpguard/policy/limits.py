@@ -1,0 +1,89 @@
+"""Plans, caps and their windows (DESIGN.md §5).
+
+The store counts atomically; this module says what the limits are, which window a moment
+falls in, and what the client is told when a cap is reached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Literal
+
+from smtpguard import replies
+from smtpguard.replies import Reply
+
+PlanName = Literal["free", "solo", "starter", "business", "agency", "unlimited"]
+HOUR = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    send_as: bool
+    monthly: int
+    hourly: int
+
+
+PLANS: dict[str, Plan] = {
+    "free": Plan(send_as=False, monthly=0, hourly=0),
+    "solo": Plan(send_as=True, monthly=2_500, hourly=20),
+    "starter": Plan(send_as=True, monthly=5_000, hourly=40),
+    "business": Plan(send_as=True, monthly=12_000, hourly=60),
+    "agency": Plan(send_as=True, monthly=20_000, hourly=60),
+    "unlimited": Plan(send_as=True, monthly=100_000, hourly=300),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Caps:
+    hourly: int
+    monthly: int
+
+
+@dataclass(frozen=True, slots=True)
+class CapCheck:
+    """What the store needs to count and consume one unit atomically."""
+
+    zone: str
+    caps: Caps
+    hour_start: float
+    """Sends at or after this instant are in the sliding 60-minute window."""
+    month: str
+    """Calendar month (UTC) the unit is counted in, `YYYY-MM`."""
+    token: str
+    """Identifies the unit, so it can be refunded when nothing reached a provider."""
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class CapReached:
+    window: Literal["hour", "month"]
+    cap: int
+    free_at: float | None = None
+    """Hourly only: when the oldest send in the window leaves it."""
+
+
+def caps_for(plan: str, hourly: int | None, monthly: int | None) -> Caps:
+    p = PLANS[plan]
+    return Caps(
+        hourly=p.hourly if hourly is None else hourly,
+        monthly=p.monthly if monthly is None else monthly,
+    )
+
+
+def month_of(now: float) -> str:
+    return datetime.fromtimestamp(now, UTC).strftime("%Y-%m")
+
+
+def cap_check(zone: str, caps: Caps, token: str, now: float) -> CapCheck:
+    return CapCheck(zone, caps, now - HOUR, month_of(now), token, now)
+
+
+def hour_free_at(oldest_in_window: float | None, now: float) -> float:
+    return (oldest_in_window if oldest_in_window is not None else now) + HOUR
+
+
+def cap_reply(zone: str, reached: CapReached) -> Reply:
+    if reached.window == "month":
+        return replies.monthly_cap(zone, reached.cap)
+    return replies.hourly_cap(zone, reached.cap, reached.free_at or 0.0)

@@ -1,0 +1,92 @@
+"""What an upstream attempt came to, and the reply the client gets for it (DESIGN.md §3, §6).
+
+The relay reports facts (which provider, what it answered, how far the transaction got);
+this module classifies them. Only two facts matter for safety: whether the final dot may
+have reached the provider, and whether the provider answered after it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from smtpguard import replies
+from smtpguard.replies import Reply
+
+_ENHANCED = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})\s*")
+_QUEUE_ID = re.compile(r"(?:queued as|queued|id[=:]?)\s+<?([A-Za-z0-9._@=+-]{3,128})>?", re.IGNORECASE)
+
+
+class Kind(StrEnum):
+    DELIVERED = "delivered"
+    DEFERRED = "deferred"
+    FAILED = "failed"
+    UNKNOWN = "unknown"
+    UNAVAILABLE = "unavailable"
+    """No provider took the transaction as far as MAIL: nothing can have been accepted."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    kind: Kind
+    provider: str | None
+    reply: Reply | None = None
+    upstream_id: str | None = None
+    detail: str = ""
+    rejected: tuple[tuple[str, Reply], ...] = field(default=())
+    """Recipients the provider refused while it accepted the message for others."""
+    accepted: tuple[str, ...] = field(default=())
+
+
+def split_enhanced(code: int, text: str) -> tuple[str, str]:
+    """Split `2.0.0 Ok: queued as X` into ("2.0.0", "Ok: queued as X").
+
+    A reply without an enhanced code gets the class default (RFC 3463 X.0.0), so every reply
+    smtpguard passes on has one.
+    """
+    m = _ENHANCED.match(text)
+    if m and m.group(1) == str(code)[0]:
+        return m.group(0).strip(), text[m.end() :]
+    return f"{str(code)[0]}.0.0", text
+
+
+def upstream_reply(code: int, text: str) -> Reply:
+    enhanced, rest = split_enhanced(code, " ".join(text.split()))
+    return Reply(code, enhanced, rest)
+
+
+def queue_id(text: str) -> str | None:
+    """The upstream's queue id, as Postfix, Exim and most providers put it in their 250."""
+    m = _QUEUE_ID.search(text)
+    return m.group(1) if m else None
+
+
+def classify_reply(code: int) -> Kind:
+    if 200 <= code < 300:
+        return Kind.DELIVERED
+    if 400 <= code < 500:
+        return Kind.DEFERRED
+    return Kind.FAILED
+
+
+def is_recipient_unknown(reply: Reply) -> bool:
+    """Upstream 5.1.x: the address itself is bad, so it goes on the zone's suppression list."""
+    return reply.permanent and reply.enhanced.startswith("5.1.")
+
+
+def client_reply(outcome: Outcome, sg_id: str) -> Reply:
+    if outcome.kind is Kind.UNKNOWN:
+        return Reply(
+            451,
+            "4.3.0",
+            f"[sg:{sg_id}] Upstream outcome unknown ({outcome.detail}); held, not re-sent",
+        )
+    if outcome.kind is Kind.UNAVAILABLE or outcome.reply is None:
+        return replies.no_provider()
+    r = outcome.reply
+    text = r.text
+    if outcome.kind is Kind.DELIVERED and outcome.rejected:
+        refused = ", ".join(f"<{addr}> {rep.code}" for addr, rep in outcome.rejected[:5])
+        text = f"{text}; accepted for {len(outcome.accepted)}, refused {refused}"
+    return replies.upstream(r.code, r.enhanced, sg_id, text)

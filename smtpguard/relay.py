@@ -1,0 +1,415 @@
+"""Relaying one reserved submission: providers, their connection pools, the route (DESIGN.md §6).
+
+Every aiosmtplib and OS exception is translated here, in one place, into an Attempted value:
+the Outcome (policy/outcome.py) plus two facts the route needs — may the next provider be
+tried (only if nothing can have been accepted), and what it says about this provider's
+health (for its circuit breaker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import ssl
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+import aiosmtplib
+
+from smtpguard.config import MaildirProviderConfig, SmtpProviderConfig
+from smtpguard.policy.breaker import Breaker, Circuit
+from smtpguard.policy.eventkey import qualified_key
+from smtpguard.policy.outcome import Kind, Outcome, classify_reply, queue_id, upstream_reply
+from smtpguard.replies import Reply
+
+log = logging.getLogger("smtpguard.relay")
+
+Health = Literal["ok", "fail", "trip"]
+BeforeData = Callable[[], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    zone: str
+    key: str | None
+    attempt_id: str
+    sender: str
+    recipients: tuple[str, ...]
+    content: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Attempted:
+    outcome: Outcome
+    failover: bool
+    """True only when the failure came before the message could have been accepted."""
+    health: Health
+
+
+class Provider(Protocol):
+    name: str
+    idempotent: bool
+    """The provider dedupes on a header we send: an unknown outcome may be retried once."""
+
+    async def send(self, env: Envelope, before_data: BeforeData) -> Attempted: ...
+
+    async def close(self) -> None: ...
+
+
+# --- SMTP upstream ---------------------------------------------------------------------------
+class SmtpProvider:
+    def __init__(self, cfg: SmtpProviderConfig, password: str | None, helo: str) -> None:
+        self.name = cfg.name
+        self.cfg = cfg
+        self.idempotent = cfg.idempotency_header is not None
+        self._password = password
+        self._helo = cfg.helo_name or helo
+        self._idle: deque[aiosmtplib.SMTP] = deque()
+        self._slots = asyncio.Semaphore(cfg.pool_size)
+        self._tls_context = self._make_tls_context()
+
+    def _make_tls_context(self) -> ssl.SSLContext | None:
+        if self.cfg.tls == "none":
+            return None
+        ctx = ssl.create_default_context(cafile=str(self.cfg.ca_file) if self.cfg.ca_file else None)
+        if not self.cfg.verify_tls:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+
+    async def close(self) -> None:
+        while self._idle:
+            conn = self._idle.popleft()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(conn.quit(), 2)
+            conn.close()
+
+    def _prepare(self, env: Envelope) -> bytes:
+        if self.cfg.idempotency_header and env.key is not None:
+            header = f"{self.cfg.idempotency_header}: {qualified_key(env.zone, env.key)}\r\n"
+            return header.encode() + env.content
+        return env.content
+
+    async def _connect(self) -> aiosmtplib.SMTP:
+        t = self.cfg.timeouts
+        conn = aiosmtplib.SMTP(
+            hostname=self.cfg.host,
+            port=self.cfg.port,
+            use_tls=self.cfg.tls == "implicit",
+            start_tls=self.cfg.tls == "starttls",
+            tls_context=self._tls_context,
+            local_hostname=self._helo,
+            timeout=t.command,
+        )
+        await conn.connect(timeout=t.connect)
+        if self.cfg.username:
+            await conn.login(self.cfg.username, self._password or "", timeout=t.command)
+        return conn
+
+    async def send(self, env: Envelope, before_data: BeforeData) -> Attempted:
+        await self._slots.acquire()
+        try:
+            conn: aiosmtplib.SMTP | None = None
+            while self._idle and conn is None:
+                candidate = self._idle.pop()
+                if candidate.is_connected:
+                    conn = candidate
+                else:
+                    candidate.close()
+            if conn is not None:
+                result, keep = await self._transaction(conn, env, before_data, reused=True)
+                if result is not None:
+                    return self._finish(conn, keep, result)
+                # The cached connection had gone away before MAIL was answered: safe to redo.
+            try:
+                conn = await self._connect()
+            except aiosmtplib.SMTPAuthenticationError as e:
+                return self._auth_failed(e)
+            except (aiosmtplib.SMTPException, OSError, ssl.SSLError, TimeoutError) as e:
+                return _unavailable(self.name, f"connect: {_describe(e)}")
+            result, keep = await self._transaction(conn, env, before_data, reused=False)
+            assert result is not None
+            return self._finish(conn, keep, result)
+        finally:
+            self._slots.release()
+
+    def _finish(self, conn: aiosmtplib.SMTP, keep: bool, result: Attempted) -> Attempted:
+        if keep and conn.is_connected:
+            self._idle.append(conn)
+        else:
+            conn.close()
+        return result
+
+    def _auth_failed(self, e: aiosmtplib.SMTPAuthenticationError) -> Attempted:
+        if e.code != 535:
+            return _unavailable(self.name, f"upstream AUTH: {e.code} {e.message[:100]}")
+        # The secret is never logged; the provider's reply text is enough to act on.
+        log.critical(
+            "upstream refused smtpguard's credentials; circuit opened",
+            extra={"provider": self.name, "code": e.code, "upstream_text": e.message[:200]},
+        )
+        return Attempted(
+            Outcome(
+                Kind.UNAVAILABLE,
+                self.name,
+                upstream_reply(e.code, e.message),
+                detail="upstream AUTH refused",
+            ),
+            failover=True,
+            health="trip",
+        )
+
+    async def _transaction(
+        self, conn: aiosmtplib.SMTP, env: Envelope, before_data: BeforeData, reused: bool
+    ) -> tuple[Attempted | None, bool]:
+        """One MAIL…DATA transaction; (None, False) asks for a fresh connection."""
+        t = self.cfg.timeouts
+        try:
+            try:
+                await conn.mail(env.sender, timeout=t.command)
+            except aiosmtplib.SMTPServerDisconnected:
+                if reused:
+                    return None, False
+                raise
+            accepted: list[str] = []
+            rejected: list[tuple[str, Reply]] = []
+            for rcpt in env.recipients:
+                try:
+                    await conn.rcpt(rcpt, timeout=t.command)
+                    accepted.append(rcpt)
+                except aiosmtplib.SMTPRecipientRefused as e:
+                    rejected.append((rcpt, upstream_reply(e.code, e.message)))
+            if not accepted:
+                return _refused_all(self.name, rejected), await _rset(conn)
+            await before_data()
+        except aiosmtplib.SMTPResponseException as e:
+            return _before_dot_reply(self.name, e.code, e.message), await _rset(conn)
+        except (aiosmtplib.SMTPException, OSError, TimeoutError) as e:
+            return _unavailable(self.name, f"before DATA: {_describe(e)}"), False
+
+        # From here the final dot may reach the provider: the outcome is the provider's.
+        try:
+            response = await conn.data(self._prepare(env), timeout=t.data)
+        except aiosmtplib.SMTPResponseException as e:
+            reply = upstream_reply(e.code, e.message)
+            kind = classify_reply(e.code)
+            health: Health = "fail" if e.code == 421 else "ok"
+            return Attempted(
+                Outcome(kind, self.name, reply, rejected=tuple(rejected)),
+                failover=False,
+                health=health,
+            ), await _rset(conn)
+        except (aiosmtplib.SMTPException, OSError, TimeoutError) as e:
+            return Attempted(
+                Outcome(
+                    Kind.UNKNOWN,
+                    self.name,
+                    detail=f"after DATA: {_describe(e)}",
+                    rejected=tuple(rejected),
+                ),
+                failover=False,
+                health="fail",
+            ), False
+        reply = upstream_reply(response.code, response.message)
+        return Attempted(
+            Outcome(
+                Kind.DELIVERED,
+                self.name,
+                reply,
+                upstream_id=queue_id(response.message),
+                rejected=tuple(rejected),
+                accepted=tuple(accepted),
+            ),
+            failover=False,
+            health="ok",
+        ), True
+
+
+async def _rset(conn: aiosmtplib.SMTP) -> bool:
+    """Reset after a refused transaction; keep the connection only if RSET works."""
+    try:
+        await conn.rset(timeout=5)
+    except Exception:
+        return False
+    return True
+
+
+def _refused_all(provider: str, rejected: list[tuple[str, Reply]]) -> Attempted:
+    temp = next((r for _, r in rejected if r.temporary), None)
+    if temp is not None:
+        return Attempted(
+            Outcome(Kind.DEFERRED, provider, temp, rejected=tuple(rejected)),
+            failover=True,
+            health="fail" if temp.code == 421 else "ok",
+        )
+    first = rejected[0][1]
+    return Attempted(
+        Outcome(Kind.FAILED, provider, first, rejected=tuple(rejected)), failover=False, health="ok"
+    )
+
+
+def _before_dot_reply(provider: str, code: int, text: str) -> Attempted:
+    reply = upstream_reply(code, text)
+    if reply.temporary:
+        return Attempted(
+            Outcome(Kind.DEFERRED, provider, reply),
+            failover=True,
+            health="fail" if code == 421 else "ok",
+        )
+    return Attempted(Outcome(Kind.FAILED, provider, reply), failover=False, health="ok")
+
+
+def _unavailable(provider: str, detail: str) -> Attempted:
+    return Attempted(Outcome(Kind.UNAVAILABLE, provider, detail=detail), failover=True, health="fail")
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    return f"{type(e).__name__}: {text}"[:200]
+
+
+# --- Maildir (demos, staging, tests) ---------------------------------------------------------
+class MaildirProvider:
+    idempotent = False
+
+    def __init__(self, cfg: MaildirProviderConfig) -> None:
+        self.name = cfg.name
+        self.path = cfg.path
+        self._seq = 0
+
+    async def close(self) -> None:
+        return None
+
+    async def send(self, env: Envelope, before_data: BeforeData) -> Attempted:
+        await before_data()
+        self._seq += 1
+        name = f"{time.time():.6f}.{os.getpid()}_{self._seq}.{socket.gethostname()}"
+        try:
+            await asyncio.to_thread(_maildir_write, self.path, name, env)
+        except OSError as e:
+            # Nothing is in new/ unless the rename happened, and the rename is the last step.
+            return Attempted(
+                Outcome(Kind.DEFERRED, self.name, Reply(451, "4.3.0", f"maildir: {e.strerror}")),
+                failover=False,
+                health="fail",
+            )
+        reply = Reply(250, "2.0.0", f"delivered to maildir as {name}")
+        return Attempted(
+            Outcome(Kind.DELIVERED, self.name, reply, upstream_id=name, accepted=env.recipients),
+            failover=False,
+            health="ok",
+        )
+
+
+def _maildir_write(root: Path, name: str, env: Envelope) -> None:
+    for sub in ("tmp", "new", "cur"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    head = f"Return-Path: <{env.sender}>\r\nX-Original-To: {', '.join(env.recipients)}\r\n"
+    tmp = root / "tmp" / name
+    with open(tmp, "wb") as f:
+        f.write(head.encode() + env.content)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, root / "new" / name)
+    fd = os.open(root / "new", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- the route -------------------------------------------------------------------------------
+class Route:
+    """Primary, then standby (then more), skipping open circuits (DESIGN.md §6)."""
+
+    def __init__(
+        self,
+        providers: Sequence[Provider],
+        threshold: int,
+        cooldown: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.providers = list(providers)
+        self.breakers = {p.name: Breaker(threshold, cooldown) for p in self.providers}
+        self._clock = clock
+
+    async def close(self) -> None:
+        for p in self.providers:
+            await p.close()
+
+    def circuits(self) -> dict[str, Circuit]:
+        return {name: b.circuit for name, b in self.breakers.items()}
+
+    def any_closed(self) -> bool:
+        return any(b.circuit is not Circuit.OPEN for b in self.breakers.values())
+
+    async def send(self, env: Envelope, before_data: BeforeData) -> Outcome:
+        fallback: Outcome | None = None
+        for p in self.providers:
+            allowed, self.breakers[p.name] = self.breakers[p.name].allow(self._clock())
+            if not allowed:
+                continue
+            try:
+                result = await p.send(env, before_data)
+                if result.outcome.kind is Kind.UNKNOWN and p.idempotent:
+                    # The provider dedupes on our header, so one more try cannot duplicate.
+                    log.warning(
+                        "retrying unknown outcome once on idempotent provider",
+                        extra={"provider": p.name, "zone": env.zone},
+                    )
+                    result = await p.send(env, _noop)
+            except BaseException:
+                self.breakers[p.name] = self.breakers[p.name].release_probe()
+                raise
+            self._record_health(p.name, result.health)
+            if not result.failover:
+                return result.outcome
+            if fallback is None or fallback.kind is Kind.UNAVAILABLE:
+                fallback = result.outcome
+        if fallback is None:
+            return Outcome(Kind.UNAVAILABLE, None, detail="every provider circuit is open")
+        return fallback
+
+    def _record_health(self, name: str, health: Health) -> None:
+        before = self.breakers[name]
+        now = self._clock()
+        if health == "ok":
+            after = before.success()
+        elif health == "trip":
+            after = before.trip(now)
+        else:
+            after = before.failure(now)
+        self.breakers[name] = after
+        if after.circuit is not before.circuit:
+            level = logging.WARNING if after.circuit is Circuit.OPEN else logging.INFO
+            log.log(
+                level,
+                "provider circuit %s",
+                after.circuit.value,
+                extra={"provider": name, "circuit": after.circuit.value},
+            )
+
+
+async def _noop() -> None:
+    return None
+
+
+def build_providers(
+    configs: Sequence[SmtpProviderConfig | MaildirProviderConfig],
+    secrets: dict[str, str | None],
+    helo: str,
+) -> list[Provider]:
+    out: list[Provider] = []
+    for cfg in configs:
+        if isinstance(cfg, SmtpProviderConfig):
+            out.append(SmtpProvider(cfg, secrets.get(cfg.name), helo))
+        else:
+            out.append(MaildirProvider(cfg))
+    return out

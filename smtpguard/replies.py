@@ -1,0 +1,175 @@
+"""Every SMTP reply smtpguard gives, named once (DESIGN.md §3).
+
+Policy code returns these values; only the listener turns them into wire text. Texts never
+carry secrets and never echo raw client bytes other than a sanitised key or address.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+_UNSAFE = re.compile(r"[^\x21-\x7e ]")
+
+
+def safe(text: str, limit: int = 200) -> str:
+    """Make client- or upstream-supplied text safe to put on one reply line."""
+    cleaned = _UNSAFE.sub("?", text)
+    return cleaned if len(cleaned) <= limit else cleaned[: limit - 3] + "..."
+
+
+def stamp(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    code: int
+    enhanced: str
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.code} {self.enhanced} {self.text}" if self.enhanced else f"{self.code} {self.text}"
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.code < 300
+
+    @property
+    def temporary(self) -> bool:
+        return 400 <= self.code < 500
+
+    @property
+    def permanent(self) -> bool:
+        return self.code >= 500
+
+    def to_dict(self) -> dict[str, object]:
+        return {"code": self.code, "enhanced": self.enhanced, "text": self.text}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> Reply:
+        return cls(int(str(d["code"])), str(d.get("enhanced") or ""), str(d.get("text") or ""))
+
+
+# --- session ---------------------------------------------------------------------------------
+GREETING_BUSY = Reply(421, "4.7.0", "Too many connections, try again later")
+AUTH_OK = Reply(235, "2.7.0", "Authentication successful")
+AUTH_INVALID = Reply(535, "5.7.8", "Authentication credentials invalid")
+AUTH_LOCKED = Reply(421, "4.7.0", "Too many authentication failures, try again later")
+AUTH_NEEDS_TLS = Reply(538, "5.7.11", "Encryption required for requested authentication mechanism")
+AUTH_REQUIRED = Reply(530, "5.7.0", "Authentication required")
+SIZE_EXCEEDED = Reply(552, "5.3.4", "Message size exceeds fixed maximum message size")
+LINE_TOO_LONG = Reply(500, "5.5.2", "Line too long (see RFC 5321 4.5.3.1.6)")
+BARE_NEWLINE = Reply(550, "5.5.2", "Bare CR, bare LF or NUL in message data not allowed")
+BARE_NEWLINE_COMMAND = Reply(501, "5.5.2", "Bare CR, LF or NUL in command not allowed")
+SHUTTING_DOWN = Reply(421, "4.3.2", "Service shutting down, try again later")
+STORE_UNAVAILABLE = Reply(451, "4.3.0", "State store unavailable, nothing sent; try again later")
+INTERNAL_ERROR = Reply(451, "4.3.0", "Internal error, nothing sent; try again later")
+OK_SENDER = Reply(250, "2.1.0", "Sender OK")
+OK_RECIPIENT = Reply(250, "2.1.5", "Recipient OK")
+
+
+def bad_address(what: str, reason: str) -> Reply:
+    return Reply(501, "5.1.3" if what == "recipient" else "5.1.7", f"Bad {what} address: {reason}")
+
+
+def sender_not_allowed(address: str, zone: str) -> Reply:
+    return Reply(550, "5.7.1", f"Sender <{safe(address)}> is not a mapped alias of zone {zone}")
+
+
+def from_not_allowed(address: str, zone: str) -> Reply:
+    return Reply(550, "5.7.1", f"Header From <{safe(address)}> is not a mapped alias of zone {zone}")
+
+
+def send_as_disabled(zone: str) -> Reply:
+    return Reply(550, "5.7.1", f"Zone {zone} plan does not include send-as")
+
+
+def suppressed(address: str, listname: str) -> Reply:
+    return Reply(550, "5.1.1", f"Recipient <{safe(address)}> is on the {listname} suppression list")
+
+
+def too_many_recipients(limit: int) -> Reply:
+    return Reply(452, "4.5.3", f"Too many recipients (limit {limit})")
+
+
+# --- message and event key -------------------------------------------------------------------
+def malformed_message(reason: str) -> Reply:
+    return Reply(550, "5.6.0", f"Malformed message: {safe(reason)}")
+
+
+def missing_key(header: str) -> Reply:
+    return Reply(550, "5.7.0", f"Missing {header} header naming the business event")
+
+
+def malformed_key(header: str, reason: str) -> Reply:
+    return Reply(550, "5.6.0", f"Malformed {header}: {reason}")
+
+
+def duplicate(key: str, sg_id: str, upstream_id: str | None) -> Reply:
+    upstream = f", upstream id {safe(upstream_id)}" if upstream_id else ""
+    return Reply(250, "2.0.0", f"[sg:{sg_id}] duplicate of event {safe(key)} already accepted{upstream}")
+
+
+def duplicate_queued(key: str, sg_id: str) -> Reply:
+    return Reply(250, "2.0.0", f"[sg:{sg_id}] duplicate of event {safe(key)} already queued")
+
+
+def key_reused(key: str) -> Reply:
+    return Reply(550, "5.7.0", f"Event key {safe(key)} reused with a different message; nothing sent")
+
+
+def in_flight(key: str) -> Reply:
+    return Reply(451, "4.7.1", f"Event {safe(key)} is being sent by another submission; try later")
+
+
+def retry_too_soon(key: str, not_before: float) -> Reply:
+    return Reply(451, "4.7.1", f"Event {safe(key)} was deferred; retry after {stamp(not_before)}")
+
+
+def outcome_unknown(key: str) -> Reply:
+    return Reply(451, "4.3.0", f"Outcome of event {safe(key)} is unknown; held for operator review")
+
+
+def expired(key: str) -> Reply:
+    return Reply(550, "5.4.7", f"Event {safe(key)} expired before it could be delivered")
+
+
+def paused(zone: str) -> Reply:
+    return Reply(451, "4.7.0", f"Sending for zone {zone} is paused")
+
+
+def hourly_cap(zone: str, cap: int, free_at: float) -> Reply:
+    return Reply(
+        451,
+        "4.7.0",
+        f"Hourly cap of {cap} reached for zone {zone}; a slot frees at {stamp(free_at)}",
+    )
+
+
+def monthly_cap(zone: str, cap: int) -> Reply:
+    return Reply(550, "5.7.0", f"Monthly cap of {cap} reached for zone {zone}")
+
+
+def no_provider() -> Reply:
+    return Reply(451, "4.4.1", "No upstream provider available; nothing sent, try again later")
+
+
+def queued(sg_id: str) -> Reply:
+    return Reply(250, "2.0.0", f"queued as {sg_id}")
+
+
+def upstream(code: int, enhanced: str, sg_id: str, text: str) -> Reply:
+    """An upstream reply passed through: its code and enhanced code, our id, its text."""
+    return Reply(code, enhanced, f"[sg:{sg_id}] {safe(text)}".rstrip())
+
+
+# aiosmtpd answers a few conditions itself, without enhanced codes; the listener rewrites
+# them so every reply a client sees comes from this module.
+AIOSMTPD_REWRITES: dict[str, Reply] = {
+    "552 Error: Too much mail data": SIZE_EXCEEDED,
+    "552 Error: message size exceeds fixed maximum message size": SIZE_EXCEEDED,
+    "500 Line too long (see RFC5321 4.5.3.1.6)": LINE_TOO_LONG,
+    "530 5.7.0 Authentication required": AUTH_REQUIRED,
+}

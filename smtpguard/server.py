@@ -1,0 +1,245 @@
+"""Lifecycle of one smtpguard instance: start, serve, reload, graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import ssl
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+from smtpguard.config import Config, ConfigError, load, provider_secrets, read_secret
+from smtpguard.listener import GuardSMTP, Handler
+from smtpguard.passwords import Verifier
+from smtpguard.relay import Route, build_providers
+from smtpguard.store import Store, StoreUnavailable, store_from_url
+from smtpguard.submission import Principal, Result, Submitter
+
+log = logging.getLogger("smtpguard.server")
+decisions = logging.getLogger("smtpguard.decision")
+
+STATS_FLUSH_INTERVAL = 1.0
+PURGE_INTERVAL = 3600.0
+
+
+class StatsBuffer:
+    """Per-zone counters, added up in memory and flushed to the store once a second, so a
+    duplicate storm costs no store write per message."""
+
+    def __init__(self) -> None:
+        self._pending: defaultdict[str, defaultdict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+    def bump(self, zone: str, name: str) -> None:
+        self._pending[zone][name] += 1
+
+    async def flush(self, store: Store) -> None:
+        pending, self._pending = self._pending, defaultdict(lambda: defaultdict(int))
+        for zone, counts in pending.items():
+            try:
+                await store.add_counts(zone, dict(counts))
+            except StoreUnavailable:
+                for name, n in counts.items():
+                    self._pending[zone][name] += n
+
+
+def stat_name(decision: str) -> str:
+    if decision == "relayed":
+        return "sent"
+    return decision
+
+
+def tls_context(config: Config) -> ssl.SSLContext | None:
+    if config.tls is None:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(str(config.tls.cert), str(config.tls.key))
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError([f"tls: cannot load certificate/key: {e}"]) from None
+    return ctx
+
+
+class Server:
+    def __init__(
+        self,
+        config: Config,
+        config_path: Path | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.clock = clock
+        self.hostname = config.hostname or socket.getfqdn()
+        self.instance = config.instance or f"{socket.gethostname()}:{os.getpid()}"
+        self.stats = StatsBuffer()
+        self._servers: list[asyncio.Server] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopped = asyncio.Event()
+        self.store: Store | None = None
+        self.route: Route | None = None
+        self.handler: Handler | None = None
+        self.ports: list[int] = []
+
+    async def start(self) -> None:
+        config = self.config
+        secrets = provider_secrets(config)
+        ssl_ctx = tls_context(config)
+        password = read_secret(config.store.password_env, config.store.password_file, "store")
+        self.store = store_from_url(config.store.url, password=password)
+        await self.store.open()
+        self.route = Route(
+            build_providers(config.providers, secrets, self.hostname),
+            config.breaker.failure_threshold,
+            config.breaker.cooldown,
+            self.clock,
+        )
+        submitter = Submitter(config, self.store, self.route, self.instance, self.hostname, self.clock)
+        self.handler = Handler(submitter, self.store, Verifier(), self._on_result, self.clock)
+        for zname, zone in config.zones.items():
+            if zone.paused:
+                log.info("zone paused by config", extra={"zone": zname})
+        loop = asyncio.get_running_loop()
+        for lst in config.listen:
+            factory = self._factory(lst.tls, ssl_ctx)
+            srv = await loop.create_server(
+                factory,
+                host=lst.host,
+                port=lst.port,
+                ssl=ssl_ctx if lst.tls == "implicit" else None,
+                reuse_address=True,
+            )
+            self._servers.append(srv)
+            for sock in srv.sockets:
+                self.ports.append(sock.getsockname()[1])
+            log.info("listening", extra={"address": lst.address, "tls": lst.tls, "port": self.ports[-1]})
+        self._tasks.append(asyncio.create_task(self._flush_stats()))
+        self._tasks.append(asyncio.create_task(self._purge()))
+        log.info(
+            "smtpguard started",
+            extra={"instance": self.instance, "store": config.store.url.split("@")[-1]},
+        )
+
+    def _factory(self, tls: str, ssl_ctx: ssl.SSLContext | None) -> Callable[[], GuardSMTP]:
+        handler = self.handler
+        assert handler is not None
+        limits = self.config.limits
+
+        def make() -> GuardSMTP:
+            with warnings.catch_warnings():
+                # AUTH without STARTTLS is allowed only where the channel is already safe:
+                # loopback listeners (checked by config) and implicit TLS.
+                warnings.simplefilter("ignore")
+                return GuardSMTP(
+                    handler,
+                    hostname=self.hostname,
+                    ident="smtpguard",
+                    data_size_limit=limits.max_message_size,
+                    tls_context=ssl_ctx if tls == "starttls" else None,
+                    require_starttls=False,
+                    auth_required=True,
+                    auth_require_tls=tls == "starttls",
+                    timeout=limits.idle_timeout,
+                    decode_data=False,
+                    enable_SMTPUTF8=True,
+                )
+
+        return make
+
+    def _on_result(self, principal: Principal | None, result: Result, latency: float) -> None:
+        zone = principal.zone if principal else "-"
+        self.stats.bump(zone, stat_name(result.decision))
+        if decisions.isEnabledFor(logging.INFO):
+            decisions.info(
+                "decision",
+                extra={
+                    "instance": self.instance,
+                    "zone": zone,
+                    "user": principal.username if principal else None,
+                    "event_key": result.key,
+                    "decision": result.decision,
+                    "reply_code": result.reply.code,
+                    "enhanced": result.reply.enhanced,
+                    "provider": result.provider,
+                    "upstream_id": result.upstream_id,
+                    "latency_ms": round(latency * 1000, 2),
+                },
+            )
+
+    async def _flush_stats(self) -> None:
+        assert self.store is not None
+        while True:
+            await asyncio.sleep(STATS_FLUSH_INTERVAL)
+            await self.stats.flush(self.store)
+
+    async def _purge(self) -> None:
+        assert self.store is not None
+        while True:
+            try:
+                n = await self.store.purge(self.clock(), self.config.event_key.retention)
+                if n:
+                    log.info("purged expired ledger records", extra={"records": n})
+            except StoreUnavailable as e:
+                log.warning("purge skipped: store unavailable", extra={"error": str(e)})
+            await asyncio.sleep(PURGE_INTERVAL)
+
+    async def stop(self) -> None:
+        """Stop accepting, let in-flight submissions finish (bounded), close the store."""
+        if self.handler is not None:
+            self.handler.draining = True
+        for srv in self._servers:
+            srv.close()
+        if self.handler is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.handler.idle.wait(), self.config.limits.drain_timeout)
+        if self.handler is not None and self.handler.active:
+            log.warning(
+                "drain timeout; in-flight submissions abandoned (their leases expire)",
+                extra={"active": self.handler.active},
+            )
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.store is not None:
+            await self.stats.flush(self.store)
+        if self.route is not None:
+            await self.route.close()
+        if self.store is not None:
+            await self.store.close()
+        self._stopped.set()
+        log.info("smtpguard stopped")
+
+    async def reload(self) -> None:
+        """SIGHUP: swap zones, users, caps and limits; keep connections; refuse a bad file."""
+        if self.config_path is None or self.handler is None:
+            return
+        try:
+            new = load(self.config_path)
+        except ConfigError as e:
+            log.error("reload refused; keeping the running config", extra={"problems": e.problems})
+            return
+        self.handler.submitter.config = new
+        self.config = new
+        log.info("config reloaded", extra={"zones": len(new.zones)})
+
+
+async def run(config: Config, config_path: Path | None) -> None:
+    server = Server(config, config_path)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(server.reload()))
+    await stop.wait()
+    log.info("stopping: no new connections, draining in-flight submissions")
+    await server.stop()

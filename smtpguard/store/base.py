@@ -1,0 +1,145 @@
+"""The state store: one interface, two backends (DESIGN.md §7).
+
+Promises every backend keeps (the contract suite in tests/test_store_contract.py checks
+each one against SQLite and a real redis-server):
+
+- **Durable before answer.** When a write coroutine returns, the write survives a crash of
+  this process (SQLite: committed with synchronous=FULL; Redis: as durable as the server's
+  `appendfsync`, see docs/redis.md).
+- **reserve is atomic across instances.** Version check, pause flag, cap count and the
+  record write happen as one indivisible step: of N concurrent reservations of one key with
+  the same expected version, exactly one gets `Reserved`; the others get `Conflict` with
+  the record that won. Caps never overshoot, whatever the concurrency.
+- **put is compare-and-swap.** It writes only over the expected version; otherwise it
+  returns the current record so the caller can decide again (policy/ledger.py decides).
+- **Retries are harmless.** settle/refund/suppress/pause are idempotent; refunding a token
+  twice returns one unit.
+- **Failure is loud.** An unreachable backend raises StoreUnavailable; nothing is ever
+  relayed without a reservation.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Protocol
+
+from smtpguard.policy.ledger import Record
+from smtpguard.policy.limits import CapCheck, CapReached
+
+
+class StoreUnavailable(Exception):
+    """The backend cannot be reached or refused the write: answer 451 4.3.0, send nothing."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Conflict:
+    current: Record | None
+
+
+@dataclass(frozen=True, slots=True)
+class Paused:
+    pass
+
+
+ReserveResult = Reserved | Conflict | Paused | CapReached
+
+
+@dataclass(frozen=True, slots=True)
+class Suppression:
+    zone: str
+    address: str
+    reason: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class CapUsage:
+    hour: int
+    month: int
+
+
+class Store(Protocol):
+    async def open(self) -> None:
+        """Connect and create the schema if needed. Idempotent."""
+
+    async def close(self) -> None:
+        """Flush pending writes and release connections."""
+
+    async def ping(self) -> bool:
+        """True when the backend answers now (for /readyz)."""
+
+    # --- ledger ------------------------------------------------------------------------------
+    async def get(self, zone: str, key: str) -> Record | None: ...
+
+    async def reserve(
+        self, record: Record, expected_version: int | None, cap: CapCheck | None, paused: bool
+    ) -> ReserveResult:
+        """Atomically: the key's version must equal `expected_version` (None: absent), else
+        Conflict(current) — checked first, so a duplicate is answered even when paused or
+        capped; then the zone must not be paused (`paused` forces it); then, when `cap` is
+        given, one unit is consumed under the monthly then hourly cap; then `record` is
+        written."""
+
+    async def put(self, record: Record, expected_version: int) -> Record | None:
+        """Compare-and-swap; None when written, else the current record (None if absent)."""
+
+    async def refund(self, zone: str, token: str, month: str) -> None:
+        """Return the cap unit consumed under `token` (nothing reached a provider)."""
+
+    async def purge(self, now: float, retention: float) -> int:
+        """Delete settled records not updated for `retention`, and stale window entries.
+        Returns the number of ledger records deleted. Never called on the hot path."""
+
+    # --- zones -------------------------------------------------------------------------------
+    async def set_paused(self, zone: str, paused: bool) -> None: ...
+
+    async def is_paused(self, zone: str) -> bool: ...
+
+    async def cap_usage(self, zone: str, now: float, month: str) -> CapUsage: ...
+
+    async def add_counts(self, zone: str, counts: dict[str, int]) -> None:
+        """Add to the zone's statistics counters (sent, duplicate, rejected:<reason>, …)."""
+
+    async def counts(self, zone: str) -> dict[str, int]: ...
+
+    # --- suppression -------------------------------------------------------------------------
+    async def suppressed(self, zone: str, address: str) -> str | None:
+        """Which list holds the (normalised) address: the zone name, 'global', or None."""
+
+    async def suppress_add(self, zone: str, address: str, reason: str, now: float) -> bool:
+        """True when newly added; an existing entry keeps its first reason."""
+
+    async def suppress_remove(self, zone: str, address: str) -> bool: ...
+
+    async def suppress_list(self, zone: str) -> list[Suppression]: ...
+
+    # --- AUTH brute force (shared by every instance) -----------------------------------------
+    async def auth_failure(self, ip: str, now: float, window: float) -> int:
+        """Count one failed AUTH from `ip`; return the failures within `window`."""
+
+    async def auth_failures(self, ip: str, now: float, window: float) -> int: ...
+
+
+# Backends are imported on use, so a SQLite deployment never imports redis.
+BACKENDS: dict[str, str] = {
+    "sqlite": "smtpguard.store.sqlite:SQLiteStore",
+    "redis": "smtpguard.store.redis:RedisStore",
+    "rediss": "smtpguard.store.redis:RedisStore",
+}
+
+
+def store_from_url(url: str, password: str | None = None) -> Store:
+    scheme = url.split(":", 1)[0]
+    target = BACKENDS.get(scheme)
+    if target is None:
+        raise ValueError(f"unknown store scheme {scheme!r}")
+    module, cls = target.split(":")
+    factory = getattr(importlib.import_module(module), cls)
+    store: Store = factory(url, password=password)
+    return store

@@ -1,0 +1,278 @@
+"""The end of DATA: from a received message to one reply (DESIGN.md §2-§4).
+
+Order (DESIGN.md §3): smuggling/size/header checks → event key → ledger lookup (a duplicate
+of a delivered event answers 250 even when the zone is paused or capped) → pause → caps →
+durable reservation → relay → durable outcome → reply. Each step asks policy/ and applies
+what it returns; no decision is taken here that a unit test of policy/ could not see.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from email.utils import getaddresses
+
+from smtpguard import replies
+from smtpguard.config import Config, ZoneConfig
+from smtpguard.policy import ledger
+from smtpguard.policy.eventkey import event_key, message_id_for
+from smtpguard.policy.fingerprint import fingerprint
+from smtpguard.policy.ledger import LedgerSettings, Record, Submission
+from smtpguard.policy.limits import CapReached, cap_check, cap_reply, caps_for, month_of
+from smtpguard.policy.message import HeaderLimits, Message, parse, smuggling_check
+from smtpguard.policy.outcome import Kind, Outcome, client_reply, is_recipient_unknown
+from smtpguard.policy.senders import address_problem, sender_allowed
+from smtpguard.relay import Envelope, Route
+from smtpguard.replies import Reply
+from smtpguard.store import Conflict, Paused, Reserved, Store, StoreUnavailable
+
+log = logging.getLogger("smtpguard.decision")
+
+WAIT_POLL = 0.05
+
+
+def new_id(now: float) -> str:
+    """smtpguard's id for one attempt: time-ordered, unique across instances."""
+    return f"{int(now * 1000):011x}{secrets.token_hex(4)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    zone: str
+    username: str
+
+
+@dataclass(slots=True)
+class Result:
+    reply: Reply
+    decision: str
+    key: str | None = None
+    provider: str | None = None
+    upstream_id: str | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class LeaseLost(Exception):
+    """Another submission took the key over while this one relayed; stop before DATA."""
+
+
+class Submitter:
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        route: Route,
+        instance: str,
+        hostname: str,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.route = route
+        self.instance = instance
+        self.hostname = hostname
+        self.clock = clock
+
+    async def submit(self, principal: Principal, mail_from: str, rcpt_tos: list[str], raw: bytes) -> Result:
+        zone = self.config.zones.get(principal.zone)
+        if zone is None:
+            # The zone was removed by a reload while this session was open.
+            return Result(replies.send_as_disabled(principal.zone), "rejected:zone_gone")
+        bad = smuggling_check(raw)
+        if bad:
+            return Result(bad, "rejected:bare_newline")
+        limits = self.config.limits
+        parsed = parse(raw, HeaderLimits(limits.max_header_size, limits.max_header_count))
+        if isinstance(parsed, Reply):
+            return Result(parsed, "rejected:malformed")
+        refused = self._check_from(parsed, principal.zone, zone)
+        if refused:
+            return Result(
+                refused,
+                "rejected:"
+                + ("from" if refused.code == 550 and refused.enhanced == "5.7.1" else "malformed"),
+            )
+
+        fp = fingerprint(mail_from, rcpt_tos, parsed)
+        header = self.config.event_key.header
+        found = event_key(parsed, header, zone.missing_key, fp)
+        if isinstance(found, Reply):
+            return Result(found, "rejected:key")
+        now = self.clock()
+        attempt_id = new_id(now)
+        if found is None:
+            key, derived = f"msg:{attempt_id}", False
+        else:
+            key, derived = found.value, found.derived
+        content = raw
+        message_id = _first(parsed.get_all("Message-ID"))
+        if message_id is None:
+            message_id = message_id_for(principal.zone, key, self.hostname)
+            content = f"Message-ID: {message_id}\r\n".encode() + raw
+
+        sub = Submission(principal.zone, key, fp, attempt_id, self.instance, message_id, derived)
+        settings = LedgerSettings(
+            self.config.event_key.min_retry_interval,
+            self.config.event_key.lease,
+            zone.derive_window,
+        )
+        try:
+            reserved = await self._reserve(sub, zone, settings)
+            if isinstance(reserved, Result):
+                return reserved
+            env = Envelope(principal.zone, key, attempt_id, mail_from, tuple(rcpt_tos), content)
+            return await self._relay(reserved, env, sub, settings)
+        except StoreUnavailable as e:
+            log.error(
+                "store unavailable; nothing relayed",
+                extra={"zone": principal.zone, "key": key, "error": str(e)},
+            )
+            return Result(replies.STORE_UNAVAILABLE, "store_unavailable", key)
+
+    def _check_from(self, message: Message, zone_name: str, zone: ZoneConfig) -> Reply | None:
+        values = message.get_all("From")
+        if not values:
+            return replies.malformed_message("message has no From: header")
+        if len(values) > 1:
+            return replies.malformed_message("message has more than one From: header")
+        addresses = [addr for _, addr in getaddresses(values) if addr]
+        if not addresses:
+            return replies.malformed_message("From: header has no address")
+        for addr in addresses:
+            if address_problem(addr):
+                return replies.malformed_message("From: header address is not valid")
+            if not sender_allowed(addr, zone.senders):
+                return replies.from_not_allowed(addr, zone_name)
+        return None
+
+    async def _reserve(self, sub: Submission, zone: ZoneConfig, s: LedgerSettings) -> Record | Result:
+        """Decide and reserve until one verdict sticks. Optimistic: assume the key is new,
+        so a new key and a duplicate each cost one store round trip."""
+        caps = caps_for(zone.plan, zone.hourly_cap, zone.monthly_cap)
+        deadline = self.clock() + self.config.event_key.inflight_wait
+        current: Record | None = None
+        for _ in range(1000):
+            now = self.clock()
+            verdict = ledger.decide(current, sub, now, s)
+            if isinstance(verdict, ledger.Answer):
+                return Result(verdict.reply, verdict.decision, sub.key)
+            if isinstance(verdict, ledger.Wait):
+                if now >= deadline:
+                    return Result(replies.in_flight(sub.key), "in_flight", sub.key)
+                await asyncio.sleep(WAIT_POLL)
+                current = await self.store.get(sub.zone, sub.key)
+                continue
+            if isinstance(verdict, ledger.Transition):
+                conflict = await self.store.put(verdict.record, verdict.expected_version)
+                if conflict is None:
+                    return Result(verdict.reply, verdict.decision, sub.key)
+                current = conflict
+                continue
+            cap = cap_check(sub.zone, caps, sub.attempt_id, now)
+            result = await self.store.reserve(verdict.record, verdict.expected_version, cap, zone.paused)
+            if isinstance(result, Reserved):
+                return verdict.record
+            if isinstance(result, Conflict):
+                current = result.current
+                continue
+            if isinstance(result, Paused):
+                return Result(replies.paused(sub.zone), "paused", sub.key)
+            assert isinstance(result, CapReached)
+            return Result(cap_reply(sub.zone, result), f"cap_{result.window}", sub.key)
+        return Result(replies.in_flight(sub.key), "contended", sub.key)
+
+    async def _relay(self, rec: Record, env: Envelope, sub: Submission, s: LedgerSettings) -> Result:
+        lock = asyncio.Lock()
+        state = {"rec": rec}
+
+        async def write(change: Callable[[Record], Record | None]) -> None:
+            async with lock:
+                current = state["rec"]
+                new = change(current)
+                if new is None:
+                    raise LeaseLost()
+                conflict = await self.store.put(new, current.version)
+                if conflict is not None:
+                    raise LeaseLost()
+                state["rec"] = new
+
+        async def before_data() -> None:
+            await write(lambda r: ledger.mark_data_sent(r, sub.attempt_id, self.clock(), s))
+
+        async def keep_lease() -> None:
+            while True:
+                await asyncio.sleep(s.lease / 3)
+                with contextlib.suppress(StoreUnavailable):
+                    await write(lambda r: ledger.renew_lease(r, sub.attempt_id, self.clock(), s))
+
+        renewer = asyncio.create_task(keep_lease())
+        try:
+            outcome = await self.route.send(env, before_data)
+        except LeaseLost:
+            return Result(replies.in_flight(sub.key), "lease_lost", sub.key)
+        finally:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, LeaseLost):
+                await renewer
+
+        await self._settle(state["rec"], sub, outcome, s)
+        if outcome.kind is Kind.UNAVAILABLE:
+            # Nothing reached a provider, so nothing was spent: give the cap unit back.
+            with contextlib.suppress(StoreUnavailable):
+                await self.store.refund(sub.zone, sub.attempt_id, month_of(rec.updated_at))
+        await self._suppress_bounced(sub.zone, outcome)
+        return Result(
+            client_reply(outcome, sub.attempt_id),
+            {"delivered": "relayed"}.get(outcome.kind.value, outcome.kind.value),
+            sub.key,
+            outcome.provider,
+            outcome.upstream_id,
+        )
+
+    async def _settle(self, rec: Record, sub: Submission, outcome: Outcome, s: LedgerSettings) -> None:
+        """Write the outcome durably. The provider has already answered, so this is retried
+        rather than abandoned: a lost 250 would later read as `unknown`, never a resend."""
+        current: Record | None = rec
+        for attempt in range(20):
+            if current is None:
+                log.error(
+                    "ledger record vanished before its outcome was written",
+                    extra={"zone": sub.zone, "key": sub.key},
+                )
+                return
+            new = ledger.settle(
+                current, sub.attempt_id, self.instance, outcome, self.clock(), s, sub.message_id
+            )
+            try:
+                conflict = await self.store.put(new, current.version)
+            except StoreUnavailable:
+                await asyncio.sleep(min(0.05 * 2**attempt, 2.0))
+                continue
+            if conflict is None:
+                return
+            current = conflict
+        log.error(
+            "could not record outcome; the key will read as unknown after its lease",
+            extra={"zone": sub.zone, "key": sub.key, "outcome": outcome.kind.value},
+        )
+
+    async def _suppress_bounced(self, zone: str, outcome: Outcome) -> None:
+        now = self.clock()
+        for address, reply in outcome.rejected:
+            if is_recipient_unknown(reply):
+                with contextlib.suppress(StoreUnavailable):
+                    await self.store.suppress_add(
+                        zone,
+                        address,
+                        f"upstream {reply.code} {reply.enhanced} {reply.text}"[:300],
+                        now,
+                    )
+
+
+def _first(values: list[str]) -> str | None:
+    return values[0] if values else None
