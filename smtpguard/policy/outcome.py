@@ -15,7 +15,7 @@ from smtpguard import replies
 from smtpguard.replies import Reply
 
 _ENHANCED = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})\s*")
-_QUEUE_ID = re.compile(r"(?:queued as|queued|id[=:]?)\s+<?([A-Za-z0-9._@=+-]{3,128})>?", re.IGNORECASE)
+_QUEUE_ID = re.compile(r"(?:\bqueued as\s+|\bid[=:]\s*)<?([A-Za-z0-9._@=+-]{1,128})>?", re.IGNORECASE)
 
 
 class Kind(StrEnum):

@@ -1,0 +1,393 @@
+"""Real parts for tests: a recording upstream, configs, an in-process smtpguard, a client.
+
+Nothing here mocks smtpguard: the upstream is an aiosmtpd server on a free port, the
+client speaks SMTP over a socket, the store is a real SQLite file or redis-server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from email.message import EmailMessage
+from pathlib import Path
+from typing import Any
+
+import aiosmtplib
+import yaml
+from aiosmtpd.smtp import SMTP, Envelope, Session
+
+from smtpguard.config import loads
+from smtpguard.passwords import hash_password
+from smtpguard.server import Server
+
+PASSWORD = "s3cret-test-pass"
+OTHER_PASSWORD = "other-zone-pass"
+_HASHES: dict[str, str] = {}
+
+
+def password_hash(password: str) -> str:
+    if password not in _HASHES:
+        _HASHES[password] = hash_password(password)
+    return _HASHES[password]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+# --- the recording upstream ------------------------------------------------------------------
+@dataclass
+class Received:
+    mail_from: str
+    rcpt_tos: list[str]
+    content: bytes
+
+    def header(self, name: str) -> str | None:
+        head = self.content.split(b"\r\n\r\n", 1)[0].decode()
+        for line in head.split("\r\n"):
+            k, _, v = line.partition(":")
+            if k.lower() == name.lower():
+                return v.strip()
+        return None
+
+
+@dataclass
+class Behaviour:
+    """What the upstream does for one transaction; the default accepts."""
+
+    mail: str | None = None
+    """A reply to MAIL instead of 250, e.g. "451 4.3.0 try later"."""
+    rcpt: dict[str, str] = field(default_factory=dict)
+    """Per-recipient replies instead of 250."""
+    data: str | None = None
+    """A reply to the final dot instead of 250."""
+    hang_after_dot: float = 0.0
+    """Seconds to wait before answering the final dot (the message is recorded first)."""
+    drop_after_dot: bool = False
+    """Record the message, then close the connection without replying (RFC 1047 window)."""
+
+
+class RecordingHandler:
+    def __init__(self) -> None:
+        self.received: list[Received] = []
+        self.script: list[Behaviour] = []
+        self.default = Behaviour()
+        self.transactions = 0
+
+    def _current(self, envelope: Envelope) -> Behaviour:
+        b = getattr(envelope, "_behaviour", None)
+        if b is None:
+            b = self.script.pop(0) if self.script else self.default
+            envelope._behaviour = b  # type: ignore[attr-defined]
+        return b
+
+    async def handle_MAIL(
+        self, server: SMTP, session: Session, envelope: Envelope, address: str, options: list[str]
+    ) -> str:
+        self.transactions += 1
+        envelope._behaviour = None  # type: ignore[attr-defined]
+        b = self._current(envelope)
+        if b.mail:
+            envelope._behaviour = None  # type: ignore[attr-defined]
+            return b.mail
+        envelope.mail_from = address
+        return "250 2.1.0 OK"
+
+    async def handle_RCPT(
+        self, server: SMTP, session: Session, envelope: Envelope, address: str, options: list[str]
+    ) -> str:
+        b = self._current(envelope)
+        if address in b.rcpt:
+            return b.rcpt[address]
+        envelope.rcpt_tos.append(address)
+        return "250 2.1.5 OK"
+
+    async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        b = self._current(envelope)
+        content = envelope.original_content or b""
+        if b.data:
+            return b.data
+        self.received.append(Received(envelope.mail_from or "", list(envelope.rcpt_tos), content))
+        if b.drop_after_dot:
+            assert server.transport is not None
+            server.transport.abort()
+            return "250 2.0.0 never seen"
+        if b.hang_after_dot:
+            await asyncio.sleep(b.hang_after_dot)
+        return f"250 2.0.0 Ok: queued as Q{len(self.received)}"
+
+
+class Upstream:
+    """An aiosmtpd server recording every accepted message."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.handler = RecordingHandler()
+        self._server: asyncio.Server | None = None
+
+    @property
+    def received(self) -> list[Received]:
+        return self.handler.received
+
+    def keys(self) -> list[str | None]:
+        return [r.header("X-Event-Key") for r in self.received]
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: SMTP(self.handler, hostname="upstream", ident="recording-upstream"),
+            "127.0.0.1",
+            self.port,
+            reuse_address=True,
+        )
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2)
+            self._server = None
+
+
+# --- configs ---------------------------------------------------------------------------------
+def base_config(tmp: Path, upstream_port: int | None, **overrides: Any) -> dict[str, Any]:
+    providers: list[dict[str, Any]]
+    if upstream_port is None:
+        providers = [{"name": "local", "kind": "maildir", "path": str(tmp / "maildir")}]
+    else:
+        providers = [
+            {
+                "name": "primary",
+                "kind": "smtp",
+                "host": "127.0.0.1",
+                "port": upstream_port,
+                "tls": "none",
+                "timeouts": {"connect": "2s", "command": "5s", "data": "3s"},
+                "pool_size": 8,
+            }
+        ]
+    cfg: dict[str, Any] = {
+        "listen": [{"address": "127.0.0.1:0", "tls": "none"}],
+        "store": {"url": f"sqlite:///{tmp / 'state.db'}"},
+        "event_key": {"inflight_wait": "5s", "min_retry_interval": "60s", "lease": "30s"},
+        "providers": providers,
+        "hostname": "guard.test",
+        "log": {"format": "json", "level": "info"},
+        "zones": {
+            "acme": {
+                "plan": "business",
+                "senders": ["billing@acme.example", "@notify.acme.example"],
+                "users": [{"username": "acme-app", "password_hash": password_hash(PASSWORD)}],
+            },
+            "globex": {
+                "plan": "solo",
+                "senders": ["@globex.example"],
+                "users": [{"username": "globex-app", "password_hash": password_hash(OTHER_PASSWORD)}],
+            },
+        },
+    }
+    for dotted, value in overrides.items():
+        node = cfg
+        parts = dotted.split("__")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return cfg
+
+
+def write_config(path: Path, cfg: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+@contextlib.asynccontextmanager
+async def running_guard(cfg: dict[str, Any], clock: Callable[[], float] = time.time) -> AsyncIterator[Server]:
+    server = Server(loads(yaml.safe_dump(cfg)), clock=clock)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+# --- the client ------------------------------------------------------------------------------
+def message(
+    key: str | None = "invoice:acme:1",
+    *,
+    sender: str = "billing@acme.example",
+    to: str = "customer@example.com",
+    subject: str = "Invoice 1",
+    body: str = "Your invoice.\n",
+    headers: dict[str, str] | None = None,
+) -> EmailMessage:
+    msg = EmailMessage()
+    msg["From"] = sender
+    msg["To"] = to
+    msg["Subject"] = subject
+    if key is not None:
+        msg["X-Event-Key"] = key
+    for k, v in (headers or {}).items():
+        msg[k] = v
+    msg.set_content(body)
+    return msg
+
+
+@dataclass
+class Reply:
+    code: int
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.code} {self.text}"
+
+
+async def send(
+    port: int,
+    msg: EmailMessage | bytes,
+    *,
+    user: str = "acme-app",
+    password: str = PASSWORD,
+    sender: str = "billing@acme.example",
+    recipients: list[str] | None = None,
+    timeout: float = 20,
+) -> Reply:
+    """Submit one message; return the reply smtpguard gave (to MAIL, RCPT or DATA)."""
+    rcpts = recipients or ["customer@example.com"]
+    client = aiosmtplib.SMTP(hostname="127.0.0.1", port=port, start_tls=False, timeout=timeout)
+    await client.connect()
+    try:
+        if user:
+            await client.login(user, password)
+        raw = (
+            msg.as_bytes().replace(b"\r\n", b"\n").replace(b"\n", b"\r\n")
+            if isinstance(msg, EmailMessage)
+            else msg
+        )
+        try:
+            resp = await client.sendmail(sender, rcpts, raw)
+            code, text = next(iter(resp[0].values())) if resp[0] else (250, resp[1])
+            if code < 400:
+                return Reply(250, resp[1])
+            return Reply(code, text)
+        except aiosmtplib.SMTPRecipientsRefused as e:
+            first = e.recipients[0]
+            return Reply(first.code, first.message)
+        except aiosmtplib.SMTPResponseException as e:
+            return Reply(e.code, e.message)
+    finally:
+        with contextlib.suppress(Exception):
+            await client.quit()
+        client.close()
+
+
+# --- a serve process (restart, crash and multi-instance tests) -------------------------------
+class GuardProcess:
+    def __init__(self, config_path: Path, log_path: Path) -> None:
+        self.config_path = config_path
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "smtpguard", "serve", "-c", str(self.config_path)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+
+    async def wait_port(self, port: int, timeout: float = 15) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"smtpguard exited: {self.log_path.read_text()[-2000:]}")
+            try:
+                _, w = await asyncio.open_connection("127.0.0.1", port)
+                w.close()
+                return
+            except OSError:
+                await asyncio.sleep(0.05)
+        raise TimeoutError(f"smtpguard did not listen on {port}")
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self, timeout: float = 10) -> int:
+        rc = -1
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                rc = self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                rc = self.proc.wait()
+        elif self.proc:
+            rc = self.proc.returncode
+        with contextlib.suppress(Exception):
+            self._log.close()
+        return rc
+
+
+# --- redis-server ----------------------------------------------------------------------------
+class RedisServer:
+    def __init__(self, tmp: Path, port: int | None = None, durable: bool = False) -> None:
+        self.port = port or free_port()
+        self.tmp = tmp
+        self.durable = durable
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed (scripts/test installs it)")
+        args = [
+            exe,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--dir",
+            str(self.tmp),
+        ]
+        args += ["--appendonly", "yes", "--appendfsync", "always"] if self.durable else ["--appendonly", "no"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.02)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
