@@ -207,11 +207,11 @@ class Handler:
                 return AuthResult(success=True, auth_data=Principal(found[0], username))
             failures = await self.store.auth_failure(ip, self.clock(), limits.auth_failure_window)
         except StoreUnavailable:
-            return AuthResult(success=False, message=str(replies.STORE_UNAVAILABLE))
+            return AuthResult(success=False, handled=False, message=str(replies.STORE_UNAVAILABLE))
         log.info("authentication failed", extra={"client_ip": ip, "failures": failures})
         if failures >= limits.auth_failures:
             return await self._lock_out(server, ip)
-        return AuthResult(success=False, message=str(replies.AUTH_INVALID))
+        return AuthResult(success=False, handled=False, message=str(replies.AUTH_INVALID))
 
     async def _lock_out(self, server: SMTP, ip: str) -> AuthResult:
         log.warning("AUTH locked out", extra={"client_ip": ip})

@@ -335,10 +335,17 @@ class Route:
         threshold: int,
         cooldown: float,
         clock: Callable[[], float] = time.time,
+        observe: Callable[[str, str, float], None] | None = None,
+        on_circuit: Callable[[str, Circuit], None] | None = None,
     ) -> None:
         self.providers = list(providers)
         self.breakers = {p.name: Breaker(threshold, cooldown) for p in self.providers}
         self._clock = clock
+        self._observe = observe
+        self._on_circuit = on_circuit
+        if on_circuit is not None:
+            for name, b in self.breakers.items():
+                on_circuit(name, b.circuit)
 
     async def close(self) -> None:
         for p in self.providers:
@@ -357,14 +364,14 @@ class Route:
             if not allowed:
                 continue
             try:
-                result = await p.send(env, before_data)
+                result = await self._attempt(p, env, before_data)
                 if result.outcome.kind is Kind.UNKNOWN and p.idempotent:
                     # The provider dedupes on our header, so one more try cannot duplicate.
                     log.warning(
                         "retrying unknown outcome once on idempotent provider",
                         extra={"provider": p.name, "zone": env.zone},
                     )
-                    result = await p.send(env, _noop)
+                    result = await self._attempt(p, env, _noop)
             except BaseException:
                 self.breakers[p.name] = self.breakers[p.name].release_probe()
                 raise
@@ -377,6 +384,18 @@ class Route:
             return Outcome(Kind.UNAVAILABLE, None, detail="every provider circuit is open")
         return fallback
 
+    async def _attempt(self, p: Provider, env: Envelope, before_data: BeforeData) -> Attempted:
+        started = time.perf_counter()
+        result = await p.send(env, before_data)
+        if self._observe is not None:
+            o = result.outcome
+            if o.kind in (Kind.UNKNOWN, Kind.UNAVAILABLE) or o.reply is None:
+                reply_class = o.kind.value
+            else:
+                reply_class = f"{o.reply.code // 100}xx"
+            self._observe(p.name, reply_class, time.perf_counter() - started)
+        return result
+
     def _record_health(self, name: str, health: Health) -> None:
         before = self.breakers[name]
         now = self._clock()
@@ -388,6 +407,8 @@ class Route:
             after = before.failure(now)
         self.breakers[name] = after
         if after.circuit is not before.circuit:
+            if self._on_circuit is not None:
+                self._on_circuit(name, after.circuit)
             level = logging.WARNING if after.circuit is Circuit.OPEN else logging.INFO
             log.log(
                 level,

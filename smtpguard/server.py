@@ -17,7 +17,9 @@ from pathlib import Path
 
 from smtpguard.config import Config, ConfigError, load, provider_secrets, read_secret
 from smtpguard.listener import GuardSMTP, Handler
+from smtpguard.metrics import HealthServer, Metrics
 from smtpguard.passwords import Verifier
+from smtpguard.policy.limits import caps_for, month_of
 from smtpguard.relay import Route, build_providers
 from smtpguard.store import Store, StoreUnavailable, store_from_url
 from smtpguard.submission import Principal, Result, Submitter
@@ -27,6 +29,7 @@ decisions = logging.getLogger("smtpguard.decision")
 
 STATS_FLUSH_INTERVAL = 1.0
 PURGE_INTERVAL = 3600.0
+GAUGE_INTERVAL = 5.0
 
 
 class StatsBuffer:
@@ -87,6 +90,8 @@ class Server:
         self.route: Route | None = None
         self.handler: Handler | None = None
         self.ports: list[int] = []
+        self.metrics = Metrics()
+        self.health: HealthServer | None = None
 
     async def start(self) -> None:
         config = self.config
@@ -100,6 +105,8 @@ class Server:
             config.breaker.failure_threshold,
             config.breaker.cooldown,
             self.clock,
+            observe=self.metrics.upstream,
+            on_circuit=self.metrics.circuit,
         )
         submitter = Submitter(config, self.store, self.route, self.instance, self.hostname, self.clock)
         self.handler = Handler(submitter, self.store, Verifier(), self._on_result, self.clock)
@@ -120,7 +127,13 @@ class Server:
             for sock in srv.sockets:
                 self.ports.append(sock.getsockname()[1])
             log.info("listening", extra={"address": lst.address, "tls": lst.tls, "port": self.ports[-1]})
+        if config.metrics is not None:
+            host, _, port = config.metrics.address.rpartition(":")
+            self.health = HealthServer(self.metrics, self.readiness)
+            await self.health.start(host.strip("[]"), int(port))
+            log.info("metrics listening", extra={"address": config.metrics.address, "port": self.health.port})
         self._tasks.append(asyncio.create_task(self._flush_stats()))
+        self._tasks.append(asyncio.create_task(self._refresh_gauges()))
         self._tasks.append(asyncio.create_task(self._purge()))
         log.info(
             "smtpguard started",
@@ -153,9 +166,34 @@ class Server:
 
         return make
 
+    async def readiness(self) -> tuple[bool, str]:
+        if self.store is None or not await self.store.ping():
+            return False, "store unreachable"
+        if self.route is None or not self.route.any_closed():
+            return False, "every provider circuit is open"
+        return True, "ready"
+
+    async def _refresh_gauges(self) -> None:
+        """Cap headroom per zone for smtpguard_cap_remaining, every few seconds."""
+        assert self.store is not None
+        while True:
+            if self.handler is not None:
+                self.metrics.connections.set(self.handler.connections.total)
+            now = self.clock()
+            for zname, zone in self.config.zones.items():
+                caps = caps_for(zone.plan, zone.hourly_cap, zone.monthly_cap)
+                try:
+                    usage = await self.store.cap_usage(zname, now, month_of(now))
+                except StoreUnavailable:
+                    break
+                self.metrics.cap_remaining.labels(zname, "hour").set(max(caps.hourly - usage.hour, 0))
+                self.metrics.cap_remaining.labels(zname, "month").set(max(caps.monthly - usage.month, 0))
+            await asyncio.sleep(GAUGE_INTERVAL)
+
     def _on_result(self, principal: Principal | None, result: Result, latency: float) -> None:
         zone = principal.zone if principal else "-"
         self.stats.bump(zone, stat_name(result.decision))
+        self.metrics.submission(zone, result.decision, latency)
         if decisions.isEnabledFor(logging.INFO):
             decisions.info(
                 "decision",
@@ -209,6 +247,8 @@ class Server:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.health is not None:
+            await self.health.stop()
         if self.store is not None:
             await self.stats.flush(self.store)
         if self.route is not None:
@@ -219,17 +259,42 @@ class Server:
         log.info("smtpguard stopped")
 
     async def reload(self) -> None:
-        """SIGHUP: swap zones, users, caps and limits; keep connections; refuse a bad file."""
-        if self.config_path is None or self.handler is None:
+        """SIGHUP: swap zones, users, caps, limits and providers without dropping connections.
+
+        A file that does not validate, or a provider whose secret is missing, is refused and
+        the running config kept. Listeners and the store are bound at start: changing them
+        needs a restart, and the log says so.
+        """
+        if self.config_path is None or self.handler is None or self.route is None:
             return
         try:
             new = load(self.config_path)
+            secrets = provider_secrets(new) if new.providers != self.config.providers else None
         except ConfigError as e:
             log.error("reload refused; keeping the running config", extra={"problems": e.problems})
             return
+        if new.listen != self.config.listen or new.store != self.config.store or new.tls != self.config.tls:
+            log.warning("listen, tls and store changes take effect only after a restart")
+        if secrets is not None:
+            old_route = self.route
+            self.route = Route(
+                build_providers(new.providers, secrets, self.hostname),
+                new.breaker.failure_threshold,
+                new.breaker.cooldown,
+                self.clock,
+                observe=self.metrics.upstream,
+                on_circuit=self.metrics.circuit,
+            )
+            # Keep what each surviving provider's circuit has learnt.
+            for name, breaker in old_route.breakers.items():
+                if name in self.route.breakers:
+                    self.route.breakers[name] = breaker
+            self.handler.submitter.route = self.route
+            # In-flight sends keep their provider objects; only idle connections are closed.
+            await old_route.close()
         self.handler.submitter.config = new
         self.config = new
-        log.info("config reloaded", extra={"zones": len(new.zones)})
+        log.info("config reloaded", extra={"zones": len(new.zones), "providers": len(new.providers)})
 
 
 async def run(config: Config, config_path: Path | None) -> None:

@@ -84,6 +84,7 @@ class RecordingHandler:
         self.script: list[Behaviour] = []
         self.default = Behaviour()
         self.transactions = 0
+        self.arrived = asyncio.Event()
 
     def _current(self, envelope: Envelope) -> Behaviour:
         b = getattr(envelope, "_behaviour", None)
@@ -119,6 +120,7 @@ class RecordingHandler:
         if b.data:
             return b.data
         self.received.append(Received(envelope.mail_from or "", list(envelope.rcpt_tos), content))
+        self.arrived.set()
         if b.drop_after_dot:
             assert server.transport is not None
             server.transport.abort()
@@ -139,6 +141,13 @@ class Upstream:
     @property
     def received(self) -> list[Received]:
         return self.handler.received
+
+    async def wait_received(self, n: int, timeout: float = 10) -> None:
+        """Until the upstream has recorded at least n messages."""
+        async with asyncio.timeout(timeout):
+            while len(self.received) < n:
+                self.handler.arrived.clear()
+                await self.handler.arrived.wait()
 
     def keys(self) -> list[str | None]:
         return [r.header("X-Event-Key") for r in self.received]
@@ -268,7 +277,10 @@ async def send(
     await client.connect()
     try:
         if user:
-            await client.login(user, password)
+            try:
+                await client.login(user, password)
+            except aiosmtplib.SMTPResponseException as e:
+                return Reply(e.code, e.message)
         raw = (
             msg.as_bytes().replace(b"\r\n", b"\n").replace(b"\n", b"\r\n")
             if isinstance(msg, EmailMessage)
