@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -403,3 +404,56 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+# --- Postfix's smtp-sink (fault injection) ---------------------------------------------------
+SMTP_SINK = "/usr/sbin/smtp-sink"
+
+
+class SmtpSink:
+    """Postfix's smtp-sink with its fault flags; messages dumped to one file for counting."""
+
+    def __init__(self, tmp: Path, *flags: str, port: int | None = None) -> None:
+        self.port = port or free_port()
+        # smtp-sink drops to `nobody` before it writes the dump, and pytest's tmp dirs are
+        # private to root: dump into a world-writable directory of its own under /tmp.
+        self.dir = Path(tempfile.mkdtemp(prefix="smtpguard-sink-"))
+        self.flags = flags
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        if not os.path.exists(SMTP_SINK):
+            raise RuntimeError("Postfix's smtp-sink is not installed (scripts/test installs it)")
+        self.dir.chmod(0o777)
+        args = [SMTP_SINK, "-D", str(self.dir / "dump"), *self.flags]
+        if os.geteuid() == 0:
+            args[1:1] = ["-u", "nobody"]
+        self.proc = subprocess.Popen(
+            [*args, f"127.0.0.1:{self.port}", "64"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.02)
+        raise RuntimeError("smtp-sink did not start")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(5)
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def keys(self) -> list[str]:
+        dump = self.dir / "dump"
+        if not dump.exists():
+            return []
+        return [
+            line.split(":", 1)[1].strip()
+            for line in dump.read_text(errors="replace").splitlines()
+            if line.lower().startswith("x-event-key:")
+        ]
