@@ -150,6 +150,12 @@ class LimitsConfig(_Strict):
     idle_timeout: Duration = 300.0
     max_header_size: Size = 64 * 1024
     max_header_count: int = Field(500, ge=1)
+    max_line_length: int = Field(1000, ge=1000, le=1_000_000)
+    """Octets per command or DATA line, CRLF included (RFC 5321 §4.5.3.1.6 sets 1000 as the
+    minimum a server must accept)."""
+    data_timeout: Duration = Field(600.0, gt=0)
+    """Cap on one DATA transfer from `354` to the final dot, however steadily a slow client
+    trickles bytes; `idle_timeout` alone would let a slowloris hold the connection forever."""
     drain_timeout: Duration = 30.0
 
 

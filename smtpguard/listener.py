@@ -1,7 +1,8 @@
 """aiosmtpd adapter: session hooks gather inputs, ask policy/ (through submission.py), reply.
 
 aiosmtpd ≥ 1.4.6 is the SMTP engine; GuardSMTP narrows it where smtpguard's contract is
-stricter: connection limits, bare LF in commands, enhanced codes on aiosmtpd's own replies.
+stricter: connection limits, bare LF in commands, envelope addresses judged as sent, line
+length, idle and DATA timeouts, enhanced codes on aiosmtpd's own replies.
 """
 
 from __future__ import annotations
@@ -9,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, AnyStr
 
-from aiosmtpd.smtp import SMTP, AuthResult, Envelope, Session
+from aiosmtpd.smtp import SMTP, AuthResult, Envelope, Session, TLSSetupException
 
 from smtpguard import replies
 from smtpguard.config import Config, plan_send_as
@@ -27,6 +29,53 @@ from smtpguard.submission import Principal, Result, Submitter
 
 log = logging.getLogger("smtpguard.listener")
 _MAX_BOGUS_COMMANDS = 10
+_HANG_UP_GRACE = 5.0
+"""Seconds a closing connection may take to flush its last reply before it is aborted (a
+client that never reads must not keep the socket open)."""
+_READ = Callable[[bytes], Awaitable[bytes]]
+
+
+# aiosmtpd logs raw client lines. It masks the argument of `AUTH <mech> <response>` itself,
+# but not a line it does not know: an AUTH LOGIN username or password becomes one when the
+# client sends it after a refused AUTH (538, 421, 501), and a bad base64 answer is logged
+# whole. Those lines are replaced before any handler sees the record.
+_CLIENT_LINE_ARG: dict[str, tuple[int, bool]] = {
+    # message format: (index of the client line in args, always a credential)
+    "_handle_client readline: %r": (0, False),
+    "%r >> %r": (1, False),
+    "%r unrecognised: %s": (1, True),
+    "%r can't decode base64: %s": (1, True),
+}
+_KNOWN_VERBS = frozenset(
+    {"EHLO", "HELO", "MAIL", "RCPT", "DATA", "RSET", "NOOP", "QUIT", "STARTTLS", "HELP", "VRFY", "EXPN"}
+)
+
+
+def _redact(line: object) -> object:
+    """A client command line as safe to log: known verbs as sent, AUTH with its mechanism
+    only, anything else (a stray credential) masked."""
+    text = line.decode("ascii", "replace") if isinstance(line, bytes) else str(line)
+    words = text.split(None, 2)
+    verb = words[0].upper() if words else ""
+    if verb in _KNOWN_VERBS:
+        return line
+    if verb == "AUTH" and len(words) >= 2:
+        return f"AUTH {words[1][:20]}" + (" ********" if len(words) > 2 else "")
+    return "********"
+
+
+class _RedactClientSecrets(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        where = _CLIENT_LINE_ARG.get(str(record.msg))
+        if where is not None and isinstance(record.args, tuple) and where[0] < len(record.args):
+            index, always = where
+            args = list(record.args)
+            args[index] = "********" if always else _redact(args[index])
+            record.args = tuple(args)
+        return True
+
+
+logging.getLogger("mail.log").addFilter(_RedactClientSecrets())
 
 
 class Connections:
@@ -52,6 +101,14 @@ class Connections:
 
 class GuardSMTP(SMTP):
     def __init__(self, handler: Handler, **kwargs: Any) -> None:
+        limits = handler.config.limits
+        # aiosmtpd sizes its StreamReader from this attribute in SMTP.__init__: it bounds every
+        # command and DATA line, and with it the memory one line can take.
+        self.line_length_limit = limits.max_line_length
+        self._data_timeout = limits.data_timeout
+        self._data_timer: asyncio.TimerHandle | None = None
+        self._abort_timer: asyncio.TimerHandle | None = None
+        self._idle_reset_at = 0.0
         super().__init__(handler, **kwargs)
         self._guard = handler
         self._admitted_ip: str | None = None
@@ -65,21 +122,131 @@ class GuardSMTP(SMTP):
         original = reader.readuntil
 
         async def readuntil(separator: bytes = b"\n") -> bytes:
-            # Commands must end in CRLF and hold no other CR, LF or NUL (SMTP smuggling and
-            # command injection rely on servers that accept bare LF here).
-            while True:
-                line: bytes = await original(separator)
-                if separator != b"\n" or _clean_command(line):
-                    return line
-                self._bogus += 1
-                if self.transport is None:
-                    return line
-                self._writer.write(f"{replies.BARE_NEWLINE_COMMAND}\r\n".encode())
-                if self._bogus >= _MAX_BOGUS_COMMANDS:
-                    self.transport.close()
-                    return b"QUIT\r\n"
+            # aiosmtpd reads DATA lines up to CRLF, everything else (commands, AUTH
+            # responses through readline) up to LF.
+            if separator == b"\r\n":
+                return await self._read_data_line(original)
+            return await self._read_command_line(original)
 
         reader.readuntil = readuntil  # type: ignore[method-assign,assignment]
+
+    async def _read_command_line(self, read: _READ) -> bytes:
+        # Commands must end in CRLF and hold no other CR, LF or NUL (SMTP smuggling and
+        # command injection rely on servers that accept bare LF here).
+        while True:
+            try:
+                line = await read(b"\n")
+            except asyncio.LimitOverrunError as e:
+                return await self._discard_long_line(read, b"\n", e.consumed)
+            if _clean_command(line):
+                return line
+            self._bogus += 1
+            if self.transport is None:
+                await self._until_cancelled()
+            if self._bogus >= _MAX_BOGUS_COMMANDS:
+                self.hang_up(replies.BARE_NEWLINE_COMMAND)
+                await self._until_cancelled()
+            self._writer.write(f"{replies.BARE_NEWLINE_COMMAND}\r\n".encode())
+
+    async def _read_data_line(self, read: _READ) -> bytes:
+        if self._data_timer is None:
+            self._data_timer = self.loop.call_later(self._data_timeout, self._data_timed_out)
+        try:
+            line = await read(b"\r\n")
+        except asyncio.LimitOverrunError as e:
+            line = await self._discard_long_line(read, b"\r\n", e.consumed)
+        # Idle means "sends nothing", not "has not finished": a line restarts the idle timer
+        # (not every line: a quarter of the timeout is precise enough), data_timeout caps
+        # the whole transfer.
+        now = self.loop.time()
+        if self.transport is not None and now - self._idle_reset_at >= min(1.0, self._timeout_duration / 4):
+            self._idle_reset_at = now
+            self._reset_timeout()
+        return line
+
+    async def _discard_long_line(self, read: _READ, separator: bytes, consumed: int) -> bytes:
+        """Drop an over-long line as it arrives; return a stand-in that aiosmtpd refuses as too
+        long (a command at once, a DATA line after the final dot).
+
+        aiosmtpd would otherwise keep every fragment of an over-long DATA line until its CRLF
+        comes, which a client can make never happen; and for a command it would split the
+        line's CR from its LF, answering a bare LF that the client never sent."""
+        await self._reader.read(consumed)
+        while True:
+            try:
+                await read(separator)
+                break
+            except asyncio.LimitOverrunError as e:
+                await self._reader.read(e.consumed)
+        if separator == b"\n":
+            return b"TOOLONG " + b"x" * self.command_size_limit + b"\r\n"
+        return b"x" * self.line_length_limit + b"\r\n"
+
+    async def _until_cancelled(self) -> None:
+        """Wait for connection_lost to cancel this session's task (after a hang-up)."""
+        await self.loop.create_future()
+
+    def _data_timed_out(self) -> None:
+        self._data_timer = None
+        log.info("DATA transfer exceeded data_timeout", extra={"client_ip": self._admitted_ip})
+        self.hang_up(replies.DATA_TIMEOUT)
+
+    def _timeout_cb(self) -> None:
+        log.info("idle timeout", extra={"client_ip": self._admitted_ip})
+        self.hang_up(replies.IDLE_TIMEOUT)
+
+    def _stop_data_timer(self) -> None:
+        if self._data_timer is not None:
+            self._data_timer.cancel()
+            self._data_timer = None
+
+    def _set_post_data_state(self) -> None:
+        self._stop_data_timer()
+        super()._set_post_data_state()  # type: ignore[no-untyped-call]
+
+    async def _call_handler_hook(self, command: str, *args: Any) -> Any:
+        if command != "DATA":
+            return await super()._call_handler_hook(command, *args)
+        # The message is in: from here the client waits on smtpguard and its provider, so
+        # neither the DATA cap nor the idle timer may cut the submission short.
+        self._stop_data_timer()
+        async with self.working():
+            return await super()._call_handler_hook(command, *args)
+
+    @contextlib.asynccontextmanager
+    async def working(self) -> AsyncIterator[None]:
+        """While smtpguard works and the client waits (password check, relay), the client is
+        not idle: the idle timer stops, and restarts when the reply is due."""
+        if self._timeout_handle is not None:
+            self._timeout_handle.cancel()
+        try:
+            yield
+        finally:
+            if self.transport is not None:
+                self._reset_timeout()
+
+    def hang_up(self, reply: Reply) -> None:
+        """Send a last reply and close; abort if the client will not take the reply."""
+        transport = self.transport
+        if not isinstance(transport, asyncio.WriteTransport) or transport.is_closing():
+            return
+        transport.write(f"{reply}\r\n".encode())
+        transport.close()
+        self._abort_timer = self.loop.call_later(_HANG_UP_GRACE, transport.abort)
+
+    def _getaddr(self, arg: str) -> tuple[str | None, str | None]:
+        """Judge the address the client wrote, not the one aiosmtpd's parser made of it: the
+        parser drops source routes (`<@relay:user@dom>`), comments and quoting, and gives up
+        on `user@a@b`; any of those, written by a client, is refused as written (501)."""
+        address, rest = super()._getaddr(arg)
+        raw, raw_rest = _raw_path(arg)
+        if address is None:
+            if raw and address_problem(raw):
+                return raw, raw_rest
+            return None, None
+        if raw != address:
+            return raw, rest
+        return address, rest
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self.transport is None and self._admitted_ip is None:
@@ -95,6 +262,10 @@ class GuardSMTP(SMTP):
         super().connection_made(transport)
 
     def connection_lost(self, error: Exception | None) -> None:
+        self._stop_data_timer()
+        if self._abort_timer is not None:
+            self._abort_timer.cancel()
+            self._abort_timer = None
         if self._refused:
             return
         if self._admitted_ip is not None:
@@ -111,7 +282,19 @@ class GuardSMTP(SMTP):
     async def push(self, status: AnyStr) -> None:
         text = status.decode() if isinstance(status, bytes) else status
         rewrite = replies.AIOSMTPD_REWRITES.get(text)
+        if rewrite is None:
+            rewrite = next((r for p, r in replies.AIOSMTPD_PREFIX_REWRITES if text.startswith(p)), None)
         await super().push(str(rewrite) if rewrite else text)
+
+
+def _raw_path(arg: str) -> tuple[str, str]:
+    """The path of a MAIL/RCPT argument as written, and the parameters after it."""
+    arg = arg.strip()
+    if arg.startswith("<"):
+        path, _, rest = arg[1:].partition(">")
+        return path, rest.strip()
+    path, _, rest = arg.partition(" ")
+    return path, rest.strip()
 
 
 def _clean_command(line: bytes) -> bool:
@@ -142,6 +325,8 @@ class Handler:
         self.idle = asyncio.Event()
         self.idle.set()
         self.draining = False
+        self._submissions: set[asyncio.Task[str]] = set()
+        self._auth_turns: dict[str, _Turn] = {}
 
     @property
     def config(self) -> Config:
@@ -156,40 +341,41 @@ class Handler:
     # --- AUTH --------------------------------------------------------------------------------
     async def auth_PLAIN(self, server: SMTP, args: list[str]) -> AuthResult:
         if len(args) == 1:
-            blob = await server.challenge_auth("")
-            if not isinstance(blob, bytes):
-                return AuthResult(success=False, handled=True)
+            blob = await _challenge(server, "")
         else:
-            try:
-                blob = base64.b64decode(args[1].encode(), validate=True)
-            except (binascii.Error, ValueError):
-                await server.push("501 5.5.2 Can't decode base64")
-                return AuthResult(success=False, handled=True)
+            blob = await _initial_response(server, args[1])
+        if blob is None:
+            return AuthResult(success=False, handled=True)
         parts = blob.split(b"\x00")
         if len(parts) != 3:
-            await server.push("501 5.5.2 Can't split auth value")
+            await server.push(str(replies.AUTH_BAD_PLAIN))
             return AuthResult(success=False, handled=True)
         return await self._authenticate(server, parts[1], parts[2])
 
     async def auth_LOGIN(self, server: SMTP, args: list[str]) -> AuthResult:
         if len(args) == 1:
-            login = await server.challenge_auth("Username:")
-            if not isinstance(login, bytes):
-                return AuthResult(success=False, handled=True)
+            login = await _challenge(server, "Username:")
         else:
-            try:
-                login = base64.b64decode(args[1].encode(), validate=True)
-            except (binascii.Error, ValueError):
-                await server.push("501 5.5.2 Can't decode base64")
-                return AuthResult(success=False, handled=True)
-        password = await server.challenge_auth("Password:")
-        if not isinstance(password, bytes):
+            login = await _initial_response(server, args[1])
+        if login is None:
+            return AuthResult(success=False, handled=True)
+        password = await _challenge(server, "Password:")
+        if password is None:
             return AuthResult(success=False, handled=True)
         return await self._authenticate(server, login, password)
 
     async def _authenticate(self, server: SMTP, login: bytes, password: bytes) -> AuthResult:
-        limits = self.config.limits
         ip = _peer_ip(server.session)
+        # One verification at a time per client IP: N parallel connections must not each
+        # pass the failure check before any of them has recorded its failure.
+        async with self._auth_turn(ip):
+            if isinstance(server, GuardSMTP):
+                async with server.working():
+                    return await self._authenticate_one(server, ip, login, password)
+            return await self._authenticate_one(server, ip, login, password)
+
+    async def _authenticate_one(self, server: SMTP, ip: str, login: bytes, password: bytes) -> AuthResult:
+        limits = self.config.limits
         try:
             if (
                 await self.store.auth_failures(ip, self.clock(), limits.auth_failure_window)
@@ -198,12 +384,18 @@ class Handler:
                 return await self._lock_out(server, ip)
             username = login.decode("utf-8", "replace")
             found = self.config.user_zone(username)
+            try:
+                secret: str | None = password.decode("utf-8")
+            except UnicodeDecodeError:
+                # No hash-password output can match bytes that are not UTF-8; still pay the
+                # full verification so the reply time says nothing.
+                secret = None
             ok = await self.verifier.verify(
                 username,
-                found[1].password_hash if found else None,
-                password.decode("utf-8", "surrogateescape"),
+                found[1].password_hash if found and secret is not None else None,
+                secret or "",
             )
-            if ok and found:
+            if ok and found and secret is not None:
                 return AuthResult(success=True, auth_data=Principal(found[0], username))
             failures = await self.store.auth_failure(ip, self.clock(), limits.auth_failure_window)
         except StoreUnavailable:
@@ -213,12 +405,39 @@ class Handler:
             return await self._lock_out(server, ip)
         return AuthResult(success=False, handled=False, message=str(replies.AUTH_INVALID))
 
+    @contextlib.asynccontextmanager
+    async def _auth_turn(self, ip: str) -> AsyncIterator[None]:
+        turn = self._auth_turns.get(ip)
+        if turn is None:
+            turn = self._auth_turns[ip] = _Turn()
+        turn.waiting += 1
+        try:
+            async with turn.lock:
+                yield
+        finally:
+            turn.waiting -= 1
+            if not turn.waiting:
+                del self._auth_turns[ip]
+
     async def _lock_out(self, server: SMTP, ip: str) -> AuthResult:
         log.warning("AUTH locked out", extra={"client_ip": ip})
-        await server.push(str(replies.AUTH_LOCKED))
-        if server.transport is not None:
-            server.transport.close()
+        if isinstance(server, GuardSMTP):
+            server.hang_up(replies.AUTH_LOCKED)
+        else:
+            await server.push(str(replies.AUTH_LOCKED))
+            if server.transport is not None:
+                server.transport.close()
         return AuthResult(success=False, handled=True)
+
+    async def handle_exception(self, error: Exception) -> str:
+        """aiosmtpd's fallback would log a traceback and echo the exception text to the
+        client; only a real bug deserves the first, and nobody the second."""
+        if isinstance(error, TLSSetupException):
+            # aiosmtpd closes the connection without sending this.
+            log.info("TLS handshake failed", extra={"error": type(error.__cause__).__name__})
+            return str(replies.TLS_FAILED)
+        log.error("unexpected error in an SMTP session", exc_info=error)
+        return str(replies.INTERNAL_ERROR)
 
     # --- envelope ----------------------------------------------------------------------------
     async def handle_MAIL(
@@ -287,16 +506,24 @@ class Handler:
             return str(replies.AUTH_REQUIRED)
         if self.draining:
             return str(replies.SHUTTING_DOWN)
-        started = time.perf_counter()
         self.active += 1
         self.idle.clear()
-        try:
-            result = await self.submitter.submit(
-                principal,
-                envelope.mail_from,
-                list(envelope.rcpt_tos),
-                envelope.original_content or b"",
+        task = asyncio.create_task(
+            self._submit(
+                principal, envelope.mail_from, list(envelope.rcpt_tos), envelope.original_content or b""
             )
+        )
+        self._submissions.add(task)
+        task.add_done_callback(self._submissions.discard)
+        # A client that hangs up after its final dot must not abandon a relay half done: the
+        # submission runs to its recorded outcome, whoever is left to hear the reply.
+        reply = await asyncio.shield(task)
+        return reply
+
+    async def _submit(self, principal: Principal, mail_from: str, rcpt_tos: list[str], raw: bytes) -> str:
+        started = time.perf_counter()
+        try:
+            result = await self.submitter.submit(principal, mail_from, rcpt_tos, raw)
         except Exception:
             log.exception("internal error while handling a submission", extra={"zone": principal.zone})
             result = Result(replies.INTERNAL_ERROR, "internal_error")
@@ -306,6 +533,27 @@ class Handler:
                 self.idle.set()
         self.on_result(principal, result, time.perf_counter() - started)
         return str(result.reply)
+
+
+class _Turn:
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.waiting = 0
+
+
+async def _challenge(server: SMTP, prompt: str) -> bytes | None:
+    """One AUTH challenge; None when the client aborted or sent no usable answer (replied).
+    An over-long answer reaches challenge_auth as GuardSMTP's stand-in line: not base64."""
+    blob = await server.challenge_auth(prompt)
+    return blob if isinstance(blob, bytes) else None
+
+
+async def _initial_response(server: SMTP, arg: str) -> bytes | None:
+    try:
+        return base64.b64decode(arg.encode(), validate=True)
+    except (binascii.Error, ValueError):
+        await server.push(str(replies.AUTH_BAD_BASE64))
+        return None
 
 
 def _peer_ip(session: Session | None) -> str:

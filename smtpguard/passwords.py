@@ -18,8 +18,15 @@ from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
 
 _hasher = PasswordHasher()
+
+
 # Verified when the user does not exist, so a bad username costs what a bad password costs.
-_DUMMY_HASH = _hasher.hash(secrets.token_hex(16))
+# A constant with the hasher's default parameters (of a random password nobody kept):
+# hashing one at import would cost every process start tens of milliseconds.
+_DUMMY_HASH = (
+    "$argon2id$v=19$m=65536,t=3,p=4$"
+    "P2IKb8z1nFjreUcoemOwbg$dr1t8irqQYJd26CS0dcHOKmFvNWwSP/IYFmS9bzXzUk"
+)
 
 
 def hash_password(password: str) -> str:

@@ -59,8 +59,18 @@ AUTH_INVALID = Reply(535, "5.7.8", "Authentication credentials invalid")
 AUTH_LOCKED = Reply(421, "4.7.0", "Too many authentication failures, try again later")
 AUTH_NEEDS_TLS = Reply(538, "5.7.11", "Encryption required for requested authentication mechanism")
 AUTH_REQUIRED = Reply(530, "5.7.0", "Authentication required")
+AUTH_BAD_BASE64 = Reply(501, "5.5.2", "Can't decode base64")
+AUTH_BAD_PLAIN = Reply(501, "5.5.2", "Can't split auth value")
+TLS_FAILED = Reply(421, "4.7.0", "TLS negotiation failed")
 SIZE_EXCEEDED = Reply(552, "5.3.4", "Message size exceeds fixed maximum message size")
 LINE_TOO_LONG = Reply(500, "5.5.2", "Line too long (see RFC 5321 4.5.3.1.6)")
+COMMAND_TOO_LONG = Reply(500, "5.5.2", "Command line too long")
+MALFORMED_ADDRESS = Reply(501, "5.1.3", "Malformed address")
+UNKNOWN_COMMAND = Reply(500, "5.5.1", "Command not recognized")
+MAIL_SYNTAX = Reply(501, "5.5.4", "Syntax: MAIL FROM:<address> [SP <mail-parameters>]")
+RCPT_SYNTAX = Reply(501, "5.5.4", "Syntax: RCPT TO:<address> [SP <rcpt-parameters>]")
+IDLE_TIMEOUT = Reply(421, "4.4.2", "Idle timeout exceeded, closing connection")
+DATA_TIMEOUT = Reply(421, "4.4.2", "Message transfer took too long, closing connection")
 BARE_NEWLINE = Reply(550, "5.5.2", "Bare CR, bare LF or NUL in message data not allowed")
 BARE_NEWLINE_COMMAND = Reply(501, "5.5.2", "Bare CR, LF or NUL in command not allowed")
 SHUTTING_DOWN = Reply(421, "4.3.2", "Service shutting down, try again later")
@@ -172,4 +182,13 @@ AIOSMTPD_REWRITES: dict[str, Reply] = {
     "552 Error: message size exceeds fixed maximum message size": SIZE_EXCEEDED,
     "500 Line too long (see RFC5321 4.5.3.1.6)": LINE_TOO_LONG,
     "530 5.7.0 Authentication required": AUTH_REQUIRED,
+    "500 Command line too long": COMMAND_TOO_LONG,
+    "553 5.1.3 Error: malformed address": MALFORMED_ADDRESS,
+    "501 Syntax: MAIL FROM: <address>": MAIL_SYNTAX,
+    "501 Syntax: MAIL FROM: <address> [SP <mail-parameters>]": MAIL_SYNTAX,
+    "501 Syntax: RCPT TO: <address>": RCPT_SYNTAX,
+    "501 Syntax: RCPT TO: <address> [SP <mail-parameters>]": RCPT_SYNTAX,
 }
+# aiosmtpd echoes an unknown command word back; that word may be a stray credential (an AUTH
+# LOGIN answer sent after a refused AUTH), so it is not repeated.
+AIOSMTPD_PREFIX_REWRITES: tuple[tuple[str, Reply], ...] = (('500 Error: command "', UNKNOWN_COMMAND),)

@@ -143,9 +143,10 @@ class Server:
     def _factory(self, tls: str, ssl_ctx: ssl.SSLContext | None) -> Callable[[], GuardSMTP]:
         handler = self.handler
         assert handler is not None
-        limits = self.config.limits
 
         def make() -> GuardSMTP:
+            # Read per connection, so a reload's limits apply to the next connection.
+            limits = self.config.limits
             with warnings.catch_warnings():
                 # AUTH without STARTTLS is allowed only where the channel is already safe:
                 # loopback listeners (checked by config) and implicit TLS.

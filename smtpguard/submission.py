@@ -15,7 +15,6 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from email.utils import getaddresses
 
 from smtpguard import replies
 from smtpguard.config import Config, ZoneConfig
@@ -26,7 +25,7 @@ from smtpguard.policy.ledger import LedgerSettings, Record, Submission
 from smtpguard.policy.limits import CapReached, cap_check, cap_reply, caps_for, month_of
 from smtpguard.policy.message import HeaderLimits, Message, parse, smuggling_check
 from smtpguard.policy.outcome import Kind, Outcome, client_reply, is_recipient_unknown
-from smtpguard.policy.senders import address_problem, sender_allowed
+from smtpguard.policy.senders import check_header_from
 from smtpguard.relay import Envelope, Route
 from smtpguard.replies import Reply
 from smtpguard.store import Conflict, Paused, Reserved, Store, StoreUnavailable
@@ -135,20 +134,7 @@ class Submitter:
             return Result(replies.STORE_UNAVAILABLE, "store_unavailable", key)
 
     def _check_from(self, message: Message, zone_name: str, zone: ZoneConfig) -> Reply | None:
-        values = message.get_all("From")
-        if not values:
-            return replies.malformed_message("message has no From: header")
-        if len(values) > 1:
-            return replies.malformed_message("message has more than one From: header")
-        addresses = [addr for _, addr in getaddresses(values) if addr]
-        if not addresses:
-            return replies.malformed_message("From: header has no address")
-        for addr in addresses:
-            if address_problem(addr):
-                return replies.malformed_message("From: header address is not valid")
-            if not sender_allowed(addr, zone.senders):
-                return replies.from_not_allowed(addr, zone_name)
-        return None
+        return check_header_from(message.get_all("From"), zone_name, zone.senders)
 
     async def _reserve(self, sub: Submission, zone: ZoneConfig, s: LedgerSettings) -> Record | Result:
         """Decide and reserve until one verdict sticks. Optimistic: assume the key is new,
@@ -171,7 +157,7 @@ class Submitter:
                 conflict = await self.store.put(verdict.record, verdict.expected_version)
                 if conflict is None:
                     return Result(verdict.reply, verdict.decision, sub.key)
-                current = conflict
+                current = conflict.current
                 continue
             cap = cap_check(sub.zone, caps, sub.attempt_id, now)
             result = await self.store.reserve(verdict.record, verdict.expected_version, cap, zone.paused)
@@ -236,26 +222,26 @@ class Submitter:
 
     async def _settle(self, rec: Record, sub: Submission, outcome: Outcome, s: LedgerSettings) -> None:
         """Write the outcome durably. The provider has already answered, so this is retried
-        rather than abandoned: a lost 250 would later read as `unknown`, never a resend."""
+        rather than abandoned: a lost 250 would later read as `unknown`, never a resend.
+        If the record vanished meanwhile (a Redis failover or eviction), the outcome is
+        written back from the last copy we held, so the next duplicate is still caught."""
         current: Record | None = rec
         for attempt in range(20):
             if current is None:
-                log.error(
-                    "ledger record vanished before its outcome was written",
+                log.warning(
+                    "ledger record vanished while relaying; writing its outcome back",
                     extra={"zone": sub.zone, "key": sub.key},
                 )
-                return
-            new = ledger.settle(
-                current, sub.attempt_id, self.instance, outcome, self.clock(), s, sub.message_id
-            )
+            base = current or rec
+            new = ledger.settle(base, sub.attempt_id, self.instance, outcome, self.clock(), s, sub.message_id)
             try:
-                conflict = await self.store.put(new, current.version)
+                conflict = await self.store.put(new, current.version if current else None)
             except StoreUnavailable:
                 await asyncio.sleep(min(0.05 * 2**attempt, 2.0))
                 continue
             if conflict is None:
                 return
-            current = conflict
+            current = conflict.current
         log.error(
             "could not record outcome; the key will read as unknown after its lease",
             extra={"zone": sub.zone, "key": sub.key, "outcome": outcome.kind.value},

@@ -6,7 +6,9 @@ fit to show an operator next to the YAML line.
 
 from __future__ import annotations
 
+import math
 import re
+from decimal import Decimal
 
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _SIZE_UNITS = {
@@ -36,6 +38,10 @@ def parse_duration(value: object) -> float:
         seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
     else:
         raise ValueError("expected a duration such as 60s, 10m, 30d")
+    # YAML reads `.nan` and `.inf` as floats: a NaN lease compares false with every clock
+    # reading, so every in-flight record would look expired.
+    if not math.isfinite(seconds):
+        raise ValueError("a duration must be a finite number")
     if seconds < 0:
         raise ValueError("a duration cannot be negative")
     return seconds
@@ -52,7 +58,10 @@ def parse_size(value: object) -> int:
         unit = m.group(2).lower() if m else ""
         if not m or unit not in _SIZE_UNITS:
             raise ValueError(f"{value!r} is not a size (use B, KB, MB, GB, KiB, MiB or GiB)")
-        size = int(float(m.group(1)) * _SIZE_UNITS[unit])
+        scaled = float(m.group(1)) * _SIZE_UNITS[unit]
+        if not math.isfinite(scaled):
+            raise ValueError("the size is too large")
+        size = int(scaled)
     else:
         raise ValueError("expected a size such as 25MB")
     if size < 0:
@@ -66,4 +75,6 @@ def format_duration(seconds: float) -> str:
         factor = _DURATION_UNITS[unit]
         if seconds >= factor and seconds % factor == 0:
             return f"{int(seconds // factor)}{unit}"
-    return f"{seconds:g}s"
+    # repr is the shortest exact decimal; Decimal keeps it out of exponent notation, which
+    # parse_duration does not read ("1e-05s"), and %g would round (123456.5 -> "123456s").
+    return f"{Decimal(repr(float(seconds))).normalize():f}s"

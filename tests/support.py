@@ -339,6 +339,8 @@ class GuardProcess:
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        with contextlib.suppress(Exception):
+            self._log.close()
 
     def stop(self, timeout: float = 10) -> int:
         rc = -1

@@ -38,7 +38,11 @@ def fingerprint(mail_from: str, rcpt_tos: Iterable[str], message: Message) -> st
 
 def _neutral_boundaries(header_block: bytes, body: bytes) -> bytes:
     boundaries = {m.group(1) or m.group(2) for m in _BOUNDARY.finditer(header_block + b"\r\n" + body)}
-    # Longest first, so a boundary that contains another is replaced whole.
+    # Only where a boundary does its job, in a `boundary=` parameter and at the start of a
+    # delimiter line (RFC 2046 §5.1.1): the same bytes inside the text are content, and
+    # replacing them too would let two different messages share a fingerprint.
+    body = _BOUNDARY.sub(b'boundary="\x00BOUNDARY\x00"', body)
+    # Longest first, so a boundary that starts with another is replaced whole.
     for b in sorted(boundaries, key=len, reverse=True):
-        body = body.replace(b, b"\x00BOUNDARY\x00")
+        body = re.sub(rb"(?m)^--" + re.escape(b), b"--\x00BOUNDARY\x00", body)
     return body

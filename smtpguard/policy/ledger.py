@@ -223,7 +223,17 @@ def decide(existing: Record | None, sub: Submission, now: float, s: LedgerSettin
     """What to do with a submission given the key's current record (DESIGN.md §3 rows)."""
     if existing is None:
         return Proceed(_fresh(sub, now, s), None)
-    if existing.valid_until is not None and existing.valid_until <= now:
+    leased = (
+        existing.state is State.IN_FLIGHT and existing.lease_until is not None and existing.lease_until > now
+    )
+    # A derived key's window may end while its attempt is still on the wire (derive_window
+    # can be shorter than the DATA timeout), or after its owner died past the final dot:
+    # replacing an in_flight record would send the message twice, so in_flight rules apply.
+    if (
+        existing.valid_until is not None
+        and existing.valid_until <= now
+        and existing.state is not State.IN_FLIGHT
+    ):
         return Proceed(replace(_fresh(sub, now, s), version=existing.version + 1), existing.version)
     if existing.fingerprint != sub.fingerprint:
         return Answer(replies.key_reused(sub.key), "reused")
@@ -234,7 +244,7 @@ def decide(existing: Record | None, sub: Submission, now: float, s: LedgerSettin
     if state is State.QUEUED:
         return Answer(replies.duplicate_queued(sub.key, existing.sg_id), "duplicate")
     if state is State.IN_FLIGHT:
-        if existing.lease_until is not None and existing.lease_until > now:
+        if leased:
             return Wait()
         if existing.phase is Phase.DATA_SENT:
             # The owner died after the final dot may have gone out: a blind retry is how

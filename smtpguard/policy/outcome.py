@@ -80,7 +80,8 @@ def client_reply(outcome: Outcome, sg_id: str) -> Reply:
         return Reply(
             451,
             "4.3.0",
-            f"[sg:{sg_id}] Upstream outcome unknown ({outcome.detail}); held, not re-sent",
+            # detail carries exception text: never let it break the reply line.
+            f"[sg:{sg_id}] Upstream outcome unknown ({replies.safe(outcome.detail)}); held, not re-sent",
         )
     if outcome.kind is Kind.UNAVAILABLE or outcome.reply is None:
         return replies.no_provider()

@@ -5,6 +5,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+from smtpguard import replies
+from smtpguard.replies import Reply
+
 _DOMAIN = re.compile(
     r"^(?=.{1,253}$)([a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$"
 )
@@ -63,3 +66,46 @@ def sender_allowed(address: str, aliases: Iterable[str]) -> bool:
         elif addr == alias:
             return True
     return False
+
+
+# One mailbox, in the shapes submission clients actually write (RFC 5322 §3.4):
+#   addr@dom   |   addr@dom (comment)   |   [display name] <addr@dom> [(comment)]
+# A display name is quoted strings and atoms (encoded-words included) without specials, so
+# `billing@acme.example <evil@attacker.example>`, `<a@x> <b@y>`, groups and address lists
+# do not match: a mail reader might show, or a DMARC check use, a different address than
+# the one judged here.
+_ATOM = r"[^\s\x00-\x1f\x7f<>@,;:\"()\[\]\\]+"
+_QUOTED = r'"(?:[^"\\\x00-\x1f\x7f]|\\[^\x00-\x1f\x7f])*"'
+_WORD = rf"(?:{_ATOM}|{_QUOTED})"
+_COMMENT = r"(?:\s*\([^()\\<>@\x00-\x1f\x7f]*\))?"
+_MAILBOX = re.compile(
+    rf"(?:(?P<bare>{_ATOM}@{_ATOM})"
+    rf"|(?:{_WORD}(?:\s+{_WORD})*)?\s*<(?P<angle>[^<>\s]+)>){_COMMENT}"
+)
+
+
+def header_from_address(value: str) -> str | None:
+    """The single mailbox address a From: header value names, or None when it names none,
+    several, or hides one behind syntax that readers interpret differently."""
+    m = _MAILBOX.fullmatch(value.strip())
+    if m is None:
+        return None
+    address = m.group("bare") or m.group("angle")
+    return None if address_problem(address) else address
+
+
+def check_header_from(values: list[str], zone: str, aliases: Iterable[str]) -> Reply | None:
+    """DESIGN.md §3: the header From must be one mapped alias of the zone (never rewritten).
+
+    Judged on the address itself, never on a display name or an encoded-word that decodes
+    to a mapped alias."""
+    if not values:
+        return replies.malformed_message("message has no From: header")
+    if len(values) > 1:
+        return replies.malformed_message("message has more than one From: header")
+    address = header_from_address(values[0])
+    if address is None:
+        return replies.malformed_message("From: header must name exactly one valid mailbox")
+    if not sender_allowed(address, aliases):
+        return replies.from_not_allowed(address, zone)
+    return None

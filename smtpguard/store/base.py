@@ -86,8 +86,10 @@ class Store(Protocol):
         given, one unit is consumed under the monthly then hourly cap; then `record` is
         written."""
 
-    async def put(self, record: Record, expected_version: int) -> Record | None:
-        """Compare-and-swap; None when written, else the current record (None if absent)."""
+    async def put(self, record: Record, expected_version: int | None) -> Conflict | None:
+        """Compare-and-swap on the version (None: the key must be absent). None when
+        written, else Conflict with the current record — `current` is None when the record
+        is gone, so a vanished key is never mistaken for a successful write."""
 
     async def refund(self, zone: str, token: str, month: str) -> None:
         """Return the cap unit consumed under `token` (nothing reached a provider)."""

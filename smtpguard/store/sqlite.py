@@ -253,11 +253,11 @@ class SQLiteStore:
 
         return await self._write(op)
 
-    async def put(self, record: Record, expected_version: int) -> Record | None:
-        def op(c: sqlite3.Connection) -> Record | None:
+    async def put(self, record: Record, expected_version: int | None) -> Conflict | None:
+        def op(c: sqlite3.Connection) -> Conflict | None:
             current = _load(c, record.zone, record.key)
-            if current is None or current.version != expected_version:
-                return current
+            if (current.version if current else None) != expected_version:
+                return Conflict(current)
             _save(c, record)
             return None
 

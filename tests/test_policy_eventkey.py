@@ -1,0 +1,166 @@
+"""The X-Event-Key header: §3 rows "missing X-Event-Key" and "malformed key", §4 derive."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from smtpguard.policy.eventkey import (
+    MAX_KEY_LENGTH,
+    EventKey,
+    MissingKeyMode,
+    event_key,
+    key_problem,
+    message_id_for,
+    qualified_key,
+)
+from smtpguard.policy.message import HeaderLimits, Message, parse
+from smtpguard.replies import Reply
+
+HEADER = "X-Event-Key"
+FP = "ab" * 32
+
+
+def msg(header_lines: bytes) -> Message:
+    m = parse(b"From: a@acme.example\r\n" + header_lines + b"\r\nbody\r\n", HeaderLimits())
+    assert isinstance(m, Message), m
+    return m
+
+
+@pytest.mark.parametrize(
+    ("lines", "value"),
+    [
+        pytest.param(b"X-Event-Key: invoice:acme:1044\r\n", "invoice:acme:1044", id="plain"),
+        pytest.param(b"x-event-key: order/77#a\r\n", "order/77#a", id="header-name-case"),
+        pytest.param(b"X-Event-Key:    padded\r\n", "padded", id="outer-space-trimmed"),
+        pytest.param(b"X-Event-Key:\r\n folded-whole\r\n", "folded-whole", id="folded-before-value"),
+        pytest.param(b"X-Event-Key: " + b"k" * 200 + b"\r\n", "k" * 200, id="200-chars"),
+        pytest.param("X-Event-Key: facture:société:7\r\n".encode(), "facture:société:7", id="utf8"),
+    ],
+)
+@pytest.mark.parametrize("mode", ["reject", "derive", "allow"])
+def test_valid_key_is_taken_as_is(lines: bytes, value: str, mode: MissingKeyMode) -> None:
+    assert event_key(msg(lines), HEADER, mode, FP) == EventKey(value, derived=False)
+
+
+MALFORMED = [
+    pytest.param(b"X-Event-Key:\r\n", "empty", id="empty"),
+    pytest.param(b"X-Event-Key:    \r\n", "empty", id="only-spaces"),
+    pytest.param(b"X-Event-Key: " + b"k" * 201 + b"\r\n", "longer than 200", id="201-chars"),
+    pytest.param(b"X-Event-Key: invoice 1044\r\n", "whitespace", id="inner-space"),
+    pytest.param(b"X-Event-Key: invoice\t1044\r\n", "whitespace", id="inner-tab"),
+    pytest.param(b"X-Event-Key: invoice:acme:\r\n 1044\r\n", "whitespace", id="folded-with-space"),
+    pytest.param(b"X-Event-Key: invoice:acme:\r\n\t1044\r\n", "whitespace", id="folded-with-tab"),
+    pytest.param(b"X-Event-Key: a\x01b\r\n", "control", id="control-char"),
+    pytest.param(b"X-Event-Key: a\x7fb\r\n", "control", id="del"),
+    pytest.param("X-Event-Key: a\u00a0b\r\n".encode(), "whitespace", id="nbsp"),
+    pytest.param("X-Event-Key: a\u200bb\r\n".encode(), "control", id="zero-width-space"),
+    pytest.param("X-Event-Key: a\u2028b\r\n".encode(), "whitespace", id="line-separator"),
+    pytest.param(b"X-Event-Key: a\r\nX-Event-Key: a\r\n", "more than once", id="twice-same"),
+    pytest.param(b"X-Event-Key: a\r\nx-event-key: b\r\n", "more than once", id="twice-any-case"),
+    pytest.param(b"X-Event-Key: a\r\nX-Event-Key:\r\n", "more than once", id="twice-one-empty"),
+]
+
+
+@pytest.mark.parametrize(("lines", "reason"), MALFORMED)
+@pytest.mark.parametrize("mode", ["reject", "derive", "allow"])
+def test_malformed_key_is_550_560(lines: bytes, reason: str, mode: MissingKeyMode) -> None:
+    result = event_key(msg(lines), HEADER, mode, FP)
+    assert isinstance(result, Reply)
+    assert (result.code, result.enhanced) == (550, "5.6.0")
+    assert HEADER in result.text
+    assert reason in result.text
+
+
+def test_missing_key_with_reject_is_550_570_naming_the_header() -> None:
+    result = event_key(msg(b"Subject: hi\r\n"), HEADER, "reject", FP)
+    assert isinstance(result, Reply)
+    assert (result.code, result.enhanced) == (550, "5.7.0")
+    assert HEADER in result.text
+
+
+def test_missing_key_names_the_configured_header() -> None:
+    result = event_key(msg(b"X-Event-Key: k\r\n"), "X-Idempotency", "reject", FP)
+    assert isinstance(result, Reply) and "X-Idempotency" in result.text
+
+
+def test_missing_key_with_derive_is_auto_fingerprint() -> None:
+    assert event_key(msg(b"Subject: hi\r\n"), HEADER, "derive", FP) == EventKey("auto:" + FP, derived=True)
+
+
+def test_missing_key_with_allow_is_none() -> None:
+    assert event_key(msg(b"Subject: hi\r\n"), HEADER, "allow", FP) is None
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        pytest.param("", "the key is empty", id="empty"),
+        pytest.param("k" * (MAX_KEY_LENGTH + 1), "longer than 200", id="too-long"),
+        pytest.param("a b", "whitespace", id="space"),
+        pytest.param("a\r\nb", "whitespace", id="crlf"),
+        pytest.param("a\x00b", "control", id="nul"),
+        pytest.param("k" * MAX_KEY_LENGTH, None, id="max-length"),
+        pytest.param("invoice:acme:1044", None, id="ordinary"),
+    ],
+)
+def test_key_problem(value: str, problem: str | None) -> None:
+    found = key_problem(value)
+    if problem is None:
+        assert found is None
+    else:
+        assert found is not None and problem in found
+
+
+def test_message_id_is_deterministic_per_zone_and_key() -> None:
+    a = message_id_for("acme", "invoice:1044", "guard.example")
+    assert a == message_id_for("acme", "invoice:1044", "guard.example")
+    assert a.startswith("<sg.") and a.endswith("@guard.example>")
+    assert len(a) == len("<sg.@guard.example>") + 32
+
+
+@pytest.mark.parametrize(
+    ("other_zone", "other_key"),
+    [
+        pytest.param("globex", "invoice:1044", id="other-zone-same-key"),
+        pytest.param("acme", "invoice:1045", id="same-zone-other-key"),
+        pytest.param("acme:invoice", "1044", id="separator-is-not-ambiguous"),
+    ],
+)
+def test_message_id_differs(other_zone: str, other_key: str) -> None:
+    ours = message_id_for("acme", "invoice:1044", "guard.example")
+    assert message_id_for(other_zone, other_key, "guard.example") != ours
+
+
+def test_qualified_key_names_the_zone() -> None:
+    assert qualified_key("acme", "invoice:1044") == "acme:invoice:1044"
+
+
+HEADER_NAMES = st.sampled_from(["X-Event-Key", "x-event-key", "Subject", "From"])
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(HEADER_NAMES, st.text(max_size=210)), max_size=4),
+    st.sampled_from(["reject", "derive", "allow"]),
+)
+def test_event_key_never_raises(headers: list[tuple[str, str]], mode: MissingKeyMode) -> None:
+    m = Message(tuple(headers), b"", b"")
+    result = event_key(m, HEADER, mode, FP)
+    values = [v for n, v in headers if n.lower() == HEADER.lower()]
+    if len(values) > 1:
+        assert isinstance(result, Reply) and (result.code, result.enhanced) == (550, "5.6.0")
+    elif values:
+        if key_problem(values[0]) is None:
+            assert result == EventKey(values[0], derived=False)
+        else:
+            assert isinstance(result, Reply) and (result.code, result.enhanced) == (550, "5.6.0")
+    elif mode == "reject":
+        assert isinstance(result, Reply) and (result.code, result.enhanced) == (550, "5.7.0")
+    elif mode == "derive":
+        assert result == EventKey("auto:" + FP, derived=True)
+    else:
+        assert result is None
+    if isinstance(result, Reply):
+        assert not any(c in result.text for c in "\r\n")

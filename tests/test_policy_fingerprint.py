@@ -1,0 +1,230 @@
+"""What "the same message" means for one event key (DESIGN.md §3, last paragraph)."""
+
+from __future__ import annotations
+
+import email.utils
+from email import policy
+from email.message import EmailMessage
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from smtpguard.policy.fingerprint import fingerprint
+from smtpguard.policy.message import HeaderLimits, Message, parse
+
+SENDER = "billing@acme.example"
+RCPTS = ["ann@example.org", "bob@example.org"]
+
+
+def raw(
+    *,
+    frm: str = "Billing <billing@acme.example>",
+    to: str = "ann@example.org, bob@example.org",
+    cc: str | None = None,
+    subject: str = "Invoice 1044",
+    body: bytes = b"Hello Ann,\r\nyour invoice is attached.\r\n",
+    date: str = "Mon, 04 Mar 2024 10:00:00 +0000",
+    message_id: str = "<1@app.acme.example>",
+    extra: bytes = b"",
+) -> bytes:
+    head = (
+        f"Received: from app (app [10.0.0.1]) by guard; {date}\r\n"
+        f"From: {frm}\r\nTo: {to}\r\n" + (f"Cc: {cc}\r\n" if cc else "") + f"Subject: {subject}\r\n"
+        f"Date: {date}\r\nMessage-ID: {message_id}\r\nX-Event-Key: invoice:acme:1044\r\n"
+    ).encode()
+    return head + extra + b"\r\n" + body
+
+
+def msg(data: bytes) -> Message:
+    m = parse(data, HeaderLimits())
+    assert isinstance(m, Message), m
+    return m
+
+
+def fp(data: bytes, sender: str = SENDER, rcpts: list[str] | None = None) -> str:
+    return fingerprint(sender, RCPTS if rcpts is None else rcpts, msg(data))
+
+
+BASE = fp(raw())
+
+
+def test_fingerprint_is_a_sha256_hex() -> None:
+    assert len(BASE) == 64 and int(BASE, 16) >= 0
+
+
+@pytest.mark.parametrize(
+    ("data", "sender", "rcpts"),
+    [
+        pytest.param(
+            raw(date="Tue, 05 Mar 2024 11:11:11 +0100", message_id="<2@app>"),
+            SENDER,
+            RCPTS,
+            id="regenerated-date-and-message-id",
+        ),
+        pytest.param(raw(extra=b"Received: from relay2; now\r\n"), SENDER, RCPTS, id="extra-trace-header"),
+        pytest.param(raw(extra=b"X-Mailer: PHPMailer 6.9\r\n"), SENDER, RCPTS, id="other-header-ignored"),
+        pytest.param(raw(), SENDER, list(reversed(RCPTS)), id="recipient-order"),
+        pytest.param(raw(), SENDER, [*RCPTS, RCPTS[0]], id="recipient-repeated"),
+        pytest.param(raw(), "billing@ACME.Example", RCPTS, id="sender-domain-case"),
+        pytest.param(raw(), f"<{SENDER}>", RCPTS, id="sender-angle-brackets"),
+        pytest.param(raw(), SENDER, ["ann@EXAMPLE.org", "bob@Example.ORG"], id="recipient-domain-case"),
+        pytest.param(raw(subject="Invoice\r\n 1044"), SENDER, RCPTS, id="subject-refolded"),
+        pytest.param(raw(subject="Invoice   1044"), SENDER, RCPTS, id="subject-inner-whitespace"),
+    ],
+)
+def test_same_message(data: bytes, sender: str, rcpts: list[str]) -> None:
+    assert fp(data, sender, rcpts) == BASE
+
+
+@pytest.mark.parametrize(
+    ("data", "sender", "rcpts"),
+    [
+        pytest.param(raw(body=b"Hello Ann,\r\nyour invoice is attached!\r\n"), SENDER, RCPTS, id="body"),
+        pytest.param(raw(body=b""), SENDER, RCPTS, id="empty-body"),
+        pytest.param(raw(subject="Invoice 1045"), SENDER, RCPTS, id="subject"),
+        pytest.param(raw(frm="Billing <accounts@acme.example>"), SENDER, RCPTS, id="header-from"),
+        pytest.param(raw(to="ann@example.org"), SENDER, RCPTS, id="header-to"),
+        pytest.param(raw(cc="boss@acme.example"), SENDER, RCPTS, id="header-cc-added"),
+        pytest.param(raw(), "accounts@acme.example", RCPTS, id="envelope-sender"),
+        pytest.param(raw(), "Billing@acme.example", RCPTS, id="sender-local-part-case"),
+        pytest.param(raw(), SENDER, ["ann@example.org"], id="recipient-removed"),
+        pytest.param(raw(), SENDER, [*RCPTS, "cat@example.org"], id="recipient-added"),
+        pytest.param(raw(), SENDER, ["ann@example.org", "bob@example.net"], id="recipient-changed"),
+    ],
+)
+def test_different_message(data: bytes, sender: str, rcpts: list[str]) -> None:
+    assert fp(data, sender, rcpts) != BASE
+
+
+def test_header_values_do_not_run_into_each_other() -> None:
+    a = fp(raw(to="ann@example.org", subject="x"))
+    b = fp(raw(to="ann@example.orgx", subject=""))
+    assert a != b
+
+
+# --- MIME boundaries: random per attempt in PHPMailer, nodemailer and Python's email ------------
+def built(
+    *,
+    text: str = "Hello Ann,\nyour invoice is attached.\n",
+    attachment: bytes = b"%PDF-1.4 invoice 1044\n" * 20,
+    subject: str = "Invoice 1044",
+    html: str | None = None,
+) -> bytes:
+    m = EmailMessage()
+    m["From"] = "Billing <billing@acme.example>"
+    m["To"] = "ann@example.org, bob@example.org"
+    m["Subject"] = subject
+    m["Date"] = email.utils.formatdate()
+    m["Message-ID"] = email.utils.make_msgid(domain="app.acme.example")
+    m["X-Event-Key"] = "invoice:acme:1044"
+    m.set_content(text)
+    if html is not None:
+        m.add_alternative(html, subtype="html")
+    m.add_attachment(attachment, maintype="application", subtype="pdf", filename="invoice-1044.pdf")
+    return m.as_bytes(policy=policy.SMTP)
+
+
+def boundaries(data: bytes) -> set[bytes]:
+    return {line for line in data.split(b"\r\n") if line.startswith(b"--====")}
+
+
+@pytest.mark.parametrize("html", [None, "<p>Hello Ann</p>"], ids=["mixed", "nested-alternative"])
+def test_email_package_rebuilds_fingerprint_the_same(html: str | None) -> None:
+    first, second = built(html=html), built(html=html)
+    assert first != second
+    assert boundaries(first).isdisjoint(boundaries(second)), "the boundaries really are random"
+    assert fp(first) == fp(second)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param({"text": "Hello Bob,\nyour invoice is attached.\n"}, id="text-part"),
+        pytest.param({"attachment": b"%PDF-1.4 invoice 1045\n" * 20}, id="attachment"),
+        pytest.param({"subject": "Invoice 1045"}, id="subject"),
+    ],
+)
+def test_email_package_different_content_differs(change: dict[str, object]) -> None:
+    assert fp(built(**change)) != fp(built())  # type: ignore[arg-type]
+
+
+def mime(boundary: bytes, text: bytes, quoted: bool = True) -> bytes:
+    param = b'"' + boundary + b'"' if quoted else boundary
+    return raw(
+        extra=b"MIME-Version: 1.0\r\nContent-Type: multipart/mixed;\r\n boundary=" + param + b"\r\n",
+        body=(
+            b"This is a multi-part message in MIME format.\r\n"
+            b"--" + boundary + b"\r\nContent-Type: text/plain\r\n\r\n" + text + b"\r\n"
+            b"--" + boundary + b"--\r\n"
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        pytest.param(b"b1_5f2a9c", b"b1_77e0d1", id="phpmailer-style"),
+        pytest.param(
+            b"----_NmP-0123456789abcdef-Part_1", b"----_NmP-fedcba9876543210-Part_1", id="nodemailer"
+        ),
+        pytest.param(b"=_abc", b"=_abcdef0123", id="different-lengths"),
+    ],
+)
+@pytest.mark.parametrize("quoted", [True, False], ids=["quoted", "token"])
+def test_hand_built_boundaries_are_neutral(a: bytes, b: bytes, quoted: bool) -> None:
+    assert fp(mime(a, b"Pay 10 EUR", quoted)) == fp(mime(b, b"Pay 10 EUR", quoted))
+
+
+def test_boundary_bytes_inside_content_are_content() -> None:
+    # A short boundary also occurs inside the text; only its delimiter lines are neutral, so
+    # "Pay 10q" and "Pay 10z" stay different messages.
+    assert fp(mime(b"q", b"Pay 10q")) != fp(mime(b"z", b"Pay 10z"))
+
+
+def test_boundary_parameter_in_a_plain_text_body_does_not_hide_the_text() -> None:
+    a = raw(body=b"Set boundary=north then walk north\r\n")
+    b = raw(body=b"Set boundary=south then walk south\r\n")
+    assert fp(a) != fp(b)
+
+
+# --- properties --------------------------------------------------------------------------------
+ADDR = st.from_regex(r"[a-z]{1,8}@[a-z]{1,8}\.(org|example)", fullmatch=True)
+TEXT = st.text(
+    alphabet=st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), min_size=0, max_size=60
+)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    sender=ADDR,
+    rcpts=st.lists(ADDR, min_size=1, max_size=4, unique=True),
+    subject=st.text(alphabet="abcdefghij XYZ0123", max_size=30),
+    text=TEXT,
+    attachment=st.binary(max_size=200),
+    shuffle=st.randoms(use_true_random=False),
+)
+def test_equivalent_messages_fingerprint_the_same(
+    sender: str,
+    rcpts: list[str],
+    subject: str,
+    text: str,
+    attachment: bytes,
+    shuffle: object,
+) -> None:
+    first = msg(built(text=text or "-", attachment=attachment, subject=subject))
+    second = msg(built(text=text or "-", attachment=attachment, subject=subject))
+    other_order = list(rcpts)
+    shuffle.shuffle(other_order)  # type: ignore[attr-defined]
+    local, _, domain = sender.partition("@")
+    assert fingerprint(sender, rcpts, first) == fingerprint(f"{local}@{domain.upper()}", other_order, second)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=200), st.binary(max_size=200))
+def test_different_bodies_differ(a: bytes, b: bytes) -> None:
+    if a == b:
+        return
+    ma = Message((("Subject", "x"),), b"Subject: x\r\n", a)
+    mb = Message((("Subject", "x"),), b"Subject: x\r\n", b)
+    assert fingerprint(SENDER, RCPTS, ma) != fingerprint(SENDER, RCPTS, mb)
