@@ -117,7 +117,7 @@ async def test_suppression_lists_zone_and_global(
             sender="news@globex.example",
             recipients=["Zed@example.com"],
         )
-        imported = await send(port, message("s4", to="bulk2@example.com"), recipients=["bulk2@example.com"])
+        imported = await send(port, message("s4", to="Bulk2@example.com"), recipients=["Bulk2@example.com"])
         capsys.readouterr()
         assert await asyncio.to_thread(cli, path, "suppress", "list", "acme", "--json") == 0
         listed = json.loads(capsys.readouterr().out)
