@@ -150,7 +150,7 @@ class Upstream:
                 self.handler.arrived.clear()
                 await self.handler.arrived.wait()
 
-    def keys(self) -> list[str | None]:
+    def event_keys(self) -> list[str | None]:
         return [r.header("X-Event-Key") for r in self.received]
 
     async def start(self) -> None:
@@ -450,7 +450,7 @@ class SmtpSink:
     def cleanup(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def keys(self) -> list[str]:
+    def event_keys(self) -> list[str]:
         dump = self.dir / "dump"
         if not dump.exists():
             return []

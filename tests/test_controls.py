@@ -27,7 +27,7 @@ async def test_hourly_cap_is_exact_and_duplicates_consume_nothing(tmp: Path, ups
     assert [r.code for r in replies] == [250, 250, 250]
     assert dup.code == 250 and "duplicate" in dup.text
     assert over.code == 451 and over.text.startswith("4.7.0") and "slot frees at" in over.text
-    assert upstream.keys() == ["cap0", "cap1", "cap2"]
+    assert upstream.event_keys() == ["cap0", "cap1", "cap2"]
 
 
 async def test_concurrent_submissions_never_overshoot_the_cap(tmp: Path, upstream: Upstream) -> None:
@@ -79,7 +79,7 @@ async def test_pause_via_cli_holds_new_events_but_answers_duplicates(tmp: Path, 
     assert dup.code == 250 and "duplicate" in dup.text
     assert other_zone.code == 250
     assert after.code == 250 and "duplicate" not in after.text
-    assert sorted(k for k in upstream.keys() if k) == ["p1", "p2", "p3"]
+    assert sorted(k for k in upstream.event_keys() if k) == ["p1", "p2", "p3"]
 
 
 async def test_config_paused_zone(tmp: Path, upstream: Upstream) -> None:
@@ -133,7 +133,7 @@ async def test_suppression_lists_zone_and_global(
     assert {e["address"] for e in listed} == {"Zed@example.com", "bulk1@example.com", "Bulk2@example.com"}
     assert exported.splitlines()[0] == "address,reason,at" and "complained" in exported
     assert after.code == 250
-    assert upstream.keys() == ["s3", "s1"]
+    assert upstream.event_keys() == ["s3", "s1"]
 
 
 async def test_stats_json(tmp: Path, upstream: Upstream, capsys: pytest.CaptureFixture[str]) -> None:

@@ -74,7 +74,7 @@ async def test_kill_9_loop_loses_nothing_and_sends_nothing_twice(
             raise AssertionError(f"{key}: no definitive answer after restart")
         proc.stop()
 
-    counts = Counter(upstream.keys())
+    counts = Counter(upstream.event_keys())
     duplicates = {k: n for k, n in counts.items() if n > 1}
     lost = sorted(k for k in accepted if counts[k] != 1)
     print(f"crash loop seed={seed} iterations={ITERATIONS} accepted={len(accepted)} "

@@ -140,7 +140,7 @@ async def test_sighup_reloads_users_and_refuses_a_bad_file(tmp: Path, upstream: 
         assert proc.stop() == 0
     log = (tmp / "guard.log").read_text()
     assert "reload refused" in log and "config reloaded" in log
-    assert upstream.keys() == ["g1", "g2"]
+    assert upstream.event_keys() == ["g1", "g2"]
 
 
 async def test_sigterm_lets_in_flight_submission_finish(tmp: Path, upstream: Upstream) -> None:

@@ -64,7 +64,7 @@ async def run(
 
 
 def delivered_once(upstream: Upstream, key: str) -> None:
-    keys = upstream.keys()
+    keys = upstream.event_keys()
     assert keys.count(key) == 1, f"upstream received {keys.count(key)} copies of {key}: {keys}"
     assert len(upstream.received) == 1
 

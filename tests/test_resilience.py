@@ -95,7 +95,7 @@ async def test_primary_refused_standby_delivers(tmp: Path, upstream: Upstream) -
     async with running_guard(cfg) as guard:
         reply = await send(guard.ports[0], message("f1"))
     assert reply.code == 250 and "queued as Q1" in reply.text
-    assert upstream.keys() == ["f1"]
+    assert upstream.event_keys() == ["f1"]
     assert await asyncio.to_thread(main, ["history", "acme", "f1", "-c", str(path)]) == 0
 
 
@@ -139,7 +139,7 @@ async def test_421_opens_circuit_then_half_open_probe_closes_it(tmp: Path, upstr
             assert (await send(port, message("c5"))).code == 250  # the half-open probe
             assert guard.route.circuits()["primary"] == "closed"
             assert (await send(port, message("c6"))).code == 250
-            assert recovered.keys() == ["c5", "c6"]
+            assert recovered.event_keys() == ["c5", "c6"]
     assert len(upstream.received) == 5
 
 
@@ -158,7 +158,7 @@ async def test_half_open_probe_failure_reopens(tmp: Path, upstream: Upstream) ->
         clock.t += 11
         assert (await send(guard.ports[0], message("h2"))).code == 250
         assert guard.route.circuits()["primary"] == "open"
-    assert upstream.keys() == ["h1", "h2"]
+    assert upstream.event_keys() == ["h1", "h2"]
 
 
 async def test_all_providers_down_then_delivered_once_after_recovery(tmp: Path) -> None:
@@ -172,7 +172,7 @@ async def test_all_providers_down_then_delivered_once_after_recovery(tmp: Path) 
             again = await send(guard.ports[0], message("d1"))
         assert up.code == 250 and "duplicate" not in up.text
         assert again.code == 250 and "duplicate" in again.text
-        assert primary.keys() == ["d1"]
+        assert primary.event_keys() == ["d1"]
 
 
 async def test_partial_recipients_delivered_and_bounced_suppressed(tmp: Path, upstream: Upstream) -> None:
@@ -237,7 +237,7 @@ async def test_upstream_535_trips_circuit_and_logs_without_secret(
             assert guard.route is not None and guard.route.circuits()["primary"] == "open"
     finally:
         server.close()
-    assert reply.code == 250 and upstream.keys() == ["a1"]
+    assert reply.code == 250 and upstream.event_keys() == ["a1"]
     critical = [r for r in caplog.records if r.levelno >= logging.CRITICAL]
     assert critical and "credentials" in critical[0].getMessage()
     assert "provider-secret-XYZ" not in caplog.text
@@ -270,7 +270,7 @@ async def test_smtp_sink_faults(
         async with running_guard(cfg) as guard:
             first = await send(guard.ports[0], message("s1"))
             retry = await send(guard.ports[0], message("s1"))
-        held = sink.keys()
+        held = sink.event_keys()
     finally:
         sink.stop()
         sink.cleanup()
@@ -314,4 +314,4 @@ async def test_resolve_and_release_are_audited_and_single_use(
     assert '"action": "release"' in out and '"from_state": "failed"' in out
     # o1 was received by the upstream when it hung up, and again after the operator's retry;
     # o2 was refused once (554) and accepted once after release.
-    assert upstream.keys().count("o2") == 1
+    assert upstream.event_keys().count("o2") == 1
