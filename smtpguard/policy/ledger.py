@@ -90,6 +90,12 @@ class Record:
     message_id: str | None = None
     valid_until: float | None = None
     """Derived (`auto:`) keys only: after this the same fingerprint is a new event."""
+    lane: str | None = None
+    """Store-and-forward only (DESIGN.md §4a): the message class whose lane delivers it."""
+    queue_id: str | None = None
+    """Store-and-forward only: the id given in `250 queued as <id>`; stable across attempts."""
+    expires_at: float | None = None
+    """Store-and-forward only: never sent after this (the class's max_age)."""
     attempts: tuple[Attempt, ...] = field(default=())
     audit: tuple[AuditEntry, ...] = field(default=())
 
@@ -111,6 +117,9 @@ class Record:
             "upstream_id": self.upstream_id,
             "message_id": self.message_id,
             "valid_until": self.valid_until,
+            "lane": self.lane,
+            "queue_id": self.queue_id,
+            "expires_at": self.expires_at,
             "attempts": [_attempt_to_dict(a) for a in self.attempts],
             "audit": [
                 {
@@ -144,6 +153,9 @@ class Record:
             upstream_id=d.get("upstream_id"),
             message_id=d.get("message_id"),
             valid_until=d.get("valid_until"),
+            lane=d.get("lane"),
+            queue_id=d.get("queue_id"),
+            expires_at=d.get("expires_at"),
             attempts=tuple(_attempt_from_dict(a) for a in d.get("attempts", ())),
             audit=tuple(AuditEntry(**e) for e in d.get("audit", ())),
         )
@@ -182,6 +194,9 @@ class Submission:
     instance: str
     message_id: str | None
     derived: bool = False
+    lane: str | None = None
+    """Set for a zone in store-and-forward mode: accept into this lane instead of relaying."""
+    max_age: float | None = None
 
 
 # --- verdicts --------------------------------------------------------------------------------
@@ -239,6 +254,9 @@ def decide(existing: Record | None, sub: Submission, now: float, s: LedgerSettin
         return Answer(replies.key_reused(sub.key), "reused")
 
     state = existing.state
+    if existing.lane is not None and state in (State.QUEUED, State.DEFERRED, State.IN_FLIGHT):
+        # Accepted for store-and-forward: the worker owns retries; the client is done.
+        return Answer(replies.duplicate_queued(sub.key, existing.queue_id or existing.sg_id), "duplicate")
     if state is State.DELIVERED:
         return Answer(replies.duplicate(sub.key, existing.sg_id, existing.upstream_id), "duplicate")
     if state is State.QUEUED:
@@ -273,6 +291,23 @@ def decide(existing: Record | None, sub: Submission, now: float, s: LedgerSettin
 
 
 def _fresh(sub: Submission, now: float, s: LedgerSettings) -> Record:
+    if sub.lane is not None:
+        return Record(
+            zone=sub.zone,
+            key=sub.key,
+            state=State.QUEUED,
+            fingerprint=sub.fingerprint,
+            created_at=now,
+            updated_at=now,
+            version=1,
+            sg_id=sub.attempt_id,
+            next_attempt_at=now,
+            message_id=sub.message_id,
+            valid_until=now + s.derive_window if sub.derived else None,
+            lane=sub.lane,
+            queue_id=sub.attempt_id,
+            expires_at=now + sub.max_age if sub.max_age is not None else None,
+        )
     return Record(
         zone=sub.zone,
         key=sub.key,
@@ -341,8 +376,12 @@ def settle(
     now: float,
     s: LedgerSettings,
     message_id: str | None = None,
+    retry_delay: float | None = None,
 ) -> Record:
     """Record an attempt's outcome. Idempotent per attempt; the truth of a 250 always wins.
+
+    `retry_delay` (store-and-forward): when a deferred or unavailable attempt is retried by
+    the worker, instead of `min_retry_interval` (client retries) or at once.
 
     If the lease was lost meanwhile (another instance took the key over), the attempt is
     still appended to the history, and a delivery still marks the event delivered: that
@@ -386,15 +425,23 @@ def settle(
             now,
             state=State.DEFERRED,
             reply=reply,
-            next_attempt_at=now + s.min_retry_interval,
+            next_attempt_at=now + (s.min_retry_interval if retry_delay is None else retry_delay),
             **common,
         )
     if outcome.kind is Kind.FAILED:
         return _bump(rec, now, state=State.FAILED, reply=reply, next_attempt_at=None, **common)
     if outcome.kind is Kind.UNKNOWN:
         return _bump(rec, now, state=State.UNKNOWN, reply=None, **common)
-    # Nothing reached a provider: the event stays retryable at once, with no backoff.
-    return _bump(rec, now, state=State.DEFERRED, reply=replies.no_provider(), next_attempt_at=now, **common)
+    # Nothing reached a provider: the event stays retryable at once (a client retry), or
+    # after the worker's backoff (store-and-forward).
+    return _bump(
+        rec,
+        now,
+        state=State.DEFERRED,
+        reply=replies.no_provider(),
+        next_attempt_at=now + (retry_delay or 0.0),
+        **common,
+    )
 
 
 # --- operator decisions ----------------------------------------------------------------------
@@ -421,3 +468,108 @@ def release(rec: Record, actor: str, now: float) -> Record:
         raise OperatorRefused(f"{rec.zone} {rec.key} is {rec.state.value}, not failed; nothing to release")
     new = _bump(rec, now, state=State.DEFERRED, next_attempt_at=now)
     return _audit(new, now, actor, "release", State.FAILED, State.DEFERRED)
+
+
+# --- store-and-forward (DESIGN.md §4a) -------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Deliver:
+    """The worker takes this attempt: write `record` (in_flight, owned), then relay."""
+
+    record: Record
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """Write `record` and take it off the queue without sending (expired, lost, settled)."""
+
+    record: Record | None
+    decision: str
+
+
+ClaimVerdict = Deliver | Finish
+
+
+def on_claim(rec: Record, attempt_id: str, instance: str, now: float, s: LedgerSettings) -> ClaimVerdict:
+    """What a worker does with a queue entry it claimed."""
+    if rec.state in (State.DELIVERED, State.FAILED, State.UNKNOWN, State.EXPIRED):
+        return Finish(None, "settled")
+    if rec.state is State.IN_FLIGHT:
+        if rec.lease_until is not None and rec.lease_until > now:
+            return Finish(None, "busy")
+        if rec.phase is Phase.DATA_SENT:
+            lost = _bump(rec, now, state=State.UNKNOWN, owner=None, lease_until=None)
+            lost = _audit(
+                lost,
+                now,
+                "smtpguard",
+                "lease_expired",
+                State.IN_FLIGHT,
+                State.UNKNOWN,
+                f"owner {rec.owner} lost its lease after the final dot",
+            )
+            return Finish(lost, "unknown_held")
+    if rec.expires_at is not None and now >= rec.expires_at:
+        gone = _bump(
+            rec, now, state=State.EXPIRED, owner=None, lease_until=None, phase=None, next_attempt_at=None
+        )
+        gone = _audit(
+            gone,
+            now,
+            "smtpguard",
+            "expired",
+            rec.state,
+            State.EXPIRED,
+            f"older than its class's max_age ({rec.lane})",
+        )
+        return Finish(gone, "expired")
+    return Deliver(
+        _bump(
+            rec,
+            now,
+            state=State.IN_FLIGHT,
+            sg_id=attempt_id,
+            owner=instance,
+            lease_until=now + s.lease,
+            phase=Phase.BEFORE_DATA,
+            next_attempt_at=None,
+        )
+    )
+
+
+def hold(rec: Record, attempt_id: str, now: float, until: float) -> Record | None:
+    """Give a claimed entry back unsent (zone paused or capped): no attempt is recorded."""
+    if not owns(rec, attempt_id):
+        return None
+    return _bump(
+        rec,
+        now,
+        state=State.DEFERRED if rec.attempts else State.QUEUED,
+        owner=None,
+        lease_until=None,
+        phase=None,
+        next_attempt_at=until,
+    )
+
+
+def drop(rec: Record, actor: str, now: float) -> Record:
+    """`queue drop`: the operator gives up on a queued event; it becomes failed."""
+    if rec.lane is None or rec.state not in (State.QUEUED, State.DEFERRED, State.UNKNOWN):
+        raise OperatorRefused(
+            f"{rec.zone} {rec.key} is {rec.state.value}; only queued, deferred or "
+            "unknown store-and-forward events can be dropped"
+        )
+    new = _bump(
+        rec, now, state=State.FAILED, reply=Reply(550, "5.0.0", "dropped by operator"), next_attempt_at=None
+    )
+    return _audit(new, now, actor, "drop", rec.state, State.FAILED, "dropped by operator")
+
+
+def retry_now(rec: Record, actor: str, now: float) -> Record:
+    """`queue retry`: deliver a queued or deferred event at the next worker pass."""
+    if rec.lane is None or rec.state not in (State.QUEUED, State.DEFERRED):
+        raise OperatorRefused(
+            f"{rec.zone} {rec.key} is {rec.state.value}; only queued or deferred "
+            "store-and-forward events can be retried now"
+        )
+    new = _bump(rec, now, next_attempt_at=now)
+    return _audit(new, now, actor, "queue_retry", rec.state, rec.state)

@@ -1,9 +1,13 @@
 """State stores: the interface in base.py, backends beside it."""
 
 from smtpguard.store.base import (
+    HELD,
     CapUsage,
+    Claimed,
     Conflict,
     Paused,
+    QueuedMessage,
+    QueueEntry,
     Reserved,
     ReserveResult,
     Store,
@@ -13,9 +17,13 @@ from smtpguard.store.base import (
 )
 
 __all__ = [
+    "HELD",
     "CapUsage",
+    "Claimed",
     "Conflict",
     "Paused",
+    "QueueEntry",
+    "QueuedMessage",
     "ReserveResult",
     "Reserved",
     "Store",

@@ -59,6 +59,38 @@ class Suppression:
 
 
 @dataclass(frozen=True, slots=True)
+class QueuedMessage:
+    """What store-and-forward keeps beside the ledger record until the event is final."""
+
+    sender: str
+    recipients: tuple[str, ...]
+    content: bytes
+    priority: int
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    record: Record
+    message: QueuedMessage
+
+
+@dataclass(frozen=True, slots=True)
+class QueueEntry:
+    zone: str
+    key: str
+    lane: str
+    state: str
+    due_at: float | None
+    claimed: bool
+    enqueued_at: float
+    size: int
+
+
+HELD = 1e18
+"""A due time that never comes: the entry stays (its body kept) until an operator acts."""
+
+
+@dataclass(frozen=True, slots=True)
 class CapUsage:
     hour: int
     month: int
@@ -97,6 +129,28 @@ class Store(Protocol):
     async def purge(self, now: float, retention: float) -> int:
         """Delete settled records not updated for `retention`, and stale window entries.
         Returns the number of ledger records deleted. Never called on the hot path."""
+
+    async def consume_cap(self, cap: CapCheck) -> CapReached | None:
+        """Atomically consume one unit under the monthly then hourly cap (store-and-forward
+        checks caps at delivery time, not at acceptance)."""
+
+    # --- store-and-forward queue (DESIGN.md §4a) ---------------------------------------------
+    async def enqueue(
+        self, record: Record, expected_version: int | None, message: QueuedMessage
+    ) -> Conflict | None:
+        """Atomically: compare-and-swap the record as put() does and keep `message` in the
+        record's lane, due at record.next_attempt_at. The 250 depends on this being durable."""
+
+    async def claim(self, now: float, quotas: list[tuple[str, int]], lease: float) -> list[Claimed]:
+        """Atomically claim due, unclaimed entries: up to each lane's quota, then what is
+        left of sum(quotas) from any lane in the quotas' order. A claim hides the entry from
+        every other claim until now + lease (a worker that dies gives it back that way)."""
+
+    async def requeue(self, record: Record, expected_version: int, due: float | None) -> Conflict | None:
+        """Compare-and-swap the record; with due=None take its entry off the queue (the event
+        is final), else make the entry due at `due` and unclaimed (HELD: kept, never due)."""
+
+    async def queue_entries(self, zone: str | None) -> list[QueueEntry]: ...
 
     # --- zones -------------------------------------------------------------------------------
     async def set_paused(self, zone: str, paused: bool) -> None: ...

@@ -15,6 +15,7 @@ import json
 import queue
 import sqlite3
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,9 +25,13 @@ from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached
 from smtpguard.policy.senders import normalize_address
 from smtpguard.store.base import (
+    HELD,
     CapUsage,
+    Claimed,
     Conflict,
     Paused,
+    QueuedMessage,
+    QueueEntry,
     Reserved,
     ReserveResult,
     StoreUnavailable,
@@ -54,6 +59,11 @@ CREATE TABLE IF NOT EXISTS suppression (
     PRIMARY KEY (zone, address)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS auth_failures (ip TEXT NOT NULL, at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS auth_failures_ip_at ON auth_failures (ip, at);
+CREATE TABLE IF NOT EXISTS queue (
+    zone TEXT NOT NULL, key TEXT NOT NULL, lane TEXT NOT NULL, priority INTEGER NOT NULL,
+    due_at REAL NOT NULL, claimed_until REAL, enqueued_at REAL NOT NULL, sender TEXT NOT NULL,
+    recipients TEXT NOT NULL, content BLOB NOT NULL, PRIMARY KEY (zone, key)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS queue_lane_due ON queue (lane, due_at);
 CREATE TABLE IF NOT EXISTS counters (
     zone TEXT NOT NULL, name TEXT NOT NULL, value INTEGER NOT NULL,
     PRIMARY KEY (zone, name)) WITHOUT ROWID;
@@ -286,6 +296,119 @@ class SQLiteStore:
             return n
 
         return await self._write(op)
+
+    async def consume_cap(self, cap: CapCheck) -> CapReached | None:
+        return await self._write(lambda c: _consume(c, cap))
+
+    # --- store-and-forward queue -------------------------------------------------------------
+    async def enqueue(
+        self, record: Record, expected_version: int | None, message: QueuedMessage
+    ) -> Conflict | None:
+        def op(c: sqlite3.Connection) -> Conflict | None:
+            current = _load(c, record.zone, record.key)
+            if (current.version if current else None) != expected_version:
+                return Conflict(current)
+            _save(c, record)
+            c.execute(
+                "INSERT OR REPLACE INTO queue (zone, key, lane, priority, due_at, claimed_until, "
+                "enqueued_at, sender, recipients, content) VALUES (?, ?, ?, ?, ?, NULL, ?, ?, ?, ?)",
+                (
+                    record.zone,
+                    record.key,
+                    record.lane or "",
+                    message.priority,
+                    record.next_attempt_at or record.updated_at,
+                    record.updated_at,
+                    message.sender,
+                    json.dumps(list(message.recipients)),
+                    message.content,
+                ),
+            )
+            return None
+
+        return await self._write(op)
+
+    async def claim(self, now: float, quotas: list[tuple[str, int]], lease: float) -> list[Claimed]:
+        def op(c: sqlite3.Connection) -> list[Claimed]:
+            picked: list[tuple[str, str]] = []
+            sql = (
+                "SELECT zone, key FROM queue WHERE lane = ? AND due_at <= ? "
+                "AND (claimed_until IS NULL OR claimed_until < ?) ORDER BY due_at LIMIT ?"
+            )
+            for lane, n in quotas:
+                picked += c.execute(sql, (lane, now, now, n)).fetchall()
+            room = sum(n for _, n in quotas) - len(picked)
+            for lane, _ in quotas:
+                if room <= 0:
+                    break
+                taken = set(picked)
+                more = [
+                    row
+                    for row in c.execute(sql, (lane, now, now, room + len(picked)))
+                    if tuple(row) not in taken
+                ][:room]
+                picked += more
+                room -= len(more)
+            out: list[Claimed] = []
+            for zone, key in picked:
+                c.execute(
+                    "UPDATE queue SET claimed_until = ? WHERE zone = ? AND key = ?", (now + lease, zone, key)
+                )
+                rec = _load(c, zone, key)
+                row = c.execute(
+                    "SELECT sender, recipients, content, priority FROM queue WHERE zone = ? AND key = ?",
+                    (zone, key),
+                ).fetchone()
+                if rec is None or row is None:
+                    c.execute("DELETE FROM queue WHERE zone = ? AND key = ?", (zone, key))
+                    continue
+                msg = QueuedMessage(row[0], tuple(json.loads(row[1])), bytes(row[2]), int(row[3]))
+                out.append(Claimed(rec, msg))
+            return out
+
+        return await self._write(op)
+
+    async def requeue(self, record: Record, expected_version: int, due: float | None) -> Conflict | None:
+        def op(c: sqlite3.Connection) -> Conflict | None:
+            current = _load(c, record.zone, record.key)
+            if (current.version if current else None) != expected_version:
+                return Conflict(current)
+            _save(c, record)
+            if due is None:
+                c.execute("DELETE FROM queue WHERE zone = ? AND key = ?", (record.zone, record.key))
+            else:
+                c.execute(
+                    "UPDATE queue SET due_at = ?, claimed_until = NULL WHERE zone = ? AND key = ?",
+                    (due, record.zone, record.key),
+                )
+            return None
+
+        return await self._write(op)
+
+    async def queue_entries(self, zone: str | None) -> list[QueueEntry]:
+        def op(c: sqlite3.Connection) -> list[QueueEntry]:
+            rows = c.execute(
+                "SELECT q.zone, q.key, q.lane, e.state, q.due_at, q.claimed_until, q.enqueued_at, "
+                "LENGTH(q.content) FROM queue q LEFT JOIN events e ON e.zone = q.zone AND e.key = q.key "
+                "WHERE (? IS NULL OR q.zone = ?) ORDER BY q.priority, q.due_at",
+                (zone, zone),
+            ).fetchall()
+            now = time.time()
+            return [
+                QueueEntry(
+                    z,
+                    k,
+                    lane,
+                    state or "?",
+                    None if due >= HELD else due,
+                    claimed is not None and claimed > now,
+                    enq,
+                    size,
+                )
+                for z, k, lane, state, due, claimed, enq, size in rows
+            ]
+
+        return await self._read(op)
 
     # --- zones -------------------------------------------------------------------------------
     async def set_paused(self, zone: str, paused: bool) -> None:
