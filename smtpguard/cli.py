@@ -26,6 +26,7 @@ from smtpguard import __version__
 from smtpguard.config import DEFAULT_CONFIG, Config, ConfigError, load, read_secret
 from smtpguard.policy import ledger
 from smtpguard.policy.limits import caps_for, month_of
+from smtpguard.policy.queue import queue_due
 from smtpguard.policy.senders import address_problem, normalize_address
 from smtpguard.store import Store, StoreUnavailable, store_from_url
 
@@ -121,6 +122,9 @@ def history_json(rec: ledger.Record) -> dict[str, Any]:
         "created_at": iso(rec.created_at),
         "updated_at": iso(rec.updated_at),
         "next_attempt_at": iso(rec.next_attempt_at),
+        "class": rec.lane,
+        "queue_id": rec.queue_id,
+        "expires_at": iso(rec.expires_at),
         "owner": rec.owner,
         "lease_until": iso(rec.lease_until),
         "phase": rec.phase.value if rec.phase else None,
@@ -200,7 +204,12 @@ def _operator_change(
                 new = change(rec, time.time())
             except ledger.OperatorRefused as e:
                 raise CLIError(str(e)) from None
-            if await store.put(new, rec.version) is None:
+            if rec.lane is not None:
+                # Store-and-forward: the queue entry moves with the record, atomically.
+                written = await store.requeue(new, rec.version, queue_due(new))
+            else:
+                written = await store.put(new, rec.version)
+            if written is None:
                 return new
         raise CLIError("the record kept changing; try again")
 
@@ -215,6 +224,41 @@ def cmd_resolve(args: argparse.Namespace) -> int:
 
 def cmd_release(args: argparse.Namespace) -> int:
     return _operator_change(args, lambda r, now: ledger.release(r, actor(), now))
+
+
+def cmd_queue(args: argparse.Namespace) -> int:
+    if args.action == "retry":
+        return _operator_change(args, lambda r, now: ledger.retry_now(r, actor(), now))
+    if args.action == "drop":
+        return _operator_change(args, lambda r, now: ledger.drop(r, actor(), now))
+    config = _config(args)
+    zone = _zone(config, args.zone) if args.zone else None
+    entries = asyncio.run(_with_store(config, lambda s: s.queue_entries(zone)))
+    if args.json:
+        print(
+            json.dumps(
+                [
+                    {
+                        "zone": e.zone,
+                        "key": e.key,
+                        "class": e.lane,
+                        "state": e.state,
+                        "due_at": iso(e.due_at),
+                        "claimed": e.claimed,
+                        "enqueued_at": iso(e.enqueued_at),
+                        "size": e.size,
+                    }
+                    for e in entries
+                ],
+                indent=2,
+            )
+        )
+        return 0
+    print(f"{'zone':12} {'class':13} {'state':10} {'due':21} {'size':>8}  key")
+    for e in entries:
+        due = "held" if e.due_at is None else ("claimed" if e.claimed else iso(e.due_at) or "-")
+        print(f"{e.zone:12} {e.lane:13} {e.state:10} {due:21} {e.size:>8}  {e.key}")
+    return 0
 
 
 def cmd_pause(args: argparse.Namespace, paused: bool = True) -> int:
@@ -312,6 +356,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
     now = time.time()
 
     async def gather(store: Store) -> list[dict[str, Any]]:
+        depth: dict[str, dict[str, int]] = {}
+        for e in await store.queue_entries(None):
+            lane = depth.setdefault(e.zone, {})
+            lane[e.lane] = lane.get(e.lane, 0) + 1
         out = []
         for z in zones:
             zc = config.zones[z]
@@ -349,6 +397,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
                         "month": {"used": usage.month, "limit": caps.monthly},
                     },
                     "paused": zc.paused or await store.is_paused(z),
+                    "queue": depth.get(z, {}),
                     "suppressed": len(await store.suppress_list(z)),
                 }
             )
@@ -416,6 +465,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("address", nargs="?", help="address (add/remove) or CSV file (import)")
     sp.add_argument("--reason")
     sp.add_argument("--json", action="store_true")
+    sp = cmd("queue", cmd_queue, "the store-and-forward queue")
+    sp.add_argument("action", choices=["list", "retry", "drop"])
+    sp.add_argument("zone", nargs="?")
+    sp.add_argument("key", nargs="?")
+    sp.add_argument("--json", action="store_true")
     sp = cmd("stats", cmd_stats, "sends, duplicates, rejections and cap use per zone")
     sp.add_argument("zone", nargs="?")
     sp.add_argument("--json", action="store_true")
@@ -437,6 +491,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if args.action == "import":
             args.file = args.address
+    if (
+        getattr(args, "command", None) == "queue"
+        and args.action in ("retry", "drop")
+        and not (args.zone and args.key)
+    ):
+        parser.error(f"queue {args.action} needs ZONE and KEY")
     try:
         code: int = args.fn(args)
         return code

@@ -216,6 +216,11 @@ class MessageClass(_Strict):
 
 class QueueConfig(_Strict):
     backoff: Backoff = Backoff()
+    workers: int = Field(16, ge=1, le=1024)
+    """Deliveries in flight at once per instance (bounded further by each provider's pool)."""
+    poll_interval: Duration = Field(1.0, gt=0)
+    """How often an idle worker looks for due entries (other instances' acceptances, retries
+    coming due); a local acceptance wakes it at once."""
     class_header: str = "X-Message-Class"
     default_class: str = "transactional"
     classes: dict[str, MessageClass] = Field(

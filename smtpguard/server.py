@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from smtpguard.config import Config, ConfigError, load, provider_secrets, read_secret
+from smtpguard.delivery import DeliveryWorker
 from smtpguard.listener import GuardSMTP, Handler
 from smtpguard.metrics import HealthServer, Metrics
 from smtpguard.passwords import Verifier
@@ -92,6 +93,8 @@ class Server:
         self.ports: list[int] = []
         self.metrics = Metrics()
         self.health: HealthServer | None = None
+        self.submitter: Submitter | None = None
+        self.worker: DeliveryWorker | None = None
 
     async def start(self) -> None:
         config = self.config
@@ -109,6 +112,8 @@ class Server:
             on_circuit=self.metrics.circuit,
         )
         submitter = Submitter(config, self.store, self.route, self.instance, self.hostname, self.clock)
+        self.submitter = submitter
+        self._ensure_worker()
         self.handler = Handler(submitter, self.store, Verifier(), self._on_result, self.clock)
         for zname, zone in config.zones.items():
             if zone.paused:
@@ -166,6 +171,21 @@ class Server:
                 )
 
         return make
+
+    def _ensure_worker(self) -> None:
+        """Start the store-and-forward worker once any zone delivers by queue."""
+        if self.worker is not None or self.submitter is None or self.store is None:
+            return
+        if not any(z.delivery == "queue" for z in self.config.zones.values()):
+            return
+        self.worker = DeliveryWorker(
+            self.submitter,
+            self.store,
+            lambda zone, result: self._on_result(Principal(zone, "delivery"), result, 0.0),
+        )
+        self.submitter.on_enqueue = self.worker.wake
+        self.worker.start()
+        log.info("store-and-forward worker started", extra={"workers": self.config.queue.workers})
 
     async def readiness(self) -> tuple[bool, str]:
         if self.store is None or not await self.store.ping():
@@ -238,6 +258,8 @@ class Server:
         if self.handler is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.handler.idle.wait(), self.config.limits.drain_timeout)
+        if self.worker is not None:
+            await self.worker.stop(self.config.limits.drain_timeout)
         if self.handler is not None and self.handler.active:
             log.warning(
                 "drain timeout; in-flight submissions abandoned (their leases expire)",
@@ -295,6 +317,7 @@ class Server:
             await old_route.close()
         self.handler.submitter.config = new
         self.config = new
+        self._ensure_worker()
         log.info("config reloaded", extra={"zones": len(new.zones), "providers": len(new.providers)})
 
 

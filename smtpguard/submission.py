@@ -13,7 +13,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from smtpguard import replies
@@ -25,10 +25,19 @@ from smtpguard.policy.ledger import LedgerSettings, Record, Submission
 from smtpguard.policy.limits import CapReached, cap_check, cap_reply, caps_for, month_of
 from smtpguard.policy.message import HeaderLimits, Message, parse, smuggling_check
 from smtpguard.policy.outcome import Kind, Outcome, client_reply, is_recipient_unknown
+from smtpguard.policy.queue import queue_due
 from smtpguard.policy.senders import check_header_from
 from smtpguard.relay import Envelope, Route
 from smtpguard.replies import Reply
-from smtpguard.store import Conflict, Paused, Reserved, Store, StoreUnavailable
+from smtpguard.store import (
+    Conflict,
+    Paused,
+    QueuedMessage,
+    Reserved,
+    ReserveResult,
+    Store,
+    StoreUnavailable,
+)
 
 log = logging.getLogger("smtpguard.decision")
 
@@ -76,6 +85,8 @@ class Submitter:
         self.instance = instance
         self.hostname = hostname
         self.clock = clock
+        self.on_enqueue: Callable[[], None] | None = None
+        """Called after a store-and-forward acceptance, to wake the local delivery worker."""
 
     async def submit(self, principal: Principal, mail_from: str, rcpt_tos: list[str], raw: bytes) -> Result:
         zone = self.config.zones.get(principal.zone)
@@ -114,18 +125,28 @@ class Submitter:
             message_id = message_id_for(principal.zone, key, self.hostname)
             content = f"Message-ID: {message_id}\r\n".encode() + raw
 
-        sub = Submission(principal.zone, key, fp, attempt_id, self.instance, message_id, derived)
-        settings = LedgerSettings(
-            self.config.event_key.min_retry_interval,
-            self.config.event_key.lease,
-            zone.derive_window,
+        lane: str | None = None
+        max_age: float | None = None
+        if zone.delivery == "queue":
+            chosen = message_class(parsed, self.config, zone)
+            if isinstance(chosen, Reply):
+                return Result(chosen, "rejected:class", key)
+            lane, max_age = chosen, self.config.queue.classes[chosen].max_age
+        sub = Submission(
+            principal.zone, key, fp, attempt_id, self.instance, message_id, derived, lane, max_age
         )
+        settings = self.settings(zone)
         try:
+            if lane is not None:
+                queued = QueuedMessage(
+                    mail_from, tuple(rcpt_tos), content, self.config.queue.classes[lane].priority
+                )
+                return await self._accept_queued(sub, zone, settings, queued)
             reserved = await self._reserve(sub, zone, settings)
             if isinstance(reserved, Result):
                 return reserved
             env = Envelope(principal.zone, key, attempt_id, mail_from, tuple(rcpt_tos), content)
-            return await self._relay(reserved, env, sub, settings)
+            return await self.relay(reserved, env, sub, settings)
         except StoreUnavailable as e:
             log.error(
                 "store unavailable; nothing relayed",
@@ -133,10 +154,37 @@ class Submitter:
             )
             return Result(replies.STORE_UNAVAILABLE, "store_unavailable", key)
 
+    def settings(self, zone: ZoneConfig) -> LedgerSettings:
+        ek = self.config.event_key
+        return LedgerSettings(ek.min_retry_interval, ek.lease, zone.derive_window)
+
+    async def _accept_queued(
+        self, sub: Submission, zone: ZoneConfig, s: LedgerSettings, message: QueuedMessage
+    ) -> Result:
+        """Store-and-forward: the 250 is given once record and message are durable together.
+        Pause and caps are not checked here: they hold the lane at delivery time."""
+
+        async def enqueue(verdict: ledger.Proceed) -> ReserveResult:
+            conflict = await self.store.enqueue(verdict.record, verdict.expected_version, message)
+            return Reserved() if conflict is None else conflict
+
+        reserved = await self._reserve(sub, zone, s, enqueue)
+        if isinstance(reserved, Result):
+            return reserved
+        if self.on_enqueue is not None:
+            self.on_enqueue()
+        return Result(replies.queued(reserved.queue_id or sub.attempt_id), "queued", sub.key)
+
     def _check_from(self, message: Message, zone_name: str, zone: ZoneConfig) -> Reply | None:
         return check_header_from(message.get_all("From"), zone_name, zone.senders)
 
-    async def _reserve(self, sub: Submission, zone: ZoneConfig, s: LedgerSettings) -> Record | Result:
+    async def _reserve(
+        self,
+        sub: Submission,
+        zone: ZoneConfig,
+        s: LedgerSettings,
+        write: Callable[[ledger.Proceed], Awaitable[ReserveResult]] | None = None,
+    ) -> Record | Result:
         """Decide and reserve until one verdict sticks. Optimistic: assume the key is new,
         so a new key and a duplicate each cost one store round trip."""
         caps = caps_for(zone.plan, zone.hourly_cap, zone.monthly_cap)
@@ -159,8 +207,11 @@ class Submitter:
                     return Result(verdict.reply, verdict.decision, sub.key)
                 current = conflict.current
                 continue
-            cap = cap_check(sub.zone, caps, sub.attempt_id, now)
-            result = await self.store.reserve(verdict.record, verdict.expected_version, cap, zone.paused)
+            if write is not None:
+                result = await write(verdict)
+            else:
+                cap = cap_check(sub.zone, caps, sub.attempt_id, now)
+                result = await self.store.reserve(verdict.record, verdict.expected_version, cap, zone.paused)
             if isinstance(result, Reserved):
                 return verdict.record
             if isinstance(result, Conflict):
@@ -172,7 +223,16 @@ class Submitter:
             return Result(cap_reply(sub.zone, result), f"cap_{result.window}", sub.key)
         return Result(replies.in_flight(sub.key), "contended", sub.key)
 
-    async def _relay(self, rec: Record, env: Envelope, sub: Submission, s: LedgerSettings) -> Result:
+    async def relay(
+        self,
+        rec: Record,
+        env: Envelope,
+        sub: Submission,
+        s: LedgerSettings,
+        retry_delay: float | None = None,
+    ) -> Result:
+        """Relay a reserved record (owned, in_flight, before_data) and write its outcome.
+        Used for synchronous submissions and by the store-and-forward worker alike."""
         lock = asyncio.Lock()
         state = {"rec": rec}
 
@@ -206,7 +266,7 @@ class Submitter:
             with contextlib.suppress(asyncio.CancelledError, LeaseLost):
                 await renewer
 
-        await self._settle(state["rec"], sub, outcome, s)
+        await self._settle(state["rec"], sub, outcome, s, retry_delay)
         if outcome.kind is Kind.UNAVAILABLE:
             # Nothing reached a provider, so nothing was spent: give the cap unit back.
             with contextlib.suppress(StoreUnavailable):
@@ -220,7 +280,14 @@ class Submitter:
             outcome.upstream_id,
         )
 
-    async def _settle(self, rec: Record, sub: Submission, outcome: Outcome, s: LedgerSettings) -> None:
+    async def _settle(
+        self,
+        rec: Record,
+        sub: Submission,
+        outcome: Outcome,
+        s: LedgerSettings,
+        retry_delay: float | None = None,
+    ) -> None:
         """Write the outcome durably. The provider has already answered, so this is retried
         rather than abandoned: a lost 250 would later read as `unknown`, never a resend.
         If the record vanished meanwhile (a Redis failover or eviction), the outcome is
@@ -233,9 +300,14 @@ class Submitter:
                     extra={"zone": sub.zone, "key": sub.key},
                 )
             base = current or rec
-            new = ledger.settle(base, sub.attempt_id, self.instance, outcome, self.clock(), s, sub.message_id)
+            new = ledger.settle(
+                base, sub.attempt_id, self.instance, outcome, self.clock(), s, sub.message_id, retry_delay
+            )
             try:
-                conflict = await self.store.put(new, current.version if current else None)
+                if new.lane is not None and current is not None:
+                    conflict = await self.store.requeue(new, current.version, queue_due(new))
+                else:
+                    conflict = await self.store.put(new, current.version if current else None)
             except StoreUnavailable:
                 await asyncio.sleep(min(0.05 * 2**attempt, 2.0))
                 continue
@@ -258,6 +330,18 @@ class Submitter:
                         f"upstream {reply.code} {reply.enhanced} {reply.text}"[:300],
                         now,
                     )
+
+
+def message_class(message: Message, config: Config, zone: ZoneConfig) -> str | Reply:
+    values = message.get_all(config.queue.class_header)
+    if not values:
+        return zone.default_class or config.queue.default_class
+    name = values[0].strip().lower()
+    if len(values) > 1 or name not in config.queue.classes:
+        return replies.malformed_message(
+            f"{config.queue.class_header} must be one of {', '.join(sorted(config.queue.classes))}"
+        )
+    return name
 
 
 def _first(values: list[str]) -> str | None:

@@ -1,15 +1,28 @@
 """Store-and-forward scheduling (DESIGN.md §4a): backoff and priority lanes.
 
-Lanes are served by class priority without starving the lower ones: every claim gives
-each lane with work a share weighted by its priority (a lane of priority p weighs 4^-p,
-so otp:transactional:bulk = 16:4:1), and at least one slot; what a lane cannot use goes
-to the others in priority order.
+Lanes are served by class priority without starving the lower ones: each free worker slot
+goes to a lane drawn with weight 4^-priority (otp:transactional:bulk = 16:4:1), and what a
+lane cannot use goes to the others in priority order.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
+
+from smtpguard.policy.ledger import Record, State
+
+HELD = 1e18
+"""A due time that never comes: the entry stays (its body kept) until an operator acts."""
+
+
+def queue_due(rec: Record) -> float | None:
+    """Where a store-and-forward entry goes after a write: off the queue once final, kept
+    but never due while unknown (an operator decides), else due at its next attempt."""
+    if rec.state in (State.DELIVERED, State.FAILED, State.EXPIRED):
+        return None
+    if rec.state is State.UNKNOWN:
+        return HELD
+    return rec.next_attempt_at if rec.next_attempt_at is not None else rec.updated_at
 
 
 def backoff_delay(attempt: int, base: float, ceiling: float, jitter: float) -> float:
@@ -21,25 +34,27 @@ def backoff_delay(attempt: int, base: float, ceiling: float, jitter: float) -> f
     return raw / 2 + raw / 2 * jitter
 
 
-def lane_quotas(free: int, lanes: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
-    """Split `free` worker slots between lanes given as (name, priority), best first."""
-    if free <= 0 or not lanes:
-        return []
+def lane_quotas(
+    free: int, lanes: Sequence[tuple[str, int]], draws: Sequence[float]
+) -> list[tuple[str, int]]:
+    """Split `free` worker slots between lanes given as (name, priority).
+
+    Each slot goes to a lane drawn at random with weight 4^-priority (`draws` are uniform
+    numbers in [0,1), one per slot), so under saturation bulk still gets about 1 slot in 21
+    and is never starved. Every lane is returned, best first, zero quotas included: the
+    store gives slots a lane cannot use to the lanes after it, in this order.
+    """
     ordered = sorted(lanes, key=lambda lane: lane[1])
+    if free <= 0 or not ordered:
+        return []
     weights = [4.0**-priority for _, priority in ordered]
     total = sum(weights)
-    quotas = [max(1, math.floor(free * w / total)) for w in weights]
-    # Give any slots left by rounding to the best lanes, then trim from the worst.
-    spare = free - sum(quotas)
-    i = 0
-    while spare > 0:
-        quotas[i % len(quotas)] += 1
-        spare -= 1
-        i += 1
-    i = len(quotas) - 1
-    while sum(quotas) > free and i >= 0:
-        if quotas[i] > 0:
-            quotas[i] -= 1
-        else:
-            i -= 1
-    return [(name, q) for (name, _), q in zip(ordered, quotas, strict=True) if q > 0]
+    counts = [0] * len(ordered)
+    for u in draws[:free]:
+        point, acc = u * total, 0.0
+        for i, w in enumerate(weights):
+            acc += w
+            if point < acc or i == len(weights) - 1:
+                counts[i] += 1
+                break
+    return [(name, n) for (name, _), n in zip(ordered, counts, strict=True)]

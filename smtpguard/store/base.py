@@ -26,6 +26,7 @@ from typing import Protocol
 
 from smtpguard.policy.ledger import Record
 from smtpguard.policy.limits import CapCheck, CapReached
+from smtpguard.policy.queue import HELD as HELD  # re-exported: stores write it as a due time
 
 
 class StoreUnavailable(Exception):
@@ -84,10 +85,6 @@ class QueueEntry:
     claimed: bool
     enqueued_at: float
     size: int
-
-
-HELD = 1e18
-"""A due time that never comes: the entry stays (its body kept) until an operator acts."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,170 @@
+"""The store-and-forward worker (DESIGN.md §4a): claims due entries lane by lane and relays
+them through the same path as a synchronous submission.
+
+Any instance sharing the store delivers what any instance accepted. A claim is a lease:
+an instance killed with `kill -9` gives its claims back when they expire, and the ledger
+then decides (before_data: retried; data_sent: unknown, never re-sent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable
+
+from smtpguard import replies
+from smtpguard.config import Config
+from smtpguard.policy import ledger
+from smtpguard.policy.ledger import Submission
+from smtpguard.policy.limits import cap_check, caps_for
+from smtpguard.policy.queue import backoff_delay, lane_quotas, queue_due
+from smtpguard.relay import Envelope
+from smtpguard.replies import Reply
+from smtpguard.store import HELD, Claimed, Store, StoreUnavailable
+from smtpguard.submission import Result, Submitter, new_id
+
+log = logging.getLogger("smtpguard.delivery")
+
+HOLD_PAUSED = 1.0
+"""A paused zone's lane is looked at again this often, so `resume` takes effect quickly."""
+
+
+class DeliveryWorker:
+    def __init__(
+        self,
+        submitter: Submitter,
+        store: Store,
+        on_result: Callable[[str, Result], None],
+        rng: random.Random | None = None,
+    ) -> None:
+        self.submitter = submitter
+        self.store = store
+        self.on_result = on_result
+        self.rng = rng or random.Random()
+        self._wake = asyncio.Event()
+        self._active: set[asyncio.Task[None]] = set()
+        self._stopping = False
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def config(self) -> Config:
+        return self.submitter.config
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self, timeout: float) -> None:
+        """Stop claiming; let deliveries in flight finish (bounded). What is left unfinished
+        returns to the queue when its claim expires; nothing is lost."""
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._active:
+            _, pending = await asyncio.wait(self._active, timeout=timeout)
+            for task in pending:
+                task.cancel()
+            if pending:
+                log.warning(
+                    "stopped with deliveries in flight; their claims expire and return",
+                    extra={"deliveries": len(pending)},
+                )
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            free = self.config.queue.workers - len(self._active)
+            claimed: list[Claimed] = []
+            if free > 0:
+                lanes = [(name, c.priority) for name, c in self.config.queue.classes.items()]
+                try:
+                    quotas = lane_quotas(free, lanes, [self.rng.random() for _ in range(free)])
+                    claimed = await self.store.claim(
+                        self.submitter.clock(), quotas, self.config.event_key.lease
+                    )
+                except StoreUnavailable as e:
+                    log.warning("queue claim failed: store unavailable", extra={"error": str(e)})
+            for item in claimed:
+                task = asyncio.create_task(self._deliver(item))
+                self._active.add(task)
+                task.add_done_callback(self._done)
+            if claimed and len(claimed) >= free:
+                # Full: wait for a slot, not for the poll interval.
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.config.queue.poll_interval)
+                continue
+            if not claimed:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.config.queue.poll_interval)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._active.discard(task)
+        self._wake.set()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("delivery failed unexpectedly", exc_info=task.exception())
+
+    async def _deliver(self, item: Claimed) -> None:
+        rec = item.record
+        store = self.store
+        clock = self.submitter.clock
+        zone = self.config.zones.get(rec.zone)
+        now = clock()
+        attempt_id = new_id(now)
+        instance = self.submitter.instance
+        settings = self.submitter.settings(zone) if zone else ledger.LedgerSettings()
+        try:
+            verdict = ledger.on_claim(rec, attempt_id, instance, now, settings)
+            if isinstance(verdict, ledger.Finish):
+                if verdict.decision == "busy":
+                    return
+                final = verdict.record or rec
+                await store.requeue(final, rec.version, queue_due(final))
+                if verdict.record is not None:
+                    self.on_result(rec.zone, Result(_reply_of(final), verdict.decision, rec.key))
+                return
+            taken = verdict.record
+            if await store.put(taken, rec.version) is not None:
+                return  # someone else moved it first; their write stands
+            if zone is None:
+                await self._hold(taken, attempt_id, now + 60.0)
+                return
+            if zone.paused or await store.is_paused(rec.zone):
+                await self._hold(taken, attempt_id, now + HOLD_PAUSED)
+                return
+            caps = caps_for(zone.plan, zone.hourly_cap, zone.monthly_cap)
+            reached = await store.consume_cap(cap_check(rec.zone, caps, attempt_id, now))
+            if reached is not None:
+                # Capped: wait for a slot (monthly: look again in an hour; max_age may expire it).
+                await self._hold(taken, attempt_id, reached.free_at or now + 3600.0)
+                return
+            backoff = self.config.queue.backoff
+            delay = backoff_delay(len(rec.attempts) + 1, backoff.base, backoff.max, self.rng.random())
+            msg = item.message
+            sub = Submission(rec.zone, rec.key, rec.fingerprint, attempt_id, instance, rec.message_id)
+            env = Envelope(rec.zone, rec.key, attempt_id, msg.sender, msg.recipients, msg.content)
+            result = await self.submitter.relay(taken, env, sub, settings, retry_delay=delay)
+            self.on_result(rec.zone, result)
+        except StoreUnavailable as e:
+            # The claim expires and the entry returns; the ledger decides what happens then.
+            log.warning(
+                "delivery interrupted: store unavailable",
+                extra={"zone": rec.zone, "key": rec.key, "error": str(e)},
+            )
+
+    async def _hold(self, rec: ledger.Record, attempt_id: str, until: float) -> None:
+        held = ledger.hold(rec, attempt_id, self.submitter.clock(), until)
+        if held is not None:
+            await self.store.requeue(held, rec.version, until if until < HELD else HELD)
+
+
+def _reply_of(rec: ledger.Record) -> Reply:
+    if rec.state is ledger.State.EXPIRED:
+        return replies.expired(rec.key)
+    return replies.outcome_unknown(rec.key)
