@@ -1,0 +1,102 @@
+"""Store-and-forward crash loop: `kill -9` during deliveries to a slow upstream, restart.
+Counted at the upstream: of every message answered `250 queued`, none is sent twice and
+none is lost (each is delivered once, or held as unknown for an operator)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from collections import Counter
+from pathlib import Path
+
+import aiosmtplib
+
+from smtpguard.config import loads
+from smtpguard.store import store_from_url
+from tests.support import (
+    Behaviour,
+    GuardProcess,
+    Upstream,
+    base_config,
+    free_port,
+    message,
+    send,
+    write_config,
+)
+
+ITERATIONS = 12
+PER_ITERATION = 4
+
+
+async def test_queue_mode_kill_9_loop(tmp: Path, upstream: Upstream) -> None:
+    seed = int(os.environ.get("SMTPGUARD_CRASH_SEED", "20261129"))
+    rng = random.Random(seed)
+    upstream.handler.default = Behaviour(hang_after_dot=0.2)
+    port = free_port()
+    cfg = base_config(
+        tmp,
+        upstream.port,
+        zones__acme__delivery="queue",
+        zones__acme__hourly_cap=100_000,
+        zones__acme__monthly_cap=1_000_000,
+    )
+    cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
+    cfg["event_key"] = {"inflight_wait": "200ms", "min_retry_interval": "60s", "lease": "1s"}
+    cfg["queue"] = {"backoff": {"base": "100ms", "max": "500ms"}, "workers": 4, "poll_interval": "100ms"}
+    cfg["breaker"] = {"failure_threshold": 50, "cooldown": "1s"}
+    path = write_config(tmp / "c.yaml", cfg)
+    proc = GuardProcess(path, tmp / "guard.log")
+
+    accepted: list[str] = []
+    for i in range(ITERATIONS):
+        proc.start()
+        await proc.wait_port(port)
+        for j in range(PER_ITERATION):
+            key = f"qc:{i}:{j}"
+            try:
+                reply = await send(port, message(key), timeout=5)
+            except (aiosmtplib.SMTPException, OSError):
+                continue
+            if reply.code == 250:
+                accepted.append(key)
+        await asyncio.sleep(rng.uniform(0.0, 0.6))
+        proc.kill()
+
+    # A last instance delivers everything still queued (claims of the dead return after
+    # their lease), then stops.
+    proc.start()
+    await proc.wait_port(port)
+    config = loads(path.read_text())
+    store = store_from_url(config.store.url)
+    await store.open()
+    try:
+        for _ in range(300):
+            entries = [e for e in await store.queue_entries("acme") if e.due_at is not None]
+            if not entries:
+                break
+            await asyncio.sleep(0.1)
+        records = {k: await store.get("acme", k) for k in accepted}
+    finally:
+        await store.close()
+        proc.stop()
+
+    counts = Counter(upstream.event_keys())
+    states = Counter(r.state.value if r else "missing" for r in records.values())
+    duplicates = {k: n for k, n in counts.items() if n > 1}
+    lost = [
+        k
+        for k, r in records.items()
+        if r is None
+        or (r.state.value == "delivered" and counts[k] != 1)
+        or r.state.value not in ("delivered", "unknown")
+    ]
+    print(
+        f"queue crash loop seed={seed} iterations={ITERATIONS} accepted={len(accepted)} "
+        f"delivered={states['delivered']} held_unknown={states['unknown']} "
+        f"duplicates={len(duplicates)} lost={len(lost)}"
+    )
+    assert accepted
+    assert duplicates == {}
+    assert lost == []
+    assert all(counts[k] <= 1 for k, r in records.items() if r and r.state.value == "unknown")
