@@ -121,6 +121,7 @@ class RecordingHandler:
         if b.data:
             return b.data
         self.received.append(Received(envelope.mail_from or "", list(envelope.rcpt_tos), content))
+        queue_id = f"Q{len(self.received)}"
         self.arrived.set()
         if b.drop_after_dot:
             assert server.transport is not None
@@ -128,7 +129,7 @@ class RecordingHandler:
             return "250 2.0.0 never seen"
         if b.hang_after_dot:
             await asyncio.sleep(b.hang_after_dot)
-        return f"250 2.0.0 Ok: queued as Q{len(self.received)}"
+        return f"250 2.0.0 Ok: queued as {queue_id}"
 
 
 class Upstream:
@@ -341,6 +342,10 @@ class GuardProcess:
             self.proc.wait()
         with contextlib.suppress(Exception):
             self._log.close()
+
+    async def astop(self, timeout: float = 10) -> int:
+        """stop() off the event loop, so an in-process upstream keeps answering the drain."""
+        return await asyncio.to_thread(self.stop, timeout)
 
     def stop(self, timeout: float = 10) -> int:
         rc = -1

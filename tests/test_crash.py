@@ -72,7 +72,7 @@ async def test_kill_9_loop_loses_nothing_and_sends_nothing_twice(
             await asyncio.sleep(0.25)
         else:
             raise AssertionError(f"{key}: no definitive answer after restart")
-        proc.stop()
+        await proc.astop()
 
     counts = Counter(upstream.event_keys())
     duplicates = {k: n for k, n in counts.items() if n > 1}

@@ -137,7 +137,7 @@ async def test_sighup_reloads_users_and_refuses_a_bad_file(tmp: Path, upstream: 
         )
         assert still.code == 250
     finally:
-        assert proc.stop() == 0
+        assert await proc.astop() == 0
     log = (tmp / "guard.log").read_text()
     assert "reload refused" in log and "config reloaded" in log
     assert upstream.event_keys() == ["g1", "g2"]
@@ -163,7 +163,7 @@ async def test_sigterm_lets_in_flight_submission_finish(tmp: Path, upstream: Ups
         with pytest.raises(OSError):
             await asyncio.open_connection("127.0.0.1", port)
     finally:
-        proc.stop()
+        await proc.astop()
     assert len(upstream.received) == 1
 
 

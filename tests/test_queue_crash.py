@@ -79,7 +79,7 @@ async def test_queue_mode_kill_9_loop(tmp: Path, upstream: Upstream) -> None:
         records = {k: await store.get("acme", k) for k in accepted}
     finally:
         await store.close()
-        proc.stop()
+        await proc.astop()
 
     counts = Counter(upstream.event_keys())
     states = Counter(r.state.value if r else "missing" for r in records.values())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -18,9 +19,13 @@ from smtpguard.policy.ledger import LedgerSettings, Record, State, Submission
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached, Caps, cap_check, month_of
 from smtpguard.policy.outcome import Kind, Outcome, upstream_reply
 from smtpguard.store import (
+    HELD,
     CapUsage,
+    Claimed,
     Conflict,
     Paused,
+    QueuedMessage,
+    QueueEntry,
     Reserved,
     Store,
     StoreUnavailable,
@@ -62,6 +67,36 @@ def fresh(key: str, zone: str = "acme", now: float = NOW, attempt: str | None = 
 
 def settled(rec: Record, now: float, state: State = State.DELIVERED) -> Record:
     return replace(rec, state=state, version=rec.version + 1, updated_at=now, owner=None, lease_until=None)
+
+
+PRIORITY = {"otp": 0, "transactional": 1, "bulk": 2, "other": 3}
+LEASE = 30.0
+
+
+def queued(
+    key: str, zone: str = "acme", now: float = NOW, lane: str = "transactional", due: float | None = None
+) -> Record:
+    sub = Submission(
+        zone, key, f"fp:{key}", f"att:{key}", "inst-1", f"<{key}@test>", lane=lane, max_age=3 * DAY
+    )
+    verdict = ledger.decide(None, sub, now, LedgerSettings())
+    assert isinstance(verdict, ledger.Proceed) and verdict.record.state is State.QUEUED
+    return replace(verdict.record, next_attempt_at=now if due is None else due)
+
+
+def body(key: str, lane: str = "transactional") -> QueuedMessage:
+    # Not UTF-8 on purpose: an 8BITMIME body in Latin-1 must come back byte for byte.
+    content = f"Subject: {key}\r\n\r\n".encode() + b"caf\xe9 \xff\x00\r\n"
+    return QueuedMessage("billing@acme.example", ("a@example.com", "B@example.com"), content, PRIORITY[lane])
+
+
+async def put_queued(store: Store, *recs: Record) -> None:
+    for rec in recs:
+        assert await store.enqueue(rec, None, body(rec.key, rec.lane or "")) is None
+
+
+def keys_of(claimed: list[Claimed]) -> list[str]:
+    return [c.record.key for c in claimed]
 
 
 def cap(token: str, now: float = NOW, hourly: int = 10, monthly: int = 1000, zone: str = "acme") -> CapCheck:
@@ -404,6 +439,239 @@ async def test_purge_trims_stale_window_entries(store: Store) -> None:
     assert await store.cap_usage("acme", NOW + 1, MONTH) == CapUsage(0, 1)
 
 
+# --- store-and-forward queue -----------------------------------------------------------------
+async def test_enqueue_writes_the_record_and_the_message(store: Store) -> None:
+    rec = queued("q1")
+    assert await store.enqueue(rec, None, body("q1")) is None
+    assert await store.get("acme", "q1") == rec
+    assert await store.queue_entries("acme") == [
+        QueueEntry("acme", "q1", "transactional", "queued", NOW, False, NOW, len(body("q1").content))
+    ]
+    assert await store.claim(NOW, [("transactional", 5)], LEASE) == [Claimed(rec, body("q1"))]
+
+
+async def test_enqueue_is_compare_and_swap(store: Store) -> None:
+    rec = queued("q1")
+    assert await store.enqueue(rec, None, body("q1")) is None
+    rival = replace(queued("q1"), sg_id="att:rival")
+    other = QueuedMessage("billing@acme.example", ("c@example.com",), b"rival", 1)
+    assert await store.enqueue(rival, None, other) == Conflict(rec)
+    assert await store.enqueue(queued("q2"), 4, body("q2")) == Conflict(None)
+    assert await store.get("acme", "q1") == rec
+    assert await store.get("acme", "q2") is None
+    # The loser's message was not kept either.
+    assert await store.claim(NOW, [("transactional", 5)], LEASE) == [Claimed(rec, body("q1"))]
+    # Over the expected version, the entry is replaced, claim and all.
+    again = replace(rec, version=2, updated_at=NOW + 1, next_attempt_at=NOW + 1)
+    assert await store.enqueue(again, 1, other) is None
+    assert await store.claim(NOW + 1, [("transactional", 5)], LEASE) == [Claimed(again, other)]
+
+
+async def test_claim_takes_only_due_entries_oldest_first(store: Store) -> None:
+    await put_queued(store, queued("late", due=NOW + 20), queued("soon", due=NOW + 10), queued("now"))
+    assert await store.claim(NOW - 1, [("transactional", 5)], LEASE) == []
+    assert keys_of(await store.claim(NOW + 10, [("transactional", 5)], LEASE)) == ["now", "soon"]
+    assert keys_of(await store.claim(NOW + 19.9, [("transactional", 5)], LEASE)) == []
+    assert keys_of(await store.claim(NOW + 20, [("transactional", 5)], LEASE)) == ["late"]
+
+
+async def test_claim_respects_quotas_and_lane_order(store: Store) -> None:
+    for lane in ("bulk", "otp", "transactional"):
+        await put_queued(store, *(queued(f"{lane}{i}", lane=lane, due=NOW + i) for i in range(3)))
+    await put_queued(store, queued("other0", lane="other"))
+    quotas = [("otp", 2), ("transactional", 1), ("bulk", 1)]
+    first = await store.claim(NOW + 5, quotas, LEASE)
+    assert keys_of(first) == ["otp0", "otp1", "transactional0", "bulk0"]
+    assert [c.message.priority for c in first] == [0, 0, 1, 2]
+    second = await store.claim(NOW + 5, quotas, LEASE)
+    assert keys_of(second) == ["otp2", "transactional1", "bulk1", "transactional2"]
+    assert keys_of(await store.claim(NOW + 5, quotas, LEASE)) == ["bulk2"]
+    # A lane no quota names is never served.
+    assert await store.claim(NOW + 5, quotas, LEASE) == []
+    assert await store.claim(NOW + 5, [], LEASE) == []
+    assert await store.claim(NOW + 5, [("other", 0)], LEASE) == []
+
+
+async def test_claim_fills_what_a_lane_cannot_use_from_the_others(store: Store) -> None:
+    await put_queued(store, queued("otp0", lane="otp"))
+    for lane in ("transactional", "bulk"):
+        await put_queued(store, *(queued(f"{lane}{i}", lane=lane, due=NOW + i) for i in range(5)))
+    quotas = [("otp", 3), ("transactional", 2), ("bulk", 1)]
+    got = await store.claim(NOW + 10, quotas, LEASE)
+    # Quotas first (otp has only one), then the two spare slots from the lanes in order.
+    assert keys_of(got) == [
+        "otp0",
+        "transactional0",
+        "transactional1",
+        "bulk0",
+        "transactional2",
+        "transactional3",
+    ]
+    got = await store.claim(NOW + 10, quotas, LEASE)
+    assert keys_of(got) == ["transactional4", "bulk1", "bulk2", "bulk3", "bulk4"]
+
+
+async def test_claim_serves_zones_by_due_time(store: Store) -> None:
+    for i in range(6):
+        zone = "acme" if i % 2 == 0 else "globex"
+        await put_queued(store, queued(f"{zone}{i}", zone=zone, due=NOW + i))
+    first = await store.claim(NOW + 10, [("transactional", 4)], LEASE)
+    assert [(c.record.zone, c.record.key) for c in first] == [
+        ("acme", "acme0"),
+        ("globex", "globex1"),
+        ("acme", "acme2"),
+        ("globex", "globex3"),
+    ]
+    assert keys_of(await store.claim(NOW + 10, [("transactional", 4)], LEASE)) == ["acme4", "globex5"]
+
+
+async def test_a_claim_hides_the_entry_until_its_lease_passes(store: Store) -> None:
+    rec = queued("q1")
+    await put_queued(store, rec)
+    assert await store.claim(NOW, [("transactional", 5)], LEASE) == [Claimed(rec, body("q1"))]
+    assert await store.claim(NOW + 1, [("transactional", 5)], LEASE) == []
+    assert await store.claim(NOW + LEASE, [("transactional", 5)], LEASE) == []
+    # The worker died: the entry comes back once its claim has expired, message and all.
+    assert await store.claim(NOW + LEASE + 0.5, [("transactional", 5)], LEASE) == [Claimed(rec, body("q1"))]
+    assert await store.claim(NOW + LEASE + 1, [("transactional", 5)], LEASE) == []
+
+
+async def test_concurrent_claims_hand_out_each_entry_once(store: Store) -> None:
+    recs = [
+        queued(
+            f"c{i}", zone=("acme", "globex")[i % 2], lane=("transactional", "bulk")[i % 3 == 0], due=NOW + i
+        )
+        for i in range(10)
+    ]
+    await put_queued(store, *recs)
+    quotas = [("transactional", 1), ("bulk", 1)]
+    results = await asyncio.gather(*(store.claim(NOW + 10, quotas, LEASE) for _ in range(20)))
+    handed = Counter((c.record.zone, c.record.key) for got in results for c in got)
+    print(
+        f"claim race: 20 claimers, 10 entries → {sum(handed.values())} handed out, max {max(handed.values())}"
+    )
+    assert handed == Counter((r.zone, r.key) for r in recs)
+    assert all(len(got) <= 2 for got in results)
+    assert await store.claim(NOW + 10, quotas, LEASE) == []
+
+
+async def test_requeue_without_due_takes_the_entry_off_the_queue(store: Store) -> None:
+    rec = queued("q1")
+    await put_queued(store, rec)
+    [claimed] = await store.claim(NOW, [("transactional", 5)], LEASE)
+    done = settled(claimed.record, NOW + 1)
+    assert await store.requeue(done, 1, None) is None
+    assert await store.get("acme", "q1") == done
+    assert await store.queue_entries("acme") == []
+    assert await store.queue_entries(None) == []
+    assert await store.claim(NOW + 10 * LEASE, [("transactional", 5)], LEASE) == []
+
+
+async def test_requeue_with_a_due_time_makes_it_due_again_and_unclaimed(store: Store) -> None:
+    rec = queued("q1")
+    await put_queued(store, rec)
+    await store.claim(NOW, [("transactional", 5)], 10 * LEASE)
+    later = replace(rec, state=State.DEFERRED, version=2, updated_at=NOW + 1, next_attempt_at=NOW + 60)
+    assert await store.requeue(later, 1, NOW + 60) is None
+    [entry] = await store.queue_entries("acme")
+    assert (entry.state, entry.due_at, entry.claimed) == ("deferred", NOW + 60, False)
+    assert await store.claim(NOW + 59, [("transactional", 5)], LEASE) == []
+    # Due again before the old claim (10 leases) would have run out: requeue cleared it.
+    assert await store.claim(NOW + 60, [("transactional", 5)], LEASE) == [Claimed(later, body("q1"))]
+
+
+async def test_requeue_is_compare_and_swap(store: Store) -> None:
+    rec = queued("q1")
+    await put_queued(store, rec)
+    [claimed] = await store.claim(NOW, [("transactional", 5)], LEASE)
+    stale = replace(rec, state=State.DEFERRED, version=3, updated_at=NOW + 1)
+    assert await store.requeue(stale, 2, None) == Conflict(rec)
+    assert await store.requeue(stale, 2, NOW) == Conflict(rec)
+    assert await store.requeue(queued("ghost"), 1, None) == Conflict(None)
+    assert await store.get("acme", "q1") == rec
+    # Neither write touched the entry: still queued, still claimed.
+    [entry] = await store.queue_entries("acme")
+    assert entry.key == "q1" and entry.due_at == NOW
+    assert await store.claim(NOW + 1, [("transactional", 5)], LEASE) == []
+    assert await store.claim(NOW + LEASE + 1, [("transactional", 5)], LEASE) == [claimed]
+
+
+async def test_held_entries_are_never_due(store: Store) -> None:
+    rec = queued("q1")
+    await put_queued(store, rec, queued("q2", due=HELD))
+    await store.claim(NOW, [("transactional", 5)], LEASE)
+    lost = replace(rec, state=State.UNKNOWN, version=2, updated_at=NOW + 1)
+    assert await store.requeue(lost, 1, HELD) is None
+    for t in (NOW + 10 * DAY, 1e17, HELD - 1e3):
+        assert await store.claim(t, [("transactional", 5)], LEASE) == []
+    entries = await store.queue_entries("acme")
+    assert [(e.key, e.state, e.due_at, e.claimed) for e in entries] == [
+        ("q1", "unknown", None, False),
+        ("q2", "queued", None, False),
+    ]
+    # Kept whole for the operator.
+    assert [e.size for e in entries] == [len(body("q1").content), len(body("q2").content)]
+
+
+async def test_queue_entries_list_every_zone_with_state(store: Store) -> None:
+    t = time.time()
+    await put_queued(
+        store,
+        queued("b1", lane="bulk", now=t),
+        queued("t1", now=t, due=t + 5),
+        queued("o1", lane="otp", now=t, due=t + 9),
+        queued("g1", zone="globex", now=t, due=t + 1),
+    )
+    [claimed] = await store.claim(t, [("bulk", 1)], 3600)
+    assert claimed.record.key == "b1"
+    entries = await store.queue_entries(None)
+    assert [(e.zone, e.key, e.lane, e.state, e.due_at, e.claimed) for e in entries] == [
+        ("acme", "o1", "otp", "queued", t + 9, False),
+        ("globex", "g1", "transactional", "queued", t + 1, False),
+        ("acme", "t1", "transactional", "queued", t + 5, False),
+        ("acme", "b1", "bulk", "queued", t, True),
+    ]
+    assert all(e.enqueued_at == t and e.size == len(body(e.key).content) for e in entries)
+    assert [e.key for e in await store.queue_entries("globex")] == ["g1"]
+    assert await store.queue_entries("initech") == []
+
+
+async def test_an_entry_whose_record_was_purged_is_dropped(store: Store) -> None:
+    rec = replace(queued("q1"), state=State.DEFERRED)
+    await put_queued(store, rec, queued("q2"))
+    await store.requeue(replace(queued("q2"), state=State.DELIVERED, version=2), 1, None)
+    assert await store.purge(NOW + RETENTION + 1, RETENTION) == 2
+    assert await store.claim(NOW + RETENTION + 1, [("transactional", 5)], LEASE) == []
+    assert await store.queue_entries(None) == []
+
+
+async def test_consume_cap_is_exact_under_concurrency(store: Store) -> None:
+    results = await asyncio.gather(*(store.consume_cap(cap(f"t{i}", NOW + i, hourly=10)) for i in range(30)))
+    won = [i for i, res in enumerate(results) if res is None]
+    assert len(won) == 10
+    assert [res for res in results if res is not None] == [CapReached("hour", 10, NOW + min(won) + HOUR)] * 20
+    assert await store.cap_usage("acme", NOW + 30, MONTH) == CapUsage(10, 10)
+    # The same counters as reserve(): one cap, whichever path consumes it.
+    assert await store.reserve(fresh("k1"), None, cap("t99", NOW + 30, hourly=10), False) == CapReached(
+        "hour", 10, NOW + min(won) + HOUR
+    )
+    await store.refund("acme", f"t{won[0]}", MONTH)
+    assert await store.consume_cap(cap("t100", NOW + 31, hourly=10)) is None
+    assert await store.consume_cap(cap("t101", NOW + 31, hourly=10)) == CapReached(
+        "hour", 10, NOW + sorted(won)[1] + HOUR
+    )
+
+
+async def test_consume_cap_monthly_is_exact_under_concurrency(store: Store) -> None:
+    results = await asyncio.gather(
+        *(store.consume_cap(cap(f"t{i}", hourly=100, monthly=7, zone="globex")) for i in range(30))
+    )
+    assert results.count(None) == 7
+    assert results.count(CapReached("month", 7)) == 23
+    assert await store.cap_usage("globex", NOW, MONTH) == CapUsage(7, 7)
+    assert await store.cap_usage("acme", NOW, MONTH) == CapUsage(0, 0)
+
+
 # --- cancellation ----------------------------------------------------------------------------
 async def test_a_cancelled_caller_stops(store: Store) -> None:
     """The relay cancels its lease renewer when the upstream answers, then awaits it: a
@@ -538,6 +806,59 @@ async def test_redis_keys_of_a_zone_share_its_cluster_slot(redis_server: RedisSe
             "sg:zones",
             "sg:{auth:192.0.2.1}:fail",
         }
+    finally:
+        await s.close()
+        await plain.aclose()
+
+
+async def test_redis_queue_keys_share_the_zone_slot_and_idle_zones_leave_the_claim(
+    redis_server: RedisServer,
+) -> None:
+    plain = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    await plain.flushall()
+    s = RedisStore(redis_server.url)
+    await s.open()
+    try:
+        for zone in ("acme", "globex"):
+            await put_queued(s, queued("k1", zone=zone), queued("k2", zone=zone, lane="bulk"))
+        assert len(await s.claim(NOW, [("transactional", 2), ("bulk", 2)], LEASE)) == 4
+        keys = [str(k) for k in await plain.keys("*")]
+        by_zone = {z: [k for k in keys if f"{{{z}}}" in k] for z in ("acme", "globex")}
+        # records, index, entries, lanes, claimed, queue
+        assert len(by_zone["acme"]) == len(by_zone["globex"]) == 9
+        for zone, zone_keys in by_zone.items():
+            assert {key_slot(k.encode()) for k in zone_keys} == {key_slot(zone.encode())}
+        assert {k for k in keys if "{" not in k} == {"sg:zones", "sg:queued-zones"}
+
+        # acme's queue empties: the next claim stops looking at acme.
+        for key in ("k1", "k2"):
+            rec = await s.get("acme", key)
+            assert rec is not None
+            assert await s.requeue(settled(rec, NOW + 1), rec.version, None) is None
+        assert len(await s.claim(NOW + 2 * LEASE, [("transactional", 5), ("bulk", 5)], LEASE)) == 2
+        assert await plain.smembers("sg:queued-zones") == {"globex"}
+        assert await plain.exists("sg:{acme}:lane:transactional", "sg:{acme}:claimed", "sg:{acme}:queue") == 0
+
+        # An enqueue that died before listing its zone: a new process finds the zone anyway.
+        await put_queued(s, queued("k3"))
+        await plain.srem("sg:queued-zones", "acme")
+        fresh_process = RedisStore(redis_server.url)
+        await fresh_process.open()
+        try:
+            assert keys_of(await fresh_process.claim(NOW + 4 * LEASE, [("transactional", 5)], LEASE)) == [
+                "k3",
+                "k1",
+            ]
+        finally:
+            await fresh_process.close()
+        assert await plain.smembers("sg:queued-zones") == {"acme", "globex"}
+
+        # Redis lost its script cache (restart, SCRIPT FLUSH): the byte-exact claim reloads it.
+        await plain.script_flush()
+        rec = await s.get("globex", "k2")
+        assert rec is not None
+        assert await s.requeue(rec, rec.version, NOW) is None
+        assert await s.claim(NOW + 4 * LEASE, [("bulk", 5)], LEASE) == [Claimed(rec, body("k2", "bulk"))]
     finally:
         await s.close()
         await plain.aclose()

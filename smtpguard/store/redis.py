@@ -28,17 +28,22 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.connection import parse_url
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.client import NEVER_DECODE
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached
 from smtpguard.policy.senders import normalize_address
 from smtpguard.store.base import (
+    HELD,
     CapUsage,
+    Claimed,
     Conflict,
     Paused,
+    QueuedMessage,
+    QueueEntry,
     Reserved,
     ReserveResult,
     StoreUnavailable,
@@ -59,6 +64,13 @@ _PURGE_BATCH = 500
 # How often one process re-announces a zone in the zone set (it survives a Redis data loss).
 _ZONE_ANNOUNCE_EVERY = 300.0
 _ZONES = "sg:zones"
+# Zones that may have store-and-forward entries: what claim() looks at. A zone is added after
+# each enqueue and dropped by a claim that finds its queue empty; every
+# _ZONE_ANNOUNCE_EVERY a claim also looks at every known zone, in case an enqueue died
+# between its write and that add.
+_QUEUED_ZONES = "sg:queued-zones"
+# Peek-and-claim rounds of one claim across zones before it settles for fewer entries.
+_CLAIM_ROUNDS = 4
 _SETTLED_EXCLUDED = (State.IN_FLIGHT.value, State.QUEUED.value)
 
 # KEYS: record, paused, sends, month, index
@@ -134,6 +146,165 @@ end
 return {deleted, kept}
 """
 
+# KEYS: sends, month.  ARGV: monthly cap, hourly cap, hour start, token, now, trim before,
+# month ttl.  The cap half of _RESERVE, for store-and-forward, which checks caps at delivery.
+_CONSUME = """
+if tonumber(redis.call('GET', KEYS[2]) or '0') >= tonumber(ARGV[1]) then return {'month'} end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[6])
+if redis.call('ZCOUNT', KEYS[1], ARGV[3], '+inf') >= tonumber(ARGV[2]) then
+  local oldest = redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[3], '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  return {'hour', oldest[2] or false}
+end
+redis.call('ZADD', KEYS[1], 'NX', ARGV[5], ARGV[4])
+redis.call('INCR', KEYS[2])
+redis.call('EXPIRE', KEYS[2], ARGV[7])
+return {'ok'}
+"""
+
+# The queue of a zone (DESIGN.md §4a), every key under the zone's hash tag:
+#   q:<key>       hash: lane, prio, due, enq, from, rcpt (JSON), body — the message itself
+#   lane:<lane>   zset: key → due time (HELD: never due); every entry, claimed or not
+#   claimed       zset: key → claimed until; an entry is hidden while its score >= now
+#   queue         set: every key with an entry (queue listing, and "is this zone's queue empty")
+# Scripts that must find entries they were not told about (claim, listing, requeue's lane)
+# build those keys from the zone prefix: each still hashes to the zone's slot, so the
+# script stays on one Cluster node.
+
+# KEYS: record, index, entry, claimed, queue, lane
+# ARGV: expected version ('' = absent), version, state, data, index score, key, zone prefix,
+#       lane, priority, due, enqueued at, sender, recipients, content
+_ENQUEUE = """
+local cur = redis.call('HMGET', KEYS[1], 'v', 'd')
+if ARGV[1] == '' then
+  if cur[1] then return {'conflict', cur[2]} end
+elseif cur[1] ~= ARGV[1] then
+  return {'conflict', cur[2] or false}
+end
+redis.call('HSET', KEYS[1], 'v', ARGV[2], 's', ARGV[3], 'd', ARGV[4])
+redis.call('ZADD', KEYS[2], ARGV[5], ARGV[6])
+local old = redis.call('HGET', KEYS[3], 'lane')
+if old and old ~= ARGV[8] then redis.call('ZREM', ARGV[7] .. 'lane:' .. old, ARGV[6]) end
+redis.call('DEL', KEYS[3])
+redis.call('HSET', KEYS[3], 'lane', ARGV[8], 'prio', ARGV[9], 'due', ARGV[10], 'enq', ARGV[11],
+  'from', ARGV[12], 'rcpt', ARGV[13], 'body', ARGV[14])
+redis.call('ZADD', KEYS[6], ARGV[10], ARGV[6])
+redis.call('ZREM', KEYS[4], ARGV[6])
+redis.call('SADD', KEYS[5], ARGV[6])
+return {'ok'}
+"""
+
+# KEYS: record, index, entry, claimed, queue
+# ARGV: expected version, version, state, data, index score, key, zone prefix,
+#       due ('' = take the entry off the queue)
+_REQUEUE = """
+local cur = redis.call('HMGET', KEYS[1], 'v', 'd')
+if cur[1] ~= ARGV[1] then return {'conflict', cur[2] or false} end
+redis.call('HSET', KEYS[1], 'v', ARGV[2], 's', ARGV[3], 'd', ARGV[4])
+redis.call('ZADD', KEYS[2], ARGV[5], ARGV[6])
+local lane = redis.call('HGET', KEYS[3], 'lane')
+if ARGV[8] == '' then
+  if lane then redis.call('ZREM', ARGV[7] .. 'lane:' .. lane, ARGV[6]) end
+  redis.call('DEL', KEYS[3])
+  redis.call('ZREM', KEYS[4], ARGV[6])
+  redis.call('SREM', KEYS[5], ARGV[6])
+elseif lane then
+  redis.call('HSET', KEYS[3], 'due', ARGV[8])
+  redis.call('ZADD', ARGV[7] .. 'lane:' .. lane, ARGV[8], ARGV[6])
+  redis.call('ZREM', KEYS[4], ARGV[6])
+end
+return {'ok'}
+"""
+
+# Read only. KEYS: claimed, queue, lane…  ARGV: now, limit.
+# Returns {queue size, {key, due, …} per lane}: up to `limit` due, unclaimed entries of each
+# lane, oldest first, so claim() can pick the oldest across zones.
+_PEEK = """
+local now, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
+local result = {redis.call('SCARD', KEYS[2])}
+for li = 3, #KEYS do
+  local found, offset = {}, 0
+  while #found < 2 * limit do
+    local batch = redis.call('ZRANGEBYSCORE', KEYS[li], '-inf', ARGV[1], 'WITHSCORES', 'LIMIT', offset, limit)
+    if #batch == 0 then break end
+    for i = 1, #batch, 2 do
+      local until_ = redis.call('ZSCORE', KEYS[1], batch[i])
+      if #found < 2 * limit and (not until_ or tonumber(until_) < now) then
+        found[#found + 1] = batch[i]
+        found[#found + 1] = batch[i + 1]
+      end
+    end
+    offset = offset + #batch / 2
+  end
+  result[#result + 1] = found
+end
+return result
+"""
+
+# KEYS: claimed, queue, lane…  ARGV: now, claimed until, total, zone prefix, count per lane…
+# Takes up to each lane's count of due (score <= now), unclaimed (claimed score < now)
+# entries, oldest first, then fills up to `total` from the lanes in order; marks each claimed.
+# An entry whose record or body is gone (purged) is dropped from the queue, not handed out.
+# Returns {queue size, {key, lane index, due, record, sender, recipients, content, priority}…}.
+_CLAIM = """
+local now, prefix = tonumber(ARGV[1]), ARGV[4]
+local taken, out, gone = {}, {}, {}
+local function take(li, want)
+  local lane, got, offset = KEYS[li + 2], 0, 0
+  while got < want do
+    local batch = redis.call('ZRANGEBYSCORE', lane, '-inf', ARGV[1], 'WITHSCORES',
+      'LIMIT', offset, want - got)
+    if #batch == 0 then break end
+    for i = 1, #batch, 2 do
+      local m = batch[i]
+      if not taken[m] then
+        local until_ = redis.call('ZSCORE', KEYS[1], m)
+        if not until_ or tonumber(until_) < now then
+          taken[m] = true
+          local rec = redis.call('HGET', prefix .. 'ev:' .. m, 'd')
+          local q = redis.call('HMGET', prefix .. 'q:' .. m, 'from', 'rcpt', 'body', 'prio')
+          if rec and q[1] then
+            redis.call('ZADD', KEYS[1], ARGV[2], m)
+            out[#out + 1] = {m, li, batch[i + 1], rec, q[1], q[2], q[3], q[4]}
+            got = got + 1
+          else
+            gone[#gone + 1] = {lane, m}
+          end
+        end
+      end
+    end
+    offset = offset + #batch / 2
+  end
+  return got
+end
+for li = 1, #KEYS - 2 do take(li, tonumber(ARGV[li + 4])) end
+local room = tonumber(ARGV[3]) - #out
+for li = 1, #KEYS - 2 do
+  if room <= 0 then break end
+  room = room - take(li, room)
+end
+for _, g in ipairs(gone) do
+  redis.call('ZREM', g[1], g[2])
+  redis.call('ZREM', KEYS[1], g[2])
+  redis.call('SREM', KEYS[2], g[2])
+  redis.call('DEL', prefix .. 'q:' .. g[2])
+end
+return {redis.call('SCARD', KEYS[2]), out}
+"""
+
+# Read only. KEYS: queue, claimed.  ARGV: zone prefix.
+# Returns {key, lane, priority, due, enqueued at, size, state ('' = no record), claimed until}…
+_ENTRIES = """
+local out = {}
+for _, m in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local q = redis.call('HMGET', ARGV[1] .. 'q:' .. m, 'lane', 'prio', 'due', 'enq')
+  if q[1] then
+    out[#out + 1] = {m, q[1], q[2], q[3], q[4], redis.call('HSTRLEN', ARGV[1] .. 'q:' .. m, 'body'),
+      redis.call('HGET', ARGV[1] .. 'ev:' .. m, 's') or '', redis.call('ZSCORE', KEYS[2], m) or ''}
+  end
+end
+return out
+"""
+
 
 def _zone_key(zone: str, name: str) -> str:
     return f"sg:{{{zone}}}:{name}"
@@ -141,6 +312,14 @@ def _zone_key(zone: str, name: str) -> str:
 
 def _record_key(zone: str, key: str) -> str:
     return _zone_key(zone, f"ev:{key}")
+
+
+def _entry_key(zone: str, key: str) -> str:
+    return _zone_key(zone, f"q:{key}")
+
+
+def _lane_key(zone: str, lane: str) -> str:
+    return _zone_key(zone, f"lane:{lane}")
 
 
 def _auth_key(ip: str) -> str:
@@ -181,7 +360,14 @@ class RedisStore:
         self._put: AsyncScript | None = None
         self._refund: AsyncScript | None = None
         self._purge: AsyncScript | None = None
+        self._consume: AsyncScript | None = None
+        self._enqueue: AsyncScript | None = None
+        self._requeue: AsyncScript | None = None
+        self._peek: AsyncScript | None = None
+        self._claim: AsyncScript | None = None
+        self._entries: AsyncScript | None = None
         self._zones_announced: dict[str, float] = {}
+        self._queued_swept_at: float | None = None
 
     # --- plumbing ----------------------------------------------------------------------------
     async def open(self) -> None:
@@ -211,6 +397,12 @@ class RedisStore:
         self._put = client.register_script(_PUT)
         self._refund = client.register_script(_REFUND)
         self._purge = client.register_script(_PURGE)
+        self._consume = client.register_script(_CONSUME)
+        self._enqueue = client.register_script(_ENQUEUE)
+        self._requeue = client.register_script(_REQUEUE)
+        self._peek = client.register_script(_PEEK)
+        self._claim = client.register_script(_CLAIM)
+        self._entries = client.register_script(_ENTRIES)
         self._client = client
 
     async def close(self) -> None:
@@ -370,6 +562,268 @@ class RedisStore:
     async def _trim_window(self, zone: str, before: float) -> None:
         await self._r.zremrangebyscore(_zone_key(zone, "sends"), "-inf", f"({before!r}")
 
+    @_translated
+    async def consume_cap(self, cap: CapCheck) -> CapReached | None:
+        # Announced so that purge trims the zone's window, as it does for reserve().
+        await self._announce_zone(cap.zone)
+        keys = [_zone_key(cap.zone, "sends"), _zone_key(cap.zone, f"month:{cap.month}")]
+        args: list[str | int | float] = [
+            cap.caps.monthly,
+            cap.caps.hourly,
+            cap.hour_start,
+            cap.token,
+            cap.now,
+            cap.now - _WINDOW_KEEP,
+            _MONTH_TTL,
+        ]
+        reply = await self._script(self._consume)(keys, args)
+        if reply[0] == "ok":
+            return None
+        if reply[0] == "month":
+            return CapReached("month", cap.caps.monthly)
+        oldest = float(reply[1]) if reply[1] else None
+        return CapReached("hour", cap.caps.hourly, (oldest or cap.now) + HOUR)
+
+    # --- store-and-forward queue -------------------------------------------------------------
+    async def enqueue(
+        self, record: Record, expected_version: int | None, message: QueuedMessage
+    ) -> Conflict | None:
+        conflict = await self._enqueue_entry(record, expected_version, message)
+        if conflict is None:
+            # After the write: a claim that found the zone's queue empty and is dropping the
+            # zone re-checks after its SREM, so one of the two always leaves the zone listed.
+            await self._add_queued_zone(record.zone)
+        return conflict
+
+    @_translated
+    async def _enqueue_entry(
+        self, record: Record, expected_version: int | None, message: QueuedMessage
+    ) -> Conflict | None:
+        zone, lane = record.zone, record.lane or ""
+        await self._announce_zone(zone)
+        keys = [
+            _record_key(zone, record.key),
+            _zone_key(zone, "idx"),
+            _entry_key(zone, record.key),
+            _zone_key(zone, "claimed"),
+            _zone_key(zone, "queue"),
+            _lane_key(zone, lane),
+        ]
+        args: list[str | int | float | bytes] = [
+            "" if expected_version is None else str(expected_version),
+            str(record.version),
+            record.state.value,
+            _dump(record),
+            record.updated_at,
+            record.key,
+            _zone_key(zone, ""),
+            lane,
+            message.priority,
+            record.next_attempt_at if record.next_attempt_at is not None else record.updated_at,
+            record.updated_at,
+            message.sender,
+            json.dumps(list(message.recipients)),
+            message.content,
+        ]
+        reply = await self._script(self._enqueue)(keys, args)
+        if reply[0] == "ok":
+            return None
+        return Conflict(_load(reply[1]))
+
+    @_translated
+    async def _add_queued_zone(self, zone: str) -> None:
+        await self._r.sadd(_QUEUED_ZONES, zone)
+
+    @_translated
+    async def requeue(self, record: Record, expected_version: int, due: float | None) -> Conflict | None:
+        zone = record.zone
+        keys = [
+            _record_key(zone, record.key),
+            _zone_key(zone, "idx"),
+            _entry_key(zone, record.key),
+            _zone_key(zone, "claimed"),
+            _zone_key(zone, "queue"),
+        ]
+        args: list[str | float] = [
+            str(expected_version),
+            str(record.version),
+            record.state.value,
+            _dump(record),
+            record.updated_at,
+            record.key,
+            _zone_key(zone, ""),
+            "" if due is None else due,
+        ]
+        reply = await self._script(self._requeue)(keys, args)
+        if reply[0] == "ok":
+            return None
+        return Conflict(_load(reply[1]))
+
+    async def claim(self, now: float, quotas: list[tuple[str, int]], lease: float) -> list[Claimed]:
+        """Claims zone by zone: each zone's script is atomic in its slot, which is all a claim
+        needs (an entry belongs to one zone, and a claimed entry is hidden from every other
+        script). With several zones queued, a pipelined peek first finds the oldest due
+        entries across zones, so zones are served in due order as by the SQLite backend; a
+        zone that gives fewer than planned (a rival claimed them since the peek) sends the
+        claim round again for what is left."""
+        lanes: list[str] = []
+        counts: list[int] = []
+        for lane, n in quotas:
+            if lane in lanes:
+                counts[lanes.index(lane)] += max(n, 0)
+            else:
+                lanes.append(lane)
+                counts.append(max(n, 0))
+        total = sum(counts)
+        if total <= 0:
+            return []
+        listed = set(await self._smembers(_QUEUED_ZONES))
+        zones = set(listed)
+        swept = self._queued_swept_at
+        if swept is None or time.monotonic() - swept >= _ZONE_ANNOUNCE_EVERY:
+            zones |= set(await self._smembers(_ZONES))
+            self._queued_swept_at = time.monotonic()
+        if not zones:
+            return []
+        got: list[tuple[int, float, str, str, Claimed]] = []
+        sizes: dict[str, int] = {}
+        want, room = counts, total
+        for _ in range(_CLAIM_ROUNDS):
+            plan: dict[str, tuple[list[int], int]]
+            if len(zones) == 1:
+                # The zone's script alone makes the whole choice, quotas then fill.
+                plan = {zone: (want, room) for zone in zones}
+            else:
+                peeked, due = await self._peek_zones(sorted(zones), lanes, now, room)
+                sizes.update(peeked)
+                plan = {zone: (n, sum(n)) for zone, n in _plan(due, want, room).items()}
+            results = await asyncio.gather(
+                *(self._claim_zone(zone, lanes, n, t, now, now + lease) for zone, (n, t) in plan.items()),
+                return_exceptions=True,
+            )
+            short = False
+            errors: list[BaseException] = []
+            for (zone, (_, planned)), result in zip(plan.items(), results, strict=True):
+                if isinstance(result, BaseException):
+                    errors.append(result)
+                    continue
+                sizes[zone] = result[0]
+                got += result[1]
+                short = short or len(result[1]) < planned
+            if errors:
+                if not got:
+                    raise errors[0]
+                # What was claimed is returned; the error comes back on the next claim.
+                break
+            room = total - len(got)
+            if not short or room <= 0 or len(zones) == 1:
+                break
+            per_lane = [sum(1 for g in got if g[0] == li) for li in range(len(lanes))]
+            want = [max(n - k, 0) for n, k in zip(counts, per_lane, strict=True)]
+        await self._tidy_queued_zones(listed, sizes)
+        # The order the SQLite backend returns: each lane's quota, oldest first, then the fill.
+        by_lane: list[list[Claimed]] = [[] for _ in lanes]
+        for li, _, _, _, claimed in sorted(got, key=lambda g: g[:4]):
+            by_lane[li].append(claimed)
+        ordered = [c for li, n in enumerate(counts) for c in by_lane[li][:n]]
+        return ordered + [c for li, n in enumerate(counts) for c in by_lane[li][n:]]
+
+    @_translated
+    async def _smembers(self, key: str) -> list[str]:
+        return [str(m) for m in await self._r.smembers(key)]
+
+    @_translated
+    async def _peek_zones(
+        self, zones: list[str], lanes: list[str], now: float, limit: int
+    ) -> tuple[dict[str, int], list[list[tuple[float, str, str]]]]:
+        """Each zone's queue size, and per lane the due, unclaimed (due, zone, key) entries."""
+        script = self._script(self._peek)
+        async with self._r.pipeline(transaction=False) as pipe:
+            for zone in zones:
+                keys = [_zone_key(zone, "claimed"), _zone_key(zone, "queue")]
+                keys += [_lane_key(zone, lane) for lane in lanes]
+                await script(keys, [now, limit], client=pipe)
+            replies = await pipe.execute()
+        sizes: dict[str, int] = {}
+        due: list[list[tuple[float, str, str]]] = [[] for _ in lanes]
+        for zone, reply in zip(zones, replies, strict=True):
+            sizes[zone] = int(reply[0])
+            for li, found in enumerate(reply[1:]):
+                due[li] += [(float(found[i + 1]), zone, str(found[i])) for i in range(0, len(found), 2)]
+        return sizes, due
+
+    async def _tidy_queued_zones(self, listed: set[str], sizes: dict[str, int]) -> None:
+        for zone, size in sizes.items():
+            if size and zone not in listed:
+                await self._add_queued_zone(zone)
+            elif not size and zone in listed:
+                await self._drop_queued_zone(zone)
+
+    @_translated
+    async def _drop_queued_zone(self, zone: str) -> None:
+        await self._r.srem(_QUEUED_ZONES, zone)
+        # An enqueue may have written after our look and added the zone before our SREM.
+        if await self._r.scard(_zone_key(zone, "queue")):
+            await self._r.sadd(_QUEUED_ZONES, zone)
+
+    @_translated
+    async def _claim_zone(
+        self, zone: str, lanes: list[str], counts: list[int], total: int, now: float, until: float
+    ) -> tuple[int, list[tuple[int, float, str, str, Claimed]]]:
+        keys = [_zone_key(zone, "claimed"), _zone_key(zone, "queue")]
+        keys += [_lane_key(zone, lane) for lane in lanes]
+        args = [now, until, total, _zone_key(zone, ""), *counts]
+        # Undecoded: the message content is bytes, not necessarily UTF-8.
+        size, entries = await self._eval_raw(self._script(self._claim), keys, args)
+        out: list[tuple[int, float, str, str, Claimed]] = []
+        for key, li, due, data, sender, recipients, content, priority in entries:
+            record = Record.from_dict(json.loads(data))
+            message = QueuedMessage(
+                sender.decode(), tuple(json.loads(recipients)), bytes(content), int(priority)
+            )
+            out.append((int(li) - 1, float(due), zone, key.decode(), Claimed(record, message)))
+        return int(size), out
+
+    async def _eval_raw(self, script: AsyncScript, keys: list[str], args: list[Any]) -> Any:
+        """EVALSHA with the reply left as bytes (redis-py's AsyncScript always decodes)."""
+        execute: Callable[..., Awaitable[Any]] = self._r.execute_command
+        try:
+            return await execute("EVALSHA", script.sha, len(keys), *keys, *args, **{NEVER_DECODE: True})
+        except NoScriptError:
+            # Redis restarted or was flushed: load the script and run it (it has not run).
+            await self._r.script_load(script.script)
+            return await execute("EVALSHA", script.sha, len(keys), *keys, *args, **{NEVER_DECODE: True})
+
+    async def queue_entries(self, zone: str | None) -> list[QueueEntry]:
+        if zone is not None:
+            zones = [zone]
+        else:
+            zones = sorted(set(await self._smembers(_QUEUED_ZONES)) | set(await self._smembers(_ZONES)))
+        now = time.time()
+        out: list[tuple[int, float, QueueEntry]] = []
+        for z in zones:
+            for key, lane, priority, due, enqueued, size, state, until in await self._zone_entries(z):
+                due_at = float(due)
+                entry = QueueEntry(
+                    z,
+                    key,
+                    lane,
+                    state or "?",
+                    None if due_at >= HELD else due_at,
+                    bool(until) and float(until) > now,
+                    float(enqueued),
+                    int(size),
+                )
+                out.append((int(priority), due_at, entry))
+        out.sort(key=lambda e: (e[0], e[1], e[2].zone, e[2].key))
+        return [entry for _, _, entry in out]
+
+    @_translated
+    async def _zone_entries(self, zone: str) -> list[list[Any]]:
+        keys = [_zone_key(zone, "queue"), _zone_key(zone, "claimed")]
+        entries: list[list[Any]] = await self._script(self._entries)(keys, [_zone_key(zone, "")])
+        return entries
+
     # --- zones -------------------------------------------------------------------------------
     @_translated
     async def set_paused(self, zone: str, paused: bool) -> None:
@@ -453,3 +907,24 @@ class RedisStore:
     @_translated
     async def auth_failures(self, ip: str, now: float, window: float) -> int:
         return int(await self._r.zcount(_auth_key(ip), f"({now - window!r}", "+inf"))
+
+
+def _plan(due: list[list[tuple[float, str, str]]], counts: list[int], total: int) -> dict[str, list[int]]:
+    """How many entries each zone gives from each lane: the SQLite backend's choice (each
+    lane's quota of the oldest due, then the rest of the total from the lanes in order) made
+    over the (due, zone, key) entries peeked from every zone."""
+    for entries in due:
+        entries.sort()
+    taken = [min(n, len(entries)) for n, entries in zip(counts, due, strict=True)]
+    room = total - sum(taken)
+    for li, entries in enumerate(due):
+        if room <= 0:
+            break
+        more = min(room, len(entries) - taken[li])
+        taken[li] += more
+        room -= more
+    plan: dict[str, list[int]] = {}
+    for li, entries in enumerate(due):
+        for _, zone, _ in entries[: taken[li]]:
+            plan.setdefault(zone, [0] * len(counts))[li] += 1
+    return plan
