@@ -267,16 +267,7 @@ def decide(existing: Record | None, sub: Submission, now: float, s: LedgerSettin
         if existing.phase is Phase.DATA_SENT:
             # The owner died after the final dot may have gone out: a blind retry is how
             # duplicates are made (RFC 1047). Hold it for an operator.
-            lost = _bump(existing, now, state=State.UNKNOWN, owner=None, lease_until=None)
-            lost = _audit(
-                lost,
-                now,
-                "smtpguard",
-                "lease_expired",
-                State.IN_FLIGHT,
-                State.UNKNOWN,
-                f"owner {existing.owner} lost its lease after the final dot",
-            )
+            lost = _lost_after_dot(existing, now)
             return Transition(lost, existing.version, replies.outcome_unknown(sub.key), "unknown_held")
         return Proceed(_retry(existing, sub, now, s), existing.version)
     if state is State.DEFERRED:
@@ -288,6 +279,20 @@ def decide(existing: Record | None, sub: Submission, now: float, s: LedgerSettin
     if state is State.UNKNOWN:
         return Answer(replies.outcome_unknown(sub.key), "unknown_held")
     return Answer(replies.expired(sub.key), "expired")
+
+
+def _lost_after_dot(rec: Record, now: float) -> Record:
+    """The owner's lease ran out after the final dot may have gone: nobody knows the outcome."""
+    lost = _bump(rec, now, state=State.UNKNOWN, owner=None, lease_until=None)
+    return _audit(
+        lost,
+        now,
+        "smtpguard",
+        "lease_expired",
+        State.IN_FLIGHT,
+        State.UNKNOWN,
+        f"owner {rec.owner} lost its lease after the final dot",
+    )
 
 
 def _fresh(sub: Submission, now: float, s: LedgerSettings) -> Record:
@@ -497,17 +502,7 @@ def on_claim(rec: Record, attempt_id: str, instance: str, now: float, s: LedgerS
         if rec.lease_until is not None and rec.lease_until > now:
             return Finish(None, "busy")
         if rec.phase is Phase.DATA_SENT:
-            lost = _bump(rec, now, state=State.UNKNOWN, owner=None, lease_until=None)
-            lost = _audit(
-                lost,
-                now,
-                "smtpguard",
-                "lease_expired",
-                State.IN_FLIGHT,
-                State.UNKNOWN,
-                f"owner {rec.owner} lost its lease after the final dot",
-            )
-            return Finish(lost, "unknown_held")
+            return Finish(_lost_after_dot(rec, now), "unknown_held")
     if rec.expires_at is not None and now >= rec.expires_at:
         gone = _bump(
             rec, now, state=State.EXPIRED, owner=None, lease_until=None, phase=None, next_attempt_at=None

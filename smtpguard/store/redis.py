@@ -100,9 +100,10 @@ redis.call('ZADD', KEYS[5], ARGV[14], ARGV[15])
 return {'ok'}
 """
 
-# KEYS: record, index.  ARGV: expected version ('' = absent), version, state, data, index
-# score, key
-_PUT = """
+# The compare-and-swap every record write starts with (put, enqueue, requeue).
+# KEYS[1] record, KEYS[2] index; ARGV[1] expected version ('' = absent), ARGV[2] version,
+# ARGV[3] state, ARGV[4] data, ARGV[5] index score, ARGV[6] key.
+_CAS_WRITE = """
 local cur = redis.call('HMGET', KEYS[1], 'v', 'd')
 if ARGV[1] == '' then
   if cur[1] then return {'conflict', cur[2]} end
@@ -111,6 +112,11 @@ elseif cur[1] ~= ARGV[1] then
 end
 redis.call('HSET', KEYS[1], 'v', ARGV[2], 's', ARGV[3], 'd', ARGV[4])
 redis.call('ZADD', KEYS[2], ARGV[5], ARGV[6])
+"""
+
+# KEYS: record, index.  ARGV: expected version ('' = absent), version, state, data, index
+# score, key
+_PUT = _CAS_WRITE + """
 return {'ok'}
 """
 
@@ -173,15 +179,7 @@ return {'ok'}
 # KEYS: record, index, entry, claimed, queue, lane
 # ARGV: expected version ('' = absent), version, state, data, index score, key, zone prefix,
 #       lane, priority, due, enqueued at, sender, recipients, content
-_ENQUEUE = """
-local cur = redis.call('HMGET', KEYS[1], 'v', 'd')
-if ARGV[1] == '' then
-  if cur[1] then return {'conflict', cur[2]} end
-elseif cur[1] ~= ARGV[1] then
-  return {'conflict', cur[2] or false}
-end
-redis.call('HSET', KEYS[1], 'v', ARGV[2], 's', ARGV[3], 'd', ARGV[4])
-redis.call('ZADD', KEYS[2], ARGV[5], ARGV[6])
+_ENQUEUE = _CAS_WRITE + """
 local old = redis.call('HGET', KEYS[3], 'lane')
 if old and old ~= ARGV[8] then redis.call('ZREM', ARGV[7] .. 'lane:' .. old, ARGV[6]) end
 redis.call('DEL', KEYS[3])
@@ -196,11 +194,7 @@ return {'ok'}
 # KEYS: record, index, entry, claimed, queue
 # ARGV: expected version, version, state, data, index score, key, zone prefix,
 #       due ('' = take the entry off the queue)
-_REQUEUE = """
-local cur = redis.call('HMGET', KEYS[1], 'v', 'd')
-if cur[1] ~= ARGV[1] then return {'conflict', cur[2] or false} end
-redis.call('HSET', KEYS[1], 'v', ARGV[2], 's', ARGV[3], 'd', ARGV[4])
-redis.call('ZADD', KEYS[2], ARGV[5], ARGV[6])
+_REQUEUE = _CAS_WRITE + """
 local lane = redis.call('HGET', KEYS[3], 'lane')
 if ARGV[8] == '' then
   if lane then redis.call('ZREM', ARGV[7] .. 'lane:' .. lane, ARGV[6]) end
