@@ -110,54 +110,21 @@ def cmd_hash_password(args: argparse.Namespace) -> int:
     return 0
 
 
+_TIMES = ("created_at", "updated_at", "next_attempt_at", "lease_until", "valid_until", "expires_at")
+
+
 def history_json(rec: ledger.Record) -> dict[str, Any]:
-    return {
-        "zone": rec.zone,
-        "key": rec.key,
-        "state": rec.state.value,
-        "fingerprint": rec.fingerprint,
-        "sg_id": rec.sg_id,
-        "upstream_id": rec.upstream_id,
-        "message_id": rec.message_id,
-        "created_at": iso(rec.created_at),
-        "updated_at": iso(rec.updated_at),
-        "next_attempt_at": iso(rec.next_attempt_at),
-        "class": rec.lane,
-        "queue_id": rec.queue_id,
-        "expires_at": iso(rec.expires_at),
-        "owner": rec.owner,
-        "lease_until": iso(rec.lease_until),
-        "phase": rec.phase.value if rec.phase else None,
-        "reply": rec.reply.to_dict() if rec.reply else None,
-        "attempts": [
-            {
-                "at": iso(a.at),
-                "attempt_id": a.attempt_id,
-                "instance": a.instance,
-                "provider": a.provider,
-                "phase": a.phase,
-                "outcome": a.outcome,
-                "code": a.code,
-                "enhanced": a.enhanced,
-                "text": a.text,
-                "upstream_id": a.upstream_id,
-                "message_id": a.message_id,
-                "rejected": [{"address": addr, **r.to_dict()} for addr, r in a.rejected],
-            }
-            for a in rec.attempts
-        ],
-        "audit": [
-            {
-                "at": iso(e.at),
-                "actor": e.actor,
-                "action": e.action,
-                "from_state": e.from_state,
-                "to_state": e.to_state,
-                "note": e.note,
-            }
-            for e in rec.audit
-        ],
-    }
+    """The record as `history --json` prints it: the ledger's own fields, times in ISO 8601."""
+    doc = rec.to_dict()
+    for name in _TIMES:
+        doc[name] = iso(doc[name])
+    doc["class"] = doc.pop("lane")
+    for a in doc["attempts"]:
+        a["at"] = iso(a["at"])
+        a["rejected"] = [{"address": addr, **reply} for addr, reply in a["rejected"]]
+    for e in doc["audit"]:
+        e["at"] = iso(e["at"])
+    return doc
 
 
 def cmd_history(args: argparse.Namespace) -> int:
