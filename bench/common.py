@@ -1,0 +1,543 @@
+"""Shared parts of the benchmarks: free ports, child processes stopped by PID, memory readings,
+the upstream sink, redis-server, a private Postfix relay and smtpguard configs.
+
+Every server is bound to 127.0.0.1 on a free port, started as a child of the bench, and
+stopped by its PID (terminate, then kill after a bounded wait).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+PY = sys.executable
+
+ZONE = "bench"
+USER = "bench-app"
+PASSWORD = "bench-password-not-secret"
+SENDER = "billing@bench.example"
+RECIPIENT = "customer@example.com"
+HUGE_CAP = 100_000_000
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_port(port: int, timeout: float = 20.0, proc: Proc | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and not proc.alive():
+            raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}: {proc.tail()}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+
+
+def install_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so every `finally` stops the servers it started."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def raise_nofile(want: int) -> int:
+    """Raise the soft open-files limit towards `want` (bounded by the hard limit)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+# --- child processes -------------------------------------------------------------------------
+class Proc:
+    """A child process with its output in a log file; stop() ends it by PID."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        stdout_pipe: bool = False,
+    ) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = log_path
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.popen = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE if stdout_pipe else self._log,
+            stderr=self._log,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            cwd=str(ROOT),
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, n: int = 1500) -> str:
+        with contextlib.suppress(OSError):
+            self._log.flush()
+            return self.log_path.read_text(errors="replace")[-n:]
+        return ""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+        with contextlib.suppress(Exception):
+            if self.popen.stdout is not None:
+                self.popen.stdout.close()
+        with contextlib.suppress(Exception):
+            self._log.close()
+
+
+# --- memory ----------------------------------------------------------------------------------
+def proc_status(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM of one process, in kB ({} when it is gone)."""
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    name, value = line.split(":", 1)
+                    out[name] = int(value.split()[0])
+    except OSError:
+        return {}
+    return out
+
+
+def descendants(root: int) -> list[int]:
+    """root and every process below it (by /proc/*/stat parent links)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo and len(out) < 10_000:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(root: int) -> float:
+    """CPU time (user + system) of `root`, its live descendants, and the children it has
+    already reaped (for Postfix, whose master reaps short-lived daemons)."""
+    total = 0.0
+    for pid in descendants(root):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # fields[0] is state (stat field 3): utime=14, stime=15, cutime=16, cstime=17
+        total += int(fields[11]) + int(fields[12])
+        if pid == root:
+            total += int(fields[13]) + int(fields[14])
+    return total / _TICK
+
+
+def pss_mb(pids: list[int]) -> float:
+    """Proportional set size summed over `pids`, in MB: shared pages (libraries, Postfix's
+    shared text) counted once overall instead of once per process."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1])
+                        break
+        except OSError:
+            continue
+    return total * 1024 / 1e6
+
+
+def memory_mb(pids: list[int]) -> tuple[float, float]:
+    """(VmRSS, VmHWM) summed over `pids`, in MB (10^6 bytes)."""
+    rss = hwm = 0
+    for pid in pids:
+        st = proc_status(pid)
+        rss += st.get("VmRSS", 0)
+        hwm += st.get("VmHWM", 0)
+    return rss * 1024 / 1e6, hwm * 1024 / 1e6
+
+
+# --- the upstream sink -----------------------------------------------------------------------
+_MESG = re.compile(rb"mesg=(\d+)")
+
+
+class Sink:
+    """Postfix's smtp-sink when installed (`-c` counters), else bench/sink.py (same counters)."""
+
+    def __init__(self, tmp: Path, force_python: bool = False) -> None:
+        self.port = free_port()
+        exe = shutil.which("smtp-sink")
+        if exe is None and Path("/usr/sbin/smtp-sink").exists():
+            exe = "/usr/sbin/smtp-sink"
+        if exe and not force_python:
+            argv = [exe]
+            if os.geteuid() == 0:
+                argv += ["-u", "nobody"]
+            argv += ["-c", f"127.0.0.1:{self.port}", "256"]
+            self.kind = "smtp-sink"
+        else:
+            argv = [PY, "-m", "bench.sink", str(self.port)]
+            self.kind = "python-asyncio-sink"
+        self.proc = Proc("sink", argv, tmp / "sink.log", stdout_pipe=True)
+        self._count = 0
+        self._tail = b""
+        self._reader = threading.Thread(target=self._read, name="sink-counters", daemon=True)
+        self._reader.start()
+        wait_port(self.port, 10, self.proc)
+
+    def _read(self) -> None:
+        out = self.proc.popen.stdout
+        assert out is not None
+        while True:
+            try:
+                chunk = os.read(out.fileno(), 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            buf = self._tail + chunk
+            found = _MESG.findall(buf)
+            if found:
+                self._count = int(found[-1])
+            self._tail = buf[-64:]
+
+    def count(self) -> int:
+        return self._count
+
+    def settled_count(self, quiet: float = 0.3, timeout: float = 30.0) -> int:
+        """The count once it has not moved for `quiet` seconds (bounded by `timeout`)."""
+        deadline = time.monotonic() + timeout
+        last, since = self._count, time.monotonic()
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            now = self._count
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since >= quiet:
+                break
+        return self._count
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+# --- redis-server ----------------------------------------------------------------------------
+class Redis:
+    """A private redis-server: no RDB snapshots, `appendonly no` (durability is not what the
+    relay bench compares; smtpguard's docs ask for appendfsync always in production)."""
+
+    def __init__(self, tmp: Path) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed")
+        self.port = free_port()
+        d = tmp / "redis"
+        d.mkdir(exist_ok=True)
+        self.proc = Proc(
+            "redis-server",
+            [
+                exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--daemonize", "no", "--dir", str(d),
+            ],
+            tmp / "redis.log",
+        )  # fmt: skip
+        wait_port(self.port, 10, self.proc)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def used_memory(self) -> int:
+        import redis
+
+        r = redis.Redis(host="127.0.0.1", port=self.port)
+        try:
+            return int(r.info("memory")["used_memory"])
+        finally:
+            r.close()
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+# --- a private Postfix relay -----------------------------------------------------------------
+_MASTER_CF = """\
+{port} inet n - n - - smtpd
+pickup    unix  n       -       n       60      1       pickup
+cleanup   unix  n       -       n       -       0       cleanup
+qmgr      unix  n       -       n       300     1       qmgr
+rewrite   unix  -       -       n       -       -       trivial-rewrite
+bounce    unix  -       -       n       -       0       bounce
+defer     unix  -       -       n       -       0       bounce
+trace     unix  -       -       n       -       0       bounce
+verify    unix  -       -       n       -       1       verify
+flush     unix  n       -       n       1000?   0       flush
+proxymap  unix  -       -       n       -       -       proxymap
+proxywrite unix -       -       n       -       1       proxymap
+smtp      unix  -       -       n       -       -       smtp
+relay     unix  -       -       n       -       -       smtp
+showq     unix  n       -       n       -       -       showq
+error     unix  -       -       n       -       -       error
+retry     unix  -       -       n       -       -       error
+discard   unix  -       -       n       -       -       discard
+local     unix  -       n       n       -       -       local
+anvil     unix  -       -       n       -       1       anvil
+scache    unix  -       -       n       -       1       scache
+postlog   unix-dgram n  -       n       -       1       postlogd
+"""
+
+
+class Postfix:
+    """A private Postfix instance (its own config, queue and log under `tmp`) relaying every
+    message to the sink. Clients from 127.0.0.1 relay without AUTH (mynetworks). Runs with
+    `postfix start-fg`, so the master daemon is our child and is stopped by its PID."""
+
+    def __init__(self, tmp: Path, sink_port: int) -> None:
+        if shutil.which("postfix") is None and not Path("/usr/sbin/postfix").exists():
+            raise RuntimeError("postfix is not installed")
+        self.port = free_port()
+        self.dir = tmp / "postfix"
+        conf = self.dir / "conf"
+        conf.mkdir(parents=True, exist_ok=True)
+        for p in (tmp, self.dir):
+            p.chmod(0o755)
+        (self.dir / "queue").mkdir(exist_ok=True)
+        data = self.dir / "data"
+        data.mkdir(exist_ok=True)
+        with contextlib.suppress(KeyError, PermissionError):
+            import pwd
+
+            pw = pwd.getpwnam("postfix")
+            os.chown(data, pw.pw_uid, pw.pw_gid)
+        main = {
+            "compatibility_level": "3.6",
+            "queue_directory": str(self.dir / "queue"),
+            "data_directory": str(self.dir / "data"),
+            "meta_directory": "/etc/postfix",
+            "myhostname": "bench-postfix.invalid",
+            "mydomain": "invalid",
+            "myorigin": "bench-postfix.invalid",
+            "mydestination": "",
+            "relay_domains": "",
+            "local_recipient_maps": "",
+            "alias_maps": "",
+            "alias_database": "",
+            "mynetworks": "127.0.0.0/8",
+            "inet_interfaces": "127.0.0.1",
+            "inet_protocols": "ipv4",
+            "relayhost": f"[127.0.0.1]:{sink_port}",
+            "smtp_dns_support_level": "disabled",
+            "smtpd_relay_restrictions": "permit_mynetworks, reject_unauth_destination",
+            "smtpd_recipient_restrictions": "permit_mynetworks, reject",
+            "smtp_tls_security_level": "none",
+            "smtpd_tls_security_level": "none",
+            "maillog_file": str(self.dir / "maillog"),
+            "maillog_file_prefixes": str(self.dir),
+            "biff": "no",
+            "smtputf8_enable": "no",
+            "default_process_limit": "200",
+            "smtpd_client_connection_count_limit": "0",
+            "master_service_disable": "",
+        }
+        (conf / "main.cf").write_text("".join(f"{k} = {v}\n" for k, v in main.items()))
+        (conf / "master.cf").write_text(_MASTER_CF.format(port=f"127.0.0.1:{self.port}"))
+        exe = shutil.which("postfix") or "/usr/sbin/postfix"
+        # `postfix check` creates the queue's subdirectories with their owners; then the
+        # master daemon runs in the foreground (-s) as our own child, so its PID is ours.
+        subprocess.run(
+            [exe, "-c", str(conf), "check"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=60,
+            check=False,
+        )
+        daemon_dir = subprocess.run(
+            ["postconf", "-c", str(conf), "-h", "daemon_directory"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout.strip()  # fmt: skip
+        self.proc = Proc(
+            "postfix-master",
+            [f"{daemon_dir}/master", "-c", str(conf), "-s"],
+            tmp / "postfix.log",
+            env={"MAIL_CONFIG": str(conf)},
+        )
+        wait_port(self.port, 30, self.proc)
+
+    def pids(self) -> list[int]:
+        return descendants(self.proc.pid)
+
+    def stop(self) -> None:
+        """SIGTERM to the master (it ends its children), then kill any child left, by PID."""
+        children = [p for p in self.pids() if p != self.proc.pid]
+        self.proc.stop(20)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(proc_status(p) for p in children):
+            time.sleep(0.1)
+        for pid in children:
+            if proc_status(pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+# --- smtpguard -------------------------------------------------------------------------------
+_HASH: list[str] = []
+
+
+def password_hash() -> str:
+    if not _HASH:
+        from smtpguard.passwords import hash_password
+
+        _HASH.append(hash_password(PASSWORD))
+    return _HASH[0]
+
+
+def guard_config(
+    port: int,
+    upstream_port: int,
+    store_url: str,
+    pool_size: int,
+    limits: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "listen": [{"address": f"127.0.0.1:{port}", "tls": "none"}],
+        "store": {"url": store_url},
+        "event_key": {"header": "X-Event-Key", "inflight_wait": "10s", "lease": "30s"},
+        "limits": {"max_recipients": 100, **(limits or {})},
+        "providers": [
+            {
+                "name": "sink",
+                "kind": "smtp",
+                "host": "127.0.0.1",
+                "port": upstream_port,
+                "tls": "none",
+                "pool_size": pool_size,
+                "timeouts": {"connect": "5s", "command": "10s", "data": "10s"},
+            }
+        ],
+        "hostname": "bench-guard.invalid",
+        "log": {"format": "json", "level": "warning"},
+        "zones": {
+            ZONE: {
+                "plan": "unlimited",
+                "hourly_cap": HUGE_CAP,
+                "monthly_cap": HUGE_CAP,
+                "missing_key": "reject",
+                "senders": [SENDER],
+                "users": [{"username": USER, "password_hash": password_hash()}],
+            }
+        },
+    }
+
+
+class Guard:
+    """`python -m smtpguard serve -c CONFIG` as a child process."""
+
+    def __init__(self, tmp: Path, name: str, config: dict[str, Any]) -> None:
+        self.port = int(config["listen"][0]["address"].rsplit(":", 1)[1])
+        cfg_path = tmp / f"{name}.yaml"
+        cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        self.proc = Proc(
+            "smtpguard",
+            [PY, "-m", "smtpguard", "serve", "-c", str(cfg_path)],
+            tmp / f"{name}.log",
+            env={"PYTHONUNBUFFERED": "1"},
+        )
+        wait_port(self.port, 30, self.proc)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self) -> None:
+        self.proc.stop(15)
+
+
+# --- bookkeeping -----------------------------------------------------------------------------
+@contextlib.contextmanager
+def workdir(prefix: str, keep: bool = False) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    path.chmod(0o755)  # Postfix's daemons (user postfix) must reach their queue below it
+    try:
+        yield path
+    finally:
+        if not keep:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "loadavg_at_start": os.getloadavg(),
+        "kernel": platform.release(),
+    }
+
+
+def stamp() -> str:
+    return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+
+
+def write_result(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}-{stamp()}.json"
+    path.write_text(json.dumps(payload, indent=2, default=str))
+    return path
