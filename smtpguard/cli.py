@@ -370,9 +370,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
             )
         return out
 
-    rows = asyncio.run(_with_store(config, gather))
+    async def gather_all(store: Store) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        circuits = [
+            {"instance": c.instance, "provider": c.provider, "circuit": c.circuit, "since": iso(c.at)}
+            for c in await store.circuits()
+        ]
+        return await gather(store), circuits
+
+    rows, circuits = asyncio.run(_with_store(config, gather_all))
     if args.json:
-        print(json.dumps({"zones": rows}, indent=2))
+        print(json.dumps({"zones": rows, "providers": circuits}, indent=2))
         return 0
     print(
         f"{'zone':16} {'sent':>7} {'dups':>6} {'rejected':>8} {'hour':>9} {'month':>13} "
@@ -386,6 +393,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
             f"{sum(r['rejected'].values()):>8} {hour:>9} {month:>13} "
             f"{'yes' if r['paused'] else 'no':>6} {r['suppressed']:>5}"
         )
+    for c in circuits:
+        print(f"provider {c['provider']} on {c['instance']}: circuit {c['circuit']} since {c['since']}")
     return 0
 
 

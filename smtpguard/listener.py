@@ -115,9 +115,7 @@ class GuardSMTP(SMTP):
         self._refused = False
         self._bogus = 0
 
-    def _cb_client_connected(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    def _cb_client_connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         super()._cb_client_connected(reader, writer)
         original = reader.readuntil
 

@@ -24,8 +24,7 @@ _hasher = PasswordHasher()
 # A constant with the hasher's default parameters (of a random password nobody kept):
 # hashing one at import would cost every process start tens of milliseconds.
 _DUMMY_HASH = (
-    "$argon2id$v=19$m=65536,t=3,p=4$"
-    "P2IKb8z1nFjreUcoemOwbg$dr1t8irqQYJd26CS0dcHOKmFvNWwSP/IYFmS9bzXzUk"
+    "$argon2id$v=19$m=65536,t=3,p=4$P2IKb8z1nFjreUcoemOwbg$dr1t8irqQYJd26CS0dcHOKmFvNWwSP/IYFmS9bzXzUk"
 )
 
 

@@ -20,6 +20,7 @@ from smtpguard.delivery import DeliveryWorker
 from smtpguard.listener import GuardSMTP, Handler
 from smtpguard.metrics import HealthServer, Metrics
 from smtpguard.passwords import Verifier
+from smtpguard.policy.breaker import Circuit
 from smtpguard.policy.limits import caps_for, month_of
 from smtpguard.relay import Route, build_providers
 from smtpguard.store import Store, StoreUnavailable, store_from_url
@@ -95,6 +96,7 @@ class Server:
         self.health: HealthServer | None = None
         self.submitter: Submitter | None = None
         self.worker: DeliveryWorker | None = None
+        self._background: set[asyncio.Future[None]] = set()
 
     async def start(self) -> None:
         config = self.config
@@ -109,7 +111,7 @@ class Server:
             config.breaker.cooldown,
             self.clock,
             observe=self.metrics.upstream,
-            on_circuit=self.metrics.circuit,
+            on_circuit=self._circuit_changed,
         )
         submitter = Submitter(config, self.store, self.route, self.instance, self.hostname, self.clock)
         self.submitter = submitter
@@ -171,6 +173,21 @@ class Server:
                 )
 
         return make
+
+    def _circuit_changed(self, provider: str, circuit: Circuit) -> None:
+        """Metrics at once; the store too, so `smtpguard stats` shows every instance's view."""
+        self.metrics.circuit(provider, circuit)
+        if self.store is not None:
+            task = asyncio.ensure_future(self._publish_circuit(provider, circuit))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _publish_circuit(self, provider: str, circuit: Circuit) -> None:
+        assert self.store is not None
+        try:
+            await self.store.set_circuit(self.instance, provider, circuit.value, self.clock())
+        except StoreUnavailable:
+            log.warning("could not publish circuit state", extra={"provider": provider})
 
     def _ensure_worker(self) -> None:
         """Start the store-and-forward worker once any zone delivers by queue."""
@@ -270,6 +287,8 @@ class Server:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self._background:
+            await asyncio.wait(self._background, timeout=2)
         if self.health is not None:
             await self.health.stop()
         if self.store is not None:
@@ -306,7 +325,7 @@ class Server:
                 new.breaker.cooldown,
                 self.clock,
                 observe=self.metrics.upstream,
-                on_circuit=self.metrics.circuit,
+                on_circuit=self._circuit_changed,
             )
             # Keep what each surviving provider's circuit has learnt.
             for name, breaker in old_route.breakers.items():

@@ -87,6 +87,13 @@ async def test_readyz_fails_when_every_circuit_is_open(tmp: Path) -> None:
         assert status == 503 and "circuit" in body
         _, metrics = await http_get(guard.health.port, "/metrics")
         assert sample(metrics, "smtpguard_breaker_state", provider="primary") == 2
+        assert guard.store is not None
+        for _ in range(50):  # published to the store off the hot path
+            circuits = await guard.store.circuits()
+            if circuits and circuits[0].circuit == "open":
+                break
+            await asyncio.sleep(0.02)
+        assert [(c.provider, c.circuit) for c in circuits] == [("primary", "open")]
 
 
 async def test_sighup_reloads_users_and_refuses_a_bad_file(tmp: Path, upstream: Upstream) -> None:

@@ -108,6 +108,15 @@ async def test_ping(store: Store) -> None:
     assert await store.ping() is True
 
 
+async def test_circuits_are_published_per_instance_and_provider(store: Store) -> None:
+    assert await store.circuits() == []
+    await store.set_circuit("a", "primary", "open", 100.0)
+    await store.set_circuit("b", "primary", "closed", 101.0)
+    await store.set_circuit("a", "primary", "half_open", 102.0)
+    got = [(c.instance, c.provider, c.circuit, c.at) for c in await store.circuits()]
+    assert got == [("a", "primary", "half_open", 102.0), ("b", "primary", "closed", 101.0)]
+
+
 async def test_get_absent(store: Store) -> None:
     assert await store.get("acme", "nope") is None
 

@@ -34,9 +34,7 @@ def backoff_delay(attempt: int, base: float, ceiling: float, jitter: float) -> f
     return raw / 2 + raw / 2 * jitter
 
 
-def lane_quotas(
-    free: int, lanes: Sequence[tuple[str, int]], draws: Sequence[float]
-) -> list[tuple[str, int]]:
+def lane_quotas(free: int, lanes: Sequence[tuple[str, int]], draws: Sequence[float]) -> list[tuple[str, int]]:
     """Split `free` worker slots between lanes given as (name, priority).
 
     Each slot goes to a lane drawn at random with weight 4^-priority (`draws` are uniform

@@ -3,6 +3,7 @@
 from smtpguard.store.base import (
     HELD,
     CapUsage,
+    CircuitState,
     Claimed,
     Conflict,
     Paused,
@@ -19,6 +20,7 @@ from smtpguard.store.base import (
 __all__ = [
     "HELD",
     "CapUsage",
+    "CircuitState",
     "Claimed",
     "Conflict",
     "Paused",

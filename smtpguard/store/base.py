@@ -88,6 +88,14 @@ class QueueEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class CircuitState:
+    instance: str
+    provider: str
+    circuit: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
 class CapUsage:
     hour: int
     month: int
@@ -171,6 +179,12 @@ class Store(Protocol):
     async def suppress_remove(self, zone: str, address: str) -> bool: ...
 
     async def suppress_list(self, zone: str) -> list[Suppression]: ...
+
+    # --- provider health, for operators (each instance keeps its own breaker) ---------------
+    async def set_circuit(self, instance: str, provider: str, circuit: str, now: float) -> None:
+        """Publish one instance's circuit for one provider (written on every transition)."""
+
+    async def circuits(self) -> list[CircuitState]: ...
 
     # --- AUTH brute force (shared by every instance) -----------------------------------------
     async def auth_failure(self, ip: str, now: float, window: float) -> int:

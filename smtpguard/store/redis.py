@@ -39,6 +39,7 @@ from smtpguard.policy.senders import normalize_address
 from smtpguard.store.base import (
     HELD,
     CapUsage,
+    CircuitState,
     Claimed,
     Conflict,
     Paused,
@@ -116,9 +117,12 @@ redis.call('ZADD', KEYS[2], ARGV[5], ARGV[6])
 
 # KEYS: record, index.  ARGV: expected version ('' = absent), version, state, data, index
 # score, key
-_PUT = _CAS_WRITE + """
+_PUT = (
+    _CAS_WRITE
+    + """
 return {'ok'}
 """
+)
 
 # KEYS: sends, month.  ARGV: token.  Only a unit still recorded is returned: idempotent.
 _REFUND = """
@@ -179,7 +183,9 @@ return {'ok'}
 # KEYS: record, index, entry, claimed, queue, lane
 # ARGV: expected version ('' = absent), version, state, data, index score, key, zone prefix,
 #       lane, priority, due, enqueued at, sender, recipients, content
-_ENQUEUE = _CAS_WRITE + """
+_ENQUEUE = (
+    _CAS_WRITE
+    + """
 local old = redis.call('HGET', KEYS[3], 'lane')
 if old and old ~= ARGV[8] then redis.call('ZREM', ARGV[7] .. 'lane:' .. old, ARGV[6]) end
 redis.call('DEL', KEYS[3])
@@ -190,11 +196,14 @@ redis.call('ZREM', KEYS[4], ARGV[6])
 redis.call('SADD', KEYS[5], ARGV[6])
 return {'ok'}
 """
+)
 
 # KEYS: record, index, entry, claimed, queue
 # ARGV: expected version, version, state, data, index score, key, zone prefix,
 #       due ('' = take the entry off the queue)
-_REQUEUE = _CAS_WRITE + """
+_REQUEUE = (
+    _CAS_WRITE
+    + """
 local lane = redis.call('HGET', KEYS[3], 'lane')
 if ARGV[8] == '' then
   if lane then redis.call('ZREM', ARGV[7] .. 'lane:' .. lane, ARGV[6]) end
@@ -208,6 +217,7 @@ elseif lane then
 end
 return {'ok'}
 """
+)
 
 # Read only. KEYS: claimed, queue, lane…  ARGV: now, limit.
 # Returns {queue size, {key, due, …} per lane}: up to `limit` due, unclaimed entries of each
@@ -298,6 +308,10 @@ for _, m in ipairs(redis.call('SMEMBERS', KEYS[1])) do
 end
 return out
 """
+
+
+_CIRCUITS = "sg:{providers}:circuits"
+"""Hash (instance, provider) → (circuit, since): each instance's breakers, for `stats`."""
 
 
 def _zone_key(zone: str, name: str) -> str:
@@ -884,6 +898,22 @@ class RedisStore:
             entry = json.loads(raw)
             result.append(Suppression(zone, str(address), str(entry["reason"]), float(entry["at"])))
         return result
+
+    # --- provider health ---------------------------------------------------------------------
+    @_translated
+    async def set_circuit(self, instance: str, provider: str, circuit: str, now: float) -> None:
+        field = json.dumps([instance, provider])
+        await self._r.hset(_CIRCUITS, field, json.dumps([circuit, now]))
+
+    @_translated
+    async def circuits(self) -> list[CircuitState]:
+        entries = await self._r.hgetall(_CIRCUITS)
+        out = []
+        for field, value in entries.items():
+            instance, provider = json.loads(field)
+            circuit, at = json.loads(value)
+            out.append(CircuitState(str(instance), str(provider), str(circuit), float(at)))
+        return sorted(out, key=lambda c: (c.provider, c.instance))
 
     # --- AUTH brute force --------------------------------------------------------------------
     @_translated

@@ -27,6 +27,7 @@ from smtpguard.policy.senders import normalize_address
 from smtpguard.store.base import (
     HELD,
     CapUsage,
+    CircuitState,
     Claimed,
     Conflict,
     Paused,
@@ -64,6 +65,9 @@ CREATE TABLE IF NOT EXISTS queue (
     due_at REAL NOT NULL, claimed_until REAL, enqueued_at REAL NOT NULL, sender TEXT NOT NULL,
     recipients TEXT NOT NULL, content BLOB NOT NULL, PRIMARY KEY (zone, key)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS queue_lane_due ON queue (lane, due_at);
+CREATE TABLE IF NOT EXISTS circuits (
+    instance TEXT NOT NULL, provider TEXT NOT NULL, circuit TEXT NOT NULL, at REAL NOT NULL,
+    PRIMARY KEY (instance, provider)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS counters (
     zone TEXT NOT NULL, name TEXT NOT NULL, value INTEGER NOT NULL,
     PRIMARY KEY (zone, name)) WITHOUT ROWID;
@@ -494,6 +498,23 @@ class SQLiteStore:
             ).fetchall()
         )
         return [Suppression(z, a, r, float(t)) for z, a, r, t in rows]
+
+    # --- provider health ---------------------------------------------------------------------
+    async def set_circuit(self, instance: str, provider: str, circuit: str, now: float) -> None:
+        await self._write(
+            lambda c: c.execute(
+                "INSERT OR REPLACE INTO circuits (instance, provider, circuit, at) VALUES (?, ?, ?, ?)",
+                (instance, provider, circuit, now),
+            )
+        )
+
+    async def circuits(self) -> list[CircuitState]:
+        rows = await self._read(
+            lambda c: c.execute(
+                "SELECT instance, provider, circuit, at FROM circuits ORDER BY provider, instance"
+            ).fetchall()
+        )
+        return [CircuitState(i, p, s, float(t)) for i, p, s, t in rows]
 
     # --- AUTH brute force --------------------------------------------------------------------
     async def auth_failure(self, ip: str, now: float, window: float) -> int:
