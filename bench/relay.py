@@ -615,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     scenarios = [x for x in args.scenarios.split(",") if x]
     run_id = stamp()
+    git_at_start = git_state()
     password_hash()  # once, before any clock starts
 
     all_rows: list[Row] = []
@@ -671,6 +672,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "machine": machine_info(),
         "git": git_state(),
+        "git_at_start": git_at_start,
         "settings": asdict(s),
         "sink": sink.kind,
         "skipped": skipped,
@@ -678,6 +680,8 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [asdict(r) for r in rows],
         "all_rounds": [asdict(r) for r in all_rows] if args.repeat > 1 else None,
     }
+    if payload["git"] != git_at_start:
+        print("\nnote: smtpguard/ changed during this run (other engineers' edits); see git/git_at_start")
     if rows:
         print()
         print(table(rows))
