@@ -51,6 +51,7 @@ CREATE TABLE IF NOT EXISTS sends (
     zone TEXT NOT NULL, token TEXT NOT NULL, at REAL NOT NULL, month TEXT NOT NULL,
     PRIMARY KEY (zone, token)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS sends_zone_at ON sends (zone, at);
+CREATE TABLE IF NOT EXISTS send_counts (zone TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS monthly (
     zone TEXT NOT NULL, month TEXT NOT NULL, used INTEGER NOT NULL,
     PRIMARY KEY (zone, month)) WITHOUT ROWID;
@@ -253,9 +254,11 @@ class SQLiteStore:
         self, record: Record, expected_version: int | None, cap: CapCheck | None, paused: bool
     ) -> ReserveResult:
         def op(c: sqlite3.Connection) -> ReserveResult:
-            current = _load(c, record.zone, record.key)
-            if (current.version if current else None) != expected_version:
-                return Conflict(current)
+            row = c.execute(
+                "SELECT version FROM events WHERE zone = ? AND key = ?", (record.zone, record.key)
+            ).fetchone()
+            if (row[0] if row else None) != expected_version:
+                return Conflict(_load(c, record.zone, record.key))
             if paused or c.execute("SELECT 1 FROM paused WHERE zone = ?", (record.zone,)).fetchone():
                 return Paused()
             if cap is not None:
@@ -268,19 +271,13 @@ class SQLiteStore:
         return await self._write(op)
 
     async def put(self, record: Record, expected_version: int | None) -> Conflict | None:
-        def op(c: sqlite3.Connection) -> Conflict | None:
-            current = _load(c, record.zone, record.key)
-            if (current.version if current else None) != expected_version:
-                return Conflict(current)
-            _save(c, record)
-            return None
-
-        return await self._write(op)
+        return await self._write(lambda c: _cas(c, record, expected_version))
 
     async def refund(self, zone: str, token: str, month: str) -> None:
         def op(c: sqlite3.Connection) -> None:
             cur = c.execute("DELETE FROM sends WHERE zone = ? AND token = ?", (zone, token))
             if cur.rowcount:
+                c.execute("UPDATE send_counts SET n = MAX(n - 1, 0) WHERE zone = ?", (zone,))
                 c.execute(
                     "UPDATE monthly SET used = MAX(used - 1, 0) WHERE zone = ? AND month = ?",
                     (zone, month),
@@ -295,7 +292,8 @@ class SQLiteStore:
                 (now - retention, State.IN_FLIGHT.value, State.QUEUED.value),
             ).rowcount
             # Window entries older than any window that reads them (1h caps, AUTH lockouts).
-            c.execute("DELETE FROM sends WHERE at < ?", (now - 2 * HOUR,))
+            for (zone,) in c.execute("SELECT DISTINCT zone FROM sends").fetchall():
+                _trim(c, zone, now - 2 * HOUR)
             c.execute("DELETE FROM auth_failures WHERE at < ?", (now - 2 * HOUR,))
             return n
 
@@ -309,10 +307,9 @@ class SQLiteStore:
         self, record: Record, expected_version: int | None, message: QueuedMessage
     ) -> Conflict | None:
         def op(c: sqlite3.Connection) -> Conflict | None:
-            current = _load(c, record.zone, record.key)
-            if (current.version if current else None) != expected_version:
-                return Conflict(current)
-            _save(c, record)
+            conflict = _cas(c, record, expected_version)
+            if conflict is not None:
+                return conflict
             c.execute(
                 "INSERT OR REPLACE INTO queue (zone, key, lane, priority, due_at, claimed_until, "
                 "enqueued_at, sender, recipients, content) VALUES (?, ?, ?, ?, ?, NULL, ?, ?, ?, ?)",
@@ -374,10 +371,9 @@ class SQLiteStore:
 
     async def requeue(self, record: Record, expected_version: int, due: float | None) -> Conflict | None:
         def op(c: sqlite3.Connection) -> Conflict | None:
-            current = _load(c, record.zone, record.key)
-            if (current.version if current else None) != expected_version:
-                return Conflict(current)
-            _save(c, record)
+            conflict = _cas(c, record, expected_version)
+            if conflict is not None:
+                return conflict
             if due is None:
                 c.execute("DELETE FROM queue WHERE zone = ? AND key = ?", (record.zone, record.key))
             else:
@@ -559,22 +555,57 @@ def _save(c: sqlite3.Connection, r: Record) -> None:
     )
 
 
+def _cas(c: sqlite3.Connection, r: Record, expected_version: int | None) -> Conflict | None:
+    """Write `r` over exactly `expected_version` (None: only if absent) in one statement;
+    the current record is read only when the swap fails."""
+    data = json.dumps(r.to_dict(), separators=(",", ":"))
+    if expected_version is None:
+        written = c.execute(
+            "INSERT OR IGNORE INTO events (zone, key, version, state, updated_at, data) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (r.zone, r.key, r.version, r.state.value, r.updated_at, data),
+        ).rowcount
+    else:
+        written = c.execute(
+            "UPDATE events SET version = ?, state = ?, updated_at = ?, data = ? "
+            "WHERE zone = ? AND key = ? AND version = ?",
+            (r.version, r.state.value, r.updated_at, data, r.zone, r.key, expected_version),
+        ).rowcount
+    return None if written == 1 else Conflict(_load(c, r.zone, r.key))
+
+
 def _consume(c: sqlite3.Connection, cap: CapCheck) -> CapReached | None:
     row = c.execute("SELECT used FROM monthly WHERE zone = ? AND month = ?", (cap.zone, cap.month)).fetchone()
     if (row[0] if row else 0) >= cap.caps.monthly:
         return CapReached("month", cap.caps.monthly)
-    count, oldest = c.execute(
-        "SELECT COUNT(*), MIN(at) FROM sends WHERE zone = ? AND at >= ?", (cap.zone, cap.hour_start)
-    ).fetchone()
-    if count >= cap.caps.hourly:
+    # The sliding hour, exact and O(1) amortised: every send is a row, each row is deleted
+    # once when it leaves the window, and send_counts keeps the zone's row count, so the
+    # check never counts the window (a scan that grew with the traffic).
+    _trim(c, cap.zone, cap.hour_start)
+    counted = c.execute("SELECT n FROM send_counts WHERE zone = ?", (cap.zone,)).fetchone()
+    if counted is None:
+        n = c.execute("SELECT COUNT(*) FROM sends WHERE zone = ?", (cap.zone,)).fetchone()[0]
+        c.execute("INSERT INTO send_counts (zone, n) VALUES (?, ?)", (cap.zone, n))
+    else:
+        n = counted[0]
+    if n >= cap.caps.hourly:
+        oldest = c.execute("SELECT MIN(at) FROM sends WHERE zone = ?", (cap.zone,)).fetchone()[0]
         return CapReached("hour", cap.caps.hourly, (oldest or cap.now) + HOUR)
-    c.execute(
+    added = c.execute(
         "INSERT OR IGNORE INTO sends (zone, token, at, month) VALUES (?, ?, ?, ?)",
         (cap.zone, cap.token, cap.now, cap.month),
-    )
+    ).rowcount
+    c.execute("UPDATE send_counts SET n = n + ? WHERE zone = ?", (added, cap.zone))
     c.execute(
         "INSERT INTO monthly (zone, month, used) VALUES (?, ?, 1) "
         "ON CONFLICT (zone, month) DO UPDATE SET used = used + 1",
         (cap.zone, cap.month),
     )
     return None
+
+
+def _trim(c: sqlite3.Connection, zone: str, before: float) -> None:
+    """Drop the zone's sends older than `before`, keeping send_counts equal to its rows."""
+    gone = c.execute("DELETE FROM sends WHERE zone = ? AND at < ?", (zone, before)).rowcount
+    if gone:
+        c.execute("UPDATE send_counts SET n = MAX(n - ?, 0) WHERE zone = ?", (gone, zone))
