@@ -89,6 +89,9 @@ class DeliveryWorker:
                     )
                 except StoreUnavailable as e:
                     log.warning("queue claim failed: store unavailable", extra={"error": str(e)})
+                except Exception:
+                    # The worker must outlive any one bad pass, or the queue silently stops.
+                    log.exception("queue claim failed")
             for item in claimed:
                 task = asyncio.create_task(self._deliver(item))
                 self._active.add(task)

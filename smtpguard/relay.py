@@ -17,7 +17,7 @@ import ssl
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -108,9 +108,13 @@ class SmtpProvider:
             local_hostname=self._helo,
             timeout=t.command,
         )
-        await conn.connect(timeout=t.connect)
-        if self.cfg.username:
-            await conn.login(self.cfg.username, self._password or "", timeout=t.command)
+        try:
+            await conn.connect(timeout=t.connect)
+            if self.cfg.username:
+                await conn.login(self.cfg.username, self._password or "", timeout=t.command)
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
     async def send(self, env: Envelope, before_data: BeforeData) -> Attempted:
@@ -186,9 +190,17 @@ class SmtpProvider:
                     accepted.append(rcpt)
                 except aiosmtplib.SMTPRecipientRefused as e:
                     rejected.append((rcpt, upstream_reply(e.code, e.message)))
-            if not accepted:
+            if not accepted or any(r.temporary for _, r in rejected):
+                # A recipient refused for now would silently miss the message if the rest
+                # went ahead: the 250 would close the event. Only permanent refusals may
+                # leave the others to be delivered; a temporary one defers the whole event
+                # (nothing has been accepted yet, so another provider may take it).
                 return _refused_all(self.name, rejected), await _rset(conn)
-            await before_data()
+            try:
+                await before_data()
+            except BaseException:
+                conn.close()
+                raise
         except aiosmtplib.SMTPResponseException as e:
             return _before_dot_reply(self.name, e.code, e.message), await _rset(conn)
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as e:
@@ -293,6 +305,13 @@ class MaildirProvider:
         name = f"{time.time():.6f}.{os.getpid()}_{self._seq}.{socket.gethostname()}"
         try:
             await asyncio.to_thread(_maildir_write, self.path, name, env)
+        except _DeliveredButUnsynced as e:
+            # In new/ already: a retry would write a second copy.
+            return Attempted(
+                Outcome(Kind.UNKNOWN, self.name, detail=f"maildir fsync: {e.strerror}"),
+                failover=False,
+                health="fail",
+            )
         except OSError as e:
             # Nothing is in new/ unless the rename happened, and the rename is the last step.
             return Attempted(
@@ -308,6 +327,10 @@ class MaildirProvider:
         )
 
 
+class _DeliveredButUnsynced(OSError):
+    """The message is in new/ but its directory entry may not be on disk yet."""
+
+
 def _maildir_write(root: Path, name: str, env: Envelope) -> None:
     for sub in ("tmp", "new", "cur"):
         (root / sub).mkdir(parents=True, exist_ok=True)
@@ -318,11 +341,14 @@ def _maildir_write(root: Path, name: str, env: Envelope) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.rename(tmp, root / "new" / name)
-    fd = os.open(root / "new", os.O_RDONLY)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(root / "new", os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise _DeliveredButUnsynced(e.errno, e.strerror) from e
 
 
 # --- the route -------------------------------------------------------------------------------
@@ -366,12 +392,18 @@ class Route:
             try:
                 result = await self._attempt(p, env, before_data)
                 if result.outcome.kind is Kind.UNKNOWN and p.idempotent:
-                    # The provider dedupes on our header, so one more try cannot duplicate.
+                    # The provider dedupes on our header, so one more try on it cannot
+                    # duplicate. Whatever that try comes to, the outcome stays this
+                    # provider's: the first copy may be there, so never another provider.
                     log.warning(
                         "retrying unknown outcome once on idempotent provider",
                         extra={"provider": p.name, "zone": env.zone},
                     )
-                    result = await self._attempt(p, env, _noop)
+                    retry = await self._attempt(p, env, _noop)
+                    self._record_health(p.name, retry.health)
+                    # Only a 250 settles it; any other answer says nothing about the first copy.
+                    delivered = retry.outcome.kind is Kind.DELIVERED
+                    result = retry if delivered else replace(result, failover=False)
             except BaseException:
                 self.breakers[p.name] = self.breakers[p.name].release_probe()
                 raise

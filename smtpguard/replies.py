@@ -75,7 +75,9 @@ BARE_NEWLINE = Reply(550, "5.5.2", "Bare CR, bare LF or NUL in message data not 
 BARE_NEWLINE_COMMAND = Reply(501, "5.5.2", "Bare CR, LF or NUL in command not allowed")
 SHUTTING_DOWN = Reply(421, "4.3.2", "Service shutting down, try again later")
 STORE_UNAVAILABLE = Reply(451, "4.3.0", "State store unavailable, nothing sent; try again later")
-INTERNAL_ERROR = Reply(451, "4.3.0", "Internal error, nothing sent; try again later")
+INTERNAL_ERROR = Reply(
+    451, "4.3.0", "Internal error; try again later (a retry of the same event is never sent twice)"
+)
 OK_SENDER = Reply(250, "2.1.0", "Sender OK")
 OK_RECIPIENT = Reply(250, "2.1.5", "Recipient OK")
 

@@ -216,6 +216,14 @@ class Submitter:
                 return verdict.record
             if isinstance(result, Conflict):
                 current = result.current
+                if (
+                    current is not None
+                    and current.sg_id == sub.attempt_id
+                    and current.version == verdict.record.version
+                ):
+                    # Our own write landed and only its reply was lost (a retried script
+                    # after a connection reset): the reservation is ours.
+                    return current
                 continue
             if isinstance(result, Paused):
                 return Result(replies.paused(sub.zone), "paused", sub.key)
@@ -253,8 +261,13 @@ class Submitter:
         async def keep_lease() -> None:
             while True:
                 await asyncio.sleep(s.lease / 3)
-                with contextlib.suppress(StoreUnavailable):
+                try:
                     await write(lambda r: ledger.renew_lease(r, sub.attempt_id, self.clock(), s))
+                except LeaseLost:
+                    return
+                except Exception as e:
+                    # A renewal that fails must never cost the outcome of the relay it guards.
+                    log.warning("lease renewal failed", extra={"key": sub.key, "error": str(e)})
 
         renewer = asyncio.create_task(keep_lease())
         try:

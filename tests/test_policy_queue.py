@@ -124,6 +124,7 @@ def test_operator_drop_and_retry_now() -> None:
     rec = queued()
     dropped = ledger.drop(rec, "op", NOW)
     assert dropped.state is State.FAILED and dropped.reply is not None
+    assert queue_due(dropped) == HELD  # the message stays, so `release` can still send it
     assert dropped.reply.text == "dropped by operator" and dropped.audit[-1].action == "drop"
     with pytest.raises(ledger.OperatorRefused):
         ledger.drop(dropped, "op", NOW)

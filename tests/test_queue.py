@@ -209,3 +209,23 @@ async def test_unknown_class_is_refused(tmp: Path, upstream: Upstream) -> None:
     async with running_guard(cfg) as guard:
         reply = await send(guard.ports[0], message("x1", headers={"X-Message-Class": "marketing"}))
     assert reply.code == 550 and reply.text.startswith("5.6.0") and "X-Message-Class" in reply.text
+
+
+async def test_released_failed_event_is_delivered_once(tmp: Path, upstream: Upstream) -> None:
+    upstream.handler.script = [Behaviour(data="554 5.7.1 policy")]
+    cfg = queue_config(tmp, upstream.port)
+    path = write_config(tmp / "c.yaml", cfg)
+    async with running_guard(cfg) as guard:
+        assert (await send(guard.ports[0], message("rel1"))).code == 250
+        assert guard.store is not None
+        for _ in range(100):
+            rec = await guard.store.get("acme", "rel1")
+            if rec is not None and rec.state.value == "failed":
+                break
+            await asyncio.sleep(0.05)
+        assert rec is not None and rec.state.value == "failed"
+        assert await asyncio.to_thread(main, ["release", "acme", "rel1", "-c", str(path)]) == 0
+        await upstream.wait_received(1)
+        dup = await send(guard.ports[0], message("rel1"))
+    assert upstream.event_keys() == ["rel1"] and upstream.handler.transactions == 2
+    assert dup.code == 250 and "duplicate" in dup.text

@@ -315,3 +315,37 @@ async def test_resolve_and_release_are_audited_and_single_use(
     # o1 was received by the upstream when it hung up, and again after the operator's retry;
     # o2 was refused once (554) and accepted once after release.
     assert upstream.event_keys().count("o2") == 1
+
+
+async def test_idempotent_retry_refused_before_data_never_fails_over(tmp: Path, upstream: Upstream) -> None:
+    async with upstream_on() as primary:
+        # The primary takes the message and hangs up; the automatic retry is refused at MAIL
+        # with a 421 — an answer that would fail over anywhere else.
+        primary.handler.script = [Behaviour(drop_after_dot=True), Behaviour(mail="421 4.3.2 busy")]
+        cfg = routed(
+            tmp,
+            smtp_provider("primary", primary.port, idempotency_header="X-Idem"),
+            smtp_provider("standby", upstream.port),
+        )
+        async with running_guard(cfg) as guard:
+            first = await send(guard.ports[0], message("n1"))
+            again = await send(guard.ports[0], message("n1"))
+        assert len(primary.received) == 1
+    assert upstream.received == []  # never the standby: the first copy may be at the primary
+    assert first.code == 451 and "unknown" in first.text
+    assert again.code == 451 and again.text.startswith("4.3.0")
+
+
+async def test_temporary_refusal_of_one_recipient_defers_the_whole_event(
+    tmp: Path, upstream: Upstream
+) -> None:
+    upstream.handler.script = [Behaviour(rcpt={"later@example.com": "452 4.2.2 mailbox full"})]
+    cfg = base_config(tmp, upstream.port, event_key={"min_retry_interval": "1s"})
+    async with running_guard(cfg) as guard:
+        first = await send(guard.ports[0], message("t1"), recipients=["ok@example.com", "later@example.com"])
+        assert first.code == 452 and first.text.startswith("4.2.2")
+        assert upstream.received == []  # nobody got it, so nobody misses it
+        await asyncio.sleep(1.1)
+        retry = await send(guard.ports[0], message("t1"), recipients=["ok@example.com", "later@example.com"])
+    assert retry.code == 250
+    assert [r.rcpt_tos for r in upstream.received] == [["ok@example.com", "later@example.com"]]

@@ -16,11 +16,12 @@ HELD = 1e18
 
 
 def queue_due(rec: Record) -> float | None:
-    """Where a store-and-forward entry goes after a write: off the queue once final, kept
-    but never due while unknown (an operator decides), else due at its next attempt."""
-    if rec.state in (State.DELIVERED, State.FAILED, State.EXPIRED):
+    """Where a store-and-forward entry goes after a write: off the queue once delivered or
+    expired; kept but never due while unknown or failed (an operator may `resolve` or
+    `release` it, and the message must still be there to send); else due at its next try."""
+    if rec.state in (State.DELIVERED, State.EXPIRED):
         return None
-    if rec.state is State.UNKNOWN:
+    if rec.state in (State.UNKNOWN, State.FAILED):
         return HELD
     return rec.next_attempt_at if rec.next_attempt_at is not None else rec.updated_at
 

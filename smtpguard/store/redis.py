@@ -137,6 +137,8 @@ return 0
 _PURGE = """
 local deleted, kept = 0, 0
 local cutoff = tonumber(ARGV[1])
+local prefix = string.sub(KEYS[1], 1, -4)  -- 'sg:{zone}:' from 'sg:{zone}:idx'
+
 for i = 2, #KEYS do
   local member = ARGV[i + 2]
   local score = redis.call('ZSCORE', KEYS[1], member)
@@ -149,6 +151,13 @@ for i = 2, #KEYS do
     else
       redis.call('DEL', KEYS[i])
       redis.call('ZREM', KEYS[1], member)
+      -- A store-and-forward entry kept for the operator (unknown, failed) goes with it.
+      local entry = prefix .. 'q:' .. member
+      local lane = redis.call('HGET', entry, 'lane')
+      if lane then redis.call('ZREM', prefix .. 'lane:' .. lane, member) end
+      redis.call('DEL', entry)
+      redis.call('ZREM', prefix .. 'claimed', member)
+      redis.call('SREM', prefix .. 'queue', member)
       deleted = deleted + 1
     end
   end

@@ -161,7 +161,11 @@ class _Writer(threading.Thread):
                 except Exception as e:
                     conn.execute("ROLLBACK TO op")
                     conn.execute("RELEASE op")
-                    results.append((fut, None, e))
+                    # Callers know one failure: the store could not do it (disk full, I/O).
+                    failed: Exception = (
+                        StoreUnavailable(f"sqlite: {e}") if isinstance(e, sqlite3.Error) else e
+                    )
+                    results.append((fut, None, failed))
                 else:
                     conn.execute("RELEASE op")
                     results.append((fut, value, None))
@@ -291,6 +295,11 @@ class SQLiteStore:
                 "DELETE FROM events WHERE updated_at < ? AND state NOT IN (?, ?)",
                 (now - retention, State.IN_FLIGHT.value, State.QUEUED.value),
             ).rowcount
+            # Store-and-forward entries kept for an operator (unknown, failed) go with their record.
+            c.execute(
+                "DELETE FROM queue WHERE NOT EXISTS "
+                "(SELECT 1 FROM events e WHERE e.zone = queue.zone AND e.key = queue.key)"
+            )
             # Window entries older than any window that reads them (1h caps, AUTH lockouts).
             for (zone,) in c.execute("SELECT DISTINCT zone FROM sends").fetchall():
                 _trim(c, zone, now - 2 * HOUR)
