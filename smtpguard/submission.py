@@ -13,15 +13,16 @@ import contextlib
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from smtpguard import replies
 from smtpguard.config import Config, ZoneConfig
 from smtpguard.policy import ledger
 from smtpguard.policy.eventkey import event_key, message_id_for
 from smtpguard.policy.fingerprint import fingerprint
-from smtpguard.policy.ledger import LedgerSettings, Record, Submission
+from smtpguard.policy.ledger import LedgerSettings, Record, State, Submission
 from smtpguard.policy.limits import CapReached, cap_check, cap_reply, caps_for, month_of
 from smtpguard.policy.message import HeaderLimits, Message, parse, smuggling_check
 from smtpguard.policy.outcome import Kind, Outcome, client_reply, is_recipient_unknown
@@ -65,6 +66,35 @@ class Result:
     extra: dict[str, object] = field(default_factory=dict)
 
 
+class SettledCache:
+    """Delivered events this process has seen, so a duplicate is answered with no store
+    round trip. Sound because `delivered` is terminal: no transition leaves it, on any
+    instance, until the record is purged after `retention` — which the cache honours too.
+    Entries are slim copies (no attempt history) and the cache is bounded (LRU)."""
+
+    def __init__(self, max_entries: int = 20_000) -> None:
+        self._max = max_entries
+        self._entries: OrderedDict[tuple[str, str], Record] = OrderedDict()
+
+    def get(self, zone: str, key: str, now: float, retention: float) -> Record | None:
+        rec = self._entries.get((zone, key))
+        if rec is None:
+            return None
+        if now - rec.updated_at >= retention:
+            del self._entries[(zone, key)]
+            return None
+        self._entries.move_to_end((zone, key))
+        return rec
+
+    def remember(self, rec: Record | None) -> None:
+        if rec is None or rec.state is not State.DELIVERED:
+            return
+        self._entries[(rec.zone, rec.key)] = replace(rec, attempts=(), audit=())
+        self._entries.move_to_end((rec.zone, rec.key))
+        if len(self._entries) > self._max:
+            self._entries.popitem(last=False)
+
+
 class LeaseLost(Exception):
     """Another submission took the key over while this one relayed; stop before DATA."""
 
@@ -85,6 +115,7 @@ class Submitter:
         self.instance = instance
         self.hostname = hostname
         self.clock = clock
+        self.settled = SettledCache()
         self.on_enqueue: Callable[[], None] | None = None
         """Called after a store-and-forward acceptance, to wake the local delivery worker."""
 
@@ -189,9 +220,10 @@ class Submitter:
         so a new key and a duplicate each cost one store round trip."""
         caps = caps_for(zone.plan, zone.hourly_cap, zone.monthly_cap)
         deadline = self.clock() + self.config.event_key.inflight_wait
-        current: Record | None = None
+        current = self.settled.get(sub.zone, sub.key, self.clock(), self.config.event_key.retention)
         for _ in range(1000):
             now = self.clock()
+            self.settled.remember(current)
             verdict = ledger.decide(current, sub, now, s)
             if isinstance(verdict, ledger.Answer):
                 return Result(verdict.reply, verdict.decision, sub.key)
@@ -325,6 +357,7 @@ class Submitter:
                 await asyncio.sleep(min(0.05 * 2**attempt, 2.0))
                 continue
             if conflict is None:
+                self.settled.remember(new)
                 return
             current = conflict.current
         log.error(
