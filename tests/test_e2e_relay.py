@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from tests.support import Behaviour, Upstream, base_config, message, running_guard, send
+from tests.support import OTHER_PASSWORD, Behaviour, Upstream, base_config, message, running_guard, send
 
 
 async def test_same_key_twice_reaches_upstream_once(tmp: Path, upstream: Upstream) -> None:
@@ -86,3 +86,32 @@ async def test_missing_message_id_is_derived_from_zone_and_key(tmp: Path, upstre
         await send(guard.ports[0], message("k8"))
     mid = upstream.received[0].header("Message-ID")
     assert mid is not None and mid.startswith("<sg.") and mid.endswith("@guard.test>")
+
+
+async def test_free_plan_has_no_send_as(tmp: Path, upstream: Upstream) -> None:
+    cfg = base_config(tmp, upstream.port, zones__acme__plan="free")
+    async with running_guard(cfg) as guard:
+        reply = await send(guard.ports[0], message("f1"))
+    assert reply.code == 550 and reply.text.startswith("5.7.1") and "send-as" in reply.text
+    assert upstream.received == []
+
+
+async def test_missing_key_reject_derive_allow(tmp: Path, upstream: Upstream) -> None:
+    cfg = base_config(tmp, upstream.port)
+    cfg["zones"]["globex"]["missing_key"] = "derive"
+    cfg["zones"]["acme"]["missing_key"] = "reject"
+    async with running_guard(cfg) as guard:
+        port = guard.ports[0]
+        rejected = await send(port, message(None))
+        globex = {"user": "globex-app", "password": OTHER_PASSWORD, "sender": "news@globex.example"}
+        clicks = [await send(port, message(None, sender="news@globex.example"), **globex) for _ in range(2)]
+    assert rejected.code == 550 and rejected.text.startswith("5.7.0") and "X-Event-Key" in rejected.text
+    # derive: the double-click of an app that cannot set headers is caught
+    assert clicks[0].code == 250 and clicks[1].code == 250 and "duplicate" in clicks[1].text
+    assert len(upstream.received) == 1
+
+    cfg["zones"]["acme"]["missing_key"] = "allow"
+    async with running_guard(cfg) as guard:
+        allowed = [await send(guard.ports[0], message(None)) for _ in range(2)]
+    assert [r.code for r in allowed] == [250, 250]
+    assert len(upstream.received) == 3  # allow: no key, no idempotency, as configured
