@@ -145,6 +145,9 @@ class LoadResult:
     new_accepted: int = 0
     """250 replies that are not duplicates: each should be exactly one upstream message."""
     dup_keys_sent: int = 0
+    first_accept_at: float | None = None
+    """time.perf_counter() of the first non-duplicate 250 (warm-up included)."""
+    last_accept_at: float | None = None
     errors: Counter[str] = field(default_factory=Counter)
     authenticated: bool = False
 
@@ -239,6 +242,9 @@ async def run_load(
                     res.duplicates_answered += 1
                 else:
                     res.new_accepted += 1
+                    if res.first_accept_at is None:
+                        res.first_accept_at = t1
+                    res.last_accept_at = t1
             else:
                 res.errors[f"{code} {text[:60]}"] += 1
             if t0 >= measure_from and t1 < state["end"]:

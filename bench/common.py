@@ -237,6 +237,7 @@ class Sink:
             self.kind = "python-asyncio-sink"
         self.proc = Proc("sink", argv, tmp / "sink.log", stdout_pipe=True)
         self._count = 0
+        self._changed_at = time.perf_counter()
         self._tail = b""
         self._reader = threading.Thread(target=self._read, name="sink-counters", daemon=True)
         self._reader.start()
@@ -255,11 +256,27 @@ class Sink:
             buf = self._tail + chunk
             found = _MESG.findall(buf)
             if found:
-                self._count = int(found[-1])
+                count = int(found[-1])
+                if count != self._count:
+                    self._changed_at = time.perf_counter()
+                    self._count = count
             self._tail = buf[-64:]
 
     def count(self) -> int:
         return self._count
+
+    @property
+    def changed_at(self) -> float:
+        """time.perf_counter() when the message count last moved (as read from the sink's
+        counters, so it lags the sink by the pipe read: well under a millisecond)."""
+        return self._changed_at
+
+    def wait_for(self, target: int, timeout: float) -> bool:
+        """Poll (every 10 ms, bounded by `timeout`) until the count reaches `target`."""
+        deadline = time.monotonic() + timeout
+        while self._count < target and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self._count >= target
 
     def settled_count(self, quiet: float = 0.3, timeout: float = 30.0) -> int:
         """The count once it has not moved for `quiet` seconds (bounded by `timeout`)."""
@@ -455,8 +472,11 @@ def guard_config(
     store_url: str,
     pool_size: int,
     limits: dict[str, Any] | None = None,
+    queue: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    return {
+    """smtpguard's bench config; with `queue` (the config's `queue` section) the zone has
+    `delivery: queue` (store-and-forward) instead of the default synchronous relay."""
+    cfg: dict[str, Any] = {
         "listen": [{"address": f"127.0.0.1:{port}", "tls": "none"}],
         "store": {"url": store_url},
         "event_key": {"header": "X-Event-Key", "inflight_wait": "10s", "lease": "30s"},
@@ -485,6 +505,10 @@ def guard_config(
             }
         },
     }
+    if queue is not None:
+        cfg["queue"] = queue
+        cfg["zones"][ZONE]["delivery"] = "queue"
+    return cfg
 
 
 class Guard:

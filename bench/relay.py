@@ -10,6 +10,11 @@ Scenarios, all in front of the same upstream sink (Postfix's smtp-sink when inst
   naive         aiosmtpd + aiosmtplib pass-through with pooled upstream connections
   guard-sqlite  `python -m smtpguard serve`, SQLite store
   guard-redis   the same with a private redis-server (appendonly no, no snapshots)
+  guard-sqlite-queue, guard-redis-queue
+                the same two with the zone in store-and-forward mode (`delivery: queue`):
+                the client's latency is the `250 queued as ID`; the sink's counters give the
+                sustained delivery rate (delivered/s), measured until everything accepted has
+                reached the sink (bounded wait). `unique` mode only.
   postfix       a private Postfix relay (relayhost = the sink); clients send WITHOUT AUTH
                 from 127.0.0.1 (mynetworks), since Postfix's smtpd has no SASL set up here
 
@@ -62,8 +67,15 @@ from bench.common import (
     write_result,
 )
 
-ALL_SCENARIOS = ["direct", "null", "naive", "guard-sqlite", "guard-redis", "postfix"]
+ALL_SCENARIOS = [
+    "direct", "null", "naive", "guard-sqlite", "guard-sqlite-queue", "guard-redis", "guard-redis-queue",
+    "postfix",
+]  # fmt: skip
 BASELINES = ["direct", "null", "naive"]
+QUEUE_SCENARIOS = {"guard-sqlite-queue": "guard-sqlite", "guard-redis-queue": "guard-redis"}
+"""queue scenario -> the relay scenario with the same store (its msgs/s is the delivery target)."""
+QUEUE_MODES = ("unique",)
+QUEUE_P99_TARGET_MS = 10.0
 
 
 @dataclass
@@ -89,6 +101,10 @@ class Row:
     upstream_received: int | None = None
     predelivered: int = 0
     predeliver_upstream: int | None = None
+    delivered_s: float | None = None
+    """Queue rows: accepted / (last delivery at the sink - first acceptance)."""
+    drain_s: float | None = None
+    """Queue rows: seconds from the end of the load to the last delivery at the sink."""
     authenticated: bool = False
     errors: dict[str, int] = field(default_factory=dict)
     note: str = ""
@@ -124,7 +140,15 @@ class Target:
                 s.stop()
 
 
-def start_target(scenario: str, tmp: Path, sink: Sink, pool_size: int, row_id: str) -> Target:
+def start_target(
+    scenario: str, tmp: Path, sink: Sink, pool_size: int, row_id: str, queue: dict[str, Any] | None = None
+) -> Target:
+    if scenario in QUEUE_SCENARIOS:
+        if queue is None:
+            raise ValueError(f"{scenario} needs a queue section")
+        scenario = QUEUE_SCENARIOS[scenario]
+    else:
+        queue = None
     if scenario == "direct":
         return Target(sink.port, [], [])
     if scenario in ("null", "naive"):
@@ -142,14 +166,14 @@ def start_target(scenario: str, tmp: Path, sink: Sink, pool_size: int, row_id: s
     if scenario == "guard-sqlite":
         port = free_port()
         db = tmp / f"{row_id}.db"
-        cfg = guard_config(port, sink.port, f"sqlite:///{db}", pool_size)
+        cfg = guard_config(port, sink.port, f"sqlite:///{db}", pool_size, queue=queue)
         guard = Guard(tmp, row_id, cfg)
         return Target(port, [guard.pid], [guard])
     if scenario == "guard-redis":
         redis = Redis(tmp)
         try:
             port = free_port()
-            guard = Guard(tmp, row_id, guard_config(port, sink.port, redis.url, pool_size))
+            guard = Guard(tmp, row_id, guard_config(port, sink.port, redis.url, pool_size, queue=queue))
         except BaseException:
             redis.stop()
             raise
@@ -166,7 +190,7 @@ def start_target(scenario: str, tmp: Path, sink: Sink, pool_size: int, row_id: s
 
 def scenario_available(scenario: str) -> str | None:
     """None when the scenario can run here, else why not."""
-    if scenario == "guard-redis":
+    if scenario in ("guard-redis", "guard-redis-queue"):
         if not (ROOT / "smtpguard" / "store" / "redis.py").exists():
             return "smtpguard/store/redis.py does not exist yet"
         if shutil.which("redis-server") is None:
@@ -188,12 +212,26 @@ class Settings:
     paced_rate: float
     pool_size: int
     pipelining: bool
+    queue_workers: int = 32
+    queue_poll: str = "100ms"
+    drain_timeout: float = 60.0
+
+
+def queue_section(s: Settings) -> dict[str, Any]:
+    """smtpguard's `queue` section for the queue scenarios (short backoff, so a retried
+    message still lands within the bounded drain)."""
+    return {
+        "backoff": {"base": "1s", "max": "5s"},
+        "workers": s.queue_workers,
+        "poll_interval": s.queue_poll,
+    }
 
 
 def measure(scenario: str, mode: str, sessions: int, tmp: Path, sink: Sink, s: Settings, run_id: str) -> Row:
     row = Row(scenario, mode, sessions)
     row_id = f"{scenario}-{mode}-{sessions}"
-    target = start_target(scenario, tmp, sink, s.pool_size, row_id)
+    queued = scenario in QUEUE_SCENARIOS
+    target = start_target(scenario, tmp, sink, s.pool_size, row_id, queue_section(s) if queued else None)
     slow_drain = scenario == "postfix"
     try:
         prefix = f"{run_id}:{row_id}"
@@ -215,6 +253,7 @@ def measure(scenario: str, mode: str, sessions: int, tmp: Path, sink: Sink, s: S
             t = os.times()
             cpu[f"client_{edge}"] = t.user + t.system
 
+        on_window("begin")
         res: LoadResult = asyncio.run(
             run_load(
                 target.port,
@@ -233,6 +272,13 @@ def measure(scenario: str, mode: str, sessions: int, tmp: Path, sink: Sink, s: S
                 on_window=on_window,
             )
         )
+        if queued:
+            drain(row, res, sink, before, s.drain_timeout)
+            on_window("drained")
+            if res.new_accepted:
+                row.extra["cpu_ms_per_msg_load_and_drain"] = round(
+                    1000 * (cpu["proxy_drained"] - cpu["proxy_begin"]) / res.new_accepted, 2
+                )
         if res.measured and "proxy_end" in cpu:
             if roots:
                 row.proxy_cpu_ms_per_msg = 1000 * (cpu["proxy_end"] - cpu["proxy_start"]) / res.measured
@@ -247,7 +293,8 @@ def measure(scenario: str, mode: str, sessions: int, tmp: Path, sink: Sink, s: S
             row.extra["redis_rss_mb"] = round(memory_mb([target.redis.proc.pid])[0], 2)
         if target.postfix is not None:
             row.extra["postfix_processes"] = len(pids)
-        row.upstream_received = sink.settled_count(quiet=1.5 if slow_drain else 0.3, timeout=60) - before
+        if not queued:
+            row.upstream_received = sink.settled_count(quiet=1.5 if slow_drain else 0.3, timeout=60) - before
     finally:
         target.stop()
     row.msgs_s = res.rate
@@ -269,6 +316,30 @@ def measure(scenario: str, mode: str, sessions: int, tmp: Path, sink: Sink, s: S
     elif scenario == "null":
         row.note = "AUTH accepted unchecked"
     return row
+
+
+def drain(row: Row, res: LoadResult, sink: Sink, before: int, timeout: float) -> None:
+    """Queue rows: wait (bounded) until the sink has everything accepted, then a quiet
+    0.5 s for anything extra (a duplicate delivery); delivered/s = accepted / (time of the
+    last delivery - time of the first acceptance)."""
+    load_end = time.perf_counter()
+    accepted = res.new_accepted
+    reached = sink.wait_for(before + accepted, timeout)
+    row.upstream_received = sink.settled_count(quiet=0.5, timeout=10) - before
+    last = sink.changed_at
+    row.extra["drain_complete"] = reached
+    if res.first_accept_at is None or not accepted:
+        return
+    if not reached:
+        # Lost, or not delivered within the bound: a lower bound over the whole wait.
+        last = time.perf_counter()
+        row.note = f"drain timed out after {timeout:g}s: {row.upstream_received}/{accepted} delivered"
+    span = last - res.first_accept_at
+    row.delivered_s = (row.upstream_received or 0) / span if span > 0 else None
+    row.drain_s = max(0.0, last - load_end)
+    row.extra["delivery_span_s"] = round(span, 3)
+    if res.last_accept_at is not None:
+        row.extra["acceptance_span_s"] = round(res.last_accept_at - res.first_accept_at, 3)
 
 
 def measure_retrying(
@@ -315,6 +386,14 @@ def add_ratios(rows: list[Row]) -> None:
         for base in BASELINES:
             b = index.get((base, r.mode, r.sessions))
             r.ratios[base] = round(r.msgs_s / b.msgs_s, 3) if b and b.msgs_s > 0 else None
+        if r.scenario in QUEUE_SCENARIOS:
+            relay = index.get((QUEUE_SCENARIOS[r.scenario], r.mode, r.sessions))
+            d = r.delivered_s
+            r.ratios["delivered_vs_relay"] = (
+                round(d / relay.msgs_s, 3) if relay and relay.msgs_s > 0 and d is not None else None
+            )
+            p99 = r.p99_ms
+            r.ratios["p99_vs_10ms"] = None if math.isnan(p99) else round(p99 / QUEUE_P99_TARGET_MS, 3)
 
 
 # --- output ----------------------------------------------------------------------------------
@@ -326,7 +405,8 @@ def _f(x: float | None, digits: int = 1) -> str:
 
 def table(rows: list[Row]) -> str:
     head = (
-        f"{'scenario':<13} {'mode':<7} {'sess':>4} {'msgs/s':>8} {'p50ms':>7} {'p99ms':>7} "
+        f"{'scenario':<18} {'mode':<7} {'sess':>4} {'msgs/s':>8} {'delivered/s':>11} "
+        f"{'p50ms':>7} {'p99ms':>7} "
         f"{'RSS MB':>7} {'HWM MB':>7} {'cpu/msg':>7} {'/direct':>7} {'/null':>6} {'/naive':>6} "
         f"{'errors':>6}  note"
     )
@@ -334,7 +414,8 @@ def table(rows: list[Row]) -> str:
     for r in rows:
         errs = sum(r.errors.values())
         lines.append(
-            f"{r.scenario:<13} {r.mode:<7} {r.sessions:>4} {r.msgs_s:>8.0f} {_f(r.p50_ms, 2):>7} "
+            f"{r.scenario:<18} {r.mode:<7} {r.sessions:>4} {r.msgs_s:>8.0f} {_f(r.delivered_s, 0):>11} "
+            f"{_f(r.p50_ms, 2):>7} "
             f"{_f(r.p99_ms, 2):>7} {_f(r.rss_mb):>7} {_f(r.hwm_mb):>7} {_f(r.proxy_cpu_ms_per_msg, 2):>7} "
             f"{_f(r.ratios.get('direct'), 2):>7} {_f(r.ratios.get('null'), 2):>6} "
             f"{_f(r.ratios.get('naive'), 2):>6} {errs:>6}  {r.note}"
@@ -356,6 +437,16 @@ def dup_checks(rows: list[Row]) -> list[str]:
                 f"(sink +{r.predeliver_upstream}); storm sent {r.sent} ({r.dup_keys_sent} repeats of "
                 f"delivered keys), {r.duplicates_answered} answered 'duplicate', {r.new_accepted} new "
                 f"accepted, sink received {r.upstream_received} -> {dups_upstream} extra upstream: {verdict}"
+            )
+        elif r.scenario in QUEUE_SCENARIOS:
+            got = r.upstream_received or 0
+            extra, lost = max(0, got - r.new_accepted), max(0, r.new_accepted - got)
+            verdict = "OK: zero duplicates, zero lost" if got == r.new_accepted else "FAIL"
+            span = r.extra.get("delivery_span_s")
+            out.append(
+                f"{r.scenario} {r.mode} {r.sessions:>2} sessions: {r.new_accepted} queued, sink received "
+                f"{got} in {_f(span, 2)} s from the first acceptance ({_f(r.drain_s, 2)} s after the "
+                f"load stopped) -> {extra} duplicates, {lost} lost: {verdict}"
             )
         else:
             extra = (r.upstream_received or 0) - r.new_accepted
@@ -389,6 +480,27 @@ def targets(rows: list[Row], idle: dict[str, Any] | None = None) -> list[str]:
     line("guard-redis  / postfix @50 unique", ratio("guard-redis", "unique", 50, "postfix"), 1.0)
     line("guard-sqlite dup / null dup @50", ratio("guard-sqlite", "dup", 50, "null"), 0.8)
     line("guard-redis  dup / null dup @50", ratio("guard-redis", "dup", 50, "null"), 0.8)
+    for q, relay in QUEUE_SCENARIOS.items():
+        for n in sorted({r.sessions for r in rows if r.scenario == q}):
+            r = index.get((q, "unique", n))
+            if r is None:
+                continue
+            goal = " (the target)" if n == 50 else ""
+            p99, limit = r.p99_ms, QUEUE_P99_TARGET_MS
+            if not math.isnan(p99):
+                out.append(
+                    f"  {q} acceptance p99 @{n} unique: {p99:.2f} ms = {p99 / limit:.2f}x of the "
+                    f"{limit:g} ms target{goal} {'MET' if p99 <= limit else 'NOT MET'}"
+                )
+            rr = index.get((relay, "unique", n))
+            if r.delivered_s is None or rr is None or rr.msgs_s <= 0:
+                out.append(f"  {q} delivered/s @{n} unique vs {relay}: not measured")
+                continue
+            x = r.delivered_s / rr.msgs_s
+            out.append(
+                f"  {q} delivered/s @{n} unique: {r.delivered_s:.0f} vs {relay} {rr.msgs_s:.0f} msgs/s = "
+                f"{x:.2f}x (target >= 1.00x){goal} {'MET' if x >= 1.0 else 'NOT MET'}"
+            )
     for mode in ("unique", "paced"):
         d = index.get(("direct", mode, 10))
         for g in ("guard-sqlite", "guard-redis"):
@@ -583,6 +695,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--paced-rate", type=float, default=50.0, help="msgs/s over 10 sessions in paced mode")
     ap.add_argument("--pool-size", type=int, default=8, help="upstream pool of naive and smtpguard")
     ap.add_argument("--pipelining", action="store_true", help="pipeline MAIL/RCPT/DATA where offered")
+    ap.add_argument("--queue-workers", type=int, default=32, help="queue.workers of the *-queue scenarios")
+    ap.add_argument("--queue-poll", default="100ms", help="queue.poll_interval of the *-queue scenarios")
+    ap.add_argument(
+        "--drain-timeout", type=float, default=60.0,
+        help="queue rows: longest wait after the load for the sink to receive everything accepted",
+    )  # fmt: skip
     ap.add_argument("--python-sink", action="store_true", help="use bench/sink.py even if smtp-sink exists")
     ap.add_argument("--profile", action="store_true", help="after the table, py-spy smtpguard+SQLite")
     ap.add_argument("--profile-only", action="store_true", help="only the py-spy profile")
@@ -610,6 +728,9 @@ def main(argv: list[str] | None = None) -> int:
         paced_rate=args.paced_rate,
         pool_size=args.pool_size,
         pipelining=args.pipelining,
+        queue_workers=args.queue_workers,
+        queue_poll=args.queue_poll,
+        drain_timeout=args.drain_timeout,
     )
     sessions_list = [int(x) for x in args.sessions.split(",") if x]
     modes = [m for m in args.modes.split(",") if m]
@@ -639,11 +760,15 @@ def main(argv: list[str] | None = None) -> int:
                         for mode in modes:
                             if mode == "paced" and n != 10:
                                 continue
+                            if scenario in QUEUE_SCENARIOS and mode not in QUEUE_MODES:
+                                continue
                             t0 = time.monotonic()
                             row = measure_retrying(scenario, mode, n, tmp, sink, s, f"{run_id}r{rnd}")
                             all_rows.append(row)
+                            queued = scenario in QUEUE_SCENARIOS
+                            dl = f"delivered {_f(row.delivered_s, 0)}/s  " if queued else ""
                             print(
-                                f"{scenario:<13} {mode:<7} {n:>3}: {row.msgs_s:8.0f} msgs/s  p50 "
+                                f"{scenario:<18} {mode:<7} {n:>3}: {row.msgs_s:8.0f} msgs/s  {dl}p50 "
                                 f"{_f(row.p50_ms, 2)} p99 {_f(row.p99_ms, 2)} ms  rss {_f(row.rss_mb)} MB  "
                                 f"cpu/msg {_f(row.proxy_cpu_ms_per_msg, 2)} ms "
                                 f"(client {_f(row.client_cpu_ms_per_msg, 2)})  "
