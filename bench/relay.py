@@ -14,7 +14,7 @@ Scenarios, all in front of the same upstream sink (Postfix's smtp-sink when inst
                 the same two with the zone in store-and-forward mode (`delivery: queue`):
                 the client's latency is the `250 queued as ID`; the sink's counters give the
                 sustained delivery rate (delivered/s), measured until everything accepted has
-                reached the sink (bounded wait). `unique` mode only.
+                reached the sink (bounded wait). `unique` and `paced` modes only.
   postfix       a private Postfix relay (relayhost = the sink); clients send WITHOUT AUTH
                 from 127.0.0.1 (mynetworks), since Postfix's smtpd has no SASL set up here
 
@@ -74,7 +74,8 @@ ALL_SCENARIOS = [
 BASELINES = ["direct", "null", "naive"]
 QUEUE_SCENARIOS = {"guard-sqlite-queue": "guard-sqlite", "guard-redis-queue": "guard-redis"}
 """queue scenario -> the relay scenario with the same store (its msgs/s is the delivery target)."""
-QUEUE_MODES = ("unique",)
+QUEUE_MODES = ("unique", "paced")
+"""`paced` (10 sessions, 50 msgs/s) shows the acceptance service time without queueing."""
 QUEUE_P99_TARGET_MS = 10.0
 
 
@@ -498,8 +499,14 @@ def targets(rows: list[Row], idle: dict[str, Any] | None = None) -> list[str]:
                 continue
             x = r.delivered_s / rr.msgs_s
             out.append(
-                f"  {q} delivered/s @{n} unique: {r.delivered_s:.0f} vs {relay} {rr.msgs_s:.0f} msgs/s = "
-                f"{x:.2f}x (target >= 1.00x){goal} {'MET' if x >= 1.0 else 'NOT MET'}"
+                f"  {q} delivered/s @{n} unique: {r.delivered_s:.1f} vs {relay} {rr.msgs_s:.1f} msgs/s = "
+                f"{x:.3f}x (target >= 1.00x){goal} {'MET' if x >= 1.0 else 'NOT MET'}"
+            )
+        r = index.get((q, "paced", 10))
+        if r is not None and not math.isnan(r.p99_ms):
+            out.append(
+                f"  {q} acceptance p99 @10 paced (service time, no queueing): {r.p99_ms:.2f} ms = "
+                f"{r.p99_ms / QUEUE_P99_TARGET_MS:.2f}x of {QUEUE_P99_TARGET_MS:g} ms (p50 {r.p50_ms:.2f})"
             )
     for mode in ("unique", "paced"):
         d = index.get(("direct", mode, 10))
