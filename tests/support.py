@@ -28,6 +28,7 @@ from aiosmtpd.smtp import SMTP, Envelope, Session
 from smtpguard.config import loads
 from smtpguard.passwords import hash_password
 from smtpguard.server import Server
+from smtpguard.store import store_from_url
 
 PASSWORD = "s3cret-test-pass"
 OTHER_PASSWORD = "other-zone-pass"
@@ -464,3 +465,20 @@ class SmtpSink:
             for line in dump.read_text(errors="replace").splitlines()
             if line.lower().startswith("x-event-key:")
         ]
+
+
+async def settled_records(store_url: str, zone: str, keys: list[str], timeout: float = 30) -> dict[str, Any]:
+    """Wait (bounded) until the zone's store-and-forward queue has nothing due, then read
+    each key's record — through the real store."""
+
+    store = store_from_url(store_url)
+    await store.open()
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not [e for e in await store.queue_entries(zone) if e.due_at is not None]:
+                break
+            await asyncio.sleep(0.1)
+        return {k: await store.get(zone, k) for k in keys}
+    finally:
+        await store.close()

@@ -12,8 +12,6 @@ from pathlib import Path
 
 import aiosmtplib
 
-from smtpguard.config import loads
-from smtpguard.store import store_from_url
 from tests.support import (
     Behaviour,
     GuardProcess,
@@ -22,6 +20,7 @@ from tests.support import (
     free_port,
     message,
     send,
+    settled_records,
     write_config,
 )
 
@@ -67,18 +66,9 @@ async def test_queue_mode_kill_9_loop(tmp: Path, upstream: Upstream) -> None:
     # their lease), then stops.
     proc.start()
     await proc.wait_port(port)
-    config = loads(path.read_text())
-    store = store_from_url(config.store.url)
-    await store.open()
     try:
-        for _ in range(300):
-            entries = [e for e in await store.queue_entries("acme") if e.due_at is not None]
-            if not entries:
-                break
-            await asyncio.sleep(0.1)
-        records = {k: await store.get("acme", k) for k in accepted}
+        records = await settled_records(cfg["store"]["url"], "acme", accepted)
     finally:
-        await store.close()
         await proc.astop()
 
     counts = Counter(upstream.event_keys())

@@ -7,8 +7,6 @@ import asyncio
 from collections import Counter
 from pathlib import Path
 
-from smtpguard.config import loads
-from smtpguard.store import store_from_url
 from tests.support import (
     Behaviour,
     GuardProcess,
@@ -18,6 +16,7 @@ from tests.support import (
     free_port,
     message,
     send,
+    settled_records,
     write_config,
 )
 
@@ -66,17 +65,7 @@ async def test_instance_b_delivers_what_killed_instance_a_accepted(tmp: Path, up
         # Duplicates submitted to B while it delivers are answered from the shared ledger.
         dups = await asyncio.gather(*(send(ports[1], message(k)) for k in accepted[::5]))
         assert all(d.code in (250, 451) for d in dups)
-        store = store_from_url(loads((tmp / "b.yaml").read_text()).store.url)
-        await store.open()
-        try:
-            for _ in range(300):
-                pending = [e for e in await store.queue_entries("acme") if e.due_at is not None]
-                if not pending:
-                    break
-                await asyncio.sleep(0.1)
-            records = {k: await store.get("acme", k) for k in accepted}
-        finally:
-            await store.close()
+        records = await settled_records(redis.url, "acme", accepted)
         await b.astop()
     finally:
         for g in guards:
