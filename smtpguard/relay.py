@@ -72,6 +72,7 @@ class SmtpProvider:
         self._password = password
         self._helo = cfg.helo_name or helo
         self._idle: deque[aiosmtplib.SMTP] = deque()
+        self._closed = False
         self._slots = asyncio.Semaphore(cfg.pool_size)
         self._tls_context = self._make_tls_context()
 
@@ -85,6 +86,7 @@ class SmtpProvider:
         return ctx
 
     async def close(self) -> None:
+        self._closed = True
         while self._idle:
             conn = self._idle.popleft()
             with contextlib.suppress(Exception):
@@ -145,7 +147,8 @@ class SmtpProvider:
             self._slots.release()
 
     def _finish(self, conn: aiosmtplib.SMTP, keep: bool, result: Attempted) -> Attempted:
-        if keep and conn.is_connected:
+        # A provider replaced by a reload is closed: its in-flight connections end here.
+        if keep and conn.is_connected and not self._closed:
             self._idle.append(conn)
         else:
             conn.close()

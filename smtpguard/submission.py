@@ -304,8 +304,13 @@ class Submitter:
         renewer = asyncio.create_task(keep_lease())
         try:
             outcome = await self.route.send(env, before_data)
-        except LeaseLost:
-            return Result(replies.in_flight(sub.key), "lease_lost", sub.key)
+        except (LeaseLost, StoreUnavailable) as e:
+            # Stopped before DATA: nothing reached a provider, so the cap unit goes back.
+            with contextlib.suppress(StoreUnavailable):
+                await self.store.refund(sub.zone, sub.attempt_id, month_of(rec.updated_at))
+            if isinstance(e, LeaseLost):
+                return Result(replies.in_flight(sub.key), "lease_lost", sub.key)
+            raise
         finally:
             renewer.cancel()
             with contextlib.suppress(asyncio.CancelledError, LeaseLost):
