@@ -41,6 +41,18 @@ def password_hash(password: str) -> str:
     return _HASHES[password]
 
 
+def wait_listening(port: int, what: str, timeout: float = 10) -> None:
+    """Block until something accepts connections on 127.0.0.1:port (a child just started)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.02)
+    raise RuntimeError(f"{what} did not start on port {port}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -395,14 +407,7 @@ class RedisServer:
         ]
         args += ["--appendonly", "yes", "--appendfsync", "always"] if self.durable else ["--appendonly", "no"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.02)
-        raise RuntimeError("redis-server did not start")
+        wait_listening(self.port, "redis-server")
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -439,14 +444,7 @@ class SmtpSink:
         self.proc = subprocess.Popen(
             [*args, f"127.0.0.1:{self.port}", "64"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.02)
-        raise RuntimeError("smtp-sink did not start")
+        wait_listening(self.port, "smtp-sink")
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
