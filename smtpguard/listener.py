@@ -236,8 +236,12 @@ class GuardSMTP(SMTP):
         """Judge the address the client wrote, not the one aiosmtpd's parser made of it: the
         parser drops source routes (`<@relay:user@dom>`), comments and quoting, and gives up
         on `user@a@b`; any of those, written by a client, is refused as written (501)."""
-        address, rest = super()._getaddr(arg)
         raw, raw_rest = _raw_path(arg)
+        if raw and arg.lstrip().startswith("<") and address_problem(raw) is None:
+            # The plain `<local@domain>` every client writes: nothing for the RFC 5322
+            # parser to find (no quotes, routes, comments), so skip its cost.
+            return raw, raw_rest
+        address, rest = super()._getaddr(arg)
         if address is None:
             if raw and address_problem(raw):
                 return raw, raw_rest
