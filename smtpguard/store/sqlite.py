@@ -150,44 +150,52 @@ class _Writer(threading.Thread):
         conn: sqlite3.Connection,
         batch: list[tuple[Callable[[sqlite3.Connection], Any], asyncio.Future[Any]]],
     ) -> None:
-        results: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+        Result = tuple[asyncio.Future[Any], Any, BaseException | None]
+        results: list[Result]
         try:
+            # The common case: every operation succeeds, one transaction, one fsync.
             conn.execute("BEGIN IMMEDIATE")
-            for fn, fut in batch:
-                # A savepoint per operation: one failing operation does not undo the others.
-                conn.execute("SAVEPOINT op")
-                try:
-                    value = fn(conn)
-                except Exception as e:
-                    conn.execute("ROLLBACK TO op")
-                    conn.execute("RELEASE op")
-                    # Callers know one failure: the store could not do it (disk full, I/O).
-                    failed: Exception = (
-                        StoreUnavailable(f"sqlite: {e}") if isinstance(e, sqlite3.Error) else e
-                    )
-                    results.append((fut, None, failed))
-                else:
-                    conn.execute("RELEASE op")
-                    results.append((fut, value, None))
+            results = [(fut, fn(conn), None) for fn, fut in batch]
             conn.execute("COMMIT")
-        except sqlite3.Error as e:
+        except Exception:
+            # One operation failed (or the commit did): undo the batch and run each operation
+            # in a transaction of its own, so only the failing one reports the failure.
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
-            failure = StoreUnavailable(f"sqlite commit failed: {e}")
-            results = [(fut, None, failure) for _, fut in batch]
-        for fut, value, error in results:
-            loop = fut.get_loop()
+            results = [self._run_alone(conn, fn, fut) for fn, fut in batch]
+        by_loop: dict[asyncio.AbstractEventLoop, list[Result]] = {}
+        for item in results:
+            by_loop.setdefault(item[0].get_loop(), []).append(item)
+        for loop, items in by_loop.items():
+            # One wake-up of the event loop per batch, not one per operation.
             if not loop.is_closed():
-                loop.call_soon_threadsafe(_settle, fut, value, error)
+                loop.call_soon_threadsafe(_settle_all, items)
+
+    @staticmethod
+    def _run_alone(
+        conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], Any], fut: asyncio.Future[Any]
+    ) -> tuple[asyncio.Future[Any], Any, BaseException | None]:
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            value = fn(conn)
+            conn.execute("COMMIT")
+        except Exception as e:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            # Callers know one failure: the store could not do it (disk full, I/O).
+            failed: Exception = StoreUnavailable(f"sqlite: {e}") if isinstance(e, sqlite3.Error) else e
+            return fut, None, failed
+        return fut, value, None
 
 
-def _settle(fut: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
-    if fut.done():
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(value)
+def _settle_all(items: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+    for fut, value, error in items:
+        if fut.done():
+            continue
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
 
 
 class SQLiteStore:
