@@ -488,7 +488,7 @@ class Handler:
         if problem:
             return self._refuse(principal, replies.bad_address("recipient", problem))
         try:
-            listed = await self.store.suppressed(principal.zone, address)
+            listed = await self.submitter.suppressions.find(principal.zone, address)
         except StoreUnavailable:
             return str(replies.STORE_UNAVAILABLE)
         if listed:

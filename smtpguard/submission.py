@@ -39,6 +39,7 @@ from smtpguard.store import (
     Store,
     StoreUnavailable,
 )
+from smtpguard.suppression import SuppressionCache
 
 log = logging.getLogger("smtpguard.decision")
 
@@ -116,6 +117,7 @@ class Submitter:
         self.hostname = hostname
         self.clock = clock
         self.settled = SettledCache()
+        self.suppressions = SuppressionCache(store)
         self.on_enqueue: Callable[[], None] | None = None
         """Called after a store-and-forward acceptance, to wake the local delivery worker."""
 
@@ -381,6 +383,7 @@ class Submitter:
                         f"upstream {reply.code} {reply.enhanced} {reply.text}"[:300],
                         now,
                     )
+                self.suppressions.invalidate(zone)
 
 
 def message_class(message: Message, config: Config, zone: ZoneConfig) -> str | Reply:

@@ -117,6 +117,18 @@ async def test_circuits_are_published_per_instance_and_provider(store: Store) ->
     assert got == [("a", "primary", "half_open", 102.0), ("b", "primary", "closed", 101.0)]
 
 
+async def test_suppression_versions_move_on_every_change(store: Store) -> None:
+    assert await store.suppression_versions("acme") == (0, 0)
+    await store.suppress_add("acme", "a@example.com", "r", 1.0)
+    own, shared = await store.suppression_versions("acme")
+    assert own >= 1 and shared == 0
+    await store.suppress_add("global", "g@example.com", "r", 1.0)
+    await store.suppress_remove("acme", "a@example.com")
+    own2, shared2 = await store.suppression_versions("acme")
+    assert own2 > own and shared2 > shared
+    assert (await store.suppression_versions("globex"))[0] == 0
+
+
 async def test_get_absent(store: Store) -> None:
     assert await store.get("acme", "nope") is None
 
@@ -807,8 +819,8 @@ async def test_redis_keys_of_a_zone_share_its_cluster_slot(redis_server: RedisSe
         await s.auth_failure("192.0.2.1", NOW, 300)
         keys = [str(k) for k in await plain.keys("*")]
         by_zone = {z: [k for k in keys if f"{{{z}}}" in k] for z in ("acme", "globex", "global")}
-        # record, index, sends, month, paused, counts, suppression
-        assert len(by_zone["acme"]) == len(by_zone["globex"]) == 7
+        # record, index, sends, month, paused, counts, suppression, its change counter
+        assert len(by_zone["acme"]) == len(by_zone["globex"]) == 8
         for zone, zone_keys in by_zone.items():
             assert {key_slot(k.encode()) for k in zone_keys} == {key_slot(zone.encode())}
         assert {k for k in keys if not any(k in v for v in by_zone.values())} == {

@@ -180,6 +180,10 @@ class Store(Protocol):
 
     async def suppress_list(self, zone: str) -> list[Suppression]: ...
 
+    async def suppression_versions(self, zone: str) -> tuple[int, int]:
+        """Change counters of the zone's list and of the global list: a cache that saw the
+        same pair still holds both lists exactly."""
+
     # --- provider health, for operators (each instance keeps its own breaker) ---------------
     async def set_circuit(self, instance: str, provider: str, circuit: str, now: float) -> None:
         """Publish one instance's circuit for one provider (written on every transition)."""

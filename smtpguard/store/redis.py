@@ -892,12 +892,28 @@ class RedisStore:
     @_translated
     async def suppress_add(self, zone: str, address: str, reason: str, now: float) -> bool:
         entry = json.dumps({"reason": reason, "at": now}, separators=(",", ":"))
-        added = await self._r.hsetnx(_zone_key(zone, "supp"), normalize_address(address), entry)
+        async with self._r.pipeline(transaction=True) as pipe:
+            pipe.hsetnx(_zone_key(zone, "supp"), normalize_address(address), entry)
+            pipe.incr(_zone_key(zone, "supp:v"))
+            added, _ = await pipe.execute()
         return bool(added)
 
     @_translated
     async def suppress_remove(self, zone: str, address: str) -> bool:
-        return bool(await self._r.hdel(_zone_key(zone, "supp"), normalize_address(address)))
+        async with self._r.pipeline(transaction=True) as pipe:
+            pipe.hdel(_zone_key(zone, "supp"), normalize_address(address))
+            pipe.incr(_zone_key(zone, "supp:v"))
+            removed, _ = await pipe.execute()
+        return bool(removed)
+
+    @_translated
+    async def suppression_versions(self, zone: str) -> tuple[int, int]:
+        # Two slots (the zone's and global's): a plain pipeline, no transaction.
+        async with self._r.pipeline(transaction=False) as pipe:
+            pipe.get(_zone_key(zone, "supp:v"))
+            pipe.get(_zone_key("global", "supp:v"))
+            own, shared = await pipe.execute()
+        return int(own or 0), int(shared or 0)
 
     @_translated
     async def suppress_list(self, zone: str) -> list[Suppression]:

@@ -59,6 +59,7 @@ CREATE TABLE IF NOT EXISTS paused (zone TEXT PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS suppression (
     zone TEXT NOT NULL, address TEXT NOT NULL, reason TEXT NOT NULL, at REAL NOT NULL,
     PRIMARY KEY (zone, address)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS supp_versions (zone TEXT PRIMARY KEY, v INTEGER NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS auth_failures (ip TEXT NOT NULL, at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS auth_failures_ip_at ON auth_failures (ip, at);
 CREATE TABLE IF NOT EXISTS queue (
@@ -484,24 +485,39 @@ class SQLiteStore:
 
     async def suppress_add(self, zone: str, address: str, reason: str, now: float) -> bool:
         addr = normalize_address(address)
-        return await self._write(
-            lambda c: (
-                c.execute(
-                    "INSERT OR IGNORE INTO suppression (zone, address, reason, at) VALUES (?, ?, ?, ?)",
-                    (zone, addr, reason, now),
-                ).rowcount
-                == 1
-            )
-        )
+
+        def op(c: sqlite3.Connection) -> bool:
+            added = c.execute(
+                "INSERT OR IGNORE INTO suppression (zone, address, reason, at) VALUES (?, ?, ?, ?)",
+                (zone, addr, reason, now),
+            ).rowcount
+            if added:
+                _bump_supp_version(c, zone)
+            return added == 1
+
+        return await self._write(op)
 
     async def suppress_remove(self, zone: str, address: str) -> bool:
         addr = normalize_address(address)
-        return await self._write(
-            lambda c: (
-                c.execute("DELETE FROM suppression WHERE zone = ? AND address = ?", (zone, addr)).rowcount
-                == 1
+
+        def op(c: sqlite3.Connection) -> bool:
+            removed = c.execute(
+                "DELETE FROM suppression WHERE zone = ? AND address = ?", (zone, addr)
+            ).rowcount
+            if removed:
+                _bump_supp_version(c, zone)
+            return removed == 1
+
+        return await self._write(op)
+
+    async def suppression_versions(self, zone: str) -> tuple[int, int]:
+        def op(c: sqlite3.Connection) -> tuple[int, int]:
+            rows = dict(
+                c.execute("SELECT zone, v FROM supp_versions WHERE zone IN (?, 'global')", (zone,)).fetchall()
             )
-        )
+            return int(rows.get(zone, 0)), int(rows.get("global", 0))
+
+        return await self._read(op)
 
     async def suppress_list(self, zone: str) -> list[Suppression]:
         rows = await self._read(
@@ -569,6 +585,13 @@ def _save(c: sqlite3.Connection, r: Record) -> None:
             r.updated_at,
             json.dumps(r.to_dict(), separators=(",", ":")),
         ),
+    )
+
+
+def _bump_supp_version(c: sqlite3.Connection, zone: str) -> None:
+    c.execute(
+        "INSERT INTO supp_versions (zone, v) VALUES (?, 1) ON CONFLICT (zone) DO UPDATE SET v = v + 1",
+        (zone,),
     )
 
 
