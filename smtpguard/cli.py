@@ -139,6 +139,11 @@ def cmd_history(args: argparse.Namespace) -> int:
         return 0
     print(f"{doc['zone']} {doc['key']}: {doc['state']} (sg:{doc['sg_id']})")
     print(f"  created {doc['created_at']}  updated {doc['updated_at']}")
+    if doc["class"]:
+        print(
+            f"  store-and-forward: class {doc['class']}, queued as {doc['queue_id']}, "
+            f"never sent after {doc['expires_at']}"
+        )
     if doc["next_attempt_at"]:
         print(f"  next attempt not before {doc['next_attempt_at']}")
     if doc["upstream_id"]:

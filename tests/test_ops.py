@@ -288,3 +288,32 @@ def test_yaml_helper_roundtrip(tmp: Path) -> None:
     root = Path(__file__).resolve().parents[1]
     doc = yaml.safe_load((root / "conf" / "smtpguard.yaml").read_text())
     assert doc["zones"]["demo"]["users"][0]["username"] == "demo-app"
+
+
+async def test_sink_command_writes_a_maildir(tmp: Path) -> None:
+    import sys
+
+    port = free_port()
+    maildir = tmp / "sink"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "smtpguard",
+        "sink",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--maildir",
+        str(maildir),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        banner = await asyncio.wait_for(proc.stdout.readline(), 15)
+        assert b"listening" in banner
+        reply = await send(port, message("sink1"), user="")
+        assert reply.code == 250 and "queued as" in reply.text
+        files = list((maildir / "new").iterdir())
+        assert len(files) == 1 and b"X-Event-Key: sink1" in files[0].read_bytes()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0

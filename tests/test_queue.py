@@ -83,6 +83,9 @@ async def test_451_three_times_then_delivered_with_growing_gaps(
     assert await asyncio.to_thread(main, ["history", "acme", "r1", "--json", "-c", str(path)]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["state"] == "delivered" and doc["class"] == "transactional"
+    assert await asyncio.to_thread(main, ["history", "acme", "r1", "-c", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "class transactional, queued as" in text and text.count("attempt ") == 4
     outcomes = [a["outcome"] for a in doc["attempts"]]
     assert outcomes == ["deferred", "deferred", "deferred", "delivered"]
     assert upstream.handler.transactions == 4 and len(upstream.received) == 1
