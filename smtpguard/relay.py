@@ -394,6 +394,7 @@ class Route:
                 continue
             try:
                 result = await self._attempt(p, env, before_data)
+                self._record_health(p.name, result.health)
                 if result.outcome.kind is Kind.UNKNOWN and p.idempotent:
                     # The provider dedupes on our header, so one more try on it cannot
                     # duplicate. Whatever that try comes to, the outcome stays this
@@ -410,7 +411,6 @@ class Route:
             except BaseException:
                 self.breakers[p.name] = self.breakers[p.name].release_probe()
                 raise
-            self._record_health(p.name, result.health)
             if not result.failover:
                 return result.outcome
             if fallback is None or fallback.kind is Kind.UNAVAILABLE:

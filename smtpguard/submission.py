@@ -373,6 +373,11 @@ class Submitter:
         )
 
     async def _suppress_bounced(self, zone: str, outcome: Outcome) -> None:
+        # Only once the event is final: a deferred event is retried, and a retry that lost
+        # a recipient to a fresh suppression would no longer be the same message (its
+        # fingerprint covers the recipients) and would be refused as a reused key.
+        if outcome.kind not in (Kind.DELIVERED, Kind.FAILED):
+            return
         now = self.clock()
         for address, reply in outcome.rejected:
             if is_recipient_unknown(reply):

@@ -9,6 +9,7 @@ within a second, and an address suppressed by this instance applies at once.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
@@ -21,39 +22,56 @@ MAX_CACHED = 100_000
 """A list longer than this is not held in memory; its lookups go to the store."""
 
 
+OVERSIZE_RECHECK = 60.0
+"""An oversized list is not loaded again for this long, however often its counter moves."""
+
+
 class SuppressionCache:
     def __init__(self, store: Store, clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.clock = clock
-        self._lists: dict[str, tuple[int, frozenset[str] | None]] = {}
+        self._lists: dict[str, tuple[int, frozenset[str] | None, float]] = {}
+        """list name → (change counter, addresses or None when oversized, loaded at)"""
         self._checked: dict[str, float] = {}
+        self._generation: dict[str, int] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
 
     def invalidate(self, zone: str) -> None:
-        """This instance changed the zone's list: read the counters on the next lookup."""
+        """This instance changed the zone's list: read the counters on the next lookup,
+        even if a refresh that started before the change is still running."""
         self._checked.pop(zone, None)
+        self._generation[zone] = self._generation.get(zone, 0) + 1
 
     async def find(self, zone: str, address: str) -> str | None:
         """Which list holds the address: the zone's name, 'global', or None."""
-        now = self.clock()
-        if now - self._checked.get(zone, float("-inf")) >= REFRESH:
-            own, shared = await self.store.suppression_versions(zone)
-            await self._load(zone, own)
-            await self._load("global", shared)
-            self._checked[zone] = now
-        addr = normalize_address(address)
+        if self.clock() - self._checked.get(zone, float("-inf")) >= REFRESH:
+            # One refresh per zone at a time; lookups arriving meanwhile wait for it.
+            async with self._locks.setdefault(zone, asyncio.Lock()):
+                now = self.clock()
+                if now - self._checked.get(zone, float("-inf")) >= REFRESH:
+                    generation = self._generation.get(zone, 0)
+                    own, shared = await self.store.suppression_versions(zone)
+                    await self._load(zone, own, now)
+                    await self._load("global", shared, now)
+                    if self._generation.get(zone, 0) == generation:
+                        self._checked[zone] = now
         own_list, shared_list = self._lists[zone][1], self._lists["global"][1]
         if own_list is None or shared_list is None:
             return await self.store.suppressed(zone, address)
+        addr = normalize_address(address)
         if addr in own_list:
             return zone
         if addr in shared_list:
             return "global"
         return None
 
-    async def _load(self, name: str, version: int) -> None:
+    async def _load(self, name: str, version: int, now: float) -> None:
         cached = self._lists.get(name)
-        if cached is not None and cached[0] == version:
-            return
+        if cached is not None:
+            if cached[0] == version:
+                return
+            if cached[1] is None and now - cached[2] < OVERSIZE_RECHECK:
+                return  # still served from the store; do not reload a huge list every second
         entries = await self.store.suppress_list(name)
         addresses = frozenset(e.address for e in entries) if len(entries) <= MAX_CACHED else None
-        self._lists[name] = (version, addresses)
+        self._lists[name] = (version, addresses, now)

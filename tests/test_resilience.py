@@ -349,3 +349,24 @@ async def test_temporary_refusal_of_one_recipient_defers_the_whole_event(
         retry = await send(guard.ports[0], message("t1"), recipients=["ok@example.com", "later@example.com"])
     assert retry.code == 250
     assert [r.rcpt_tos for r in upstream.received] == [["ok@example.com", "later@example.com"]]
+
+
+async def test_deferred_event_suppresses_nobody_so_its_retry_is_the_same_message(
+    tmp: Path, upstream: Upstream
+) -> None:
+    upstream.handler.script = [
+        Behaviour(
+            rcpt={"gone@example.com": "550 5.1.1 no such user", "later@example.com": "452 4.2.2 mailbox full"}
+        )
+    ]
+    cfg = base_config(tmp, upstream.port, event_key={"min_retry_interval": "1s"})
+    rcpts = ["gone@example.com", "later@example.com"]
+    async with running_guard(cfg) as guard:
+        first = await send(guard.ports[0], message("m1"), recipients=rcpts)
+        assert first.code == 452
+        assert guard.store is not None
+        assert await guard.store.suppressed("acme", "gone@example.com") is None
+        await asyncio.sleep(1.1)
+        retry = await send(guard.ports[0], message("m1"), recipients=rcpts)
+    assert retry.code == 250 and "reused" not in retry.text
+    assert [r.rcpt_tos for r in upstream.received] == [rcpts]

@@ -153,17 +153,28 @@ class _Writer(threading.Thread):
     ) -> None:
         Result = tuple[asyncio.Future[Any], Any, BaseException | None]
         results: list[Result]
+        in_operation = False
         try:
             # The common case: every operation succeeds, one transaction, one fsync.
             conn.execute("BEGIN IMMEDIATE")
-            results = [(fut, fn(conn), None) for fn, fut in batch]
+            results = []
+            for fn, fut in batch:
+                in_operation = True
+                results.append((fut, fn(conn), None))
+                in_operation = False
             conn.execute("COMMIT")
-        except Exception:
-            # One operation failed (or the commit did): undo the batch and run each operation
-            # in a transaction of its own, so only the failing one reports the failure.
+        except Exception as e:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
-            results = [self._run_alone(conn, fn, fut) for fn, fut in batch]
+            if in_operation:
+                # One operation failed: run each in a transaction of its own, so only the
+                # failing one reports it and the others are written.
+                results = [self._run_alone(conn, fn, fut) for fn, fut in batch]
+            else:
+                # BEGIN or COMMIT failed (lock held elsewhere, disk full, I/O): every write
+                # of the batch fails at once rather than waiting the busy timeout again each.
+                failure = StoreUnavailable(f"sqlite transaction failed: {e}")
+                results = [(fut, None, failure) for _, fut in batch]
         by_loop: dict[asyncio.AbstractEventLoop, list[Result]] = {}
         for item in results:
             by_loop.setdefault(item[0].get_loop(), []).append(item)
