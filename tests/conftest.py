@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.hostile_support import assert_no_tracebacks
 from tests.support import RedisServer, Upstream
 
 
@@ -28,3 +30,11 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 @pytest.fixture
 def tmp(tmp_path: Path) -> Path:
     return tmp_path
+
+
+@pytest.fixture
+def no_tracebacks(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """Fails the test if anything, at any level, was logged with a traceback."""
+    caplog.set_level(logging.DEBUG)
+    yield
+    assert_no_tracebacks(caplog.records)

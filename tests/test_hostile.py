@@ -4,14 +4,11 @@ zone isolation. Each test counts what the recording upstream received.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.hostile_support import (
-    assert_no_tracebacks,
     message_bytes,
     nothing_recorded,
     session,
@@ -20,12 +17,8 @@ from tests.hostile_support import (
 )
 from tests.support import OTHER_PASSWORD, Upstream, base_config, running_guard
 
-
-@pytest.fixture(autouse=True)
-def no_tracebacks(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
-    caplog.set_level(logging.INFO)
-    yield
-    assert_no_tracebacks(caplog.records)
+# Every hostile case must leave no traceback in the logs (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("no_tracebacks")
 
 
 # --- SMTP smuggling (DESIGN.md §3: 550 5.5.2, nothing relayed, no key or cap touched) ----------

@@ -9,7 +9,6 @@ import json
 import logging
 import statistics
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,6 @@ from smtpguard.logs import JSONFormatter
 from tests.hostile_support import (
     RawClient,
     SmtpReply,
-    assert_no_tracebacks,
     message_bytes,
     session,
     submit,
@@ -29,12 +27,8 @@ from tests.hostile_support import (
 )
 from tests.support import PASSWORD, Upstream, base_config, running_guard, write_config
 
-
-@pytest.fixture(autouse=True)
-def no_tracebacks(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
-    caplog.set_level(logging.INFO)
-    yield
-    assert_no_tracebacks(caplog.records)
+# Every hostile case must leave no traceback in the logs (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("no_tracebacks")
 
 
 def plain(user: str | bytes, password: str | bytes) -> str:

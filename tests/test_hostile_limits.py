@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 import tracemalloc
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,6 @@ import pytest
 from tests.hostile_support import (
     RawClient,
     all_released,
-    assert_no_tracebacks,
     message_bytes,
     nothing_recorded,
     session,
@@ -26,12 +23,8 @@ from tests.hostile_support import (
 )
 from tests.support import Behaviour, Upstream, base_config, running_guard
 
-
-@pytest.fixture(autouse=True)
-def no_tracebacks(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
-    caplog.set_level(logging.INFO)
-    yield
-    assert_no_tracebacks(caplog.records)
+# Every hostile case must leave no traceback in the logs (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("no_tracebacks")
 
 
 async def stop(task: asyncio.Task[None]) -> None:

@@ -4,21 +4,15 @@ traceback in the logs."""
 from __future__ import annotations
 
 import base64
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.hostile_support import assert_no_tracebacks, nothing_recorded, submit
+from tests.hostile_support import nothing_recorded, submit
 from tests.support import Upstream, base_config, running_guard
 
-
-@pytest.fixture(autouse=True)
-def no_tracebacks(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
-    caplog.set_level(logging.DEBUG)
-    yield
-    assert_no_tracebacks(caplog.records)
+# Every hostile case must leave no traceback in the logs (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("no_tracebacks")
 
 
 FROM = b"From: billing@acme.example"

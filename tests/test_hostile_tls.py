@@ -4,8 +4,6 @@ the config rule that keeps AUTH off clear-text network listeners."""
 from __future__ import annotations
 
 import base64
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import aiosmtplib
@@ -16,7 +14,6 @@ from smtpguard.config import ConfigError, loads
 from tests.hostile_support import (
     RawClient,
     all_released,
-    assert_no_tracebacks,
     client_tls,
     message_bytes,
     terminated,
@@ -24,12 +21,8 @@ from tests.hostile_support import (
 )
 from tests.support import PASSWORD, Upstream, base_config, running_guard
 
-
-@pytest.fixture(autouse=True)
-def no_tracebacks(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
-    caplog.set_level(logging.INFO)
-    yield
-    assert_no_tracebacks(caplog.records)
+# Every hostile case must leave no traceback in the logs (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("no_tracebacks")
 
 
 AUTH_PLAIN = "AUTH PLAIN " + base64.b64encode(f"\0acme-app\0{PASSWORD}".encode()).decode()
