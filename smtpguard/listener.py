@@ -11,13 +11,15 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import functools
 import logging
+import re
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, AnyStr
 
-from aiosmtpd.smtp import SMTP, AuthResult, Envelope, Session, TLSSetupException
+from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, Session, TLSSetupException
 
 from smtpguard import replies
 from smtpguard.config import Config, plan_send_as
@@ -106,9 +108,10 @@ class GuardSMTP(SMTP):
         # command and DATA line, and with it the memory one line can take.
         self.line_length_limit = limits.max_line_length
         self._data_timeout = limits.data_timeout
+        self._long_line = _long_line_pattern(limits.max_line_length)
         self._data_timer: asyncio.TimerHandle | None = None
         self._abort_timer: asyncio.TimerHandle | None = None
-        self._idle_reset_at = 0.0
+        self._last_data = 0.0
         super().__init__(handler, **kwargs)
         self._guard = handler
         self._admitted_ip: str | None = None
@@ -118,12 +121,11 @@ class GuardSMTP(SMTP):
     def _cb_client_connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         super()._cb_client_connected(reader, writer)
         original = reader.readuntil
+        self._read_raw: _READ = original
 
         async def readuntil(separator: bytes = b"\n") -> bytes:
-            # aiosmtpd reads DATA lines up to CRLF, everything else (commands, AUTH
-            # responses through readline) up to LF.
-            if separator == b"\r\n":
-                return await self._read_data_line(original)
+            # aiosmtpd reads commands (and AUTH responses, through readline) up to LF; the
+            # DATA transfer is read by smtp_DATA below.
             return await self._read_command_line(original)
 
         reader.readuntil = readuntil  # type: ignore[method-assign,assignment]
@@ -135,7 +137,7 @@ class GuardSMTP(SMTP):
             try:
                 line = await read(b"\n")
             except asyncio.LimitOverrunError as e:
-                return await self._discard_long_line(read, b"\n", e.consumed)
+                return await self._discard_long_line(read, e.consumed)
             if _clean_command(line):
                 return line
             self._bogus += 1
@@ -146,39 +148,102 @@ class GuardSMTP(SMTP):
                 await self._until_cancelled()
             self._writer.write(f"{replies.BARE_NEWLINE_COMMAND}\r\n".encode())
 
-    async def _read_data_line(self, read: _READ) -> bytes:
-        if self._data_timer is None:
-            self._data_timer = self.loop.call_later(self._data_timeout, self._data_timed_out)
-        try:
-            line = await read(b"\r\n")
-        except asyncio.LimitOverrunError as e:
-            line = await self._discard_long_line(read, b"\r\n", e.consumed)
-        # Idle means "sends nothing", not "has not finished": a line restarts the idle timer
-        # (not every line: a quarter of the timeout is precise enough), data_timeout caps
-        # the whole transfer.
-        now = self.loop.time()
-        if self.transport is not None and now - self._idle_reset_at >= min(1.0, self._timeout_duration / 4):
-            self._idle_reset_at = now
-            self._reset_timeout()
-        return line
-
-    async def _discard_long_line(self, read: _READ, separator: bytes, consumed: int) -> bytes:
-        """Drop an over-long line as it arrives; return a stand-in that aiosmtpd refuses as too
-        long (a command at once, a DATA line after the final dot).
-
-        aiosmtpd would otherwise keep every fragment of an over-long DATA line until its CRLF
-        comes, which a client can make never happen; and for a command it would split the
-        line's CR from its LF, answering a bare LF that the client never sent."""
+    async def _discard_long_line(self, read: _READ, consumed: int) -> bytes:
+        """Drop an over-long command line as it arrives; return a stand-in that aiosmtpd
+        refuses as too long. aiosmtpd would otherwise split the line's CR from its LF,
+        answering a bare LF that the client never sent."""
         await self._reader.read(consumed)
         while True:
             try:
-                await read(separator)
+                await read(b"\n")
                 break
             except asyncio.LimitOverrunError as e:
                 await self._reader.read(e.consumed)
-        if separator == b"\n":
-            return b"TOOLONG " + b"x" * self.command_size_limit + b"\r\n"
-        return b"x" * self.line_length_limit + b"\r\n"
+        return b"TOOLONG " + b"x" * self.command_size_limit + b"\r\n"
+
+    async def smtp_DATA(self, arg: str) -> None:
+        """aiosmtpd's DATA command with its checks and replies, but the transfer is read in
+        chunks up to each ".\r\n" instead of one await per line: per message, aiosmtpd's
+        line loop cost more than smtpguard's whole policy."""
+        if await self.check_helo_needed():
+            return
+        if await self.check_auth_needed("DATA"):
+            return
+        assert self.envelope is not None and not self._decode_data
+        if not self.envelope.rcpt_tos:
+            await self.push("503 Error: need RCPT command")
+            return
+        if arg:
+            await self.push("501 Syntax: DATA")
+            return
+        await self.push("354 End data with <CR><LF>.<CR><LF>")
+        try:
+            received = await self._receive_data()
+        except asyncio.CancelledError:
+            log.info("connection lost during DATA", extra={"client_ip": self._admitted_ip})
+            self._writer.close()
+            raise
+        finally:
+            self._stop_data_timer()
+        if isinstance(received, Reply):
+            await self.push(str(received))
+            self._set_post_data_state()
+            return
+        self.envelope.content = self.envelope.original_content = received
+        status = await self._call_handler_hook("DATA")
+        self._set_post_data_state()
+        await self.push("250 OK" if status is MISSING else status)
+
+    async def _receive_data(self) -> bytes | Reply:
+        """Read up to the end-of-data line and undo dot-stuffing (RFC 5321 4.5.2).
+
+        The end is exactly CRLF "." CRLF (or "." CRLF first): a bare LF or CR around the dot
+        is data, which smuggling_check then refuses. Past max_message_size the data is
+        dropped as it arrives, keeping only the bytes the end test needs; the reply waits
+        for the end of the transfer (RFC 5321 4.2.5)."""
+        self._data_timer = self.loop.call_later(self._data_timeout, self._data_timed_out)
+        read = self._read_raw
+        size_limit = self.data_size_limit
+        line_limit = self.line_length_limit
+        stream = bytearray()
+        refusal: Reply | None = None
+        while True:
+            try:
+                chunk = await read(b".\r\n")
+            except asyncio.LimitOverrunError as e:
+                # No ".\r\n" within the reader's limit: take what cannot hold its start.
+                chunk = await self._reader.read(e.consumed)
+            before = len(stream)
+            stream += chunk
+            if chunk.endswith(b".\r\n") and (stream.endswith(b"\r\n.\r\n") or stream == b".\r\n"):
+                break
+            if refusal is not None:
+                # Refused already: drop the data as it arrives, keep what the end test needs.
+                del stream[:-4]
+                continue
+            # Only the line still open at `before` and the new ones can have grown too long.
+            line_start = stream.rfind(b"\n", max(0, before - line_limit), before) + 1
+            if self._long_line.search(stream, line_start or max(0, before - line_limit)):
+                refusal = replies.LINE_TOO_LONG
+            elif size_limit and len(stream) > size_limit:
+                refusal = replies.SIZE_EXCEEDED
+        if refusal is None:
+            del stream[-3:]
+            if size_limit and len(stream) > size_limit:
+                refusal = replies.SIZE_EXCEEDED
+            elif self._long_line.search(stream, max(0, before - line_limit)):
+                refusal = replies.LINE_TOO_LONG
+        if refusal is not None:
+            return refusal
+        if stream.startswith(b"."):
+            del stream[0]
+        return bytes(stream.replace(b"\r\n.", b"\r\n"))
+
+    def data_received(self, data: bytes) -> None:
+        # Progress is a line, not a byte: a client trickling bytes (slowloris) stays idle.
+        if b"\n" in data:
+            self._last_data = self.loop.time()
+        super().data_received(data)
 
     async def _until_cancelled(self) -> None:
         """Wait for connection_lost to cancel this session's task (after a hang-up)."""
@@ -190,6 +255,14 @@ class GuardSMTP(SMTP):
         self.hang_up(replies.DATA_TIMEOUT)
 
     def _timeout_cb(self) -> None:
+        # Idle means "sends nothing", not "has not finished": during DATA each line keeps the
+        # session alive (data_timeout caps the whole transfer). Checked here, when the timer
+        # fires, so nothing is re-armed per chunk received.
+        if self._data_timer is not None:
+            quiet = self.loop.time() - self._last_data
+            if quiet < self._timeout_duration:
+                self._reset_timeout(self._timeout_duration - quiet)
+                return
         log.info("idle timeout", extra={"client_ip": self._admitted_ip})
         self.hang_up(replies.IDLE_TIMEOUT)
 
@@ -297,6 +370,13 @@ def _raw_path(arg: str) -> tuple[str, str]:
         return path, rest.strip()
     path, _, rest = arg.partition(" ")
     return path, rest.strip()
+
+
+@functools.cache
+def _long_line_pattern(limit: int) -> re.Pattern[bytes]:
+    """A DATA line longer than `limit` octets with its CRLF. Anchored at line starts by the
+    lookbehind, so the search is linear in the message."""
+    return re.compile(rb"(?<![^\n])[^\r\n]{%d}" % (limit - 1))
 
 
 def _clean_command(line: bytes) -> bool:
