@@ -278,17 +278,24 @@ class SQLiteStore:
         self, record: Record, expected_version: int | None, cap: CapCheck | None, paused: bool
     ) -> ReserveResult:
         def op(c: sqlite3.Connection) -> ReserveResult:
+            if expected_version is None:
+                # A new key, the common case: claim it first (a duplicate is caught here, even
+                # when the zone is paused or capped) and give it back if pause or caps refuse.
+                conflict = _cas(c, record, None)
+                if conflict is not None:
+                    return conflict
+                refused = _pause_or_cap(c, record.zone, paused, cap)
+                if refused is not None:
+                    c.execute("DELETE FROM events WHERE zone = ? AND key = ?", (record.zone, record.key))
+                return refused or Reserved()
             row = c.execute(
                 "SELECT version FROM events WHERE zone = ? AND key = ?", (record.zone, record.key)
             ).fetchone()
             if (row[0] if row else None) != expected_version:
                 return Conflict(_load(c, record.zone, record.key))
-            if paused or c.execute("SELECT 1 FROM paused WHERE zone = ?", (record.zone,)).fetchone():
-                return Paused()
-            if cap is not None:
-                reached = _consume(c, cap)
-                if reached is not None:
-                    return reached
+            refused = _pause_or_cap(c, record.zone, paused, cap)
+            if refused is not None:
+                return refused
             _save(c, record)
             return Reserved()
 
@@ -625,34 +632,56 @@ def _cas(c: sqlite3.Connection, r: Record, expected_version: int | None) -> Conf
     return None if written == 1 else Conflict(_load(c, r.zone, r.key))
 
 
+def _pause_or_cap(
+    c: sqlite3.Connection, zone: str, paused: bool, cap: CapCheck | None
+) -> Paused | CapReached | None:
+    if paused or c.execute("SELECT 1 FROM paused WHERE zone = ?", (zone,)).fetchone():
+        return Paused()
+    return _consume(c, cap) if cap is not None else None
+
+
 def _consume(c: sqlite3.Connection, cap: CapCheck) -> CapReached | None:
-    row = c.execute("SELECT used FROM monthly WHERE zone = ? AND month = ?", (cap.zone, cap.month)).fetchone()
-    if (row[0] if row else 0) >= cap.caps.monthly:
+    """Count one unit against both caps, or refuse and count nothing.
+
+    Optimistic: each count is raised first, in one statement that returns the new total, and
+    lowered again in the rare case it went over; check and count are one transaction.
+    The sliding hour is exact: every send is a row and send_counts keeps the zone's row
+    count. Rows that left the hour are dropped only when the count reaches the cap (and by
+    the hourly purge), so a send within the cap costs no scan and no delete."""
+    zone = cap.zone
+    used = c.execute(
+        "INSERT INTO monthly (zone, month, used) VALUES (?, ?, 1) "
+        "ON CONFLICT (zone, month) DO UPDATE SET used = used + 1 RETURNING used",
+        (zone, cap.month),
+    ).fetchone()[0]
+    if used > cap.caps.monthly:
+        _uncount_month(c, cap)
         return CapReached("month", cap.caps.monthly)
-    # The sliding hour, exact and O(1) amortised: every send is a row, each row is deleted
-    # once when it leaves the window, and send_counts keeps the zone's row count, so the
-    # check never counts the window (a scan that grew with the traffic).
-    _trim(c, cap.zone, cap.hour_start)
-    counted = c.execute("SELECT n FROM send_counts WHERE zone = ?", (cap.zone,)).fetchone()
-    if counted is None:
-        n = c.execute("SELECT COUNT(*) FROM sends WHERE zone = ?", (cap.zone,)).fetchone()[0]
-        c.execute("INSERT INTO send_counts (zone, n) VALUES (?, ?)", (cap.zone, n))
-    else:
-        n = counted[0]
-    if n >= cap.caps.hourly:
-        oldest = c.execute("SELECT MIN(at) FROM sends WHERE zone = ?", (cap.zone,)).fetchone()[0]
-        return CapReached("hour", cap.caps.hourly, (oldest or cap.now) + HOUR)
     added = c.execute(
         "INSERT OR IGNORE INTO sends (zone, token, at, month) VALUES (?, ?, ?, ?)",
-        (cap.zone, cap.token, cap.now, cap.month),
+        (zone, cap.token, cap.now, cap.month),
     ).rowcount
-    c.execute("UPDATE send_counts SET n = n + ? WHERE zone = ?", (added, cap.zone))
-    c.execute(
-        "INSERT INTO monthly (zone, month, used) VALUES (?, ?, 1) "
-        "ON CONFLICT (zone, month) DO UPDATE SET used = used + 1",
-        (cap.zone, cap.month),
-    )
+    row = c.execute("UPDATE send_counts SET n = n + ? WHERE zone = ? RETURNING n", (added, zone)).fetchone()
+    if row is None:
+        n = c.execute("SELECT COUNT(*) FROM sends WHERE zone = ?", (zone,)).fetchone()[0]
+        c.execute("INSERT INTO send_counts (zone, n) VALUES (?, ?)", (zone, n))
+    else:
+        n = row[0]
+    if n > cap.caps.hourly:
+        _trim(c, zone, cap.hour_start)
+        n = c.execute("SELECT n FROM send_counts WHERE zone = ?", (zone,)).fetchone()[0]
+        if n > cap.caps.hourly:
+            if added:
+                c.execute("DELETE FROM sends WHERE zone = ? AND token = ?", (zone, cap.token))
+                c.execute("UPDATE send_counts SET n = n - 1 WHERE zone = ?", (zone,))
+            _uncount_month(c, cap)
+            oldest = c.execute("SELECT MIN(at) FROM sends WHERE zone = ?", (zone,)).fetchone()[0]
+            return CapReached("hour", cap.caps.hourly, (oldest or cap.now) + HOUR)
     return None
+
+
+def _uncount_month(c: sqlite3.Connection, cap: CapCheck) -> None:
+    c.execute("UPDATE monthly SET used = used - 1 WHERE zone = ? AND month = ?", (cap.zone, cap.month))
 
 
 def _trim(c: sqlite3.Connection, zone: str, before: float) -> None:
