@@ -77,7 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = _config(args)
     logs.configure(config.log.format, config.log.level)
     path = Path(args.config or os.environ.get("SMTPGUARD_CONFIG") or DEFAULT_CONFIG)
-    asyncio.run(server.run(config, path))
+    server.serve(config, path)
     return 0
 
 

@@ -302,6 +302,8 @@ class Config(_Strict):
     queue: QueueConfig = QueueConfig()
     metrics: MetricsConfig | None = None
     log: LogConfig = LogConfig()
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
+    """auto: uvloop when installed (the `fast` extra), else asyncio's own loop."""
     hostname: str | None = None
     """Name in the greeting and in derived Message-IDs; default: the machine's FQDN."""
     instance: str | None = None

@@ -17,7 +17,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, AnyStr
+from typing import Any, AnyStr, cast
 
 from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, Session, TLSSetupException
 
@@ -298,8 +298,9 @@ class GuardSMTP(SMTP):
 
     def hang_up(self, reply: Reply) -> None:
         """Send a last reply and close; abort if the client will not take the reply."""
-        transport = self.transport
-        if not isinstance(transport, asyncio.WriteTransport) or transport.is_closing():
+        # Not an isinstance test: uvloop's transports do not derive from asyncio's classes.
+        transport = cast(asyncio.Transport | None, self.transport)
+        if transport is None or transport.is_closing():
             return
         transport.write(f"{reply}\r\n".encode())
         transport.close()
@@ -325,7 +326,7 @@ class GuardSMTP(SMTP):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self.transport is None and self._admitted_ip is None:
-            assert isinstance(transport, asyncio.WriteTransport)
+            transport = cast(asyncio.Transport, transport)
             peer = transport.get_extra_info("peername")
             ip = str(peer[0]) if peer else "?"
             if not self._guard.admit(ip):

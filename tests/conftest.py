@@ -1,13 +1,29 @@
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
+import uvloop
 
 from tests.hostile_support import assert_no_tracebacks
 from tests.support import RedisServer, Upstream
+
+# smtpguard runs on uvloop by default (event_loop: auto) and on asyncio's loop without the
+# `fast` extra. The in-process tests of the wire (listener, DATA, STARTTLS, relay) run on both.
+BOTH_LOOPS = frozenset(
+    {"test_data_transfer.py", "test_e2e_relay.py", "test_hostile.py", "test_hostile_tls.py"}
+)
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    if item.path.name in BOTH_LOOPS:
+        return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    return {"asyncio": asyncio.new_event_loop}
 
 
 @pytest.fixture
