@@ -33,9 +33,7 @@ async def _send_or_lost(port: int, key: str) -> Reply:
         return Reply(0, "connection lost")
 
 
-async def test_kill_9_loop_loses_nothing_and_sends_nothing_twice(
-    tmp: Path, upstream: Upstream
-) -> None:
+async def test_kill_9_loop_loses_nothing_and_sends_nothing_twice(tmp: Path, upstream: Upstream) -> None:
     seed = int(os.environ.get("SMTPGUARD_CRASH_SEED", "20261129"))
     rng = random.Random(seed)
     upstream.handler.default = Behaviour(hang_after_dot=0.25)
@@ -77,8 +75,10 @@ async def test_kill_9_loop_loses_nothing_and_sends_nothing_twice(
     counts = Counter(upstream.event_keys())
     duplicates = {k: n for k, n in counts.items() if n > 1}
     lost = sorted(k for k in accepted if counts[k] != 1)
-    print(f"crash loop seed={seed} iterations={ITERATIONS} accepted={len(accepted)} "
-          f"held_unknown={len(held)} duplicates={len(duplicates)} lost={len(lost)}")
+    print(
+        f"crash loop seed={seed} iterations={ITERATIONS} accepted={len(accepted)} "
+        f"held_unknown={len(held)} duplicates={len(duplicates)} lost={len(lost)}"
+    )
     assert duplicates == {}
     assert lost == []
     assert len(accepted) + len(held) == ITERATIONS
