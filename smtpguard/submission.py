@@ -90,6 +90,8 @@ class SettledCache:
     def remember(self, rec: Record | None) -> None:
         if rec is None or rec.state is not State.DELIVERED:
             return
+        if self._entries.get((rec.zone, rec.key)) is rec:
+            return  # a hit: get() has refreshed it already
         self._entries[(rec.zone, rec.key)] = replace(rec, attempts=(), audit=())
         self._entries.move_to_end((rec.zone, rec.key))
         if len(self._entries) > self._max:
@@ -152,11 +154,12 @@ class Submitter:
             key, derived = f"msg:{attempt_id}", False
         else:
             key, derived = found.value, found.derived
-        content = raw
         message_id = _first(parsed.get_all("Message-ID"))
+        # Joined to the message only once it is sent or queued, not for a duplicate.
+        added_header = b""
         if message_id is None:
             message_id = message_id_for(principal.zone, key, self.hostname)
-            content = f"Message-ID: {message_id}\r\n".encode() + raw
+            added_header = f"Message-ID: {message_id}\r\n".encode()
 
         lane: str | None = None
         max_age: float | None = None
@@ -172,13 +175,13 @@ class Submitter:
         try:
             if lane is not None:
                 queued = QueuedMessage(
-                    mail_from, tuple(rcpt_tos), content, self.config.queue.classes[lane].priority
+                    mail_from, tuple(rcpt_tos), added_header + raw, self.config.queue.classes[lane].priority
                 )
                 return await self._accept_queued(sub, zone, settings, queued)
             reserved = await self._reserve(sub, zone, settings)
             if isinstance(reserved, Result):
                 return reserved
-            env = Envelope(principal.zone, key, attempt_id, mail_from, tuple(rcpt_tos), content)
+            env = Envelope(principal.zone, key, attempt_id, mail_from, tuple(rcpt_tos), added_header + raw)
             return await self.relay(reserved, env, sub, settings)
         except StoreUnavailable as e:
             log.error(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import email.utils
+import re
 from email import policy
 from email.message import EmailMessage
 
@@ -10,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from smtpguard.policy import fingerprint as fp_module
 from smtpguard.policy.fingerprint import fingerprint
 from smtpguard.policy.message import HeaderLimits, Message, parse
 
@@ -228,3 +230,41 @@ def test_different_bodies_differ(a: bytes, b: bytes) -> None:
     ma = Message((("Subject", "x"),), b"Subject: x\r\n", a)
     mb = Message((("Subject", "x"),), b"Subject: x\r\n", b)
     assert fingerprint(SENDER, RCPTS, ma) != fingerprint(SENDER, RCPTS, mb)
+
+
+def _neutral_boundaries_reference(header_block: bytes, body: bytes) -> bytes:
+    """The implementation before its no-boundary shortcut, kept as the specification."""
+    pattern = fp_module._BOUNDARY
+    boundaries = {m.group(1) or m.group(2) for m in pattern.finditer(header_block + b"\r\n" + body)}
+    body = pattern.sub(b'boundary="\x00BOUNDARY\x00"', body)
+    for b in sorted(boundaries, key=len, reverse=True):
+        body = re.sub(rb"(?m)^--" + re.escape(b), b"--\x00BOUNDARY\x00", body)
+    return body
+
+
+_PIECES = st.sampled_from(
+    [
+        b"boundary",
+        b"BoUnDaRy",
+        b"bound",
+        b"ary",
+        b"=",
+        b'"',
+        b"b1",
+        b"--",
+        b"\r\n",
+        b" ",
+        b";",
+        b"x",
+        b"oundary=",
+    ]
+)
+
+
+@given(st.lists(_PIECES, max_size=30).map(b"".join), st.lists(_PIECES, max_size=30).map(b"".join))
+@settings(max_examples=500, deadline=None)
+def test_boundary_shortcut_changes_no_fingerprint(header_block: bytes, body: bytes) -> None:
+    """Fingerprints are stored: a faster path must hash exactly the same bytes."""
+    assert fp_module._neutral_boundaries(header_block, body) == _neutral_boundaries_reference(
+        header_block, body
+    )

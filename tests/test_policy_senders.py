@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from smtpguard.policy.senders import address_problem, normalize_address, sender_allowed
 
@@ -113,3 +115,16 @@ def test_sender_allowed_with_upper_case_aliases() -> None:
 
 def test_no_aliases_allow_nothing() -> None:
     assert not sender_allowed("billing@acme.example", [])
+
+
+@given(st.text(max_size=20))
+@settings(max_examples=1000, deadline=None)
+def test_local_part_character_check_matches_its_definition(local: str) -> None:
+    """Each character of the local part: no space, no control, none of <>()[],;\\."""
+    address = f"{local}@example.com"
+    by_definition = any(c.isspace() or not c.isprintable() or c in "<>()[],;\\" for c in local)
+    problem = address_problem(address)
+    if by_definition and not any(c in local for c in '\r\n\x00@":%!') and 0 < len(local) <= 64:
+        assert problem == "bad characters in local part"
+    if problem == "bad characters in local part":
+        assert by_definition

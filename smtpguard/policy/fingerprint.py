@@ -18,6 +18,7 @@ from smtpguard.policy.senders import normalize_address
 
 FINGERPRINT_HEADERS = ("from", "to", "cc", "subject")
 _BOUNDARY = re.compile(rb'boundary\s*=\s*(?:"([^"\r\n]{1,200})"|([^\s;"]{1,200}))', re.IGNORECASE)
+_HAS_BOUNDARY = re.compile(rb"boundary", re.IGNORECASE)
 _SPACES = re.compile(r"\s+")
 
 
@@ -37,6 +38,9 @@ def fingerprint(mail_from: str, rcpt_tos: Iterable[str], message: Message) -> st
 
 
 def _neutral_boundaries(header_block: bytes, body: bytes) -> bytes:
+    if not _HAS_BOUNDARY.search(header_block) and not _HAS_BOUNDARY.search(body):
+        # Not multipart (the common transactional message): every step below is a no-op.
+        return body
     boundaries = {m.group(1) or m.group(2) for m in _BOUNDARY.finditer(header_block + b"\r\n" + body)}
     # Only where a boundary does its job, in a `boundary=` parameter and at the start of a
     # delimiter line (RFC 2046 §5.1.1): the same bytes inside the text are content, and

@@ -6,6 +6,7 @@ From, the fingerprint's header fields) lives in the top-level header block.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from smtpguard import replies
@@ -90,6 +91,9 @@ def parse(data: bytes, limits: HeaderLimits) -> Message | Reply:
     return Message(tuple(headers), block, body)
 
 
+_FIELD_NAME = re.compile(r"[\x21-\x7e]+")
+
+
 def _valid_field_name(name: str) -> bool:
     # RFC 5322 §3.6.8: printable US-ASCII except colon; no spaces.
-    return all(33 <= ord(c) <= 126 for c in name)
+    return _FIELD_NAME.fullmatch(name) is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 
@@ -24,6 +25,10 @@ def normalize_address(address: str) -> str:
     return f"{local}@{domain.lower()}"
 
 
+_LOCAL_SPECIALS = re.compile(r"[\s<>()\[\],;\\]")
+
+
+@functools.lru_cache(maxsize=4096)
 def address_problem(address: str) -> str | None:
     """Why an envelope address is refused, or None.
 
@@ -45,7 +50,7 @@ def address_problem(address: str) -> str | None:
         return "bad local part"
     if "%" in local or "!" in local:
         return "percent hack and bang paths are not accepted"
-    if any(c.isspace() or not c.isprintable() or c in "<>()[],;\\" for c in local):
+    if not local.isprintable() or _LOCAL_SPECIALS.search(local):
         return "bad characters in local part"
     if not _DOMAIN.match(domain.lower()):
         return "bad domain"
