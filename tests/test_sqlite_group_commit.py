@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from smtpguard.policy import ledger
-from smtpguard.policy.ledger import LedgerSettings, Submission
+from smtpguard.policy.ledger import LedgerSettings, State, Submission
 from smtpguard.store import StoreUnavailable
+from smtpguard.store import sqlite as sqlite_store
 from smtpguard.store.sqlite import SQLiteStore
 
 NOW = 1_800_000_000.0
@@ -43,5 +46,78 @@ async def test_one_failing_operation_fails_alone(tmp_path: Path) -> None:
             assert got is not None and got.version == 1
         with pytest.raises(StoreUnavailable):
             await store._write(broken)
+    finally:
+        await store.close()
+
+
+async def ticks_during(seconds: float) -> int:
+    """How many 10 ms sleeps the event loop completes in `seconds` (about 100 a second
+    when nothing blocks it)."""
+    n = 0
+    deadline = asyncio.get_running_loop().time() + seconds
+    while asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+        n += 1
+    return n
+
+
+async def test_a_lock_held_elsewhere_is_waited_for_off_the_event_loop(tmp_path: Path) -> None:
+    """The CLI (another process) may hold the write lock: smtpguard's write waits for it on
+    the writer thread, and the event loop keeps serving meanwhile."""
+    path = tmp_path / "g.db"
+    store = SQLiteStore(f"sqlite:///{path}")
+    await store.open()
+    other = sqlite3.connect(path, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        write = asyncio.ensure_future(store.put(fresh("held"), None))
+        ticks = await ticks_during(0.5)
+        assert not write.done()
+        assert ticks >= 25, f"the event loop was blocked: {ticks} ticks in 0.5 s"
+        other.execute("COMMIT")
+        assert await asyncio.wait_for(write, 5) is None
+        got = await store.get("acme", "held")
+        assert got is not None and got.version == 1
+    finally:
+        other.close()
+        await store.close()
+
+
+async def test_a_lock_never_released_fails_the_write_as_store_unavailable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sqlite_store, "_BUSY_RETRY_FOR", 0.3)
+    path = tmp_path / "g.db"
+    store = SQLiteStore(f"sqlite:///{path}")
+    await store.open()
+    other = sqlite3.connect(path, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        with pytest.raises(StoreUnavailable, match="locked"):
+            await asyncio.wait_for(store.put(fresh("never"), None), 5)
+        other.execute("ROLLBACK")
+        # The store recovers once the lock is gone.
+        assert await store.put(fresh("after"), None) is None
+    finally:
+        other.close()
+        await store.close()
+
+
+async def test_heavy_operations_run_on_the_writer_thread(tmp_path: Path) -> None:
+    """Ordinary writes run their statements on the event loop's thread (no GIL hand-off per
+    statement); an operation marked heavy (the purge) runs, with its batch, on the writer
+    thread, so a long transaction never stalls the event loop."""
+    store = SQLiteStore(f"sqlite:///{tmp_path / 'g.db'}")
+    await store.open()
+    try:
+
+        def where(c: sqlite3.Connection) -> str:
+            return threading.current_thread().name
+
+        assert await store._write(where) == threading.current_thread().name
+        assert (await store._write(where, heavy=True)).startswith("smtpguard-sqlite-writer")
+        settled = [replace(fresh(f"old{i}"), state=State.DELIVERED) for i in range(1000)]
+        await asyncio.gather(*(store.put(r, None) for r in settled))
+        assert await store.purge(NOW + 10 * 86400, 86400) == 1000
     finally:
         await store.close()
