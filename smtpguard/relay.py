@@ -173,10 +173,10 @@ class SmtpProvider:
             health="trip",
         )
 
-    async def _transaction(
-        self, conn: aiosmtplib.SMTP, env: Envelope, before_data: BeforeData, reused: bool
-    ) -> tuple[Attempted | None, bool]:
-        """One MAIL…DATA transaction; (None, False) asks for a fresh connection."""
+    async def _mail_rcpt(
+        self, conn: aiosmtplib.SMTP, env: Envelope, reused: bool
+    ) -> tuple[Attempted | None, bool] | _Accepted:
+        """MAIL and RCPT: the recipients taken, or the transaction's result if it ends here."""
         t = self.cfg.timeouts
         try:
             try:
@@ -199,15 +199,39 @@ class SmtpProvider:
                 # leave the others to be delivered; a temporary one defers the whole event
                 # (nothing has been accepted yet, so another provider may take it).
                 return _refused_all(self.name, rejected), await _rset(conn)
-            try:
-                await before_data()
-            except BaseException:
-                conn.close()
-                raise
         except aiosmtplib.SMTPResponseException as e:
             return _before_dot_reply(self.name, e.code, e.message), await _rset(conn)
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as e:
             return _unavailable(self.name, f"before DATA: {_describe(e)}"), False
+        return _Accepted(accepted, rejected)
+
+    async def _transaction(
+        self, conn: aiosmtplib.SMTP, env: Envelope, before_data: BeforeData, reused: bool
+    ) -> tuple[Attempted | None, bool]:
+        """One MAIL…DATA transaction; (None, False) asks for a fresh connection."""
+        t = self.cfg.timeouts
+        # The data_sent mark is written while MAIL and RCPT go out and awaited before DATA:
+        # its durable write and the provider's round trips overlap instead of adding up (and
+        # the pooled connection is not held idle meanwhile). A crash between the two leaves
+        # the event `unknown`, held for review: conservative, never a resend.
+        marker = asyncio.ensure_future(before_data())
+        try:
+            envelope = await self._mail_rcpt(conn, env, reused)
+        except BaseException:
+            # Cancelled (shutdown): the mark, if it lands, only makes the event `unknown`.
+            marker.cancel()
+            conn.close()
+            raise
+        try:
+            # Whatever MAIL and RCPT gave, a failed mark (lease lost, store down) is what the
+            # caller must hear; nothing has been sent.
+            await marker
+        except BaseException:
+            conn.close()
+            raise
+        if not isinstance(envelope, _Accepted):
+            return envelope
+        accepted, rejected = envelope.accepted, envelope.rejected
 
         # From here the final dot may reach the provider: the outcome is the provider's.
         try:
@@ -245,6 +269,12 @@ class SmtpProvider:
             failover=False,
             health="ok",
         ), True
+
+
+@dataclass(frozen=True, slots=True)
+class _Accepted:
+    accepted: list[str]
+    rejected: list[tuple[str, Reply]]
 
 
 async def _rset(conn: aiosmtplib.SMTP) -> bool:
