@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -25,6 +26,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 
 class Metrics:
     def __init__(self) -> None:
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.registry = CollectorRegistry()
         r = self.registry
         self.submissions = Counter(
@@ -72,13 +74,22 @@ class Metrics:
         )
 
     def submission(self, zone: str, decision: str, seconds: float) -> None:
-        self.submissions.labels(zone, decision).inc()
+        self._child(self.submissions, zone, decision).inc()
         if seconds:
-            self.submission_latency.labels(zone).observe(seconds)
+            self._child(self.submission_latency, zone).observe(seconds)
 
     def upstream(self, provider: str, reply_class: str, seconds: float) -> None:
-        self.upstream_replies.labels(provider, reply_class).inc()
-        self.upstream_latency.labels(provider).observe(seconds)
+        self._child(self.upstream_replies, provider, reply_class).inc()
+        self._child(self.upstream_latency, provider).observe(seconds)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        # prometheus_client's labels() validates and locks on every call; per message it
+        # cost more than the increment. Children are stable, so they are looked up once.
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def circuit(self, provider: str, circuit: Circuit) -> None:
         self.breaker_state.labels(provider).set(_CIRCUIT_VALUE[circuit])

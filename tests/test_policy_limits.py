@@ -6,6 +6,8 @@ import time
 from datetime import UTC, datetime
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from smtpguard.policy import limits
 from smtpguard.policy.limits import PLANS, CapReached, Caps, Plan
@@ -115,3 +117,19 @@ def test_monthly_cap_reply_is_550_570_naming_the_cap() -> None:
     assert (reply.code, reply.enhanced) == (550, "5.7.0")
     assert "Monthly cap of 2500" in reply.text and "acme" in reply.text
     assert reply.permanent
+
+
+@given(st.lists(st.floats(min_value=0, max_value=4_102_444_800), min_size=1, max_size=50))
+def test_month_of_matches_the_calendar_in_any_order(moments: list[float]) -> None:
+    """month_of keeps the last month's bounds; in any order of calls it is still the calendar."""
+    for t in moments:
+        assert limits.month_of(t) == datetime.fromtimestamp(t, UTC).strftime("%Y-%m")
+
+
+@pytest.mark.parametrize("month", range(1, 13))
+def test_month_of_turns_at_midnight_utc_on_the_first(month: int) -> None:
+    first = datetime(2027, month, 1, tzinfo=UTC).timestamp()
+    before = datetime.fromtimestamp(first - 0.001, UTC).strftime("%Y-%m")
+    assert limits.month_of(first + 0.001) == f"2027-{month:02d}"
+    assert limits.month_of(first - 0.001) == before
+    assert limits.month_of(first) == f"2027-{month:02d}"

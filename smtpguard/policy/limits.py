@@ -71,8 +71,22 @@ def caps_for(plan: str, hourly: int | None, monthly: int | None) -> Caps:
     )
 
 
+_month_span: tuple[float, float, str] = (0.0, 0.0, "")
+"""The last month asked for: [start, end) in epoch seconds and its name."""
+
+
 def month_of(now: float) -> str:
-    return datetime.fromtimestamp(now, UTC).strftime("%Y-%m")
+    """Calendar month (UTC) of `now`, `YYYY-MM`. Asked several times per message, so the
+    month last seen is kept with its bounds (formatting a date each time cost more)."""
+    global _month_span
+    start, end, name = _month_span
+    if start <= now < end:
+        return name
+    day = datetime.fromtimestamp(now, UTC)
+    first = datetime(day.year, day.month, 1, tzinfo=UTC)
+    following = datetime(day.year + day.month // 12, day.month % 12 + 1, 1, tzinfo=UTC)
+    _month_span = (first.timestamp(), following.timestamp(), first.strftime("%Y-%m"))
+    return _month_span[2]
 
 
 def cap_check(zone: str, caps: Caps, token: str, now: float) -> CapCheck:
