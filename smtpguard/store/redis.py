@@ -501,7 +501,7 @@ class RedisStore:
             record.updated_at,
             record.key,
         ]
-        reply = await self._script(self._reserve)(keys, args)
+        reply = await self._eval(self._reserve, keys, args)
         verdict = reply[0]
         if verdict == "ok":
             return Reserved()
@@ -528,7 +528,7 @@ class RedisStore:
             record.updated_at,
             record.key,
         ]
-        reply = await self._script(self._put)(keys, args)
+        reply = await self._eval(self._put, keys, args)
         if reply[0] == "ok":
             return None
         return Conflict(_load(reply[1]))
@@ -536,7 +536,7 @@ class RedisStore:
     @_translated
     async def refund(self, zone: str, token: str, month: str) -> None:
         keys = [_zone_key(zone, "sends"), _zone_key(zone, f"month:{month}")]
-        await self._script(self._refund)(keys, [token])
+        await self._eval(self._refund, keys, [token])
 
     async def purge(self, now: float, retention: float) -> int:
         # Not one deadline for the whole purge: each round trip below has its own.
@@ -572,7 +572,7 @@ class RedisStore:
     @_translated
     async def _purge_batch(self, zone: str, cutoff: float, members: list[str]) -> tuple[int, int]:
         keys = [_zone_key(zone, "idx"), *(_record_key(zone, m) for m in members)]
-        done, kept = await self._script(self._purge)(keys, [cutoff, *_SETTLED_EXCLUDED, *members])
+        done, kept = await self._eval(self._purge, keys, [cutoff, *_SETTLED_EXCLUDED, *members])
         return int(done), int(kept)
 
     @_translated
@@ -593,7 +593,7 @@ class RedisStore:
             cap.now - _WINDOW_KEEP,
             _MONTH_TTL,
         ]
-        reply = await self._script(self._consume)(keys, args)
+        reply = await self._eval(self._consume, keys, args)
         if reply[0] == "ok":
             return None
         if reply[0] == "month":
@@ -642,7 +642,7 @@ class RedisStore:
             json.dumps(list(message.recipients)),
             message.content,
         ]
-        reply = await self._script(self._enqueue)(keys, args)
+        reply = await self._eval(self._enqueue, keys, args)
         if reply[0] == "ok":
             return None
         return Conflict(_load(reply[1]))
@@ -671,7 +671,7 @@ class RedisStore:
             _zone_key(zone, ""),
             "" if due is None else due,
         ]
-        reply = await self._script(self._requeue)(keys, args)
+        reply = await self._eval(self._requeue, keys, args)
         if reply[0] == "ok":
             return None
         return Conflict(_load(reply[1]))
@@ -791,7 +791,7 @@ class RedisStore:
         keys += [_lane_key(zone, lane) for lane in lanes]
         args = [now, until, total, _zone_key(zone, ""), *counts]
         # Undecoded: the message content is bytes, not necessarily UTF-8.
-        size, entries = await self._eval_raw(self._script(self._claim), keys, args)
+        size, entries = await self._eval(self._claim, keys, args, raw=True)
         out: list[tuple[int, float, str, str, Claimed]] = []
         for key, li, due, data, sender, recipients, content, priority in entries:
             record = Record.from_dict(json.loads(data))
@@ -801,15 +801,21 @@ class RedisStore:
             out.append((int(li) - 1, float(due), zone, key.decode(), Claimed(record, message)))
         return int(size), out
 
-    async def _eval_raw(self, script: AsyncScript, keys: list[str], args: list[Any]) -> Any:
-        """EVALSHA with the reply left as bytes (redis-py's AsyncScript always decodes)."""
+    async def _eval(
+        self, script: AsyncScript | None, keys: list[str], args: list[Any], raw: bool = False
+    ) -> Any:
+        """EVALSHA, loading the script if Redis lost it; `raw` leaves the reply as bytes.
+        Straight to execute_command: per call, redis-py's Script wrapper cost about as much
+        as the command itself."""
+        sha = self._script(script).sha
         execute: Callable[..., Awaitable[Any]] = self._r.execute_command
+        options = {NEVER_DECODE: True} if raw else {}
         try:
-            return await execute("EVALSHA", script.sha, len(keys), *keys, *args, **{NEVER_DECODE: True})
+            return await execute("EVALSHA", sha, len(keys), *keys, *args, **options)
         except NoScriptError:
             # Redis restarted or was flushed: load the script and run it (it has not run).
-            await self._r.script_load(script.script)
-            return await execute("EVALSHA", script.sha, len(keys), *keys, *args, **{NEVER_DECODE: True})
+            await self._r.script_load(self._script(script).script)
+            return await execute("EVALSHA", sha, len(keys), *keys, *args, **options)
 
     async def queue_entries(self, zone: str | None) -> list[QueueEntry]:
         if zone is not None:
@@ -838,7 +844,7 @@ class RedisStore:
     @_translated
     async def _zone_entries(self, zone: str) -> list[list[Any]]:
         keys = [_zone_key(zone, "queue"), _zone_key(zone, "claimed")]
-        entries: list[list[Any]] = await self._script(self._entries)(keys, [_zone_key(zone, "")])
+        entries: list[list[Any]] = await self._eval(self._entries, keys, [_zone_key(zone, "")])
         return entries
 
     # --- zones -------------------------------------------------------------------------------
