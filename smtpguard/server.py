@@ -281,6 +281,8 @@ class Server:
                 await asyncio.wait_for(self.handler.idle.wait(), self.config.limits.drain_timeout)
         if self.worker is not None:
             await self.worker.stop(self.config.limits.drain_timeout)
+        if self.submitter is not None:
+            await self.submitter.leases.close()
         if self.handler is not None and self.handler.active:
             log.warning(
                 "drain timeout; in-flight submissions abandoned (their leases expire)",

@@ -370,3 +370,25 @@ async def test_deferred_event_suppresses_nobody_so_its_retry_is_the_same_message
         retry = await send(guard.ports[0], message("m1"), recipients=rcpts)
     assert retry.code == 250 and "reused" not in retry.text
     assert [r.rcpt_tos for r in upstream.received] == [rcpts]
+
+
+async def test_a_relay_longer_than_its_lease_keeps_it(tmp: Path, upstream: Upstream) -> None:
+    """A provider that takes 2.5 s over a 1 s lease: the lease is renewed while the relay
+    runs, so a duplicate arriving meanwhile waits (in_flight) instead of finding an expired
+    lease, and the event ends delivered, sent once."""
+    upstream.handler.default = Behaviour(hang_after_dot=2.5)
+    cfg = base_config(tmp, upstream.port, event_key__lease="1s", event_key__inflight_wait="200ms")
+    async with running_guard(cfg) as guard:
+        port = guard.ports[0]
+        first = asyncio.create_task(send(port, message("slow1")))
+        await upstream.wait_received(1)
+        duplicates = []
+        for _ in range(4):
+            await asyncio.sleep(0.4)
+            duplicates.append(await send(port, message("slow1")))
+        assert (await first).code == 250
+        assert guard.store is not None
+        record = await guard.store.get("acme", "slow1")
+    assert [(r.code, r.text.split(" ", 1)[0]) for r in duplicates] == [(451, "4.7.1")] * 4
+    assert record is not None and record.state.value == "delivered"
+    assert upstream.handler.transactions == 1
