@@ -121,3 +121,37 @@ async def test_heavy_operations_run_on_the_writer_thread(tmp_path: Path) -> None
         assert await store.purge(NOW + 10 * 86400, 86400) == 1000
     finally:
         await store.close()
+
+
+async def test_every_write_of_a_batch_is_answered_even_when_one_raises_oddly(tmp_path: Path) -> None:
+    """An operation raising what a future cannot carry (StopIteration) must not leave its
+    batch, or the writes queued behind it, waiting for ever."""
+    store = SQLiteStore(f"sqlite:///{tmp_path / 'g.db'}")
+    await store.open()
+    try:
+
+        def odd(c: sqlite3.Connection) -> None:
+            raise StopIteration
+
+        first = store.put(fresh("a"), None)
+        broken = store._write(odd)
+        last = store.put(fresh("b"), None)
+        results = await asyncio.wait_for(asyncio.gather(first, broken, last, return_exceptions=True), 5)
+        assert results[0] is None and results[2] is None
+        assert isinstance(results[1], StoreUnavailable)
+        assert await asyncio.wait_for(store.put(fresh("c"), None), 5) is None
+    finally:
+        await store.close()
+
+
+async def test_an_sqlite_without_returning_is_refused_at_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The one fault here that cannot be caused for real: this Python links SQLite >= 3.35.
+    monkeypatch.setattr(sqlite3, "sqlite_version_info", (3, 34, 1))
+    monkeypatch.setattr(sqlite3, "sqlite_version", "3.34.1")
+    store = SQLiteStore(f"sqlite:///{tmp_path / 'g.db'}")
+    with pytest.raises(
+        StoreUnavailable, match=r"SQLite 3\.34\.1 is too old: smtpguard needs 3\.35\.0 or newer"
+    ):
+        await store.open()

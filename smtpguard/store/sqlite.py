@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -39,7 +40,13 @@ from smtpguard.store.base import (
 )
 
 T = TypeVar("T")
+log = logging.getLogger("smtpguard.store")
 _MAX_BATCH = 512
+_HEAVY_BODY = 64 * 1024
+"""A queued message body at least this large is written on the writer thread (its pages
+spill to the WAL), not on the event loop's."""
+_MIN_SQLITE = (3, 35, 0)
+"""RETURNING (the optimistic cap counts) needs SQLite 3.35."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -130,7 +137,8 @@ class _Writer:
 
     async def close(self) -> None:
         while self._flushing is not None:
-            await asyncio.shield(self._flushing)
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._flushing)
         conn, self._conn = self._conn, None
         if conn is not None:
             await asyncio.get_running_loop().run_in_executor(self._thread, conn.close)
@@ -146,18 +154,33 @@ class _Writer:
         return fut
 
     async def _flush(self) -> None:
+        """Run batches until nothing is pending. Every future taken into a batch is settled,
+        whatever happens to the batch; writes still pending if the flush itself is
+        cancelled (event loop teardown) fail rather than wait for a flush that never comes."""
         try:
             # Yield once, so every write submitted in this turn of the loop joins the batch.
             await asyncio.sleep(0)
             while self._pending:
                 batch, self._pending = self._pending[:_MAX_BATCH], self._pending[_MAX_BATCH:]
                 ops = [(fn, fut) for fn, fut, _ in batch]
-                if any(heavy for _, _, heavy in batch):
-                    loop = asyncio.get_running_loop()
-                    results = await loop.run_in_executor(self._thread, self._run_batch_blocking, ops)
-                else:
-                    results = await self._run_batch(ops)
+                try:
+                    if any(heavy for _, _, heavy in batch):
+                        loop = asyncio.get_running_loop()
+                        results = await loop.run_in_executor(self._thread, self._run_batch_blocking, ops)
+                    else:
+                        results = await self._run_batch(ops)
+                except BaseException as e:
+                    # Cancelled while COMMIT ran (it may still complete) or a bug: the
+                    # callers hear "unavailable", the lease and the ledger sort out the rest.
+                    _settle_all(_failed(ops, e))
+                    raise
                 _settle_all(results)
+        except BaseException as e:
+            pending, self._pending = self._pending, []
+            _settle_all(_failed([(fn, fut) for fn, fut, _ in pending], e))
+            if not isinstance(e, asyncio.CancelledError):
+                log.error("sqlite writer failed", extra={"error": repr(e)})
+            raise
         finally:
             self._flushing = None
 
@@ -213,7 +236,7 @@ class _Writer:
         return results
 
 
-def _failed(batch: list[tuple[_Op, asyncio.Future[Any]]], error: Exception) -> list[_Result]:
+def _failed(batch: list[tuple[_Op, asyncio.Future[Any]]], error: BaseException) -> list[_Result]:
     """BEGIN or COMMIT failed (lock held elsewhere, disk full, I/O): the whole batch fails at
     once, rather than each write waiting out the lock again on its own."""
     failure = StoreUnavailable(f"sqlite transaction failed: {error}")
@@ -257,10 +280,13 @@ def _settle_all(items: list[_Result]) -> None:
     for fut, value, error in items:
         if fut.done():
             continue
-        if error is not None:
+        if error is None:
+            fut.set_result(value)
+        elif isinstance(error, Exception) and not isinstance(error, StopIteration):
             fut.set_exception(error)
         else:
-            fut.set_result(value)
+            # What a future refuses to carry (StopIteration, a cancellation): still an answer.
+            fut.set_exception(StoreUnavailable(f"sqlite write failed: {error!r}"))
 
 
 class SQLiteStore:
@@ -274,6 +300,12 @@ class SQLiteStore:
     async def open(self) -> None:
         if self._writer is not None:
             return
+        if sqlite3.sqlite_version_info < _MIN_SQLITE:
+            need = ".".join(map(str, _MIN_SQLITE))
+            raise StoreUnavailable(
+                f"SQLite {sqlite3.sqlite_version} is too old: smtpguard needs {need} or newer "
+                "(Python's sqlite3 module is linked against it; use Redis or a newer Python build)"
+            )
         self.path.parent.mkdir(parents=True, exist_ok=True)
         writer = _Writer(self.path)
         try:
@@ -416,7 +448,7 @@ class SQLiteStore:
             )
             return None
 
-        return await self._write(op)
+        return await self._write(op, heavy=len(message.content) >= _HEAVY_BODY)
 
     async def claim(self, now: float, quotas: list[tuple[str, int]], lease: float) -> list[Claimed]:
         def op(c: sqlite3.Connection) -> list[Claimed]:
@@ -456,7 +488,8 @@ class SQLiteStore:
                 out.append(Claimed(rec, msg))
             return out
 
-        return await self._write(op)
+        # Reads up to one body per worker: on the writer thread, off the event loop.
+        return await self._write(op, heavy=True)
 
     async def requeue(self, record: Record, expected_version: int, due: float | None) -> Conflict | None:
         def op(c: sqlite3.Connection) -> Conflict | None:
