@@ -168,6 +168,7 @@ class SmtpProvider:
                 self.name,
                 upstream_reply(e.code, e.message),
                 detail="upstream AUTH refused",
+                data_sent=False,
             ),
             failover=True,
             health="trip",
@@ -215,6 +216,8 @@ class SmtpProvider:
         # the pooled connection is not held idle meanwhile). A crash between the two leaves
         # the event `unknown`, held for review: conservative, never a resend.
         marker = asyncio.ensure_future(before_data())
+        # Retrieved even when MAIL/RCPT end the transaction first (no "never retrieved").
+        marker.add_done_callback(_retrieve)
         try:
             envelope = await self._mail_rcpt(conn, env, reused)
         except BaseException:
@@ -241,7 +244,7 @@ class SmtpProvider:
             kind = classify_reply(e.code)
             health: Health = "fail" if e.code == 421 else "ok"
             return Attempted(
-                Outcome(kind, self.name, reply, rejected=tuple(rejected)),
+                Outcome(kind, self.name, reply, rejected=tuple(rejected), data_sent=True),
                 failover=False,
                 health=health,
             ), await _rset(conn)
@@ -252,6 +255,7 @@ class SmtpProvider:
                     self.name,
                     detail=f"after DATA: {_describe(e)}",
                     rejected=tuple(rejected),
+                    data_sent=True,
                 ),
                 failover=False,
                 health="fail",
@@ -265,10 +269,16 @@ class SmtpProvider:
                 upstream_id=queue_id(response.message),
                 rejected=tuple(rejected),
                 accepted=tuple(accepted),
+                data_sent=True,
             ),
             failover=False,
             health="ok",
         ), True
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,13 +300,15 @@ def _refused_all(provider: str, rejected: list[tuple[str, Reply]]) -> Attempted:
     temp = next((r for _, r in rejected if r.temporary), None)
     if temp is not None:
         return Attempted(
-            Outcome(Kind.DEFERRED, provider, temp, rejected=tuple(rejected)),
+            Outcome(Kind.DEFERRED, provider, temp, rejected=tuple(rejected), data_sent=False),
             failover=True,
             health="fail" if temp.code == 421 else "ok",
         )
     first = rejected[0][1]
     return Attempted(
-        Outcome(Kind.FAILED, provider, first, rejected=tuple(rejected)), failover=False, health="ok"
+        Outcome(Kind.FAILED, provider, first, rejected=tuple(rejected), data_sent=False),
+        failover=False,
+        health="ok",
     )
 
 
@@ -304,15 +316,17 @@ def _before_dot_reply(provider: str, code: int, text: str) -> Attempted:
     reply = upstream_reply(code, text)
     if reply.temporary:
         return Attempted(
-            Outcome(Kind.DEFERRED, provider, reply),
+            Outcome(Kind.DEFERRED, provider, reply, data_sent=False),
             failover=True,
             health="fail" if code == 421 else "ok",
         )
-    return Attempted(Outcome(Kind.FAILED, provider, reply), failover=False, health="ok")
+    return Attempted(Outcome(Kind.FAILED, provider, reply, data_sent=False), failover=False, health="ok")
 
 
 def _unavailable(provider: str, detail: str) -> Attempted:
-    return Attempted(Outcome(Kind.UNAVAILABLE, provider, detail=detail), failover=True, health="fail")
+    return Attempted(
+        Outcome(Kind.UNAVAILABLE, provider, detail=detail, data_sent=False), failover=True, health="fail"
+    )
 
 
 def _describe(e: BaseException) -> str:
@@ -446,7 +460,7 @@ class Route:
             if fallback is None or fallback.kind is Kind.UNAVAILABLE:
                 fallback = result.outcome
         if fallback is None:
-            return Outcome(Kind.UNAVAILABLE, None, detail="every provider circuit is open")
+            return Outcome(Kind.UNAVAILABLE, None, detail="every provider circuit is open", data_sent=False)
         return fallback
 
     async def _attempt(self, p: Provider, env: Envelope, before_data: BeforeData) -> Attempted:

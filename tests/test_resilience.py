@@ -392,3 +392,30 @@ async def test_a_relay_longer_than_its_lease_keeps_it(tmp: Path, upstream: Upstr
     assert [(r.code, r.text.split(" ", 1)[0]) for r in duplicates] == [(451, "4.7.1")] * 4
     assert record is not None and record.state.value == "delivered"
     assert upstream.handler.transactions == 1
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "phase"),
+    [
+        pytest.param(
+            Behaviour(rcpt={"customer@example.com": "550 5.1.1 no such user"}), "before_data", id="rcpt"
+        ),
+        pytest.param(Behaviour(mail="553 5.7.1 sender refused"), "before_data", id="mail"),
+        pytest.param(Behaviour(data="554 5.6.0 content refused"), "data_sent", id="data"),
+    ],
+)
+async def test_history_records_the_phase_the_attempt_reached(
+    tmp: Path, upstream: Upstream, behaviour: Behaviour, phase: str
+) -> None:
+    """data_sent is noted while MAIL and RCPT go out; a refusal there still reads, in the
+    history operators use to resolve, as an attempt that never reached DATA."""
+    upstream.handler.default = behaviour
+    async with running_guard(base_config(tmp, upstream.port)) as guard:
+        reply = await send(guard.ports[0], message("phase1"))
+        assert guard.store is not None
+        record = await guard.store.get("acme", "phase1")
+    assert reply.code >= 500
+    assert record is not None and record.state.value == "failed"
+    assert [a.phase for a in record.attempts] == [phase]
+    # One transaction, refused where the behaviour says: nothing accepted, nothing retried.
+    assert upstream.handler.transactions == 1 and upstream.received == []

@@ -373,6 +373,14 @@ def renew_lease(rec: Record, attempt_id: str, now: float, s: LedgerSettings) -> 
     return _bump(rec, now, lease_until=now + s.lease)
 
 
+def _attempt_phase(rec: Record, attempt_id: str, outcome: Outcome) -> str:
+    # The record's phase says what may have happened (data_sent is noted while MAIL and RCPT
+    # go out); the outcome, when it knows, says what did.
+    if outcome.data_sent is not None:
+        return (Phase.DATA_SENT if outcome.data_sent else Phase.BEFORE_DATA).value
+    return rec.phase.value if rec.phase and rec.sg_id == attempt_id else Phase.BEFORE_DATA.value
+
+
 def settle(
     rec: Record,
     attempt_id: str,
@@ -400,7 +408,7 @@ def settle(
         at=now,
         instance=instance,
         provider=outcome.provider,
-        phase=(rec.phase.value if rec.phase and rec.sg_id == attempt_id else Phase.BEFORE_DATA.value),
+        phase=_attempt_phase(rec, attempt_id, outcome),
         outcome=outcome.kind.value,
         code=reply.code if reply else None,
         enhanced=reply.enhanced if reply else "",

@@ -37,6 +37,9 @@ class Outcome:
     rejected: tuple[tuple[str, Reply], ...] = field(default=())
     """Recipients the provider refused while it accepted the message for others."""
     accepted: tuple[str, ...] = field(default=())
+    data_sent: bool | None = None
+    """Whether DATA went to the provider in this attempt (its history records the phase it
+    reached); None leaves it to the record's phase."""
 
 
 def split_enhanced(code: int, text: str) -> tuple[str, str]:
