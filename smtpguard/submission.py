@@ -107,6 +107,7 @@ class _Held:
     renew: Callable[[], Awaitable[None]]
     every: float
     renewed_at: float
+    running: asyncio.Task[None] | None = None
 
 
 class LeaseKeeper:
@@ -114,46 +115,65 @@ class LeaseKeeper:
 
     A relay longer than a third of its lease gets its lease renewed; most relays end long
     before that. One task for all of them, rather than a task and a timer created and
-    cancelled per message, which cost a measurable share of the event loop under load."""
+    cancelled per message, which cost a measurable share of the event loop under load. Each
+    renewal runs on its own, so one slow store call delays no other relay's renewal."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._held: dict[int, _Held] = {}
         self._next = 0
         self._task: asyncio.Task[None] | None = None
+        self._sooner = asyncio.Event()
 
     def hold(self, renew: Callable[[], Awaitable[None]], lease: float) -> int:
         """Renew every lease/3 until release(); `renew` raising LeaseLost ends the renewals."""
+        every = lease / 3
+        shortest = min((h.every for h in self._held.values()), default=None)
         self._next += 1
-        self._held[self._next] = _Held(renew, lease / 3, self._clock())
+        self._held[self._next] = _Held(renew, every, self._clock())
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run())
+        elif shortest is not None and every < shortest:
+            self._sooner.set()  # a shorter lease (after a reload): look again sooner
         return self._next
 
     def release(self, handle: int) -> None:
-        self._held.pop(handle, None)
+        """Stop renewing; a renewal in progress is cancelled (the outcome write that follows
+        supersedes it, and a renewal that landed anyway only makes that write retry)."""
+        held = self._held.pop(handle, None)
+        if held is not None and held.running is not None:
+            held.running.cancel()
 
     async def close(self) -> None:
+        tasks = [h.running for h in self._held.values() if h.running is not None]
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            tasks.append(self._task)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
 
     async def _run(self) -> None:
         while self._held:
             # A sixth of the shortest lease: every lease is renewed within half its length.
-            await asyncio.sleep(min(h.every for h in self._held.values()) / 2)
+            self._sooner.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._sooner.wait(), min(h.every for h in self._held.values()) / 2)
             now = self._clock()
-            due = [(n, h) for n, h in self._held.items() if now - h.renewed_at >= h.every]
-            for _, h in due:
-                h.renewed_at = now
-            results = await asyncio.gather(*(h.renew() for _, h in due), return_exceptions=True)
-            for (n, _), result in zip(due, results, strict=True):
-                if isinstance(result, LeaseLost):
-                    self.release(n)
-                elif isinstance(result, Exception):
-                    # A renewal that fails must never cost the outcome of the relay it guards.
-                    log.warning("lease renewal failed", extra={"error": str(result)})
+            for handle, held in list(self._held.items()):
+                if now - held.renewed_at >= held.every and (held.running is None or held.running.done()):
+                    held.renewed_at = now
+                    held.running = asyncio.create_task(self._renew(handle, held))
+
+    async def _renew(self, handle: int, held: _Held) -> None:
+        try:
+            await held.renew()
+        except LeaseLost:
+            if self._held.get(handle) is held:
+                del self._held[handle]
+        except Exception as e:
+            # A renewal that fails must never cost the outcome of the relay it guards.
+            log.warning("lease renewal failed", extra={"error": str(e)})
 
 
 class Submitter:
@@ -365,10 +385,6 @@ class Submitter:
             raise
         finally:
             self.leases.release(held)
-            # A renewal running now holds `lock`: the outcome is written after it, from the
-            # record it wrote.
-            async with lock:
-                pass
 
         await self._settle(state["rec"], sub, outcome, s, retry_delay)
         if outcome.kind is Kind.UNAVAILABLE:
