@@ -9,6 +9,8 @@ Scenarios, all in front of the same upstream sink (Postfix's smtp-sink when inst
   null          a bare aiosmtpd listener answering 250, relaying nothing (bench/servers.py)
   naive         aiosmtpd + aiosmtplib pass-through with pooled upstream connections
   guard-sqlite  `python -m smtpguard serve`, SQLite store
+  guard-sqlite-asyncio  the same on asyncio's own event loop (event_loop: asyncio), as
+                smtpguard runs without the `fast` extra (uvloop)
   guard-redis   the same with a private redis-server (appendonly no, no snapshots)
   guard-sqlite-queue, guard-redis-queue
                 the same two with the zone in store-and-forward mode (`delivery: queue`):
@@ -68,8 +70,8 @@ from bench.common import (
 )
 
 ALL_SCENARIOS = [
-    "direct", "null", "naive", "guard-sqlite", "guard-sqlite-queue", "guard-redis", "guard-redis-queue",
-    "postfix",
+    "direct", "null", "naive", "guard-sqlite", "guard-sqlite-asyncio", "guard-sqlite-queue", "guard-redis",
+    "guard-redis-queue", "postfix",
 ]  # fmt: skip
 BASELINES = ["direct", "null", "naive"]
 QUEUE_SCENARIOS = {"guard-sqlite-queue": "guard-sqlite", "guard-redis-queue": "guard-redis"}
@@ -164,10 +166,12 @@ def start_target(
             proc.stop()
             raise
         return Target(port, [proc.pid], [proc])
-    if scenario == "guard-sqlite":
+    if scenario in ("guard-sqlite", "guard-sqlite-asyncio"):
         port = free_port()
         db = tmp / f"{row_id}.db"
         cfg = guard_config(port, sink.port, f"sqlite:///{db}", pool_size, queue=queue)
+        if scenario == "guard-sqlite-asyncio":
+            cfg["event_loop"] = "asyncio"  # what smtpguard does without the `fast` extra
         guard = Guard(tmp, row_id, cfg)
         return Target(port, [guard.pid], [guard])
     if scenario == "guard-redis":
@@ -406,7 +410,7 @@ def _f(x: float | None, digits: int = 1) -> str:
 
 def table(rows: list[Row]) -> str:
     head = (
-        f"{'scenario':<18} {'mode':<7} {'sess':>4} {'msgs/s':>8} {'delivered/s':>11} "
+        f"{'scenario':<20} {'mode':<7} {'sess':>4} {'msgs/s':>8} {'delivered/s':>11} "
         f"{'p50ms':>7} {'p99ms':>7} "
         f"{'RSS MB':>7} {'HWM MB':>7} {'cpu/msg':>7} {'/direct':>7} {'/null':>6} {'/naive':>6} "
         f"{'errors':>6}  note"
@@ -415,7 +419,7 @@ def table(rows: list[Row]) -> str:
     for r in rows:
         errs = sum(r.errors.values())
         lines.append(
-            f"{r.scenario:<18} {r.mode:<7} {r.sessions:>4} {r.msgs_s:>8.0f} {_f(r.delivered_s, 0):>11} "
+            f"{r.scenario:<20} {r.mode:<7} {r.sessions:>4} {r.msgs_s:>8.0f} {_f(r.delivered_s, 0):>11} "
             f"{_f(r.p50_ms, 2):>7} "
             f"{_f(r.p99_ms, 2):>7} {_f(r.rss_mb):>7} {_f(r.hwm_mb):>7} {_f(r.proxy_cpu_ms_per_msg, 2):>7} "
             f"{_f(r.ratios.get('direct'), 2):>7} {_f(r.ratios.get('null'), 2):>6} "
@@ -476,6 +480,11 @@ def targets(rows: list[Row], idle: dict[str, Any] | None = None) -> list[str]:
             out.append(f"  {name}: {fmt.format(value)} (target {fmt.format(goal)}) {verdict}")
 
     line("guard-sqlite / naive @50 unique", ratio("guard-sqlite", "unique", 50, "naive"), 0.8)
+    line(
+        "guard-sqlite on asyncio's own loop / naive @50 unique",
+        ratio("guard-sqlite-asyncio", "unique", 50, "naive"),
+        0.8,
+    )
     line("guard-redis  / naive @50 unique", ratio("guard-redis", "unique", 50, "naive"), 0.8)
     line("guard-sqlite / postfix @50 unique", ratio("guard-sqlite", "unique", 50, "postfix"), 1.0)
     line("guard-redis  / postfix @50 unique", ratio("guard-redis", "unique", 50, "postfix"), 1.0)
@@ -775,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
                             queued = scenario in QUEUE_SCENARIOS
                             dl = f"delivered {_f(row.delivered_s, 0)}/s  " if queued else ""
                             print(
-                                f"{scenario:<18} {mode:<7} {n:>3}: {row.msgs_s:8.0f} msgs/s  {dl}p50 "
+                                f"{scenario:<20} {mode:<7} {n:>3}: {row.msgs_s:8.0f} msgs/s  {dl}p50 "
                                 f"{_f(row.p50_ms, 2)} p99 {_f(row.p99_ms, 2)} ms  rss {_f(row.rss_mb)} MB  "
                                 f"cpu/msg {_f(row.proxy_cpu_ms_per_msg, 2)} ms "
                                 f"(client {_f(row.client_cpu_ms_per_msg, 2)})  "
