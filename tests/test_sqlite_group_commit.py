@@ -4,8 +4,10 @@ fails alone (as StoreUnavailable), never the writes batched with it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import threading
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -61,46 +63,46 @@ async def ticks_during(seconds: float) -> int:
     return n
 
 
-async def test_a_lock_held_elsewhere_is_waited_for_off_the_event_loop(tmp_path: Path) -> None:
-    """The CLI (another process) may hold the write lock: smtpguard's write waits for it on
-    the writer thread, and the event loop keeps serving meanwhile."""
+@contextlib.asynccontextmanager
+async def store_and_rival(tmp_path: Path) -> AsyncIterator[tuple[SQLiteStore, sqlite3.Connection]]:
+    """A store, and a second connection to its file holding the write lock (as the CLI,
+    another process, would while it writes)."""
     path = tmp_path / "g.db"
     store = SQLiteStore(f"sqlite:///{path}")
     await store.open()
-    other = sqlite3.connect(path, isolation_level=None)
+    rival = sqlite3.connect(path, isolation_level=None)
     try:
-        other.execute("BEGIN IMMEDIATE")
+        rival.execute("BEGIN IMMEDIATE")
+        yield store, rival
+    finally:
+        rival.close()
+        await store.close()
+
+
+async def test_a_lock_held_elsewhere_is_waited_for_off_the_event_loop(tmp_path: Path) -> None:
+    """The CLI (another process) may hold the write lock: smtpguard's write waits for it on
+    the writer thread, and the event loop keeps serving meanwhile."""
+    async with store_and_rival(tmp_path) as (store, rival):
         write = asyncio.ensure_future(store.put(fresh("held"), None))
         ticks = await ticks_during(0.5)
         assert not write.done()
         assert ticks >= 25, f"the event loop was blocked: {ticks} ticks in 0.5 s"
-        other.execute("COMMIT")
+        rival.execute("COMMIT")
         assert await asyncio.wait_for(write, 5) is None
         got = await store.get("acme", "held")
         assert got is not None and got.version == 1
-    finally:
-        other.close()
-        await store.close()
 
 
 async def test_a_lock_never_released_fails_the_write_as_store_unavailable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(sqlite_store, "_BUSY_RETRY_FOR", 0.3)
-    path = tmp_path / "g.db"
-    store = SQLiteStore(f"sqlite:///{path}")
-    await store.open()
-    other = sqlite3.connect(path, isolation_level=None)
-    try:
-        other.execute("BEGIN IMMEDIATE")
+    async with store_and_rival(tmp_path) as (store, rival):
         with pytest.raises(StoreUnavailable, match="locked"):
             await asyncio.wait_for(store.put(fresh("never"), None), 5)
-        other.execute("ROLLBACK")
+        rival.execute("ROLLBACK")
         # The store recovers once the lock is gone.
         assert await store.put(fresh("after"), None) is None
-    finally:
-        other.close()
-        await store.close()
 
 
 async def test_heavy_operations_run_on_the_writer_thread(tmp_path: Path) -> None:
