@@ -375,9 +375,11 @@ def _raw_path(arg: str) -> tuple[str, str]:
 
 @functools.cache
 def _long_line_pattern(limit: int) -> re.Pattern[bytes]:
-    """A DATA line longer than `limit` octets with its CRLF. Anchored at line starts by the
-    lookbehind, so the search is linear in the message."""
-    return re.compile(rb"(?<![^\n])[^\r\n]{%d}" % (limit - 1))
+    """A DATA line longer than `limit` octets with its CRLF, not counting a leading dot
+    (RFC 5321 4.5.3.1.6: the dot a client adds for transparency is not part of the line;
+    possessive, so it is never counted back in). Anchored at line starts by the lookbehind,
+    so the search is linear in the message."""
+    return re.compile(rb"(?<![^\n])\.?+[^\r\n]{%d}" % (limit - 1))
 
 
 def _clean_command(line: bytes) -> bool:

@@ -171,3 +171,27 @@ async def test_a_bare_newline_around_the_dot_is_not_the_end(
         code, enhanced = await transfer(guard.ports[0], smuggled + b"\r\n.\r\n", [])
     assert (code, enhanced) == (550, "5.5.2")
     assert upstream.handler.transactions == 0
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        # A line whose text starts with a dot reaches the wire with a second one: that
+        # transparency dot is not counted (RFC 5321 4.5.3.1.6).
+        pytest.param(LINE_LIMIT - 2, 250, id="dotted-at-the-limit"),
+        pytest.param(LINE_LIMIT - 1, 500, id="dotted-one-over"),
+    ],
+)
+async def test_the_transparency_dot_does_not_count_toward_the_line_limit(
+    tmp: Path, upstream: Upstream, content: int, expected: int
+) -> None:
+    body = b"." + b"D" * (content - 1) + b"\r\nafter\r\n"
+    data = terminated(message_bytes(f"dotline:{content}", body=body))
+    assert b"\r\n.." in data  # the client stuffed it
+    async with running_guard(base_config(tmp, upstream.port, limits__max_line_length=LINE_LIMIT)) as guard:
+        code, _ = await transfer(guard.ports[0], data, [])
+    assert code == expected
+    if expected == 250:
+        assert body_of(upstream.received[0].content) == body
+    else:
+        assert upstream.handler.transactions == 0
