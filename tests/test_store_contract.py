@@ -4,6 +4,8 @@ SQLite file and a real redis-server. Time is passed in (`now`), never slept thro
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import random
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -883,3 +885,31 @@ async def test_redis_queue_keys_share_the_zone_slot_and_idle_zones_leave_the_cla
     finally:
         await s.close()
         await plain.aclose()
+
+
+async def test_redis_commands_cancelled_midway_leave_no_connection_out_of_step(
+    redis_server: RedisServer,
+) -> None:
+    """A ledger write cancelled between its request and its reply (the operation deadline,
+    a client gone) must not leave that reply on a pooled connection for the next command to
+    read as its own."""
+    s = RedisStore(redis_server.url)
+    await s.open()
+    try:
+        rng = random.Random(20261129)
+        for i in range(300):
+            task = asyncio.ensure_future(s.put(fresh(f"cx{i}", zone="globex"), None))
+            # Cancel at varying points: before the write, between write and reply, or never.
+            for _ in range(rng.randint(0, 3)):
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        # Every later command reads its own reply: each put of a new key succeeds, each get
+        # returns that key's record.
+        for i in range(300):
+            assert await s.put(fresh(f"after{i}", zone="globex"), None) is None
+            got = await s.get("globex", f"after{i}")
+            assert got is not None and got.key == f"after{i}"
+    finally:
+        await s.close()
