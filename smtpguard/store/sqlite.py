@@ -114,8 +114,9 @@ class _Writer:
     runs on the writer thread. Run on a thread of their own, each statement gave the GIL
     back to the busy event loop and waited for it again: under load a batch spent about
     three times its CPU time waiting, and every write of a message waited for that.
-    Operations that may take long (purge) are marked `heavy` and run, with their batch, on
-    the writer thread, so the event loop never waits on them."""
+    Operations that may take long (the purge, claims, queued bodies of 64 KB or more) are
+    marked `heavy` and run, with their batch, on the writer thread, so the event loop never
+    waits on them."""
 
     def __init__(self, path: Path) -> None:
         self._path = path
