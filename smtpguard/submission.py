@@ -210,13 +210,9 @@ class Submitter:
         parsed = parse(raw, HeaderLimits(limits.max_header_size, limits.max_header_count))
         if isinstance(parsed, Reply):
             return Result(parsed, "rejected:malformed")
-        refused = self._check_from(parsed, principal.zone, zone)
+        refused = check_header_from(parsed.get_all("From"), principal.zone, zone.senders)
         if refused:
-            return Result(
-                refused,
-                "rejected:"
-                + ("from" if refused.code == 550 and refused.enhanced == "5.7.1" else "malformed"),
-            )
+            return Result(refused.reply, refused.decision)
 
         fp = fingerprint(mail_from, rcpt_tos, parsed)
         header = self.config.event_key.header
@@ -285,9 +281,6 @@ class Submitter:
         if self.on_enqueue is not None:
             self.on_enqueue()
         return Result(replies.queued(reserved.queue_id or sub.attempt_id), "queued", sub.key)
-
-    def _check_from(self, message: Message, zone_name: str, zone: ZoneConfig) -> Reply | None:
-        return check_header_from(message.get_all("From"), zone_name, zone.senders)
 
     async def _reserve(
         self,

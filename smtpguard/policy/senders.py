@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from smtpguard import replies
 from smtpguard.replies import Reply
@@ -17,8 +18,9 @@ _DOMAIN = re.compile(
 def normalize_address(address: str) -> str:
     """Lower-case the domain (RFC 5321 §2.4: local parts may be case-sensitive, domains not)."""
     address = address.strip()
-    if address.startswith("<") and address.endswith(">"):
-        address = address[1:-1]
+    # Until nothing is left to take off, so that normalising twice changes nothing.
+    while address.startswith("<") and address.endswith(">"):
+        address = address[1:-1].strip()
     local, at, domain = address.rpartition("@")
     if not at:
         return address
@@ -99,18 +101,29 @@ def header_from_address(value: str) -> str | None:
     return None if address_problem(address) else address
 
 
-def check_header_from(values: list[str], zone: str, aliases: Iterable[str]) -> Reply | None:
+@dataclass(frozen=True, slots=True)
+class FromRefused:
+    reply: Reply
+    decision: str
+    """`rejected:from` (a valid address not mapped to the zone) or `rejected:malformed`."""
+
+
+def check_header_from(values: list[str], zone: str, aliases: Iterable[str]) -> FromRefused | None:
     """DESIGN.md §3: the header From must be one mapped alias of the zone (never rewritten).
 
     Judged on the address itself, never on a display name or an encoded-word that decodes
     to a mapped alias."""
     if not values:
-        return replies.malformed_message("message has no From: header")
+        return _malformed_from("message has no From: header")
     if len(values) > 1:
-        return replies.malformed_message("message has more than one From: header")
+        return _malformed_from("message has more than one From: header")
     address = header_from_address(values[0])
     if address is None:
-        return replies.malformed_message("From: header must name exactly one valid mailbox")
+        return _malformed_from("From: header must name exactly one valid mailbox")
     if not sender_allowed(address, aliases):
-        return replies.from_not_allowed(address, zone)
+        return FromRefused(replies.from_not_allowed(address, zone), "rejected:from")
     return None
+
+
+def _malformed_from(problem: str) -> FromRefused:
+    return FromRefused(replies.malformed_message(problem), "rejected:malformed")
