@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import time
 from collections import OrderedDict
@@ -123,17 +124,18 @@ class LeaseKeeper:
         self._held: dict[int, _Held] = {}
         self._next = 0
         self._task: asyncio.Task[None] | None = None
+        self._tick = math.inf
+        """The wait the task is in now; hold() compares against it, never scans every relay."""
         self._sooner = asyncio.Event()
 
     def hold(self, renew: Callable[[], Awaitable[None]], lease: float) -> int:
         """Renew every lease/3 until release(); `renew` raising LeaseLost ends the renewals."""
         every = lease / 3
-        shortest = min((h.every for h in self._held.values()), default=None)
         self._next += 1
         self._held[self._next] = _Held(renew, every, self._clock())
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run())
-        elif shortest is not None and every < shortest:
+        elif every / 2 < self._tick:
             self._sooner.set()  # a shorter lease (after a reload): look again sooner
         return self._next
 
@@ -156,9 +158,10 @@ class LeaseKeeper:
     async def _run(self) -> None:
         while self._held:
             # A sixth of the shortest lease: every lease is renewed within half its length.
+            self._tick = min(h.every for h in self._held.values()) / 2
             self._sooner.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._sooner.wait(), min(h.every for h in self._held.values()) / 2)
+                await asyncio.wait_for(self._sooner.wait(), self._tick)
             now = self._clock()
             for handle, held in list(self._held.items()):
                 if now - held.renewed_at >= held.every and (held.running is None or held.running.done()):

@@ -196,21 +196,13 @@ class _Writer:
                 await loop.run_in_executor(self._thread, _begin_waiting, conn)
         except Exception as e:
             return _failed(batch, e)
-        results: list[_Result] = []
-        try:
-            for fn, fut in batch:
-                results.append((fut, fn(conn), None))
-        except Exception:
-            # One operation failed: run each in a transaction of its own, so only the
-            # failing one reports it and the others are written.
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")
+        results = _apply(conn, batch)
+        if results is None:
             return await loop.run_in_executor(self._thread, _run_each_alone, conn, batch)
         try:
             await loop.run_in_executor(self._thread, conn.execute, "COMMIT")
         except Exception as e:
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")
+            _rollback(conn)
             return _failed(batch, e)
         return results
 
@@ -222,19 +214,31 @@ class _Writer:
             _begin_waiting(conn)
         except Exception as e:
             return _failed(batch, e)
-        try:
-            results: list[_Result] = [(fut, fn(conn), None) for fn, fut in batch]
-        except Exception:
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")
+        results = _apply(conn, batch)
+        if results is None:
             return _run_each_alone(conn, batch)
         try:
             conn.execute("COMMIT")
         except Exception as e:
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")
+            _rollback(conn)
             return _failed(batch, e)
         return results
+
+
+def _apply(conn: sqlite3.Connection, batch: list[tuple[_Op, asyncio.Future[Any]]]) -> list[_Result] | None:
+    """Every operation of the batch in the open transaction; None (rolled back) if one
+    failed, so that each can be run in a transaction of its own and only the failing one
+    reports it."""
+    try:
+        return [(fut, fn(conn), None) for fn, fut in batch]
+    except Exception:
+        _rollback(conn)
+        return None
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    with contextlib.suppress(sqlite3.Error):
+        conn.execute("ROLLBACK")
 
 
 def _failed(batch: list[tuple[_Op, asyncio.Future[Any]]], error: BaseException) -> list[_Result]:
@@ -267,8 +271,7 @@ def _run_each_alone(conn: sqlite3.Connection, batch: list[tuple[_Op, asyncio.Fut
             value = fn(conn)
             conn.execute("COMMIT")
         except Exception as e:
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")
+            _rollback(conn)
             # Callers know one failure: the store could not do it (disk full, I/O).
             failed: Exception = StoreUnavailable(f"sqlite: {e}") if isinstance(e, sqlite3.Error) else e
             results.append((fut, None, failed))
