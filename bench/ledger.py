@@ -222,34 +222,14 @@ def run_sqlite(tmp: Path, sizes: list[int], ops: int) -> list[dict[str, Any]]:
         nbytes[n] = path.stat().st_size
         print(f"sqlite: filled {n:,} records in {fills[n]:.1f}s, {nbytes[n] / 1e6:.1f} MB", flush=True)
 
-    async def measure() -> dict[int, dict[str, dict[str, float]]]:
-        stores = {n: SQLiteStore(f"sqlite:///{p}") for n, p in paths.items()}
-        for st in stores.values():
-            await st.open()
-        try:
-            return await time_ops(stores, ops, seed=1)
-        finally:
-            for st in stores.values():
-                await st.close()
-
     try:
-        timings = asyncio.run(measure())
+        timings = measure_stores({n: SQLiteStore(f"sqlite:///{p}") for n, p in paths.items()}, ops)
     finally:
         for path in paths.values():
             for suffix in ("", "-wal", "-shm"):
                 Path(str(path) + suffix).unlink(missing_ok=True)
-    return [
-        {
-            "store": "sqlite",
-            "keys": n,
-            "fill_s": round(fills[n], 2),
-            "bytes": nbytes[n],
-            "bytes_per_record": round(nbytes[n] / n, 1),
-            "ops": timings[n],
-            "note": "file size after wal_checkpoint(TRUNCATE); WAL, synchronous=FULL",
-        }
-        for n in sizes
-    ]
+    note = "file size after wal_checkpoint(TRUNCATE); WAL, synchronous=FULL"
+    return size_rows("sqlite", sizes, fills, nbytes, timings, note)
 
 
 def run_redis(tmp: Path, sizes: list[int], ops: int) -> list[dict[str, Any]]:
@@ -265,29 +245,45 @@ def run_redis(tmp: Path, sizes: list[int], ops: int) -> list[dict[str, Any]]:
             used[n] = servers[n].used_memory() - base
             print(f"redis: filled {n:,} records in {fills[n]:.1f}s, {used[n] / 1e6:.1f} MB", flush=True)
 
-        async def measure() -> dict[int, dict[str, dict[str, float]]]:
-            stores = {n: RedisStore(srv.url) for n, srv in servers.items()}
-            for st in stores.values():
-                await st.open()
-            try:
-                return await time_ops(stores, ops, seed=1)
-            finally:
-                for st in stores.values():
-                    await st.close()
-
-        timings = asyncio.run(measure())
+        timings = measure_stores({n: RedisStore(srv.url) for n, srv in servers.items()}, ops)
     finally:
         for srv in servers.values():
             srv.stop()
+    return size_rows("redis", sizes, fills, used, timings, "INFO used_memory delta; appendonly no")
+
+
+def measure_stores(stores: dict[int, Any], ops: int) -> dict[int, dict[str, dict[str, float]]]:
+    """time_ops over stores opened for the measurement and closed after it."""
+
+    async def measure() -> dict[int, dict[str, dict[str, float]]]:
+        for st in stores.values():
+            await st.open()
+        try:
+            return await time_ops(stores, ops, seed=1)
+        finally:
+            for st in stores.values():
+                await st.close()
+
+    return asyncio.run(measure())
+
+
+def size_rows(
+    store: str,
+    sizes: list[int],
+    fills: dict[int, float],
+    nbytes: dict[int, int],
+    timings: dict[int, dict[str, dict[str, float]]],
+    note: str,
+) -> list[dict[str, Any]]:
     return [
         {
-            "store": "redis",
+            "store": store,
             "keys": n,
             "fill_s": round(fills[n], 2),
-            "bytes": used[n],
-            "bytes_per_record": round(used[n] / n, 1),
+            "bytes": nbytes[n],
+            "bytes_per_record": round(nbytes[n] / n, 1),
             "ops": timings[n],
-            "note": "INFO used_memory delta; appendonly no",
+            "note": note,
         }
         for n in sizes
     ]
