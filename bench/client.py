@@ -155,6 +155,21 @@ class LoadResult:
     def rate(self) -> float:
         return self.measured / self.window if self.window > 0 else 0.0
 
+    def count(self, code: int, text: str, at: float) -> None:
+        """One final reply: a duplicate answered, a new acceptance (at `at`), or an error."""
+        self.sent_total += 1
+        if code != 250:
+            self.errors[f"{code} {text[:60]}"] += 1
+            return
+        self.ok_total += 1
+        if "duplicate" in text:
+            self.duplicates_answered += 1
+            return
+        self.new_accepted += 1
+        if self.first_accept_at is None:
+            self.first_accept_at = at
+        self.last_accept_at = at
+
     def percentile(self, p: float) -> float:
         if not self.latencies_ms:
             return float("nan")
@@ -235,18 +250,7 @@ async def run_load(
                 res.errors[f"{type(e).__name__}"] += 1
                 return
             t1 = time.perf_counter()
-            res.sent_total += 1
-            if code == 250:
-                res.ok_total += 1
-                if "duplicate" in text:
-                    res.duplicates_answered += 1
-                else:
-                    res.new_accepted += 1
-                    if res.first_accept_at is None:
-                        res.first_accept_at = t1
-                    res.last_accept_at = t1
-            else:
-                res.errors[f"{code} {text[:60]}"] += 1
+            res.count(code, text, t1)
             if t0 >= measure_from and t1 < state["end"]:
                 res.measured += 1
                 res.latencies_ms.append((t1 - t0) * 1000)
@@ -296,15 +300,7 @@ async def deliver_keys(port: int, keys: list[str], sessions: int, auth: bool, si
         while queue:
             key = queue.pop()
             code, text = await conn.send(message_bytes(key, body), False)
-            res.sent_total += 1
-            if code == 250:
-                res.ok_total += 1
-                if "duplicate" in text:
-                    res.duplicates_answered += 1
-                else:
-                    res.new_accepted += 1
-            else:
-                res.errors[f"{code} {text[:60]}"] += 1
+            res.count(code, text, time.perf_counter())
 
     await asyncio.wait_for(asyncio.gather(*(loop(c) for c in conns)), 120)
     await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)

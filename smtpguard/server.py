@@ -105,14 +105,7 @@ class Server:
         password = read_secret(config.store.password_env, config.store.password_file, "store")
         self.store = store_from_url(config.store.url, password=password)
         await self.store.open()
-        self.route = Route(
-            build_providers(config.providers, secrets, self.hostname),
-            config.breaker.failure_threshold,
-            config.breaker.cooldown,
-            self.clock,
-            observe=self.metrics.upstream,
-            on_circuit=self._circuit_changed,
-        )
+        self.route = self._route(config, secrets)
         submitter = Submitter(config, self.store, self.route, self.instance, self.hostname, self.clock)
         self.submitter = submitter
         self._ensure_worker()
@@ -149,6 +142,16 @@ class Server:
                 "store": config.store.url.split("@")[-1],
                 "event_loop": type(loop).__module__.split(".")[0],
             },
+        )
+
+    def _route(self, config: Config, secrets: dict[str, str | None]) -> Route:
+        return Route(
+            build_providers(config.providers, secrets, self.hostname),
+            config.breaker.failure_threshold,
+            config.breaker.cooldown,
+            self.clock,
+            observe=self.metrics.upstream,
+            on_circuit=self._circuit_changed,
         )
 
     def _factory(self, tls: str, ssl_ctx: ssl.SSLContext | None) -> Callable[[], GuardSMTP]:
@@ -325,14 +328,7 @@ class Server:
             log.warning("listen, tls and store changes take effect only after a restart")
         if secrets is not None:
             old_route = self.route
-            self.route = Route(
-                build_providers(new.providers, secrets, self.hostname),
-                new.breaker.failure_threshold,
-                new.breaker.cooldown,
-                self.clock,
-                observe=self.metrics.upstream,
-                on_circuit=self._circuit_changed,
-            )
+            self.route = self._route(new, secrets)
             # Keep what each surviving provider's circuit has learnt.
             for name, breaker in old_route.breakers.items():
                 if name in self.route.breakers:

@@ -296,37 +296,32 @@ def _lost_after_dot(rec: Record, now: float) -> Record:
 
 
 def _fresh(sub: Submission, now: float, s: LedgerSettings) -> Record:
+    common: dict[str, Any] = {
+        "zone": sub.zone,
+        "key": sub.key,
+        "fingerprint": sub.fingerprint,
+        "created_at": now,
+        "updated_at": now,
+        "version": 1,
+        "sg_id": sub.attempt_id,
+        "message_id": sub.message_id,
+        "valid_until": now + s.derive_window if sub.derived else None,
+    }
     if sub.lane is not None:
         return Record(
-            zone=sub.zone,
-            key=sub.key,
+            **common,
             state=State.QUEUED,
-            fingerprint=sub.fingerprint,
-            created_at=now,
-            updated_at=now,
-            version=1,
-            sg_id=sub.attempt_id,
             next_attempt_at=now,
-            message_id=sub.message_id,
-            valid_until=now + s.derive_window if sub.derived else None,
             lane=sub.lane,
             queue_id=sub.attempt_id,
             expires_at=now + sub.max_age if sub.max_age is not None else None,
         )
     return Record(
-        zone=sub.zone,
-        key=sub.key,
+        **common,
         state=State.IN_FLIGHT,
-        fingerprint=sub.fingerprint,
-        created_at=now,
-        updated_at=now,
-        version=1,
-        sg_id=sub.attempt_id,
         owner=sub.instance,
         lease_until=now + s.lease,
         phase=Phase.BEFORE_DATA,
-        message_id=sub.message_id,
-        valid_until=now + s.derive_window if sub.derived else None,
     )
 
 
