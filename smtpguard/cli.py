@@ -173,7 +173,7 @@ def _operator_change(
             if rec is None:
                 raise CLIError(f"no record for zone {zone} key {args.key!r}")
             try:
-                new = change(rec, time.time())
+                new = change(rec, store.now())
             except ledger.OperatorRefused as e:
                 raise CLIError(str(e)) from None
             if rec.lane is not None:
@@ -191,7 +191,7 @@ def _operator_change(
 
 
 def cmd_resolve(args: argparse.Namespace) -> int:
-    return _operator_change(args, lambda r, now: ledger.resolve(r, args.as_, actor(), now))
+    return _operator_change(args, lambda r, now: ledger.resolve(r, args.as_, actor(), now, args.force))
 
 
 def cmd_release(args: argparse.Namespace) -> int:
@@ -434,6 +434,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("zone")
     sp.add_argument("key")
     sp.add_argument("--as", dest="as_", required=True, choices=["delivered", "retry"])
+    sp.add_argument(
+        "--force",
+        action="store_true",
+        help="retry even while the owner that lost its lease may still be sending (risks a second copy)",
+    )
     sp = cmd("release", cmd_release, "allow one new attempt of a failed event")
     sp.add_argument("zone")
     sp.add_argument("key")

@@ -107,6 +107,10 @@ class StoreConfig(_Strict):
     url: str = "sqlite:///var/smtpguard.db"
     password_env: str | None = None
     password_file: Path | None = None
+    unsafe: bool = False
+    """Serve on a Redis that may forget acknowledged writes (no `appendonly yes` with
+    `appendfsync always`, or an evicting `maxmemory-policy`): a forgotten reservation is a
+    duplicate, so `serve` refuses such a Redis unless this is set (docs/redis.md)."""
 
     @field_validator("url")
     @classmethod
@@ -333,6 +337,21 @@ class Config(_Strict):
             if zcfg.default_class and zcfg.default_class not in self.queue.classes:
                 raise ValueError(f"zones.{zname}.default_class is not one of queue.classes")
         return self
+
+    def send_timeout(self) -> float:
+        """The longest one relay can keep talking to providers after its last lease renewal:
+        the whole route (a failover walks it), each SMTP provider's connect, MAIL/RCPT/RSET
+        and DATA timeouts, twice for one that dedupes (an unknown outcome there is retried
+        once). A Maildir write is bounded by the disk, not by a timeout: a minute is generous."""
+        total = 0.0
+        for p in self.providers:
+            if isinstance(p, SmtpProviderConfig):
+                t = p.timeouts
+                one = t.connect + 3 * t.command + t.data
+                total += 2 * one if p.idempotency_header else one
+            else:
+                total += 60.0
+        return total
 
     def user_zone(self, username: str) -> tuple[str, UserConfig] | None:
         for zname, zone in self.zones.items():

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections.abc import Callable
 
 from smtpguard import replies
@@ -29,6 +30,9 @@ log = logging.getLogger("smtpguard.delivery")
 
 HOLD_PAUSED = 1.0
 """A paused zone's lane is looked at again this often, so `resume` takes effect quickly."""
+ORPHAN_SCAN_INTERVAL = 60.0
+"""How often the worker looks for lanes that are no longer in queue.classes (a reload
+renamed or removed a class while its entries waited); also at start and after a reload."""
 
 
 class DeliveryWorker:
@@ -47,6 +51,10 @@ class DeliveryWorker:
         self._active: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
+        self._orphans: set[str] = set()
+        """Lanes with entries that no configured class names: served as queue.default_class."""
+        self._orphans_seen_at: float | None = None
+        self._orphans_for: object = None
 
     @property
     def config(self) -> Config:
@@ -54,6 +62,30 @@ class DeliveryWorker:
 
     def wake(self) -> None:
         self._wake.set()
+
+    def lanes(self) -> list[tuple[str, int]]:
+        """Every lane to claim from, with its priority: the configured classes, and lanes
+        left by a class that a reload renamed or removed, at the default class's priority —
+        their entries were accepted with a 250 and must still be delivered (DESIGN.md §11.2)."""
+        classes = self.config.queue.classes
+        lanes = [(name, c.priority) for name, c in classes.items()]
+        default = classes[self.config.queue.default_class].priority
+        lanes += [(name, default) for name in sorted(self._orphans - classes.keys())]
+        return lanes
+
+    async def _scan_orphans(self) -> None:
+        now = time.monotonic()
+        fresh = self._orphans_for is self.config
+        if fresh and self._orphans_seen_at is not None and now - self._orphans_seen_at < ORPHAN_SCAN_INTERVAL:
+            return
+        self._orphans_seen_at, self._orphans_for = now, self.config
+        found = await self.store.queue_lanes() - self.config.queue.classes.keys()
+        for lane in sorted(found - self._orphans):
+            log.warning(
+                "queued entries in a lane no class names any more; delivering them as the default class",
+                extra={"lane": lane, "default_class": self.config.queue.default_class},
+            )
+        self._orphans = found
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -81,8 +113,9 @@ class DeliveryWorker:
             free = self.config.queue.workers - len(self._active)
             claimed: list[Claimed] = []
             if free > 0:
-                lanes = [(name, c.priority) for name, c in self.config.queue.classes.items()]
                 try:
+                    await self._scan_orphans()
+                    lanes = self.lanes()
                     quotas = lane_quotas(free, lanes, [self.rng.random() for _ in range(free)])
                     claimed = await self.store.claim(
                         self.submitter.clock(), quotas, self.config.event_key.lease
@@ -135,6 +168,8 @@ class DeliveryWorker:
             taken = verdict.record
             if await store.put(taken, rec.version) is not None:
                 return  # someone else moved it first; their write stands
+            if verdict.refund is not None:
+                await self.submitter.refund(rec.zone, verdict.refund)
             if zone is None:
                 await self._hold(taken, attempt_id, now + 60.0)
                 return

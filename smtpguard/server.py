@@ -77,11 +77,12 @@ class Server:
         self,
         config: Config,
         config_path: Path | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.config = config
         self.config_path = config_path
-        self.clock = clock
+        self._clock = clock
+        """Injected by tests; otherwise the store's clock (DESIGN.md §11.5)."""
         self.hostname = config.hostname or socket.getfqdn()
         self.instance = config.instance or f"{socket.gethostname()}:{os.getpid()}"
         self.stats = StatsBuffer()
@@ -98,6 +99,16 @@ class Server:
         self.worker: DeliveryWorker | None = None
         self._background: set[asyncio.Future[None]] = set()
 
+    def clock(self) -> float:
+        """Leases, windows and history are measured on one clock for every instance sharing
+        the store: the store's own (Redis TIME; SQLite is one machine's clock), so skew
+        between instances can neither expire a live lease nor keep a dead one."""
+        if self._clock is not None:
+            return self._clock()
+        if self.store is not None:
+            return self.store.now()
+        return time.time()
+
     async def start(self) -> None:
         config = self.config
         secrets = provider_secrets(config)
@@ -105,6 +116,17 @@ class Server:
         password = read_secret(config.store.password_env, config.store.password_file, "store")
         self.store = store_from_url(config.store.url, password=password)
         await self.store.open()
+        try:
+            problems = await self.store.durability_problems()
+        except StoreUnavailable as e:
+            problems = [f"cannot check the store's durability settings: {e}"]
+        if problems and not config.store.unsafe:
+            await self.store.close()
+            raise ConfigError(
+                [f"store: {p}; fix it or set store.unsafe: true (see docs/redis.md)" for p in problems]
+            )
+        for p in problems:
+            log.warning("store may forget acknowledged writes (store.unsafe)", extra={"problem": p})
         self.route = self._route(config, secrets)
         submitter = Submitter(config, self.store, self.route, self.instance, self.hostname, self.clock)
         self.submitter = submitter
@@ -197,10 +219,11 @@ class Server:
             log.warning("could not publish circuit state", extra={"provider": provider})
 
     def _ensure_worker(self) -> None:
-        """Start the store-and-forward worker once any zone delivers by queue."""
+        """Start the store-and-forward worker, whatever the zones' current mode: entries
+        accepted before a reload or restart moved their zone back to relay were answered
+        250 and must still be delivered (DESIGN.md §11.2). Idle, it costs one claim query
+        per poll_interval."""
         if self.worker is not None or self.submitter is None or self.store is None:
-            return
-        if not any(z.delivery == "queue" for z in self.config.zones.values()):
             return
         self.worker = DeliveryWorker(
             self.submitter,

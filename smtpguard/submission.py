@@ -23,8 +23,8 @@ from smtpguard.config import Config, ZoneConfig
 from smtpguard.policy import ledger
 from smtpguard.policy.eventkey import event_key, message_id_for
 from smtpguard.policy.fingerprint import fingerprint
-from smtpguard.policy.ledger import LedgerSettings, Record, State, Submission
-from smtpguard.policy.limits import CapReached, cap_check, cap_reply, caps_for, month_of
+from smtpguard.policy.ledger import LedgerSettings, Phase, Record, State, Submission
+from smtpguard.policy.limits import CapReached, cap_check, cap_reply, caps_for, token_month
 from smtpguard.policy.message import HeaderLimits, Message, parse, smuggling_check
 from smtpguard.policy.outcome import Kind, Outcome, client_reply, is_recipient_unknown
 from smtpguard.policy.queue import queue_due
@@ -266,7 +266,16 @@ class Submitter:
 
     def settings(self, zone: ZoneConfig) -> LedgerSettings:
         ek = self.config.event_key
-        return LedgerSettings(ek.min_retry_interval, ek.lease, zone.derive_window)
+        return LedgerSettings(ek.min_retry_interval, ek.lease, zone.derive_window, self.config.send_timeout())
+
+    async def refund(self, zone: str, token: str) -> None:
+        """Give back the cap unit of an attempt that reached no provider's DATA (idempotent,
+        so a refund that lands twice returns one unit). Best effort: a store that cannot be
+        reached now keeps the unit, which is the safe side of a cap."""
+        try:
+            await self.store.refund(zone, token, token_month(token, self.clock()))
+        except StoreUnavailable as e:
+            log.warning("cap unit not refunded: store unavailable", extra={"zone": zone, "error": str(e)})
 
     async def _accept_queued(
         self, sub: Submission, zone: ZoneConfig, s: LedgerSettings, message: QueuedMessage
@@ -315,12 +324,24 @@ class Submitter:
                     return Result(verdict.reply, verdict.decision, sub.key)
                 current = conflict.current
                 continue
-            if write is not None:
-                result = await write(verdict)
-            else:
-                cap = cap_check(sub.zone, caps, sub.attempt_id, now)
-                result = await self.store.reserve(verdict.record, verdict.expected_version, cap, zone.paused)
+            try:
+                if write is not None:
+                    result = await write(verdict)
+                else:
+                    cap = cap_check(sub.zone, caps, sub.attempt_id, now)
+                    result = await self.store.reserve(
+                        verdict.record, verdict.expected_version, cap, zone.paused
+                    )
+            except StoreUnavailable:
+                # The reservation may have run with only its reply lost. Its unit goes back
+                # now; if the write stands, the record is ours and the submission that
+                # takes it over after its lease refunds the same token again (a no-op).
+                if write is None:
+                    await self.refund(sub.zone, sub.attempt_id)
+                raise
             if isinstance(result, Reserved):
+                if verdict.refund is not None:
+                    await self.refund(sub.zone, verdict.refund)
                 return verdict.record
             if isinstance(result, Conflict):
                 current = result.current
@@ -331,6 +352,8 @@ class Submitter:
                 ):
                     # Our own write landed and only its reply was lost (a retried script
                     # after a connection reset): the reservation is ours.
+                    if verdict.refund is not None:
+                        await self.refund(sub.zone, verdict.refund)
                     return current
                 continue
             if isinstance(result, Paused):
@@ -374,19 +397,29 @@ class Submitter:
             outcome = await self.route.send(env, before_data)
         except (LeaseLost, StoreUnavailable) as e:
             # Stopped before DATA: nothing reached a provider, so the cap unit goes back.
-            with contextlib.suppress(StoreUnavailable):
-                await self.store.refund(sub.zone, sub.attempt_id, month_of(rec.updated_at))
+            await self.refund(sub.zone, sub.attempt_id)
             if isinstance(e, LeaseLost):
                 return Result(replies.in_flight(sub.key), "lease_lost", sub.key)
             raise
+        except Exception as e:
+            # A defect, not an SMTP outcome (providers translate every SMTP and OS error).
+            # Until the data_sent note stands no DATA can have started: unavailable and
+            # refunded (DESIGN.md §11.6). After it, the dot may have gone: unknown.
+            sent = state["rec"].phase is not Phase.BEFORE_DATA
+            log.error(
+                "relay failed unexpectedly",
+                extra={"zone": sub.zone, "key": sub.key, "error": f"{type(e).__name__}: {e}"[:300]},
+            )
+            kind = Kind.UNKNOWN if sent else Kind.UNAVAILABLE
+            outcome = Outcome(kind, None, detail=f"internal error: {type(e).__name__}", data_sent=sent)
         finally:
             self.leases.release(held)
 
         await self._settle(state["rec"], sub, outcome, s, retry_delay)
-        if outcome.kind is Kind.UNAVAILABLE:
-            # Nothing reached a provider, so nothing was spent: give the cap unit back.
-            with contextlib.suppress(StoreUnavailable):
-                await self.store.refund(sub.zone, sub.attempt_id, month_of(rec.updated_at))
+        if outcome.kind is Kind.UNAVAILABLE or outcome.data_sent is False:
+            # Nothing reached a provider's DATA (unavailable, or refused at MAIL or RCPT):
+            # nothing was spent, so the cap unit goes back (DESIGN.md §11.3).
+            await self.refund(sub.zone, sub.attempt_id)
         await self._suppress_bounced(sub.zone, outcome)
         return Result(
             client_reply(outcome, sub.attempt_id),

@@ -222,7 +222,68 @@ def test_derived_key_past_valid_until_is_replaced(now: float) -> None:
     assert r.version == 5
     assert r.created_at == now and r.lease_until == now + S.lease
     assert r.valid_until == now + S.derive_window
-    assert r.sg_id == "A2" and r.attempts == ()
+    # The old event's history stays with the key; the new event starts with a note of it.
+    assert r.sg_id == "A2" and r.attempts == old.attempts
+    assert r.audit[-1].action == "new_event" and "sg:A1" in r.audit[-1].note
+
+
+@pytest.mark.parametrize("state", [State.UNKNOWN, State.FAILED])
+def test_derived_key_past_valid_until_never_replaces_a_held_event(state: State) -> None:
+    # DESIGN.md §11.1: replacing an unknown or failed record would resend what an operator
+    # must decide on; after the window it is answered by its own row, as within it.
+    held = rec(state, key="auto:" + FP, valid_until=T0 + 600, reply=Reply(550, "5.1.1", "no such user"))
+    verdict = ledger.decide(held, sub(key="auto:" + FP, derived=True), T0 + 3600, S)
+    assert isinstance(verdict, Answer)
+    assert verdict.decision == {"unknown": "unknown_held", "failed": "failed_held"}[state.value]
+    assert verdict.reply.code == (451 if state is State.UNKNOWN else 550)
+
+
+@pytest.mark.parametrize("state", [State.QUEUED, State.DEFERRED])
+def test_derived_key_past_valid_until_in_a_lane_is_a_queued_duplicate(state: State) -> None:
+    # Its message waits in a lane and a worker sends it: a replacement would be a second copy.
+    waiting = rec(state, key="auto:" + FP, valid_until=T0 + 600, lane="bulk", queue_id="Q1")
+    verdict = ledger.decide(waiting, sub(key="auto:" + FP, derived=True), T0 + 3600, S)
+    assert isinstance(verdict, Answer) and verdict.decision == "duplicate"
+
+
+def test_relay_deferred_retried_in_queue_mode_is_taken_into_the_lane() -> None:
+    # The zone moved from relay to queue between two attempts (DESIGN.md §4a).
+    deferred = rec(State.DEFERRED, next_attempt_at=T0 + 60, version=3)
+    verdict = ledger.decide(deferred, sub(lane="transactional", max_age=3600.0), T0 + 61, S)
+    assert isinstance(verdict, Proceed) and verdict.expected_version == 3
+    r = verdict.record
+    assert r.state is State.QUEUED and r.lane == "transactional"
+    assert r.queue_id == "A2" and r.sg_id == "A2"
+    assert r.owner is None and r.lease_until is None and r.phase is None
+    assert r.next_attempt_at == T0 + 61 and r.expires_at == T0 + 61 + 3600
+
+
+def test_takeover_before_data_refunds_the_abandoned_unit() -> None:
+    dead = rec(State.IN_FLIGHT, lease_until=T0 + 30, phase=Phase.BEFORE_DATA)
+    verdict = ledger.decide(dead, sub(), T0 + 31, S)
+    assert isinstance(verdict, Proceed) and verdict.refund == "A1"
+    deferred = rec(State.DEFERRED, next_attempt_at=T0)
+    again = ledger.decide(deferred, sub(), T0 + 1, S)
+    assert isinstance(again, Proceed) and again.refund is None
+
+
+def test_lost_lease_after_dot_keeps_when_its_owner_may_still_send() -> None:
+    s = ledger.LedgerSettings(send_timeout=150.0)
+    dead = rec(State.IN_FLIGHT, lease_until=T0 + 30, phase=Phase.DATA_SENT, owner="i-1")
+    verdict = ledger.decide(dead, sub(), T0 + 31, s)
+    assert isinstance(verdict, ledger.Transition)
+    lost = verdict.record
+    assert lost.state is State.UNKNOWN and lost.lost_owner == "i-1"
+    assert lost.lost_until == T0 + 31 + 150.0
+    with pytest.raises(ledger.RetryTooEarly) as refused:
+        ledger.resolve(lost, "retry", "cli:alice", T0 + 100)
+    assert "i-1" in str(refused.value) and "--force" in str(refused.value)
+    forced = ledger.resolve(lost, "retry", "cli:alice", T0 + 100, force=True)
+    assert forced.state is State.DEFERRED and "forced" in forced.audit[-1].note
+    later = ledger.resolve(lost, "retry", "cli:alice", T0 + 181.0)
+    assert later.state is State.DEFERRED and later.lost_until is None
+    # delivered is always allowed: it sends nothing.
+    assert ledger.resolve(lost, "delivered", "cli:alice", T0 + 100).state is State.DELIVERED
 
 
 @pytest.mark.parametrize("phase", [Phase.BEFORE_DATA, Phase.DATA_SENT])

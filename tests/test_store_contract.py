@@ -847,8 +847,8 @@ async def test_redis_queue_keys_share_the_zone_slot_and_idle_zones_leave_the_cla
         assert len(await s.claim(NOW, [("transactional", 2), ("bulk", 2)], LEASE)) == 4
         keys = [str(k) for k in await plain.keys("*")]
         by_zone = {z: [k for k in keys if f"{{{z}}}" in k] for z in ("acme", "globex")}
-        # records, index, entries, lanes, claimed, queue
-        assert len(by_zone["acme"]) == len(by_zone["globex"]) == 9
+        # records, index, entries, lanes, claimed, queue, the set of lane names
+        assert len(by_zone["acme"]) == len(by_zone["globex"]) == 10
         for zone, zone_keys in by_zone.items():
             assert {key_slot(k.encode()) for k in zone_keys} == {key_slot(zone.encode())}
         assert {k for k in keys if "{" not in k} == {"sg:zones", "sg:queued-zones"}
@@ -913,3 +913,135 @@ async def test_redis_commands_cancelled_midway_leave_no_connection_out_of_step(
             assert got is not None and got.key == f"after{i}"
     finally:
         await s.close()
+
+
+# --- a retried call recognises its own write (DESIGN.md §11.4) --------------------------------
+async def test_a_reserve_run_twice_is_one_reservation_and_one_unit(store: Store) -> None:
+    # The reply of the first run was lost (connection reset after the script ran): the
+    # caller runs the same call again.
+    rec = fresh("k1")
+    assert await store.reserve(rec, None, cap("t1"), False) == Reserved()
+    assert await store.reserve(rec, None, cap("t1"), False) == Reserved()
+    assert await store.cap_usage("acme", NOW, MONTH) == CapUsage(1, 1)
+    # Even when the zone was paused in between: the first run's write stands.
+    await store.set_paused("acme", True)
+    assert await store.reserve(rec, None, cap("t1"), False) == Reserved()
+    assert await store.cap_usage("acme", NOW, MONTH) == CapUsage(1, 1)
+    # A retry over an existing version, likewise.
+    later = replace(settled(rec, NOW + 1, State.DEFERRED))
+    assert await store.put(later, rec.version) is None
+    again = replace(later, state=State.IN_FLIGHT, version=later.version + 1, sg_id="att:k1b")
+    await store.set_paused("acme", False)
+    assert await store.reserve(again, later.version, cap("t2"), False) == Reserved()
+    assert await store.reserve(again, later.version, cap("t2"), False) == Reserved()
+    assert await store.cap_usage("acme", NOW, MONTH) == CapUsage(2, 2)
+    # A different record at the same version is still a conflict.
+    rival = replace(again, sg_id="att:rival")
+    got = await store.reserve(rival, later.version, cap("t3"), False)
+    assert isinstance(got, Conflict) and got.current == again
+
+
+async def test_a_put_run_twice_is_written_once_and_a_rival_still_conflicts(store: Store) -> None:
+    rec = fresh("k1")
+    assert await store.put(rec, None) is None
+    assert await store.put(rec, None) is None  # own write, reply lost: not a lost lease
+    noted = replace(rec, phase=ledger.Phase.DATA_SENT, version=rec.version + 1, updated_at=NOW + 1)
+    assert await store.put(noted, rec.version) is None
+    assert await store.put(noted, rec.version) is None
+    renewed = replace(noted, lease_until=NOW + 60, version=noted.version + 1)
+    assert await store.put(renewed, noted.version) is None
+    assert await store.put(renewed, noted.version) is None
+    assert await store.get("acme", "k1") == renewed
+    rival = replace(noted, owner="inst-2", version=noted.version + 1)
+    got = await store.put(rival, noted.version)
+    assert isinstance(got, Conflict) and got.current == renewed
+
+
+async def test_consume_cap_run_twice_counts_one_unit(store: Store) -> None:
+    assert await store.consume_cap(cap("t1", hourly=2)) is None
+    assert await store.consume_cap(cap("t1", hourly=2)) is None
+    assert await store.cap_usage("acme", NOW, MONTH) == CapUsage(1, 1)
+    assert await store.consume_cap(cap("t2", hourly=2)) is None
+    assert await store.consume_cap(cap("t3", hourly=2)) == CapReached("hour", 2, NOW + HOUR)
+    await store.refund("acme", "t1", MONTH)
+    assert await store.cap_usage("acme", NOW, MONTH) == CapUsage(1, 1)
+
+
+async def test_enqueue_and_requeue_run_twice(store: Store) -> None:
+    rec = queued("k1")
+    await put_queued(store, rec)
+    assert await store.enqueue(rec, None, body("k1")) is None
+    assert [e.key for e in await store.queue_entries("acme")] == ["k1"]
+    done = settled(rec, NOW + 1)
+    assert await store.requeue(done, rec.version, None) is None
+    assert await store.requeue(done, rec.version, None) is None
+    assert await store.queue_entries("acme") == []
+
+
+async def test_queue_lanes_name_every_lane_with_entries(store: Store) -> None:
+    assert await store.queue_lanes() == set()
+    await put_queued(
+        store, queued("k1"), queued("k2", lane="bulk"), queued("k3", zone="globex", lane="other")
+    )
+    assert await store.queue_lanes() == {"transactional", "bulk", "other"}
+    k3 = await store.get("globex", "k3")
+    assert k3 is not None
+    assert await store.requeue(settled(k3, NOW + 1), k3.version, None) is None
+    assert await store.queue_lanes() == {"transactional", "bulk"}
+
+
+async def test_the_store_clock_is_the_epoch(store: Store) -> None:
+    assert abs(store.now() - time.time()) < 1.0
+    a = store.now()
+    assert store.now() >= a
+
+
+async def test_redis_clock_follows_redis_time_not_the_local_wall_clock(redis_server: RedisServer) -> None:
+    """Two instances whose own clocks disagree by minutes read one clock: Redis's."""
+    s = RedisStore(redis_server.url)
+    await s.open()
+    try:
+        plain = aioredis.Redis.from_url(redis_server.url)
+        sec, usec = await plain.time()
+        await plain.aclose()
+        assert abs(s.now() - (sec + usec / 1e6)) < 0.05
+        # This host's monotonic clock jumps 300 s (a suspended VM resumed): until the next
+        # sample the store clock moves with it, and the sample brings it back, never backwards.
+        real = s._mono
+        s._mono = lambda: real() + 300.0
+        ahead = s.now()
+        await s.sync_clock()
+        assert s.now() >= ahead
+    finally:
+        await s.close()
+
+
+async def test_sqlite_has_no_durability_problem(tmp_path: Path) -> None:
+    s = store_from_url(f"sqlite:///{tmp_path / 'state.db'}")
+    await s.open()
+    try:
+        assert await s.durability_problems() == []
+    finally:
+        await s.close()
+
+
+async def test_redis_durability_is_checked_setting_by_setting(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path, durable=True)
+    server.start()
+    s = RedisStore(server.url)
+    try:
+        await s.open()
+        assert await s.durability_problems() == []
+        plain = aioredis.Redis.from_url(server.url, decode_responses=True)
+        await plain.config_set("appendfsync", "everysec")
+        await plain.config_set("maxmemory", "100mb")
+        await plain.config_set("maxmemory-policy", "allkeys-lru")
+        problems = await s.durability_problems()
+        assert any("appendfsync" in p and "everysec" in p for p in problems)
+        assert any("maxmemory-policy" in p and "allkeys-lru" in p for p in problems)
+        await plain.config_set("appendonly", "no")
+        assert any("appendonly" in p for p in await s.durability_problems())
+        await plain.aclose()
+    finally:
+        await s.close()
+        server.stop()

@@ -12,6 +12,7 @@ writer that lost a race gets the current record back and decides again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
@@ -42,6 +43,10 @@ class LedgerSettings:
     min_retry_interval: float = 60.0
     lease: float = 30.0
     derive_window: float = 600.0
+    send_timeout: float = 0.0
+    """The longest a provider session may still run after its owner's lease was last
+    renewed (the route's longest DATA plus command timeout): until then an owner that lost
+    its lease may still be sending, so the event must not be resent."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +101,11 @@ class Record:
     """Store-and-forward only: the id given in `250 queued as <id>`; stable across attempts."""
     expires_at: float | None = None
     """Store-and-forward only: never sent after this (the class's max_age)."""
+    lost_owner: str | None = None
+    """Held `unknown` because this owner lost its lease after the final dot may have gone."""
+    lost_until: float | None = None
+    """Until then that owner may still be in DATA with the provider (its lease plus the
+    route's send timeout): `resolve --as retry` before it could send the event twice."""
     attempts: tuple[Attempt, ...] = field(default=())
     audit: tuple[AuditEntry, ...] = field(default=())
 
@@ -120,6 +130,8 @@ class Record:
             "lane": self.lane,
             "queue_id": self.queue_id,
             "expires_at": self.expires_at,
+            "lost_owner": self.lost_owner,
+            "lost_until": self.lost_until,
             "attempts": [_attempt_to_dict(a) for a in self.attempts],
             "audit": [
                 {
@@ -156,6 +168,8 @@ class Record:
             lane=d.get("lane"),
             queue_id=d.get("queue_id"),
             expires_at=d.get("expires_at"),
+            lost_owner=d.get("lost_owner"),
+            lost_until=d.get("lost_until"),
             attempts=tuple(_attempt_from_dict(a) for a in d.get("attempts", ())),
             audit=tuple(AuditEntry(**e) for e in d.get("audit", ())),
         )
@@ -219,6 +233,10 @@ class Proceed:
 
     record: Record
     expected_version: int | None
+    refund: str | None = None
+    """The cap token of an attempt this one takes over (its owner died before DATA, or
+    its reservation's reply was lost): nothing of it reached a provider, so once the
+    write stands its unit goes back (refunds are idempotent)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,20 +259,20 @@ def decide(existing: Record | None, sub: Submission, now: float, s: LedgerSettin
     leased = (
         existing.state is State.IN_FLIGHT and existing.lease_until is not None and existing.lease_until > now
     )
-    # A derived key's window may end while its attempt is still on the wire (derive_window
-    # can be shorter than the DATA timeout), or after its owner died past the final dot:
-    # replacing an in_flight record would send the message twice, so in_flight rules apply.
-    if (
-        existing.valid_until is not None
-        and existing.valid_until <= now
-        and existing.state is not State.IN_FLIGHT
-    ):
-        return Proceed(replace(_fresh(sub, now, s), version=existing.version + 1), existing.version)
+    if existing.valid_until is not None and existing.valid_until <= now and _replaceable(existing):
+        # A derived key's window is over: the same fingerprint is a new event. The history
+        # of the old one stays with the record.
+        fresh = _fresh(sub, now, s)
+        fresh = replace(fresh, version=existing.version + 1, attempts=existing.attempts, audit=existing.audit)
+        note = f"derive_window over; previous event {existing.state.value} as sg:{existing.sg_id}"
+        return Proceed(
+            _audit(fresh, now, "smtpguard", "new_event", existing.state, fresh.state, note), existing.version
+        )
     if existing.fingerprint != sub.fingerprint:
         return Answer(replies.key_reused(sub.key), "reused")
 
     state = existing.state
-    if existing.lane is not None and state in (State.QUEUED, State.DEFERRED, State.IN_FLIGHT):
+    if _in_lane(existing):
         # Accepted for store-and-forward: the worker owns retries; the client is done.
         return Answer(replies.duplicate_queued(sub.key, existing.queue_id or existing.sg_id), "duplicate")
     if state is State.DELIVERED:
@@ -267,9 +285,11 @@ def decide(existing: Record | None, sub: Submission, now: float, s: LedgerSettin
         if existing.phase is Phase.DATA_SENT:
             # The owner died after the final dot may have gone out: a blind retry is how
             # duplicates are made (RFC 1047). Hold it for an operator.
-            lost = _lost_after_dot(existing, now)
+            lost = _lost_after_dot(existing, now, s)
             return Transition(lost, existing.version, replies.outcome_unknown(sub.key), "unknown_held")
-        return Proceed(_retry(existing, sub, now, s), existing.version)
+        # The owner died (or its reservation's reply was lost) before DATA: nothing was
+        # sent, so this submission takes over and the abandoned attempt's unit goes back.
+        return Proceed(_retry(existing, sub, now, s), existing.version, refund=existing.sg_id)
     if state is State.DEFERRED:
         if existing.next_attempt_at is not None and now < existing.next_attempt_at:
             return Answer(replies.retry_too_soon(sub.key, existing.next_attempt_at), "too_soon")
@@ -281,9 +301,39 @@ def decide(existing: Record | None, sub: Submission, now: float, s: LedgerSettin
     return Answer(replies.expired(sub.key), "expired")
 
 
-def _lost_after_dot(rec: Record, now: float) -> Record:
-    """The owner's lease ran out after the final dot may have gone: nobody knows the outcome."""
-    lost = _bump(rec, now, state=State.UNKNOWN, owner=None, lease_until=None)
+def _in_lane(rec: Record) -> bool:
+    """The event's message is stored in a store-and-forward lane that a worker delivers."""
+    return rec.lane is not None and rec.state in (State.QUEUED, State.DEFERRED, State.IN_FLIGHT)
+
+
+def _replaceable(rec: Record) -> bool:
+    """May a new event take this derived key's record once its window is over?
+
+    Only a record that can no longer be sent by accident (DESIGN.md §11.1): delivered,
+    expired, or deferred in relay mode (the client's retry is the only sender). Never an
+    `unknown` or `failed` one — replacing it would resend what an operator must decide on —
+    nor anything in flight or waiting in a lane, which is still on its way."""
+    if rec.state in (State.DELIVERED, State.EXPIRED):
+        return True
+    return rec.state is State.DEFERRED and rec.lane is None
+
+
+def _lost_after_dot(rec: Record, now: float, s: LedgerSettings) -> Record:
+    """The owner's lease ran out after the final dot may have gone: nobody knows the outcome.
+
+    The owner may not be dead: a stalled process, failing renewals or a store failover can
+    end a lease while its session is still in DATA. Until its send timeout has run out it
+    may still get its 250, so that moment is kept for `resolve --as retry` to respect."""
+    last_lease = rec.lease_until if rec.lease_until is not None else now
+    lost = _bump(
+        rec,
+        now,
+        state=State.UNKNOWN,
+        owner=None,
+        lease_until=None,
+        lost_owner=rec.owner,
+        lost_until=max(last_lease, now) + s.send_timeout,
+    )
     return _audit(
         lost,
         now,
@@ -326,6 +376,24 @@ def _fresh(sub: Submission, now: float, s: LedgerSettings) -> Record:
 
 
 def _retry(existing: Record, sub: Submission, now: float, s: LedgerSettings) -> Record:
+    if sub.lane is not None:
+        # The zone delivers by queue now (it was in relay mode when this record was
+        # written): the retry is accepted into the lane as a new attempt, as a new event
+        # would be, and the worker sends it.
+        return _bump(
+            existing,
+            now,
+            state=State.QUEUED,
+            sg_id=sub.attempt_id,
+            owner=None,
+            lease_until=None,
+            phase=None,
+            next_attempt_at=now,
+            message_id=sub.message_id or existing.message_id,
+            lane=sub.lane,
+            queue_id=sub.attempt_id,
+            expires_at=now + sub.max_age if sub.max_age is not None else None,
+        )
     return _bump(
         existing,
         now,
@@ -457,17 +525,36 @@ class OperatorRefused(Exception):
     """An operator command that does not apply to the record's current state."""
 
 
-def resolve(rec: Record, as_: str, actor: str, now: float) -> Record:
-    """Close an `unknown` outcome after checking with the provider (runbook: resolve)."""
+def resolve(rec: Record, as_: str, actor: str, now: float, force: bool = False) -> Record:
+    """Close an `unknown` outcome after checking with the provider (runbook: resolve).
+
+    `retry` is refused while the owner that lost its lease may still be in DATA (it may
+    yet get its 250, and the retry would be a second copy), unless `force`."""
     if rec.state is not State.UNKNOWN:
         raise OperatorRefused(f"{rec.zone} {rec.key} is {rec.state.value}, not unknown; nothing to resolve")
     if as_ == "delivered":
-        new = _bump(rec, now, state=State.DELIVERED)
+        new = _bump(rec, now, state=State.DELIVERED, lost_owner=None, lost_until=None)
     elif as_ == "retry":
-        new = _bump(rec, now, state=State.DEFERRED, next_attempt_at=now)
+        if rec.lost_until is not None and now < rec.lost_until and not force:
+            raise RetryTooEarly(rec.lost_owner or "?", rec.lost_until)
+        new = _bump(rec, now, state=State.DEFERRED, next_attempt_at=now, lost_owner=None, lost_until=None)
     else:
         raise OperatorRefused(f"--as must be delivered or retry, not {as_!r}")
-    return _audit(new, now, actor, f"resolve:{as_}", State.UNKNOWN, new.state)
+    note = "forced while its owner may still be sending" if force and as_ == "retry" else ""
+    return _audit(new, now, actor, f"resolve:{as_}", State.UNKNOWN, new.state, note)
+
+
+class RetryTooEarly(OperatorRefused):
+    """`resolve --as retry` while the owner that lost its lease may still be in DATA."""
+
+    def __init__(self, owner: str, possible_at: float) -> None:
+        self.owner = owner
+        self.possible_at = possible_at
+        when = datetime.fromtimestamp(possible_at, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+        super().__init__(
+            f"owner {owner} may still be sending this event to its provider (it lost its lease "
+            f"after the final dot may have gone); a retry is safe from {when}, or use --force"
+        )
 
 
 def release(rec: Record, actor: str, now: float) -> Record:
@@ -484,6 +571,8 @@ class Deliver:
     """The worker takes this attempt: write `record` (in_flight, owned), then relay."""
 
     record: Record
+    refund: str | None = None
+    """As Proceed.refund: the cap token of an attempt whose worker died before DATA."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -505,7 +594,7 @@ def on_claim(rec: Record, attempt_id: str, instance: str, now: float, s: LedgerS
         if rec.lease_until is not None and rec.lease_until > now:
             return Finish(None, "busy")
         if rec.phase is Phase.DATA_SENT:
-            return Finish(_lost_after_dot(rec, now), "unknown_held")
+            return Finish(_lost_after_dot(rec, now, s), "unknown_held")
     if rec.expires_at is not None and now >= rec.expires_at:
         gone = _bump(
             rec, now, state=State.EXPIRED, owner=None, lease_until=None, phase=None, next_attempt_at=None
@@ -520,18 +609,18 @@ def on_claim(rec: Record, attempt_id: str, instance: str, now: float, s: LedgerS
             f"older than its class's max_age ({rec.lane})",
         )
         return Finish(gone, "expired")
-    return Deliver(
-        _bump(
-            rec,
-            now,
-            state=State.IN_FLIGHT,
-            sg_id=attempt_id,
-            owner=instance,
-            lease_until=now + s.lease,
-            phase=Phase.BEFORE_DATA,
-            next_attempt_at=None,
-        )
+    taken = _bump(
+        rec,
+        now,
+        state=State.IN_FLIGHT,
+        sg_id=attempt_id,
+        owner=instance,
+        lease_until=now + s.lease,
+        phase=Phase.BEFORE_DATA,
+        next_attempt_at=None,
     )
+    # An in_flight record here lost its worker before DATA: its unit goes back.
+    return Deliver(taken, refund=rec.sg_id if rec.state is State.IN_FLIGHT else None)
 
 
 def hold(rec: Record, attempt_id: str, now: float, until: float) -> Record | None:

@@ -89,8 +89,26 @@ def month_of(now: float) -> str:
     return _month_span[2]
 
 
+def token_time(token: str) -> float | None:
+    """When an attempt id (smtpguard's cap token) was made: its first 11 hex digits are
+    milliseconds since the epoch (submission.new_id)."""
+    if len(token) < 11:
+        return None
+    try:
+        return int(token[:11], 16) / 1000
+    except ValueError:
+        return None
+
+
+def token_month(token: str, fallback: float) -> str:
+    """The month a token's unit is counted in: decided by the token alone, so whoever
+    refunds it later (another instance, after a crash) names the same month."""
+    at = token_time(token)
+    return month_of(fallback if at is None else at)
+
+
 def cap_check(zone: str, caps: Caps, token: str, now: float) -> CapCheck:
-    return CapCheck(zone, caps, now - HOUR, month_of(now), token, now)
+    return CapCheck(zone, caps, now - HOUR, token_month(token, now), token, now)
 
 
 def hour_free_at(oldest_in_window: float | None, now: float) -> float:

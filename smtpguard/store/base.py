@@ -13,7 +13,12 @@ each one against SQLite and a real redis-server):
 - **put is compare-and-swap.** It writes only over the expected version; otherwise it
   returns the current record so the caller can decide again (policy/ledger.py decides).
 - **Retries are harmless.** settle/refund/suppress/pause are idempotent; refunding a token
-  twice returns one unit.
+  twice returns one unit. A write re-run after its reply was lost (a connection reset
+  between the write and its answer) recognises its own earlier write and answers as the
+  first run did: put/enqueue/requeue/reserve over a record already equal to the one being
+  written succeed, and a cap token already counted is not counted again (DESIGN.md §11.4).
+- **One clock.** `now()` is the store's clock, the same for every instance sharing it:
+  leases and windows are measured on it (DESIGN.md §11.5).
 - **Failure is loud.** An unreachable backend raises StoreUnavailable; nothing is ever
   relayed without a reservation.
 """
@@ -111,6 +116,14 @@ class Store(Protocol):
     async def ping(self) -> bool:
         """True when the backend answers now (for /readyz)."""
 
+    def now(self) -> float:
+        """The store's clock in epoch seconds: what every instance sharing the store agrees
+        on (Redis: TIME, tracked locally between samples; SQLite: this machine's clock)."""
+
+    async def durability_problems(self) -> list[str]:
+        """Settings under which the backend may forget an acknowledged write, each naming
+        the setting (empty when none). A forgotten reservation is a duplicate send."""
+
     # --- ledger ------------------------------------------------------------------------------
     async def get(self, zone: str, key: str) -> Record | None: ...
 
@@ -156,6 +169,10 @@ class Store(Protocol):
         is final), else make the entry due at `due` and unclaimed (HELD: kept, never due)."""
 
     async def queue_entries(self, zone: str | None) -> list[QueueEntry]: ...
+
+    async def queue_lanes(self) -> set[str]:
+        """The lanes that hold entries now, in any zone (the worker serves lanes no
+        configured class names any more)."""
 
     # --- zones -------------------------------------------------------------------------------
     async def set_paused(self, zone: str, paused: bool) -> None: ...

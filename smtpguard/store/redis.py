@@ -16,6 +16,7 @@ Every key of a zone carries the hash tag `{zone}`, so each script touches one Cl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import math
@@ -72,6 +73,8 @@ _ZONES = "sg:zones"
 _QUEUED_ZONES = "sg:queued-zones"
 # Peek-and-claim rounds of one claim across zones before it settles for fewer entries.
 _CLAIM_ROUNDS = 4
+_CLOCK_SAMPLE_EVERY = 10.0
+"""How often TIME is sampled to follow drift between Redis's clock and ours."""
 _SETTLED_EXCLUDED = (State.IN_FLIGHT.value, State.QUEUED.value)
 
 # KEYS: record, paused, sends, month, index
@@ -79,20 +82,23 @@ _SETTLED_EXCLUDED = (State.IN_FLIGHT.value, State.QUEUED.value)
 #       hour start, token, now, trim before, month ttl, version, state, data, index score, key
 _RESERVE = """
 local cur = redis.call('HMGET', KEYS[1], 'v', 'd')
+-- This very record is there already: our own write, re-run after its reply was lost.
+if cur[1] == ARGV[11] and cur[2] == ARGV[13] then return {'ok'} end
 if ARGV[1] == '' then
   if cur[1] then return {'conflict', cur[2]} end
 elseif cur[1] ~= ARGV[1] then
   return {'conflict', cur[2] or false}
 end
 if ARGV[2] == '1' or redis.call('EXISTS', KEYS[2]) == 1 then return {'paused'} end
-if ARGV[3] == '1' then
+-- A token already in the window was counted by an earlier run of this call.
+if ARGV[3] == '1' and not redis.call('ZSCORE', KEYS[3], ARGV[7]) then
   if tonumber(redis.call('GET', KEYS[4]) or '0') >= tonumber(ARGV[4]) then return {'month'} end
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. ARGV[9])
   if redis.call('ZCOUNT', KEYS[3], ARGV[6], '+inf') >= tonumber(ARGV[5]) then
     local oldest = redis.call('ZRANGEBYSCORE', KEYS[3], ARGV[6], '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
     return {'hour', oldest[2] or false}
   end
-  redis.call('ZADD', KEYS[3], 'NX', ARGV[8], ARGV[7])
+  redis.call('ZADD', KEYS[3], ARGV[8], ARGV[7])
   redis.call('INCR', KEYS[4])
   redis.call('EXPIRE', KEYS[4], ARGV[10])
 end
@@ -104,15 +110,19 @@ return {'ok'}
 # The compare-and-swap every record write starts with (put, enqueue, requeue).
 # KEYS[1] record, KEYS[2] index; ARGV[1] expected version ('' = absent), ARGV[2] version,
 # ARGV[3] state, ARGV[4] data, ARGV[5] index score, ARGV[6] key.
+# A record already equal to the one written is our own write, re-run after its reply was
+# lost: it counts as written, and what follows (idempotent) runs again.
 _CAS_WRITE = """
 local cur = redis.call('HMGET', KEYS[1], 'v', 'd')
-if ARGV[1] == '' then
-  if cur[1] then return {'conflict', cur[2]} end
-elseif cur[1] ~= ARGV[1] then
-  return {'conflict', cur[2] or false}
+if cur[1] ~= ARGV[2] or cur[2] ~= ARGV[4] then
+  if ARGV[1] == '' then
+    if cur[1] then return {'conflict', cur[2]} end
+  elseif cur[1] ~= ARGV[1] then
+    return {'conflict', cur[2] or false}
+  end
+  redis.call('HSET', KEYS[1], 'v', ARGV[2], 's', ARGV[3], 'd', ARGV[4])
+  redis.call('ZADD', KEYS[2], ARGV[5], ARGV[6])
 end
-redis.call('HSET', KEYS[1], 'v', ARGV[2], 's', ARGV[3], 'd', ARGV[4])
-redis.call('ZADD', KEYS[2], ARGV[5], ARGV[6])
 """
 
 # KEYS: record, index.  ARGV: expected version ('' = absent), version, state, data, index
@@ -168,13 +178,15 @@ return {deleted, kept}
 # KEYS: sends, month.  ARGV: monthly cap, hourly cap, hour start, token, now, trim before,
 # month ttl.  The cap half of _RESERVE, for store-and-forward, which checks caps at delivery.
 _CONSUME = """
+-- A token already in the window was counted by an earlier run of this call.
+if redis.call('ZSCORE', KEYS[1], ARGV[4]) then return {'ok'} end
 if tonumber(redis.call('GET', KEYS[2]) or '0') >= tonumber(ARGV[1]) then return {'month'} end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[6])
 if redis.call('ZCOUNT', KEYS[1], ARGV[3], '+inf') >= tonumber(ARGV[2]) then
   local oldest = redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[3], '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
   return {'hour', oldest[2] or false}
 end
-redis.call('ZADD', KEYS[1], 'NX', ARGV[5], ARGV[4])
+redis.call('ZADD', KEYS[1], ARGV[5], ARGV[4])
 redis.call('INCR', KEYS[2])
 redis.call('EXPIRE', KEYS[2], ARGV[7])
 return {'ok'}
@@ -203,6 +215,7 @@ redis.call('HSET', KEYS[3], 'lane', ARGV[8], 'prio', ARGV[9], 'due', ARGV[10], '
 redis.call('ZADD', KEYS[6], ARGV[10], ARGV[6])
 redis.call('ZREM', KEYS[4], ARGV[6])
 redis.call('SADD', KEYS[5], ARGV[6])
+redis.call('SADD', ARGV[7] .. 'lanes', ARGV[8])
 return {'ok'}
 """
 )
@@ -385,6 +398,11 @@ class RedisStore:
         self._entries: AsyncScript | None = None
         self._zones_announced: dict[str, float] = {}
         self._queued_swept_at: float | None = None
+        self._mono: Callable[[], float] = time.monotonic
+        self._offset: float | None = None
+        """Redis TIME minus this process's monotonic clock, from the last sample."""
+        self._last_now = 0.0
+        self._clock_task: asyncio.Task[None] | None = None
 
     # --- plumbing ----------------------------------------------------------------------------
     async def open(self) -> None:
@@ -421,11 +439,80 @@ class RedisStore:
         self._claim = client.register_script(_CLAIM)
         self._entries = client.register_script(_ENTRIES)
         self._client = client
+        # Down at start: the local clock until the first sample (see now()).
+        with contextlib.suppress(StoreUnavailable):
+            await self.sync_clock()
+        self._clock_task = asyncio.create_task(self._track_clock())
 
     async def close(self) -> None:
+        if self._clock_task is not None:
+            self._clock_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._clock_task
+            self._clock_task = None
         if self._client is not None:
             client, self._client = self._client, None
             await client.aclose()
+
+    # --- the store's clock (DESIGN.md §11.5) --------------------------------------------------
+    def now(self) -> float:
+        """Redis TIME, tracked between samples on this process's monotonic clock.
+
+        Every instance measures leases on the same clock, so a host whose wall clock is
+        minutes off neither expires another's live lease nor keeps a dead one alive. The
+        error is half a round trip at a sample plus monotonic drift since (ppm): far below
+        a lease. The monotonic clock never steps, so neither does this; a new sample never
+        moves it backwards."""
+        if self._offset is None:
+            return time.time()
+        t = self._mono() + self._offset
+        if t < self._last_now:
+            return self._last_now
+        self._last_now = t
+        return t
+
+    @_translated
+    async def sync_clock(self) -> None:
+        before = self._mono()
+        sec, usec = await self._r.time()
+        after = self._mono()
+        self._offset = sec + usec / 1e6 - (before + after) / 2
+
+    async def _track_clock(self) -> None:
+        while True:
+            await asyncio.sleep(_CLOCK_SAMPLE_EVERY)
+            with contextlib.suppress(StoreUnavailable):
+                await self.sync_clock()
+
+    @_translated
+    async def durability_problems(self) -> list[str]:
+        """DESIGN.md §15: a Redis that may forget an acknowledged reservation turns a restart
+        or an eviction into a duplicate send."""
+        try:
+            got: dict[str, str] = {}
+            for name in ("appendonly", "appendfsync", "maxmemory-policy", "maxmemory"):
+                got.update({str(k): str(v) for k, v in (await self._r.config_get(name)).items()})
+        except ResponseError as e:
+            return [
+                f"CONFIG GET is refused ({e}), so appendonly, appendfsync and "
+                "maxmemory-policy cannot be checked"
+            ]
+        problems = []
+        if got.get("appendonly") != "yes":
+            problems.append(
+                f"redis appendonly is {got.get('appendonly')!r}, not 'yes': a restart forgets events"
+            )
+        if got.get("appendfsync") != "always":
+            problems.append(
+                f"redis appendfsync is {got.get('appendfsync')!r}, not 'always': "
+                "a crash loses the last acknowledged writes"
+            )
+        if got.get("maxmemory-policy") != "noeviction" and got.get("maxmemory", "0") != "0":
+            problems.append(
+                f"redis maxmemory-policy is {got.get('maxmemory-policy')!r} with maxmemory "
+                f"{got.get('maxmemory')}: an evicted record is a forgotten event; use noeviction"
+            )
+        return problems
 
     @property
     def _r(self) -> Redis:
@@ -843,6 +930,22 @@ class RedisStore:
                 await pool.release(conn)
             await asyncio.sleep(0.05)
         raise AssertionError("unreachable")
+
+    async def queue_lanes(self) -> set[str]:
+        lanes: set[str] = set()
+        for zone in await self._smembers(_QUEUED_ZONES):
+            lanes |= await self._zone_lanes(zone)
+        return lanes
+
+    @_translated
+    async def _zone_lanes(self, zone: str) -> set[str]:
+        """The zone's lanes that hold entries; a lane found empty leaves the zone's set
+        (an enqueue into it adds it again, in the same script as the entry)."""
+        found: set[str] = set()
+        for lane in await self._r.smembers(_zone_key(zone, "lanes")):
+            if await self._r.zcard(_lane_key(zone, str(lane))):
+                found.add(str(lane))
+        return found
 
     async def queue_entries(self, zone: str | None) -> list[QueueEntry]:
         if zone is not None:

@@ -328,6 +328,19 @@ class SQLiteStore:
             self._readers.shutdown(wait=True)
             self._readers = None
 
+    def now(self) -> float:
+        # One machine, one clock: every process sharing the file reads the same one.
+        return time.time()
+
+    async def durability_problems(self) -> list[str]:
+        return []  # synchronous=FULL in WAL, set at every connect
+
+    async def queue_lanes(self) -> set[str]:
+        def op(c: sqlite3.Connection) -> set[str]:
+            return {str(lane) for (lane,) in c.execute("SELECT DISTINCT lane FROM queue")}
+
+        return await self._read(op)
+
     async def ping(self) -> bool:
         try:
             await self._read(lambda c: c.execute("SELECT 1").fetchone())
@@ -370,9 +383,11 @@ class SQLiteStore:
             if expected_version is None:
                 # A new key, the common case: claim it first (a duplicate is caught here, even
                 # when the zone is paused or capped) and give it back if pause or caps refuse.
-                conflict = _cas(c, record, None)
-                if conflict is not None:
-                    return conflict
+                swapped = _swap(c, record, None)
+                if isinstance(swapped, Conflict):
+                    return swapped
+                if swapped == _OWN:
+                    return Reserved()
                 refused = _pause_or_cap(c, record.zone, paused, cap)
                 if refused is not None:
                     c.execute("DELETE FROM events WHERE zone = ? AND key = ?", (record.zone, record.key))
@@ -381,7 +396,8 @@ class SQLiteStore:
                 "SELECT version FROM events WHERE zone = ? AND key = ?", (record.zone, record.key)
             ).fetchone()
             if (row[0] if row else None) != expected_version:
-                return Conflict(_load(c, record.zone, record.key))
+                swapped = _swap(c, record, expected_version)
+                return Reserved() if swapped == _OWN else Conflict(_load(c, record.zone, record.key))
             refused = _pause_or_cap(c, record.zone, paused, cap)
             if refused is not None:
                 return refused
@@ -395,12 +411,16 @@ class SQLiteStore:
 
     async def refund(self, zone: str, token: str, month: str) -> None:
         def op(c: sqlite3.Connection) -> None:
-            cur = c.execute("DELETE FROM sends WHERE zone = ? AND token = ?", (zone, token))
-            if cur.rowcount:
+            # The month the unit was counted in is kept with it; `month` is the caller's
+            # guess, used only for rows written before the column was read here.
+            row = c.execute(
+                "DELETE FROM sends WHERE zone = ? AND token = ? RETURNING month", (zone, token)
+            ).fetchone()
+            if row is not None:
                 c.execute("UPDATE send_counts SET n = MAX(n - 1, 0) WHERE zone = ?", (zone,))
                 c.execute(
                     "UPDATE monthly SET used = MAX(used - 1, 0) WHERE zone = ? AND month = ?",
-                    (zone, month),
+                    (zone, row[0] or month),
                 )
 
         await self._write(op)
@@ -703,9 +723,15 @@ def _bump_supp_version(c: sqlite3.Connection, zone: str) -> None:
     )
 
 
-def _cas(c: sqlite3.Connection, r: Record, expected_version: int | None) -> Conflict | None:
+_OWN = "own"
+"""_swap's answer when the record already equals the one being written: a retried write
+whose first run landed (DESIGN.md §11.4)."""
+
+
+def _swap(c: sqlite3.Connection, r: Record, expected_version: int | None) -> Conflict | str | None:
     """Write `r` over exactly `expected_version` (None: only if absent) in one statement;
-    the current record is read only when the swap fails."""
+    the current record is read only when the swap fails. None: written; _OWN: it was
+    already there, byte for byte; else the Conflict with the current record."""
     data = json.dumps(r.to_dict(), separators=(",", ":"))
     if expected_version is None:
         written = c.execute(
@@ -719,7 +745,19 @@ def _cas(c: sqlite3.Connection, r: Record, expected_version: int | None) -> Conf
             "WHERE zone = ? AND key = ? AND version = ?",
             (r.version, r.state.value, r.updated_at, data, r.zone, r.key, expected_version),
         ).rowcount
-    return None if written == 1 else Conflict(_load(c, r.zone, r.key))
+    if written == 1:
+        return None
+    row = c.execute("SELECT version, data FROM events WHERE zone = ? AND key = ?", (r.zone, r.key)).fetchone()
+    if row is None:
+        return Conflict(None)
+    if row[0] == r.version and row[1] == data:
+        return _OWN
+    return Conflict(Record.from_dict(json.loads(row[1])))
+
+
+def _cas(c: sqlite3.Connection, r: Record, expected_version: int | None) -> Conflict | None:
+    swapped = _swap(c, r, expected_version)
+    return swapped if isinstance(swapped, Conflict) else None
 
 
 def _pause_or_cap(
@@ -739,6 +777,13 @@ def _consume(c: sqlite3.Connection, cap: CapCheck) -> CapReached | None:
     count. Rows that left the hour are dropped only when the count reaches the cap (and by
     the hourly purge), so a send within the cap costs no scan and no delete."""
     zone = cap.zone
+    # The token first: a token counted already is a retried call (DESIGN.md §11.4), and
+    # counts nothing again.
+    if not c.execute(
+        "INSERT OR IGNORE INTO sends (zone, token, at, month) VALUES (?, ?, ?, ?)",
+        (zone, cap.token, cap.now, cap.month),
+    ).rowcount:
+        return None
     used = c.execute(
         "INSERT INTO monthly (zone, month, used) VALUES (?, ?, 1) "
         "ON CONFLICT (zone, month) DO UPDATE SET used = used + 1 RETURNING used",
@@ -746,12 +791,9 @@ def _consume(c: sqlite3.Connection, cap: CapCheck) -> CapReached | None:
     ).fetchone()[0]
     if used > cap.caps.monthly:
         _uncount_month(c, cap)
+        c.execute("DELETE FROM sends WHERE zone = ? AND token = ?", (zone, cap.token))
         return CapReached("month", cap.caps.monthly)
-    added = c.execute(
-        "INSERT OR IGNORE INTO sends (zone, token, at, month) VALUES (?, ?, ?, ?)",
-        (zone, cap.token, cap.now, cap.month),
-    ).rowcount
-    row = c.execute("UPDATE send_counts SET n = n + ? WHERE zone = ? RETURNING n", (added, zone)).fetchone()
+    row = c.execute("UPDATE send_counts SET n = n + 1 WHERE zone = ? RETURNING n", (zone,)).fetchone()
     if row is None:
         n = c.execute("SELECT COUNT(*) FROM sends WHERE zone = ?", (zone,)).fetchone()[0]
         c.execute("INSERT INTO send_counts (zone, n) VALUES (?, ?)", (zone, n))
@@ -761,9 +803,8 @@ def _consume(c: sqlite3.Connection, cap: CapCheck) -> CapReached | None:
         _trim(c, zone, cap.hour_start)
         n = c.execute("SELECT n FROM send_counts WHERE zone = ?", (zone,)).fetchone()[0]
         if n > cap.caps.hourly:
-            if added:
-                c.execute("DELETE FROM sends WHERE zone = ? AND token = ?", (zone, cap.token))
-                c.execute("UPDATE send_counts SET n = n - 1 WHERE zone = ?", (zone,))
+            c.execute("DELETE FROM sends WHERE zone = ? AND token = ?", (zone, cap.token))
+            c.execute("UPDATE send_counts SET n = n - 1 WHERE zone = ?", (zone,))
             _uncount_month(c, cap)
             oldest = c.execute("SELECT MIN(at) FROM sends WHERE zone = ?", (zone,)).fetchone()[0]
             return CapReached("hour", cap.caps.hourly, (oldest or cap.now) + HOUR)
