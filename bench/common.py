@@ -478,7 +478,9 @@ def guard_config(
     `delivery: queue` (store-and-forward) instead of the default synchronous relay."""
     cfg: dict[str, Any] = {
         "listen": [{"address": f"127.0.0.1:{port}", "tls": "none"}],
-        "store": {"url": store_url},
+        # The bench's redis-server runs without fsync (it measures smtpguard, not the disk),
+        # which serve refuses unless told the store may forget writes.
+        "store": {"url": store_url, **({"unsafe": True} if store_url.startswith("redis") else {})},
         "event_key": {"header": "X-Event-Key", "inflight_wait": "10s", "lease": "30s"},
         "limits": {"max_recipients": 100, **(limits or {})},
         "providers": [

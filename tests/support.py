@@ -90,6 +90,8 @@ class Behaviour:
     """Seconds to wait before answering the final dot (the message is recorded first)."""
     drop_after_dot: bool = False
     """Record the message, then close the connection without replying (RFC 1047 window)."""
+    hang_at_mail: float = 0.0
+    """Seconds to wait before answering MAIL (a slow provider before anything is sent)."""
 
 
 class RecordingHandler:
@@ -98,6 +100,8 @@ class RecordingHandler:
         self.script: list[Behaviour] = []
         self.default = Behaviour()
         self.transactions = 0
+        self.data_commands = 0
+        """Transactions that got past RCPT to DATA: what a cap unit pays for."""
         self.arrived = asyncio.Event()
 
     def _current(self, envelope: Envelope) -> Behaviour:
@@ -113,6 +117,8 @@ class RecordingHandler:
         self.transactions += 1
         envelope._behaviour = None  # type: ignore[attr-defined]
         b = self._current(envelope)
+        if b.hang_at_mail:
+            await asyncio.sleep(b.hang_at_mail)
         if b.mail:
             envelope._behaviour = None  # type: ignore[attr-defined]
             return b.mail
@@ -129,6 +135,7 @@ class RecordingHandler:
         return "250 2.1.5 OK"
 
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        self.data_commands += 1
         b = self._current(envelope)
         content = envelope.original_content or b""
         if b.data:
@@ -235,9 +242,25 @@ def write_config(path: Path, cfg: dict[str, Any]) -> Path:
     return path
 
 
+class FakeClock:
+    """The one thing tests may fake: time. Starts now; moves only when told."""
+
+    def __init__(self) -> None:
+        self.t = time.time()
+
+    def __call__(self) -> float:
+        return self.t
+
+
 @contextlib.asynccontextmanager
-async def running_guard(cfg: dict[str, Any], clock: Callable[[], float] = time.time) -> AsyncIterator[Server]:
-    server = Server(loads(yaml.safe_dump(cfg)), clock=clock)
+async def running_guard(
+    cfg: dict[str, Any], clock: Callable[[], float] | None = None, config_path: Path | None = None
+) -> AsyncIterator[Server]:
+    """smtpguard in this process; without `clock`, on its store's clock as in production.
+    With `config_path` (the file `cfg` is written to), `server.reload()` re-reads it."""
+    if config_path is not None:
+        write_config(config_path, cfg)
+    server = Server(loads(yaml.safe_dump(cfg)), config_path=config_path, clock=clock)
     await server.start()
     try:
         yield server
@@ -320,16 +343,18 @@ async def send(
 
 # --- a serve process (restart, crash and multi-instance tests) -------------------------------
 class GuardProcess:
-    def __init__(self, config_path: Path, log_path: Path) -> None:
+    def __init__(self, config_path: Path, log_path: Path, prefix: tuple[str, ...] = ()) -> None:
         self.config_path = config_path
         self.log_path = log_path
+        self.prefix = prefix
+        """Runs serve under this command, e.g. ("faketime", "-f", "-90s") for a skewed host."""
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "smtpguard", "serve", "-c", str(self.config_path)],
+            [*self.prefix, sys.executable, "-m", "smtpguard", "serve", "-c", str(self.config_path)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -480,3 +505,95 @@ async def settled_records(store_url: str, zone: str, keys: list[str], timeout: f
         return {k: await store.get(zone, k) for k in keys}
     finally:
         await store.close()
+
+
+# --- a TCP fault injector in front of redis-server ------------------------------------------
+class LostReplyProxy:
+    """Forwards a client's connections to redis-server; can lose replies the way a network
+    does: the request reaches Redis and runs, then the connection is reset before the reply
+    gets back (DESIGN.md §11.4). A fault no real peer gives on demand, so it is injected
+    here — on real sockets, in front of a real redis-server.
+
+    `lose(match, times)`: the next `times` replies to requests containing `match` are lost.
+    With `each_once`, every such request's reply is lost the first time and the same request
+    sent again (the client's retry) gets through."""
+
+    def __init__(self, redis_port: int) -> None:
+        self.redis_port = redis_port
+        self.port = free_port()
+        self.lost = 0
+        self._match = b""
+        self._times = 0
+        self._each_once = False
+        self._seen: set[bytes] = set()
+        self._server: asyncio.Server | None = None
+        self._conns: set[asyncio.StreamWriter] = set()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def lose(self, match: bytes, times: int = 1, each_once: bool = False) -> None:
+        self._match, self._times, self._each_once = match, times, each_once
+
+    def _doom(self, data: bytes) -> bool:
+        if self._times <= 0 or self._match not in data:
+            return False
+        if self._each_once:
+            if data in self._seen:
+                return False
+            self._seen.add(data)
+        self._times -= 1
+        return True
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._client, "127.0.0.1", self.port)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for w in list(self._conns):
+                w.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2)
+
+    async def _client(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        try:
+            ur, uw = await asyncio.open_connection("127.0.0.1", self.redis_port)
+        except OSError:
+            cw.close()
+            return
+        self._conns |= {cw, uw}
+        doomed = asyncio.Event()
+
+        async def upward() -> None:
+            while data := await cr.read(65536):
+                if self._doom(data):
+                    doomed.set()
+                uw.write(data)
+                await uw.drain()
+            uw.close()
+
+        async def downward() -> None:
+            while data := await ur.read(65536):
+                if doomed.is_set():
+                    # The request ran in Redis; its reply never arrives: reset the client.
+                    self.lost += 1
+                    cw.transport.abort()
+                    uw.close()
+                    return
+                cw.write(data)
+                await cw.drain()
+            cw.close()
+
+        tasks = [asyncio.create_task(upward()), asyncio.create_task(downward())]
+        with contextlib.suppress(Exception):
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        cw.close()
+        uw.close()
+        self._conns -= {cw, uw}

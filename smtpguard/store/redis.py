@@ -270,6 +270,7 @@ return result
 # Takes up to each lane's count of due (score <= now), unclaimed (claimed score < now)
 # entries, oldest first, then fills up to `total` from the lanes in order; marks each claimed.
 # An entry whose record or body is gone (purged) is dropped from the queue, not handed out.
+# A claim re-run after its reply was lost gets back what its first run claimed.
 # Returns {queue size, {key, lane index, due, record, sender, recipients, content, priority}…}.
 _CLAIM = """
 local now, prefix = tonumber(ARGV[1]), ARGV[4]
@@ -284,7 +285,9 @@ local function take(li, want)
       local m = batch[i]
       if not taken[m] then
         local until_ = redis.call('ZSCORE', KEYS[1], m)
-        if not until_ or tonumber(until_) < now then
+        -- Claimed until exactly our own deadline: this call's earlier run, whose reply was
+        -- lost, claimed it (DESIGN.md §11.4); it is ours, not hidden from us.
+        if not until_ or tonumber(until_) < now or tonumber(until_) == tonumber(ARGV[2]) then
           taken[m] = true
           local rec = redis.call('HGET', prefix .. 'ev:' .. m, 'd')
           local q = redis.call('HMGET', prefix .. 'q:' .. m, 'from', 'rcpt', 'body', 'prio')
