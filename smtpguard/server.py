@@ -98,6 +98,9 @@ class Server:
         self.submitter: Submitter | None = None
         self.worker: DeliveryWorker | None = None
         self._background: set[asyncio.Future[None]] = set()
+        self.unfit: list[str] = []
+        """Why the store turned out unfit after start (checked once it answered)."""
+        self.unfit_event = asyncio.Event()
 
     def clock(self) -> float:
         """Leases, windows and history are measured on one clock for every instance sharing
@@ -118,15 +121,12 @@ class Server:
         await self.store.open()
         try:
             problems = await self.store.durability_problems()
-        except StoreUnavailable as e:
-            problems = [f"cannot check the store's durability settings: {e}"]
-        if problems and not config.store.unsafe:
-            await self.store.close()
-            raise ConfigError(
-                [f"store: {p}; fix it or set store.unsafe: true (see docs/redis.md)" for p in problems]
-            )
-        for p in problems:
-            log.warning("store may forget acknowledged writes (store.unsafe)", extra={"problem": p})
+        except StoreUnavailable:
+            # Down at start: serve anyway (every submission gets 451 4.3.0 until it is back)
+            # and check as soon as it answers.
+            self._tasks.append(asyncio.create_task(self._check_durability_later()))
+        else:
+            await self._judge_durability(problems, at_start=True)
         self.route = self._route(config, secrets)
         submitter = Submitter(config, self.store, self.route, self.instance, self.hostname, self.clock)
         self.submitter = submitter
@@ -165,6 +165,36 @@ class Server:
                 "event_loop": type(loop).__module__.split(".")[0],
             },
         )
+
+    async def _judge_durability(self, problems: list[str], at_start: bool) -> None:
+        """DESIGN.md §15: a store that may forget an acknowledged reservation turns a restart
+        or an eviction into a duplicate; refuse it unless the operator said `unsafe`."""
+        if not problems:
+            return
+        if self.config.store.unsafe:
+            for p in problems:
+                log.warning("store may forget acknowledged writes (store.unsafe)", extra={"problem": p})
+            return
+        refused = [f"store: {p}; fix it or set store.unsafe: true (see docs/redis.md)" for p in problems]
+        if at_start:
+            assert self.store is not None
+            await self.store.close()
+            raise ConfigError(refused)
+        for p in refused:
+            log.critical("stopping: %s", p)
+        self.unfit = refused
+        self.unfit_event.set()
+
+    async def _check_durability_later(self) -> None:
+        assert self.store is not None
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                problems = await self.store.durability_problems()
+            except StoreUnavailable:
+                continue
+            await self._judge_durability(problems, at_start=False)
+            return
 
     def _route(self, config: Config, secrets: dict[str, str | None]) -> Route:
         return Route(
@@ -399,6 +429,11 @@ async def run(config: Config, config_path: Path | None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(server.reload()))
-    await stop.wait()
+    waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(server.unfit_event.wait())]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for w in waiters:
+        w.cancel()
     log.info("stopping: no new connections, draining in-flight submissions")
     await server.stop()
+    if server.unfit:
+        raise ConfigError(server.unfit)

@@ -409,3 +409,26 @@ async def test_serve_refuses_a_redis_that_may_forget_unless_told(
     finally:
         g.stop()
     assert "store may forget acknowledged writes" in (tmp / "guard2.log").read_text()
+
+
+async def test_a_redis_down_at_start_is_checked_once_it_answers(tmp: Path) -> None:
+    """An instance started while Redis is down serves (451 4.3.0 meanwhile); when the Redis
+    that comes up may forget writes, it stops, naming the setting."""
+    redis = RedisServer(tmp)
+    port = free_port()
+    cfg = base_config(tmp, None, store__url=redis.url)
+    cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
+    g = GuardProcess(write_config(tmp / "c.yaml", cfg), tmp / "guard.log")
+    g.start()
+    try:
+        await g.wait_port(port)
+        down = await send(port, message("inv:down"))
+        redis.start()
+        assert g.proc is not None
+        rc = await asyncio.to_thread(g.proc.wait, 20)
+    finally:
+        g.stop()
+        redis.stop()
+    log = (tmp / "guard.log").read_text()
+    assert down.code == 451 and down.text.startswith("4.3.0")
+    assert rc == 1 and "appendonly is 'no'" in log and "Traceback" not in log

@@ -942,8 +942,9 @@ class RedisStore:
 
     @_translated
     async def _zone_lanes(self, zone: str) -> set[str]:
-        """The zone's lanes that hold entries; a lane found empty leaves the zone's set
-        (an enqueue into it adds it again, in the same script as the entry)."""
+        """The zone's lanes that hold entries. The set of lane names only grows (each enqueue
+        adds its lane in the same script as the entry): removing an empty one here could
+        race an enqueue into it and hide that entry from the orphan scan."""
         found: set[str] = set()
         for lane in await self._r.smembers(_zone_key(zone, "lanes")):
             if await self._r.zcard(_lane_key(zone, str(lane))):
