@@ -24,7 +24,13 @@ from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, Session, TLSSetup
 from smtpguard import replies
 from smtpguard.config import Config, plan_send_as
 from smtpguard.passwords import Verifier
-from smtpguard.policy.senders import address_problem, normalize_address, sender_allowed
+from smtpguard.policy.senders import (
+    address_problem,
+    normalize_address,
+    route_offers_smtputf8,
+    sender_allowed,
+    smtputf8_refusal,
+)
 from smtpguard.replies import Reply
 from smtpguard.store import Store, StoreUnavailable
 from smtpguard.submission import Principal, Result, Submitter
@@ -539,6 +545,11 @@ class Handler:
         zone = self.config.zones.get(principal.zone)
         if zone is None or not plan_send_as(zone):
             return self._refuse(principal, replies.send_as_disabled(principal.zone))
+        # aiosmtpd has moved SMTPUTF8 from the parameters to envelope.smtp_utf8 already.
+        # Judged before the syntax: without it a non-ASCII address is not SMTP syntax at all.
+        unsendable = smtputf8_refusal(address, "sender", envelope.smtp_utf8, self._route_smtputf8())
+        if unsendable:
+            return self._refuse(principal, unsendable)
         problem = address_problem(address)
         if problem:
             return self._refuse(
@@ -567,6 +578,10 @@ class Handler:
         limit = self.config.limits.max_recipients
         if len(envelope.rcpt_tos) >= limit:
             return str(replies.too_many_recipients(limit))
+        # Each recipient on its own: those accepted before stay accepted (RFC 6531).
+        unsendable = smtputf8_refusal(address, "recipient", envelope.smtp_utf8, self._route_smtputf8())
+        if unsendable:
+            return self._refuse(principal, unsendable)
         problem = address_problem(address)
         if problem:
             return self._refuse(principal, replies.bad_address("recipient", problem))
@@ -579,6 +594,11 @@ class Handler:
         envelope.rcpt_tos.append(normalize_address(address))
         envelope.rcpt_options.extend(rcpt_options)
         return str(replies.OK_RECIPIENT)
+
+    def _route_smtputf8(self) -> bool | None:
+        """What the providers' last EHLOs said about SMTPUTF8 (read per command: a reload
+        replaces the route, and a relay may just have learnt a provider's answer)."""
+        return route_offers_smtputf8(p.smtputf8 for p in self.submitter.route.providers)
 
     def _refuse(self, principal: Principal, reply: Reply) -> str:
         self.on_result(principal, Result(reply, "rejected:envelope"), 0.0)

@@ -3,7 +3,8 @@
 Every aiosmtplib and OS exception is translated here, in one place, into an Attempted value:
 the Outcome (policy/outcome.py) plus two facts the route needs — may the next provider be
 tried (only if nothing can have been accepted), and what it says about this provider's
-health (for its circuit breaker).
+health (for its circuit breaker). Any other exception is too, by how far the transaction
+got: before DATA `unavailable` (nothing was sent), once DATA has started `unknown`.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from typing import Literal, Protocol
 
 import aiosmtplib
 
+from smtpguard import replies
 from smtpguard.config import MaildirProviderConfig, SmtpProviderConfig
 from smtpguard.policy.breaker import Breaker, Circuit
 from smtpguard.policy.eventkey import qualified_key
 from smtpguard.policy.outcome import Kind, Outcome, classify_reply, queue_id, upstream_reply
+from smtpguard.policy.senders import needs_smtputf8
 from smtpguard.replies import Reply
 
 log = logging.getLogger("smtpguard.relay")
@@ -43,6 +46,14 @@ class Envelope:
     sender: str
     recipients: tuple[str, ...]
     content: bytes
+    smtputf8: bool = False
+    """The client declared SMTPUTF8 on MAIL (RFC 6531): its headers may be UTF-8."""
+
+    @property
+    def smtputf8_required(self) -> bool:
+        """Relayed with SMTPUTF8: declared, or forced by a non-ASCII address (which cannot
+        be written on the wire without it, whatever path built the envelope)."""
+        return self.smtputf8 or any(needs_smtputf8(a) for a in (self.sender, *self.recipients))
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +68,9 @@ class Provider(Protocol):
     name: str
     idempotent: bool
     """The provider dedupes on a header we send: an unknown outcome may be retried once."""
+    smtputf8: bool | None
+    """Whether the provider offers SMTPUTF8, as its last EHLO said; None until it has been
+    asked. The listener refuses non-ASCII addresses at MAIL/RCPT only on a known False."""
 
     async def send(self, env: Envelope, before_data: BeforeData) -> Attempted: ...
 
@@ -69,6 +83,7 @@ class SmtpProvider:
         self.name = cfg.name
         self.cfg = cfg
         self.idempotent = cfg.idempotency_header is not None
+        self.smtputf8: bool | None = None
         self._password = password
         self._helo = cfg.helo_name or helo
         self._idle: deque[aiosmtplib.SMTP] = deque()
@@ -112,6 +127,16 @@ class SmtpProvider:
         )
         try:
             await conn.connect(timeout=t.connect)
+            if conn.is_ehlo_or_helo_needed:
+                # Without STARTTLS aiosmtplib would greet at the first command; the relay
+                # must know what the provider offers (SMTPUTF8) before MAIL. HELO as
+                # aiosmtplib falls back to it.
+                try:
+                    await conn.ehlo(timeout=t.command)
+                except aiosmtplib.SMTPHeloError:
+                    await conn.helo(timeout=t.command)
+            # This connection's last EHLO (after STARTTLS, the second): the listener's view.
+            self.smtputf8 = conn.supports_extension("smtputf8")
             if self.cfg.username:
                 await conn.login(self.cfg.username, self._password or "", timeout=t.command)
         except BaseException:
@@ -139,6 +164,9 @@ class SmtpProvider:
             except aiosmtplib.SMTPAuthenticationError as e:
                 return self._auth_failed(e)
             except (aiosmtplib.SMTPException, OSError, ssl.SSLError, TimeoutError) as e:
+                return _unavailable(self.name, f"connect: {_describe(e)}")
+            except Exception as e:
+                _log_unexpected(self.name, "connecting", e)
                 return _unavailable(self.name, f"connect: {_describe(e)}")
             result, keep = await self._transaction(conn, env, before_data, reused=False)
             assert result is not None
@@ -179,9 +207,10 @@ class SmtpProvider:
     ) -> tuple[Attempted | None, bool] | _Accepted:
         """MAIL and RCPT: the recipients taken, or the transaction's result if it ends here."""
         t = self.cfg.timeouts
+        options, encoding = (["SMTPUTF8"], "utf-8") if env.smtputf8_required else ([], "ascii")
         try:
             try:
-                await conn.mail(env.sender, timeout=t.command)
+                await conn.mail(env.sender, options=options, encoding=encoding, timeout=t.command)
             except aiosmtplib.SMTPServerDisconnected:
                 if reused:
                     return None, False
@@ -190,7 +219,7 @@ class SmtpProvider:
             rejected: list[tuple[str, Reply]] = []
             for rcpt in env.recipients:
                 try:
-                    await conn.rcpt(rcpt, timeout=t.command)
+                    await conn.rcpt(rcpt, encoding=encoding, timeout=t.command)
                     accepted.append(rcpt)
                 except aiosmtplib.SMTPRecipientRefused as e:
                     rejected.append((rcpt, upstream_reply(e.code, e.message)))
@@ -204,6 +233,17 @@ class SmtpProvider:
             return _before_dot_reply(self.name, e.code, e.message), await _rset(conn)
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as e:
             return _unavailable(self.name, f"before DATA: {_describe(e)}"), False
+        except Exception as e:
+            # Anything else (an address aiosmtplib cannot encode or quote, a defect): no DATA
+            # has started, so nothing can have been accepted — unavailable, never unknown,
+            # and the next provider may be tried. The connection answered EHLO, and the
+            # fault is this message's: it must not count against the provider's circuit.
+            _log_unexpected(self.name, "before DATA", e)
+            return Attempted(
+                Outcome(Kind.UNAVAILABLE, self.name, detail=f"before DATA: {_describe(e)}", data_sent=False),
+                failover=True,
+                health="ok",
+            ), False
         return _Accepted(accepted, rejected)
 
     async def _transaction(
@@ -211,6 +251,27 @@ class SmtpProvider:
     ) -> tuple[Attempted | None, bool]:
         """One MAIL…DATA transaction; (None, False) asks for a fresh connection."""
         t = self.cfg.timeouts
+        if env.smtputf8_required and not conn.supports_extension("smtputf8"):
+            # Checked on the connection in hand (pooled or fresh), before anything is sent:
+            # its EHLO is what this provider will accept. A permanent refusal (RFC 6531's
+            # 553 5.6.7), but this provider's alone — nothing was sent, so the route may
+            # fail over to one that offers SMTPUTF8; where none does, the event fails with
+            # the 553, as the listener answers at MAIL/RCPT once it knows the route. The
+            # provider is healthy and the connection clean: it is kept.
+            return Attempted(
+                Outcome(Kind.FAILED, self.name, replies.smtputf8_not_offered(self.name), data_sent=False),
+                failover=True,
+                health="ok",
+            ), True
+        try:
+            payload = self._prepare(env)
+        except Exception as e:
+            _log_unexpected(self.name, "preparing the message", e)
+            return Attempted(
+                Outcome(Kind.UNAVAILABLE, self.name, detail=f"before DATA: {_describe(e)}", data_sent=False),
+                failover=True,
+                health="ok",
+            ), True
         # The data_sent mark is written while MAIL and RCPT go out and awaited before DATA:
         # its durable write and the provider's round trips overlap instead of adding up (and
         # the pooled connection is not held idle meanwhile). A crash between the two leaves
@@ -238,7 +299,7 @@ class SmtpProvider:
 
         # From here the final dot may reach the provider: the outcome is the provider's.
         try:
-            response = await conn.data(self._prepare(env), timeout=t.data)
+            response = await conn.data(payload, timeout=t.data)
         except aiosmtplib.SMTPResponseException as e:
             reply = upstream_reply(e.code, e.message)
             kind = classify_reply(e.code)
@@ -249,6 +310,20 @@ class SmtpProvider:
                 health=health,
             ), await _rset(conn)
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as e:
+            return Attempted(
+                Outcome(
+                    Kind.UNKNOWN,
+                    self.name,
+                    detail=f"after DATA: {_describe(e)}",
+                    rejected=tuple(rejected),
+                    data_sent=True,
+                ),
+                failover=False,
+                health="fail",
+            ), False
+        except Exception as e:
+            # Not an SMTP or socket error, but DATA had started: the dot may have gone out.
+            _log_unexpected(self.name, "after DATA", e)
             return Attempted(
                 Outcome(
                     Kind.UNKNOWN,
@@ -329,6 +404,18 @@ def _unavailable(provider: str, detail: str) -> Attempted:
     )
 
 
+def _log_unexpected(provider: str, stage: str, e: Exception) -> None:
+    """An exception outside aiosmtplib's and the OS's is a defect: logged at error with its
+    type (and traceback); the expected ones are outcomes and are not logged here."""
+    log.error(
+        "unexpected %s %s",
+        type(e).__name__,
+        stage,
+        exc_info=e,
+        extra={"provider": provider, "error": _describe(e)},
+    )
+
+
 def _describe(e: BaseException) -> str:
     text = str(e) or type(e).__name__
     return f"{type(e).__name__}: {text}"[:200]
@@ -337,6 +424,8 @@ def _describe(e: BaseException) -> str:
 # --- Maildir (demos, staging, tests) ---------------------------------------------------------
 class MaildirProvider:
     idempotent = False
+    smtputf8: bool | None = True
+    """A file takes any bytes: UTF-8 addresses and headers are written as they came."""
 
     def __init__(self, cfg: MaildirProviderConfig) -> None:
         self.name = cfg.name
@@ -347,11 +436,21 @@ class MaildirProvider:
         return None
 
     async def send(self, env: Envelope, before_data: BeforeData) -> Attempted:
+        try:
+            data = _maildir_message(env)
+        except Exception as e:
+            # Before the data_sent mark and before any file: nothing can have been written.
+            _log_unexpected(self.name, "preparing the message", e)
+            return Attempted(
+                Outcome(Kind.UNAVAILABLE, self.name, detail=f"maildir: {_describe(e)}", data_sent=False),
+                failover=True,
+                health="ok",
+            )
         await before_data()
         self._seq += 1
         name = f"{time.time():.6f}.{os.getpid()}_{self._seq}.{socket.gethostname()}"
         try:
-            await asyncio.to_thread(_maildir_write, self.path, name, env)
+            await asyncio.to_thread(_maildir_store, self.path, name, data)
         except _DeliveredButUnsynced as e:
             # In new/ already: a retry would write a second copy.
             return Attempted(
@@ -378,13 +477,21 @@ class _DeliveredButUnsynced(OSError):
     """The message is in new/ but its directory entry may not be on disk yet."""
 
 
+def _maildir_message(env: Envelope) -> bytes:
+    head = f"Return-Path: <{env.sender}>\r\nX-Original-To: {', '.join(env.recipients)}\r\n"
+    return head.encode() + env.content
+
+
 def _maildir_write(root: Path, name: str, env: Envelope) -> None:
+    _maildir_store(root, name, _maildir_message(env))
+
+
+def _maildir_store(root: Path, name: str, data: bytes) -> None:
     for sub in ("tmp", "new", "cur"):
         (root / sub).mkdir(parents=True, exist_ok=True)
-    head = f"Return-Path: <{env.sender}>\r\nX-Original-To: {', '.join(env.recipients)}\r\n"
     tmp = root / "tmp" / name
     with open(tmp, "wb") as f:
-        f.write(head.encode() + env.content)
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.rename(tmp, root / "new" / name)

@@ -102,6 +102,16 @@ def suppressed(address: str, listname: str) -> Reply:
     return Reply(550, "5.1.1", f"Recipient <{safe(address)}> is on the {listname} suppression list")
 
 
+def non_ascii_address(what: str, address: str, why: str) -> Reply:
+    """RFC 6531's refusal of an address that cannot be relayed without SMTPUTF8 (X.6.7)."""
+    return Reply(553, "5.6.7", f"Non-ASCII {what} address <{safe(address)}> not permitted: {why}")
+
+
+def smtputf8_not_offered(provider: str) -> Reply:
+    """The relay's refusal when the provider's EHLO does not offer SMTPUTF8 (RFC 6531)."""
+    return Reply(553, "5.6.7", f"Upstream {provider} does not offer SMTPUTF8, which this message needs")
+
+
 def too_many_recipients(limit: int) -> Reply:
     return Reply(452, "4.5.3", f"Too many recipients (limit {limit})")
 

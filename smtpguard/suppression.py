@@ -5,6 +5,11 @@ and the global one are held here with the store's change counter for each; the c
 are read again at most once a second per zone, and a list is reloaded only when its
 counter moved. So an `smtpguard suppress add|remove` made anywhere applies everywhere
 within a second, and an address suppressed by this instance applies at once.
+
+Entries and recipients are compared by suppression_key (case-folded, local part included;
+see policy/senders.py for why), so `Bob@x` on the list stops `bob@x`. The folding happens
+here, on load, so entries stored before it (the stores keep the local part as written)
+match too.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from smtpguard.policy.senders import normalize_address
+from smtpguard.policy.senders import suppression_key
 from smtpguard.store import Store
 
 REFRESH = 1.0
@@ -57,8 +62,9 @@ class SuppressionCache:
                         self._checked[zone] = now
         own_list, shared_list = self._lists[zone][1], self._lists["global"][1]
         if own_list is None or shared_list is None:
+            # The store's own lookup: it matches the local part exactly as stored.
             return await self.store.suppressed(zone, address)
-        addr = normalize_address(address)
+        addr = suppression_key(address)
         if addr in own_list:
             return zone
         if addr in shared_list:
@@ -73,5 +79,7 @@ class SuppressionCache:
             if cached[1] is None and now - cached[2] < OVERSIZE_RECHECK:
                 return  # still served from the store; do not reload a huge list every second
         entries = await self.store.suppress_list(name)
-        addresses = frozenset(e.address for e in entries) if len(entries) <= MAX_CACHED else None
+        addresses = None
+        if len(entries) <= MAX_CACHED:
+            addresses = frozenset(suppression_key(e.address) for e in entries)
         self._lists[name] = (version, addresses, now)

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from smtpguard.policy.senders import address_problem, normalize_address, sender_allowed
+from smtpguard.policy.senders import (
+    address_problem,
+    ascii_lower,
+    needs_smtputf8,
+    normalize_address,
+    route_offers_smtputf8,
+    sender_allowed,
+    smtputf8_refusal,
+    suppression_key,
+)
 
 
 @pytest.mark.parametrize(
@@ -128,3 +139,157 @@ def test_local_part_character_check_matches_its_definition(local: str) -> None:
         assert problem == "bad characters in local part"
     if problem == "bad characters in local part":
         assert by_definition
+
+
+# --- non-ASCII addresses: case folding that cannot turn one address into another -------------
+KELVIN = "\u212a"  # KELVIN SIGN; str.lower() makes it an ASCII "k"
+
+
+@pytest.mark.parametrize(
+    ("address", "normalized"),
+    [
+        pytest.param(f"X@BAN{KELVIN}.Example", f"X@ban{KELVIN}.example", id="kelvin-not-lowered-to-k"),
+        pytest.param("Jöe@Exämple.NET", "Jöe@exämple.net", id="non-ascii-kept-ascii-lowered"),
+        pytest.param("x@EXÄMPLE.net", "x@exÄmple.net", id="non-ascii-capital-kept"),
+    ],
+)
+def test_normalize_address_lowers_ascii_only(address: str, normalized: str) -> None:
+    assert normalize_address(address) == normalized
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        pytest.param(f"x@ban{KELVIN}.example", id="kelvin-sign-domain"),
+        pytest.param("x@\uff45xample.com", id="fullwidth-letter"),
+        pytest.param("x@ﬁnance.example", id="ligature"),
+        pytest.param("x@exÄmple.net", id="capital-u-label"),
+        pytest.param("x@\u0301a.example", id="leading-combining-mark"),
+        pytest.param("x@exa\u0308mple.net", id="not-nfc"),
+        pytest.param("x@ex\udcc3mple.net", id="not-utf-8"),
+        pytest.param("x@ex\u200dample.net", id="format-character"),
+        pytest.param("x@ex\u2603mple.net", id="symbol"),
+        pytest.param("x@-exämple.net", id="leading-hyphen"),
+        pytest.param("x@" + "ä" * 60 + ".net", id="a-label-over-63"),
+        pytest.param("x@exämple..net", id="empty-label"),
+    ],
+)
+def test_address_problem_refuses_domains_that_are_not_u_labels(address: str) -> None:
+    assert address_problem(address) == "bad domain"
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        pytest.param("jöe@example.net", id="non-ascii-local"),
+        pytest.param("user@exämple.net", id="u-label"),
+        pytest.param("user@EXämple.NET", id="u-label-ascii-capitals"),
+        pytest.param("用户@例子.广告", id="cjk"),
+        pytest.param("x@straße.de", id="sharp-s"),
+        pytest.param("x@παράδειγμα.δοκιμή", id="greek"),
+    ],
+)
+def test_address_problem_accepts_internationalised_addresses(address: str) -> None:
+    assert address_problem(address) is None
+
+
+@pytest.mark.parametrize(
+    ("address", "aliases", "allowed"),
+    [
+        pytest.param(f"x@ban{KELVIN}.example", ["@bank.example"], False, id="kelvin-domain"),
+        pytest.param(f"{KELVIN}elvin@trust.example", ["kelvin@trust.example"], False, id="kelvin-local"),
+        pytest.param("x@bank.example", [f"@ban{KELVIN}.example"], False, id="kelvin-alias"),
+        pytest.param("\u0131nfo@acme.example", ["info@acme.example"], False, id="dotless-i"),
+        pytest.param("jöe@acme.example", ["jöe@acme.example"], True, id="non-ascii-exact"),
+        pytest.param("JÖE@acme.example", ["jöe@acme.example"], False, id="non-ascii-case-differs"),
+        pytest.param("Jöe@ACME.example", ["jöe@acme.example"], True, id="ascii-case-differs"),
+        pytest.param("x@exämple.net", ["@exämple.net"], True, id="u-label-domain-alias"),
+    ],
+)
+def test_sender_allowed_folds_ascii_case_only(address: str, aliases: list[str], allowed: bool) -> None:
+    assert sender_allowed(address, aliases) is allowed
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        pytest.param("Bob@Example.com", "bob@example.com", id="ascii-local"),
+        pytest.param("<BOB@EXAMPLE.COM>", "bob@example.com", id="brackets"),
+        pytest.param("JÖE@example.net", "jöe@example.net", id="non-ascii-local"),
+        pytest.param("jo\u0308e@example.net", "jöe@example.net", id="canonically-equal"),
+        pytest.param("STRASSE@example.de", "straße@example.de", id="full-case-folding"),
+    ],
+)
+def test_suppression_key_matches_what_a_provider_treats_as_one_mailbox(a: str, b: str) -> None:
+    assert suppression_key(a) == suppression_key(b)
+
+
+def test_suppression_key_keeps_different_mailboxes_apart() -> None:
+    assert suppression_key("bob@example.com") != suppression_key("bob@example.org")
+    assert suppression_key("bob@example.com") != suppression_key("rob@example.com")
+    # The wire form keeps the local part: only suppression folds it.
+    assert normalize_address("Bob@Example.com") == "Bob@example.com"
+
+
+@given(st.text(max_size=40))
+@settings(max_examples=500, deadline=None)
+def test_suppression_key_is_idempotent(text: str) -> None:
+    key = suppression_key(text)
+    assert suppression_key(key) == key
+
+
+@given(st.text(max_size=20), st.sampled_from(["bank.example", "BANK.Example", f"ban{KELVIN}.example"]))
+@settings(max_examples=1000, deadline=None)
+def test_only_ascii_case_makes_an_address_a_mapped_alias(local: str, domain: str) -> None:
+    """No Unicode case mapping turns an address into a mapped alias: what matched an ASCII
+    alias is ASCII itself."""
+    address = f"{local}@{domain}"
+    if sender_allowed(address, ["@bank.example"]):
+        assert domain.isascii()
+    if sender_allowed(address, ["kelvin@bank.example"]):
+        assert address.isascii() and ascii_lower(address) == "kelvin@bank.example"
+
+
+# --- SMTPUTF8 (RFC 6531, DESIGN.md §3) -------------------------------------------------------
+@pytest.mark.parametrize(
+    ("address", "what", "declared", "route", "refused"),
+    [
+        pytest.param("jöe@example.net", "recipient", False, True, True, id="non-ascii-undeclared"),
+        pytest.param("jöe@example.net", "sender", False, None, True, id="undeclared-route-unknown"),
+        pytest.param("joe@example.net", "recipient", False, False, False, id="ascii-undeclared"),
+        pytest.param("jöe@example.net", "recipient", True, True, False, id="declared-route-offers"),
+        pytest.param("jöe@example.net", "recipient", True, None, False, id="declared-route-unknown"),
+        pytest.param("jöe@example.net", "recipient", True, False, True, id="declared-route-refuses"),
+        pytest.param("joe@example.net", "sender", True, False, True, id="declared-ascii-route-refuses"),
+        pytest.param(f"x@ban{KELVIN}.example", "sender", False, True, True, id="kelvin-undeclared"),
+    ],
+)
+def test_smtputf8_refusal(
+    address: str, what: Literal["sender", "recipient"], declared: bool, route: bool | None, refused: bool
+) -> None:
+    reply = smtputf8_refusal(address, what, declared, route)
+    if not refused:
+        assert reply is None
+        return
+    assert reply is not None and (reply.code, reply.enhanced) == (553, "5.6.7")
+    assert what in reply.text and reply.text.isascii()
+
+
+@pytest.mark.parametrize(
+    ("offers", "route"),
+    [
+        pytest.param([None], None, id="not-asked-yet"),
+        pytest.param([False], False, id="refuses"),
+        pytest.param([True], True, id="offers"),
+        pytest.param([False, True], True, id="standby-offers"),
+        pytest.param([False, None], None, id="standby-not-asked-yet"),
+        pytest.param([False, False], False, id="none-offers"),
+    ],
+)
+def test_route_offers_smtputf8(offers: list[bool | None], route: bool | None) -> None:
+    assert route_offers_smtputf8(offers) is route
+
+
+def test_needs_smtputf8() -> None:
+    assert needs_smtputf8("jöe@example.net") and needs_smtputf8(f"x@ban{KELVIN}.example")
+    assert not needs_smtputf8("joe@example.net") and not needs_smtputf8("")
