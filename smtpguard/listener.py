@@ -615,7 +615,11 @@ class Handler:
         self.idle.clear()
         task = asyncio.create_task(
             self._submit(
-                principal, envelope.mail_from, list(envelope.rcpt_tos), envelope.original_content or b""
+                principal,
+                envelope.mail_from,
+                list(envelope.rcpt_tos),
+                envelope.original_content or b"",
+                bool(envelope.smtp_utf8),
             )
         )
         self._submissions.add(task)
@@ -625,10 +629,12 @@ class Handler:
         reply = await asyncio.shield(task)
         return reply
 
-    async def _submit(self, principal: Principal, mail_from: str, rcpt_tos: list[str], raw: bytes) -> str:
+    async def _submit(
+        self, principal: Principal, mail_from: str, rcpt_tos: list[str], raw: bytes, smtputf8: bool
+    ) -> str:
         started = time.perf_counter()
         try:
-            result = await self.submitter.submit(principal, mail_from, rcpt_tos, raw)
+            result = await self.submitter.submit(principal, mail_from, rcpt_tos, raw, smtputf8)
         except Exception:
             log.exception("internal error while handling a submission", extra={"zone": principal.zone})
             result = Result(replies.INTERNAL_ERROR, "internal_error")

@@ -201,7 +201,9 @@ class Submitter:
         self.on_enqueue: Callable[[], None] | None = None
         """Called after a store-and-forward acceptance, to wake the local delivery worker."""
 
-    async def submit(self, principal: Principal, mail_from: str, rcpt_tos: list[str], raw: bytes) -> Result:
+    async def submit(
+        self, principal: Principal, mail_from: str, rcpt_tos: list[str], raw: bytes, smtputf8: bool = False
+    ) -> Result:
         zone = self.config.zones.get(principal.zone)
         if zone is None:
             # The zone was removed by a reload while this session was open.
@@ -255,7 +257,9 @@ class Submitter:
             reserved = await self._reserve(sub, zone, settings)
             if isinstance(reserved, Result):
                 return reserved
-            env = Envelope(principal.zone, key, attempt_id, mail_from, tuple(rcpt_tos), added_header + raw)
+            env = Envelope(
+                principal.zone, key, attempt_id, mail_from, tuple(rcpt_tos), added_header + raw, smtputf8
+            )
             return await self.relay(reserved, env, sub, settings)
         except StoreUnavailable as e:
             log.error(

@@ -366,17 +366,18 @@ async def test_suppression_add_list_remove(store: Store) -> None:
     assert await store.suppress_add("acme", "User@EXAMPLE.com", "bounced", NOW) is True
     assert await store.suppress_add("acme", "<User@example.COM>", "again", NOW + 1) is False
     assert await store.suppress_add("acme", "a@example.com", "manual", NOW + 2) is True
+    # Entries are kept and compared case-folded (policy/senders.suppression_key): a list
+    # exists so that nobody who bounced is mailed again, whatever case the app writes.
     assert await store.suppress_list("acme") == [
-        Suppression("acme", "User@example.com", "bounced", NOW),
         Suppression("acme", "a@example.com", "manual", NOW + 2),
+        Suppression("acme", "user@example.com", "bounced", NOW),
     ]
     assert await store.suppress_list("globex") == []
     assert await store.suppressed("acme", "User@example.com") == "acme"
     assert await store.suppressed("acme", "User@Example.Com") == "acme"
-    # Local parts may be case-sensitive (RFC 5321 §2.4): only the domain is normalised.
-    assert await store.suppressed("acme", "user@example.com") is None
+    assert await store.suppressed("acme", "user@example.com") == "acme"
     assert await store.suppressed("globex", "User@example.com") is None
-    assert await store.suppress_remove("acme", "User@EXAMPLE.COM") is True
+    assert await store.suppress_remove("acme", "user@EXAMPLE.COM") is True
     assert await store.suppress_remove("acme", "User@example.com") is False
     assert await store.suppressed("acme", "User@example.com") is None
 
@@ -827,6 +828,7 @@ async def test_redis_keys_of_a_zone_share_its_cluster_slot(redis_server: RedisSe
             assert {key_slot(k.encode()) for k in zone_keys} == {key_slot(zone.encode())}
         assert {k for k in keys if not any(k in v for v in by_zone.values())} == {
             "sg:zones",
+            "sg:supp-folded",  # one key, one slot: set once the lists are case-folded
             "sg:{auth:192.0.2.1}:fail",
         }
     finally:
@@ -847,11 +849,11 @@ async def test_redis_queue_keys_share_the_zone_slot_and_idle_zones_leave_the_cla
         assert len(await s.claim(NOW, [("transactional", 2), ("bulk", 2)], LEASE)) == 4
         keys = [str(k) for k in await plain.keys("*")]
         by_zone = {z: [k for k in keys if f"{{{z}}}" in k] for z in ("acme", "globex")}
-        # records, index, entries, lanes, claimed, queue, the set of lane names
-        assert len(by_zone["acme"]) == len(by_zone["globex"]) == 10
+        # records, index, entries, lanes, claimed, claimers, queue, the set of lane names
+        assert len(by_zone["acme"]) == len(by_zone["globex"]) == 11
         for zone, zone_keys in by_zone.items():
             assert {key_slot(k.encode()) for k in zone_keys} == {key_slot(zone.encode())}
-        assert {k for k in keys if "{" not in k} == {"sg:zones", "sg:queued-zones"}
+        assert {k for k in keys if "{" not in k} == {"sg:zones", "sg:queued-zones", "sg:supp-folded"}
 
         # acme's queue empties: the next claim stops looking at acme.
         for key in ("k1", "k2"):
@@ -1045,3 +1047,37 @@ async def test_redis_durability_is_checked_setting_by_setting(tmp_path: Path) ->
     finally:
         await s.close()
         server.stop()
+
+
+async def test_entries_stored_before_case_folding_are_rekeyed_at_open(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Lists written by an earlier version kept the local part's case; opening the store
+    re-keys them once, so `Bob@x` listed then stops `bob@x` and can be removed as `bob@x`."""
+    import sqlite3
+
+    db = tmp_path / "state.db"
+    first = store_from_url(f"sqlite:///{db}")
+    await first.open()
+    await first.close()
+    with sqlite3.connect(db) as c:
+        c.execute("INSERT INTO suppression VALUES ('acme', 'Bob@example.com', 'old', 1.0)")
+        c.execute("INSERT INTO suppression VALUES ('acme', 'J\u00d6E@example.com', 'old', 1.0)")
+    plain = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    await plain.flushall()
+    await plain.sadd("sg:zones", "acme")
+    await plain.hset("sg:{acme}:supp", "Bob@example.com", '{"reason":"old","at":1.0}')
+    await plain.hset("sg:{acme}:supp", "J\u00d6E@example.com", '{"reason":"old","at":1.0}')
+    await plain.aclose()
+    for url in (f"sqlite:///{db}", redis_server.url):
+        s = store_from_url(url)
+        await s.open()
+        try:
+            assert [e.address for e in await s.suppress_list("acme")] == [
+                "bob@example.com",
+                "j\u00f6e@example.com",
+            ]
+            assert await s.suppressed("acme", "bob@example.com") == "acme"
+            assert await s.suppress_remove("acme", "BOB@example.com") is True
+        finally:
+            await s.close()

@@ -130,6 +130,22 @@ async def test_smtputf8_is_relayed_with_smtputf8_when_the_provider_offers_it(
     assert usage == CapUsage(2, 2)
 
 
+async def test_smtputf8_declared_with_ascii_addresses_is_relayed_with_smtputf8(
+    tmp: Path, utf8_up: Utf8Upstream, store: dict[str, Any], no_tracebacks: None
+) -> None:
+    # RFC 6531: a client may declare SMTPUTF8 for UTF-8 header fields alone; the provider
+    # must then be told too, or it may take the headers for raw 8-bit text.
+    cfg = base_config(tmp, utf8_up.port, **store)
+    async with running_guard(cfg) as guard:
+        t = await transact(
+            guard.ports[0], "billing@acme.example", [CUSTOMER], raw_message("u6"), smtputf8=True
+        )
+        plain = await transact(guard.ports[0], "billing@acme.example", [CUSTOMER], raw_message("u7"))
+    assert t.data is not None and t.data.code == 250
+    assert plain.data is not None and plain.data.code == 250
+    assert utf8_up.recorder.mail_options == [["SMTPUTF8"], []]
+
+
 async def test_smtputf8_refused_when_the_provider_does_not_offer_it(
     tmp: Path, upstream: Upstream, store: dict[str, Any], no_tracebacks: None
 ) -> None:

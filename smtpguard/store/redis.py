@@ -36,7 +36,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached
-from smtpguard.policy.senders import normalize_address
+from smtpguard.policy.senders import suppression_key
 from smtpguard.store.base import (
     HELD,
     CapUsage,
@@ -73,6 +73,8 @@ _ZONES = "sg:zones"
 _QUEUED_ZONES = "sg:queued-zones"
 # Peek-and-claim rounds of one claim across zones before it settles for fewer entries.
 _CLAIM_ROUNDS = 4
+_SUPP_FOLDED = "sg:supp-folded"
+"""Set once every suppression list in this Redis is keyed by suppression_key()."""
 _CLOCK_SAMPLE_EVERY = 10.0
 """How often TIME is sampled to follow drift between Redis's clock and ours."""
 _SETTLED_EXCLUDED = (State.IN_FLIGHT.value, State.QUEUED.value)
@@ -167,6 +169,7 @@ for i = 2, #KEYS do
       if lane then redis.call('ZREM', prefix .. 'lane:' .. lane, member) end
       redis.call('DEL', entry)
       redis.call('ZREM', prefix .. 'claimed', member)
+      redis.call('HDEL', prefix .. 'claimer', member)
       redis.call('SREM', prefix .. 'queue', member)
       deleted = deleted + 1
     end
@@ -196,6 +199,8 @@ return {'ok'}
 #   q:<key>       hash: lane, prio, due, enq, from, rcpt (JSON), body — the message itself
 #   lane:<lane>   zset: key → due time (HELD: never due); every entry, claimed or not
 #   claimed       zset: key → claimed until; an entry is hidden while its score >= now
+#   claimer       hash: key → the token of the claim call that holds it (a retried run
+#                 of that call gets it back)
 #   queue         set: every key with an entry (queue listing, and "is this zone's queue empty")
 # Scripts that must find entries they were not told about (claim, listing, requeue's lane)
 # build those keys from the zone prefix: each still hashes to the zone's slot, so the
@@ -214,6 +219,7 @@ redis.call('HSET', KEYS[3], 'lane', ARGV[8], 'prio', ARGV[9], 'due', ARGV[10], '
   'from', ARGV[12], 'rcpt', ARGV[13], 'body', ARGV[14])
 redis.call('ZADD', KEYS[6], ARGV[10], ARGV[6])
 redis.call('ZREM', KEYS[4], ARGV[6])
+redis.call('HDEL', ARGV[7] .. 'claimer', ARGV[6])
 redis.call('SADD', KEYS[5], ARGV[6])
 redis.call('SADD', ARGV[7] .. 'lanes', ARGV[8])
 return {'ok'}
@@ -231,11 +237,13 @@ if ARGV[8] == '' then
   if lane then redis.call('ZREM', ARGV[7] .. 'lane:' .. lane, ARGV[6]) end
   redis.call('DEL', KEYS[3])
   redis.call('ZREM', KEYS[4], ARGV[6])
+  redis.call('HDEL', ARGV[7] .. 'claimer', ARGV[6])
   redis.call('SREM', KEYS[5], ARGV[6])
 elseif lane then
   redis.call('HSET', KEYS[3], 'due', ARGV[8])
   redis.call('ZADD', ARGV[7] .. 'lane:' .. lane, ARGV[8], ARGV[6])
   redis.call('ZREM', KEYS[4], ARGV[6])
+  redis.call('HDEL', ARGV[7] .. 'claimer', ARGV[6])
 end
 return {'ok'}
 """
@@ -266,7 +274,8 @@ end
 return result
 """
 
-# KEYS: claimed, queue, lane…  ARGV: now, claimed until, total, zone prefix, count per lane…
+# KEYS: claimed, queue, lane…  ARGV: now, claimed until, total, zone prefix, claim token,
+#       count per lane…
 # Takes up to each lane's count of due (score <= now), unclaimed (claimed score < now)
 # entries, oldest first, then fills up to `total` from the lanes in order; marks each claimed.
 # An entry whose record or body is gone (purged) is dropped from the queue, not handed out.
@@ -285,14 +294,16 @@ local function take(li, want)
       local m = batch[i]
       if not taken[m] then
         local until_ = redis.call('ZSCORE', KEYS[1], m)
-        -- Claimed until exactly our own deadline: this call's earlier run, whose reply was
-        -- lost, claimed it (DESIGN.md §11.4); it is ours, not hidden from us.
-        if not until_ or tonumber(until_) < now or tonumber(until_) == tonumber(ARGV[2]) then
+        -- Claimed under our own token: this call's earlier run, whose reply was lost,
+        -- claimed it (DESIGN.md §11.4); it is ours, not hidden from us.
+        if not until_ or tonumber(until_) < now
+            or redis.call('HGET', prefix .. 'claimer', m) == ARGV[5] then
           taken[m] = true
           local rec = redis.call('HGET', prefix .. 'ev:' .. m, 'd')
           local q = redis.call('HMGET', prefix .. 'q:' .. m, 'from', 'rcpt', 'body', 'prio')
           if rec and q[1] then
             redis.call('ZADD', KEYS[1], ARGV[2], m)
+            redis.call('HSET', prefix .. 'claimer', m, ARGV[5])
             out[#out + 1] = {m, li, batch[i + 1], rec, q[1], q[2], q[3], q[4]}
             got = got + 1
           else
@@ -305,7 +316,7 @@ local function take(li, want)
   end
   return got
 end
-for li = 1, #KEYS - 2 do take(li, tonumber(ARGV[li + 4])) end
+for li = 1, #KEYS - 2 do take(li, tonumber(ARGV[li + 5])) end
 local room = tonumber(ARGV[3]) - #out
 for li = 1, #KEYS - 2 do
   if room <= 0 then break end
@@ -445,6 +456,7 @@ class RedisStore:
         # Down at start: the local clock until the first sample (see now()).
         with contextlib.suppress(StoreUnavailable):
             await self.sync_clock()
+            await self._fold_suppression_keys()
         self._clock_task = asyncio.create_task(self._track_clock())
 
     async def close(self) -> None:
@@ -879,7 +891,8 @@ class RedisStore:
     ) -> tuple[int, list[tuple[int, float, str, str, Claimed]]]:
         keys = [_zone_key(zone, "claimed"), _zone_key(zone, "queue")]
         keys += [_lane_key(zone, lane) for lane in lanes]
-        args = [now, until, total, _zone_key(zone, ""), *counts]
+        # A token per call, the same in a retried run: it recognises its own claims.
+        args = [now, until, total, _zone_key(zone, ""), secrets.token_hex(8), *counts]
         # Undecoded: the message content is bytes, not necessarily UTF-8.
         size, entries = await self._eval(self._claim, keys, args, raw=True)
         out: list[tuple[int, float, str, str, Claimed]] = []
@@ -1019,7 +1032,7 @@ class RedisStore:
     # --- suppression -------------------------------------------------------------------------
     @_translated
     async def suppressed(self, zone: str, address: str) -> str | None:
-        addr = normalize_address(address)
+        addr = suppression_key(address)
         # Two slots (the zone's and global's): a plain pipeline, one round trip, no MULTI.
         async with self._r.pipeline(transaction=False) as pipe:
             pipe.hexists(_zone_key(zone, "supp"), addr)
@@ -1033,7 +1046,7 @@ class RedisStore:
     async def suppress_add(self, zone: str, address: str, reason: str, now: float) -> bool:
         entry = json.dumps({"reason": reason, "at": now}, separators=(",", ":"))
         async with self._r.pipeline(transaction=True) as pipe:
-            pipe.hsetnx(_zone_key(zone, "supp"), normalize_address(address), entry)
+            pipe.hsetnx(_zone_key(zone, "supp"), suppression_key(address), entry)
             pipe.incr(_zone_key(zone, "supp:v"))
             added, _ = await pipe.execute()
         return bool(added)
@@ -1041,10 +1054,40 @@ class RedisStore:
     @_translated
     async def suppress_remove(self, zone: str, address: str) -> bool:
         async with self._r.pipeline(transaction=True) as pipe:
-            pipe.hdel(_zone_key(zone, "supp"), normalize_address(address))
+            pipe.hdel(_zone_key(zone, "supp"), suppression_key(address))
             pipe.incr(_zone_key(zone, "supp:v"))
             removed, _ = await pipe.execute()
         return bool(removed)
+
+    async def _fold_suppression_keys(self) -> None:
+        """Entries written before suppression compared case-folded addresses are re-keyed
+        (policy/senders.suppression_key), once per Redis: a marker says it is done."""
+        if await self._flag_get():
+            return
+        for zone in [*await self._known_zones(), "global"]:
+            await self._fold_zone(zone)
+        await self._flag_set()
+
+    @_translated
+    async def _flag_get(self) -> bool:
+        return bool(await self._r.exists(_SUPP_FOLDED))
+
+    @_translated
+    async def _flag_set(self) -> None:
+        await self._r.set(_SUPP_FOLDED, "1")
+
+    @_translated
+    async def _fold_zone(self, zone: str) -> None:
+        key = _zone_key(zone, "supp")
+        moved = False
+        async for address, entry in self._r.hscan_iter(key):
+            folded = suppression_key(str(address))
+            if folded != address:
+                await self._r.hsetnx(key, folded, entry)
+                await self._r.hdel(key, address)
+                moved = True
+        if moved:
+            await self._r.incr(_zone_key(zone, "supp:v"))
 
     @_translated
     async def suppression_versions(self, zone: str) -> tuple[int, int]:

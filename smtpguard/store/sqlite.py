@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached
-from smtpguard.policy.senders import normalize_address
+from smtpguard.policy.senders import suppression_key
 from smtpguard.store.base import (
     HELD,
     CapUsage,
@@ -319,6 +319,7 @@ class SQLiteStore:
             raise StoreUnavailable(f"cannot open {self.path}: {e}") from e
         self._writer = writer
         self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="smtpguard-sqlite-read")
+        await self._write(_fold_suppression_keys, heavy=True)
 
     async def close(self) -> None:
         if self._writer is not None:
@@ -599,7 +600,7 @@ class SQLiteStore:
 
     # --- suppression -------------------------------------------------------------------------
     async def suppressed(self, zone: str, address: str) -> str | None:
-        addr = normalize_address(address)
+        addr = suppression_key(address)
 
         def op(c: sqlite3.Connection) -> str | None:
             row = c.execute(
@@ -612,7 +613,7 @@ class SQLiteStore:
         return await self._read(op)
 
     async def suppress_add(self, zone: str, address: str, reason: str, now: float) -> bool:
-        addr = normalize_address(address)
+        addr = suppression_key(address)
 
         def op(c: sqlite3.Connection) -> bool:
             added = c.execute(
@@ -626,7 +627,7 @@ class SQLiteStore:
         return await self._write(op)
 
     async def suppress_remove(self, zone: str, address: str) -> bool:
-        addr = normalize_address(address)
+        addr = suppression_key(address)
 
         def op(c: sqlite3.Connection) -> bool:
             removed = c.execute(
@@ -714,6 +715,26 @@ def _save(c: sqlite3.Connection, r: Record) -> None:
             json.dumps(r.to_dict(), separators=(",", ":")),
         ),
     )
+
+
+def _fold_suppression_keys(c: sqlite3.Connection) -> None:
+    """Entries written before suppression compared case-folded addresses are re-keyed
+    (policy/senders.suppression_key), so `Bob@x` listed then stops `bob@x` now. Only rows
+    that may differ are read: any upper-case ASCII letter, or any non-ASCII character."""
+    rows = c.execute(
+        "SELECT zone, address, reason, at FROM suppression "
+        "WHERE address != lower(address) OR address GLOB '*[^ -~]*'"
+    ).fetchall()
+    for zone, address, reason, at in rows:
+        folded = suppression_key(address)
+        if folded == address:
+            continue
+        c.execute(
+            "INSERT OR IGNORE INTO suppression (zone, address, reason, at) VALUES (?, ?, ?, ?)",
+            (zone, folded, reason, at),
+        )
+        c.execute("DELETE FROM suppression WHERE zone = ? AND address = ?", (zone, address))
+        _bump_supp_version(c, zone)
 
 
 def _bump_supp_version(c: sqlite3.Connection, zone: str) -> None:
