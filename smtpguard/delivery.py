@@ -186,7 +186,9 @@ class DeliveryWorker:
             delay = backoff_delay(len(rec.attempts) + 1, backoff.base, backoff.max, self.rng.random())
             msg = item.message
             sub = Submission(rec.zone, rec.key, rec.fingerprint, attempt_id, instance, rec.message_id)
-            env = Envelope(rec.zone, rec.key, attempt_id, msg.sender, msg.recipients, msg.content)
+            env = Envelope(
+                rec.zone, rec.key, attempt_id, msg.sender, msg.recipients, msg.content, msg.smtputf8
+            )
             result = await self.submitter.relay(taken, env, sub, settings, retry_delay=delay)
             self.on_result(rec.zone, result)
         except StoreUnavailable as e:

@@ -251,7 +251,11 @@ class Submitter:
         try:
             if lane is not None:
                 queued = QueuedMessage(
-                    mail_from, tuple(rcpt_tos), added_header + raw, self.config.queue.classes[lane].priority
+                    mail_from,
+                    tuple(rcpt_tos),
+                    added_header + raw,
+                    self.config.queue.classes[lane].priority,
+                    smtputf8,
                 )
                 return await self._accept_queued(sub, zone, settings, queued)
             reserved = await self._reserve(sub, zone, settings)

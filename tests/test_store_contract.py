@@ -1081,3 +1081,33 @@ async def test_entries_stored_before_case_folding_are_rekeyed_at_open(
             assert await s.suppress_remove("acme", "BOB@example.com") is True
         finally:
             await s.close()
+
+
+async def test_a_queued_message_keeps_its_smtputf8_declaration(store: Store) -> None:
+    rec, plain = queued("k1"), queued("k2")
+    utf8 = replace(body("k1"), smtputf8=True)
+    assert await store.enqueue(rec, None, utf8) is None
+    assert await store.enqueue(plain, None, body("k2")) is None
+    got = {c.record.key: c.message for c in await store.claim(NOW, [("transactional", 2)], LEASE)}
+    assert got == {"k1": utf8, "k2": body("k2")}
+
+
+async def test_a_sqlite_file_from_before_the_smtputf8_column_is_upgraded_at_open(tmp_path: Path) -> None:
+    import sqlite3
+
+    db = tmp_path / "old.db"
+    with sqlite3.connect(db) as c:
+        c.execute(
+            "CREATE TABLE queue (zone TEXT NOT NULL, key TEXT NOT NULL, lane TEXT NOT NULL, "
+            "priority INTEGER NOT NULL, due_at REAL NOT NULL, claimed_until REAL, enqueued_at REAL NOT NULL, "
+            "sender TEXT NOT NULL, recipients TEXT NOT NULL, content BLOB NOT NULL, "
+            "PRIMARY KEY (zone, key)) WITHOUT ROWID"
+        )
+    s = store_from_url(f"sqlite:///{db}")
+    await s.open()
+    try:
+        await put_queued(s, queued("k1"))
+        (claimed,) = await s.claim(NOW, [("transactional", 1)], LEASE)
+        assert claimed.message == body("k1") and claimed.message.smtputf8 is False
+    finally:
+        await s.close()

@@ -72,6 +72,8 @@ class QueuedMessage:
     recipients: tuple[str, ...]
     content: bytes
     priority: int
+    smtputf8: bool = False
+    """The client declared SMTPUTF8 (RFC 6531): the relay declares it to the provider too."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -208,7 +208,7 @@ return {'ok'}
 
 # KEYS: record, index, entry, claimed, queue, lane
 # ARGV: expected version ('' = absent), version, state, data, index score, key, zone prefix,
-#       lane, priority, due, enqueued at, sender, recipients, content
+#       lane, priority, due, enqueued at, sender, recipients, content, smtputf8 ('1'/'0')
 _ENQUEUE = (
     _CAS_WRITE
     + """
@@ -216,7 +216,7 @@ local old = redis.call('HGET', KEYS[3], 'lane')
 if old and old ~= ARGV[8] then redis.call('ZREM', ARGV[7] .. 'lane:' .. old, ARGV[6]) end
 redis.call('DEL', KEYS[3])
 redis.call('HSET', KEYS[3], 'lane', ARGV[8], 'prio', ARGV[9], 'due', ARGV[10], 'enq', ARGV[11],
-  'from', ARGV[12], 'rcpt', ARGV[13], 'body', ARGV[14])
+  'from', ARGV[12], 'rcpt', ARGV[13], 'body', ARGV[14], 'utf8', ARGV[15])
 redis.call('ZADD', KEYS[6], ARGV[10], ARGV[6])
 redis.call('ZREM', KEYS[4], ARGV[6])
 redis.call('HDEL', ARGV[7] .. 'claimer', ARGV[6])
@@ -300,11 +300,11 @@ local function take(li, want)
             or redis.call('HGET', prefix .. 'claimer', m) == ARGV[5] then
           taken[m] = true
           local rec = redis.call('HGET', prefix .. 'ev:' .. m, 'd')
-          local q = redis.call('HMGET', prefix .. 'q:' .. m, 'from', 'rcpt', 'body', 'prio')
+          local q = redis.call('HMGET', prefix .. 'q:' .. m, 'from', 'rcpt', 'body', 'prio', 'utf8')
           if rec and q[1] then
             redis.call('ZADD', KEYS[1], ARGV[2], m)
             redis.call('HSET', prefix .. 'claimer', m, ARGV[5])
-            out[#out + 1] = {m, li, batch[i + 1], rec, q[1], q[2], q[3], q[4]}
+            out[#out + 1] = {m, li, batch[i + 1], rec, q[1], q[2], q[3], q[4], q[5] or '0'}
             got = got + 1
           else
             gone[#gone + 1] = {lane, m}
@@ -743,6 +743,7 @@ class RedisStore:
             message.sender,
             json.dumps(list(message.recipients)),
             message.content,
+            "1" if message.smtputf8 else "0",
         ]
         reply = await self._eval(self._enqueue, keys, args)
         if reply[0] == "ok":
@@ -896,10 +897,10 @@ class RedisStore:
         # Undecoded: the message content is bytes, not necessarily UTF-8.
         size, entries = await self._eval(self._claim, keys, args, raw=True)
         out: list[tuple[int, float, str, str, Claimed]] = []
-        for key, li, due, data, sender, recipients, content, priority in entries:
+        for key, li, due, data, sender, recipients, content, priority, utf8 in entries:
             record = Record.from_dict(json.loads(data))
             message = QueuedMessage(
-                sender.decode(), tuple(json.loads(recipients)), bytes(content), int(priority)
+                sender.decode(), tuple(json.loads(recipients)), bytes(content), int(priority), utf8 == b"1"
             )
             out.append((int(li) - 1, float(due), zone, key.decode(), Claimed(record, message)))
         return int(size), out

@@ -71,7 +71,8 @@ CREATE INDEX IF NOT EXISTS auth_failures_ip_at ON auth_failures (ip, at);
 CREATE TABLE IF NOT EXISTS queue (
     zone TEXT NOT NULL, key TEXT NOT NULL, lane TEXT NOT NULL, priority INTEGER NOT NULL,
     due_at REAL NOT NULL, claimed_until REAL, enqueued_at REAL NOT NULL, sender TEXT NOT NULL,
-    recipients TEXT NOT NULL, content BLOB NOT NULL, PRIMARY KEY (zone, key)) WITHOUT ROWID;
+    recipients TEXT NOT NULL, content BLOB NOT NULL, smtputf8 INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (zone, key)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS queue_lane_due ON queue (lane, due_at);
 CREATE TABLE IF NOT EXISTS circuits (
     instance TEXT NOT NULL, provider TEXT NOT NULL, circuit TEXT NOT NULL, at REAL NOT NULL,
@@ -129,6 +130,9 @@ class _Writer:
         def connect() -> sqlite3.Connection:
             conn = _connect(self._path)
             conn.executescript(_SCHEMA)
+            columns = {row[1] for row in conn.execute("PRAGMA table_info(queue)")}
+            if "smtputf8" not in columns:  # a file from before queued mail kept the flag
+                conn.execute("ALTER TABLE queue ADD COLUMN smtputf8 INTEGER NOT NULL DEFAULT 0")
             # The loop thread must never wait on a lock held by another process: a busy
             # BEGIN is retried on the writer thread instead (_begin_waiting).
             conn.execute("PRAGMA busy_timeout = 0")
@@ -458,7 +462,8 @@ class SQLiteStore:
                 return conflict
             c.execute(
                 "INSERT OR REPLACE INTO queue (zone, key, lane, priority, due_at, claimed_until, "
-                "enqueued_at, sender, recipients, content) VALUES (?, ?, ?, ?, ?, NULL, ?, ?, ?, ?)",
+                "enqueued_at, sender, recipients, content, smtputf8) "
+                "VALUES (?, ?, ?, ?, ?, NULL, ?, ?, ?, ?, ?)",
                 (
                     record.zone,
                     record.key,
@@ -469,6 +474,7 @@ class SQLiteStore:
                     message.sender,
                     json.dumps(list(message.recipients)),
                     message.content,
+                    int(message.smtputf8),
                 ),
             )
             return None
@@ -503,13 +509,16 @@ class SQLiteStore:
                 )
                 rec = _load(c, zone, key)
                 row = c.execute(
-                    "SELECT sender, recipients, content, priority FROM queue WHERE zone = ? AND key = ?",
+                    "SELECT sender, recipients, content, priority, smtputf8 FROM queue "
+                    "WHERE zone = ? AND key = ?",
                     (zone, key),
                 ).fetchone()
                 if rec is None or row is None:
                     c.execute("DELETE FROM queue WHERE zone = ? AND key = ?", (zone, key))
                     continue
-                msg = QueuedMessage(row[0], tuple(json.loads(row[1])), bytes(row[2]), int(row[3]))
+                msg = QueuedMessage(
+                    row[0], tuple(json.loads(row[1])), bytes(row[2]), int(row[3]), bool(row[4])
+                )
                 out.append(Claimed(rec, msg))
             return out
 
