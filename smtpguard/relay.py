@@ -51,9 +51,18 @@ class Envelope:
 
     @property
     def smtputf8_required(self) -> bool:
-        """Relayed with SMTPUTF8: declared, or forced by a non-ASCII address (which cannot
-        be written on the wire without it, whatever path built the envelope)."""
-        return self.smtputf8 or any(needs_smtputf8(a) for a in (self.sender, *self.recipients))
+        """Cannot be relayed without SMTPUTF8: a non-ASCII address (it cannot be written on
+        the wire otherwise), or a declared SMTPUTF8 message whose header block is not ASCII
+        (RFC 6532 header fields). A declaration the message does not need is dropped for a
+        provider that does not offer SMTPUTF8, as Postfix does."""
+        if any(needs_smtputf8(a) for a in (self.sender, *self.recipients)):
+            return True
+        return self.smtputf8 and not self.content.split(b"\r\n\r\n", 1)[0].isascii()
+
+    @property
+    def smtputf8_wanted(self) -> bool:
+        """Declared to a provider that offers SMTPUTF8: the client declared it, or it is required."""
+        return self.smtputf8 or self.smtputf8_required
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +216,8 @@ class SmtpProvider:
     ) -> tuple[Attempted | None, bool] | _Accepted:
         """MAIL and RCPT: the recipients taken, or the transaction's result if it ends here."""
         t = self.cfg.timeouts
-        options, encoding = (["SMTPUTF8"], "utf-8") if env.smtputf8_required else ([], "ascii")
+        declare = env.smtputf8_wanted and conn.supports_extension("smtputf8")
+        options, encoding = (["SMTPUTF8"], "utf-8") if declare else ([], "ascii")
         try:
             try:
                 await conn.mail(env.sender, options=options, encoding=encoding, timeout=t.command)
@@ -253,11 +263,11 @@ class SmtpProvider:
         t = self.cfg.timeouts
         if env.smtputf8_required and not conn.supports_extension("smtputf8"):
             # Checked on the connection in hand (pooled or fresh), before anything is sent:
-            # its EHLO is what this provider will accept. A permanent refusal (RFC 6531's
-            # 553 5.6.7), but this provider's alone — nothing was sent, so the route may
-            # fail over to one that offers SMTPUTF8; where none does, the event fails with
-            # the 553, as the listener answers at MAIL/RCPT once it knows the route. The
-            # provider is healthy and the connection clean: it is kept.
+            # its EHLO is what this provider will accept. RFC 6531's 553 5.6.7, but this
+            # provider's alone — nothing was sent, so the route may fail over to one that
+            # offers SMTPUTF8; where none does, the event fails with the 553, as the
+            # listener answers at MAIL/RCPT once it knows the route. The provider is
+            # healthy and the connection clean: it is kept.
             return Attempted(
                 Outcome(Kind.FAILED, self.name, replies.smtputf8_not_offered(self.name), data_sent=False),
                 failover=True,
@@ -539,9 +549,11 @@ class Route:
 
     async def send(self, env: Envelope, before_data: BeforeData) -> Outcome:
         fallback: Outcome | None = None
+        unavailable = skipped = False
         for p in self.providers:
             allowed, self.breakers[p.name] = self.breakers[p.name].allow(self._clock())
             if not allowed:
+                skipped = True
                 continue
             try:
                 result = await self._attempt(p, env, before_data)
@@ -564,10 +576,22 @@ class Route:
                 raise
             if not result.failover:
                 return result.outcome
+            if result.outcome.kind is Kind.UNAVAILABLE:
+                unavailable = True
             if fallback is None or fallback.kind is Kind.UNAVAILABLE:
                 fallback = result.outcome
         if fallback is None:
             return Outcome(Kind.UNAVAILABLE, None, detail="every provider circuit is open", data_sent=False)
+        if fallback.kind is Kind.FAILED and (unavailable or skipped):
+            # Refused by one provider only for what it lacks (SMTPUTF8) while another that
+            # might take it could not be tried: a 5xx would end an event that can still be
+            # delivered once that one is back. Nothing was sent: retryable.
+            return Outcome(
+                Kind.UNAVAILABLE,
+                fallback.provider,
+                detail=f"{fallback.reply or ''}; another provider unavailable",
+                data_sent=False,
+            )
         return fallback
 
     async def _attempt(self, p: Provider, env: Envelope, before_data: BeforeData) -> Attempted:

@@ -9,6 +9,7 @@ the message is relayed with SMTPUTF8.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -158,7 +159,8 @@ async def test_smtputf8_refused_when_the_provider_does_not_offer_it(
         assert guard.store is not None and guard.route is not None
         record = await guard.store.get("acme", "u6")
         after_first = await cap_usage(guard)
-        # Known now: refused at MAIL (SMTPUTF8 declared, the route does not offer it).
+        # Known now: the non-ASCII recipient is refused at RCPT (the route does not offer
+        # SMTPUTF8); the ASCII sender is not, with or without the declaration.
         second = await transact(port, "billing@acme.example", [JOE], raw_message("u7"), smtputf8=True)
         refused = await guard.store.get("acme", "u7")
         after_second = await cap_usage(guard)
@@ -173,9 +175,10 @@ async def test_smtputf8_refused_when_the_provider_does_not_offer_it(
     assert record is not None and record.state.value == "failed"
     assert [a.phase for a in record.attempts] == ["before_data"]
     assert after_first == CapUsage(0, 0)  # nothing reached DATA: the unit went back
-    assert _is_553_567(second.mail) and "route does not offer SMTPUTF8" in second.mail.text
-    assert second.rcpts == [] and second.data is None
-    # Refused at MAIL: no record, no unit.
+    assert second.mail.code == 250 and len(second.rcpts) == 1
+    assert _is_553_567(second.rcpts[0]) and "route does not offer SMTPUTF8" in second.rcpts[0].text
+    assert second.data is not None and second.data.code == 503  # no recipient left
+    # Refused before DATA: no record, no unit.
     assert refused is None and after_second == CapUsage(0, 0)
     assert [a.code for a in third.rcpts] == [553, 250]
     assert third.data is not None and third.data.code == 250
@@ -291,3 +294,43 @@ async def test_an_unexpected_error_once_data_started_is_unknown(
     assert len(upstream.received) == 1
     assert result.outcome.kind is Kind.UNKNOWN and result.outcome.data_sent is True
     assert not result.failover and "RuntimeError" in result.outcome.detail
+
+
+async def test_a_declaration_the_message_does_not_need_is_dropped_for_a_provider_without_it(
+    tmp: Path, upstream: Upstream, store: dict[str, Any], no_tracebacks: None
+) -> None:
+    """As Postfix does: all-ASCII addresses and headers travel without SMTPUTF8; UTF-8 header
+    fields (RFC 6532) cannot, and are refused before anything is sent."""
+    cfg = base_config(tmp, upstream.port, **store)
+    async with running_guard(cfg) as guard:
+        port = guard.ports[0]
+        ascii_only = await transact(
+            port, "billing@acme.example", [CUSTOMER], raw_message("d1"), smtputf8=True
+        )
+        utf8_head = raw_message("d2").replace(b"Subject: Invoice", "Subject: Facture réglée".encode())
+        needs_it = await transact(port, "billing@acme.example", [CUSTOMER], utf8_head, smtputf8=True)
+        usage = await cap_usage(guard)
+    assert ascii_only.data is not None and ascii_only.data.code == 250
+    assert needs_it.data is not None and _is_553_567(needs_it.data)
+    assert [r.header("X-Event-Key") for r in upstream.received] == ["d1"]
+    assert upstream.handler.transactions == 1 and usage == CapUsage(1, 1)
+
+
+async def test_a_capability_refusal_stays_retryable_while_the_capable_standby_is_down(
+    tmp: Path, upstream: Upstream, no_tracebacks: None
+) -> None:
+    from tests.support import free_port
+
+    cfg = base_config(tmp, upstream.port, zones__acme__delivery="queue")
+    cfg["providers"].append(dict(cfg["providers"][0], name="standby", port=free_port()))  # nothing listens
+    async with running_guard(cfg) as guard:
+        t = await transact(guard.ports[0], "billing@acme.example", [JOE], raw_message("q1"), smtputf8=True)
+        assert guard.store is not None
+        for _ in range(100):
+            rec = await guard.store.get("acme", "q1")
+            if rec is not None and rec.attempts:
+                break
+            await asyncio.sleep(0.05)
+    assert t.data is not None and t.data.code == 250 and "queued" in t.data.text
+    assert rec is not None and rec.state.value == "deferred", rec.state
+    assert upstream.handler.transactions == 0

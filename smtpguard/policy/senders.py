@@ -85,12 +85,16 @@ def smtputf8_refusal(
     declared: bool,
     route_offers: bool | None,
 ) -> Reply | None:
-    """DESIGN.md §3: a non-ASCII address without SMTPUTF8 on MAIL, or SMTPUTF8 declared for a
-    route whose providers do not offer it → 553 5.6.7 (RFC 6531), at MAIL for the sender and
-    at RCPT for each recipient. An unknown route accepts: the relay checks before DATA."""
-    if needs_smtputf8(address) and not declared:
+    """DESIGN.md §3: a non-ASCII address without SMTPUTF8 on MAIL, or with SMTPUTF8 declared
+    for a route whose providers do not offer it → 553 5.6.7 (RFC 6531), at MAIL for the
+    sender and at RCPT for each recipient. An ASCII address is never refused here (the relay
+    drops a declaration the message does not need). An unknown route accepts: the relay
+    checks before DATA."""
+    if not needs_smtputf8(address):
+        return None  # an ASCII address travels with or without SMTPUTF8
+    if not declared:
         return replies.non_ascii_address(what, address, "MAIL FROM did not declare SMTPUTF8")
-    if declared and route_offers is False:
+    if route_offers is False:
         return replies.non_ascii_address(what, address, "the upstream route does not offer SMTPUTF8")
     return None
 
