@@ -36,7 +36,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached
-from smtpguard.policy.senders import suppression_key
+from smtpguard.policy.senders import normalize_address, suppression_key
 from smtpguard.store.base import (
     HELD,
     CapUsage,
@@ -73,6 +73,8 @@ _ZONES = "sg:zones"
 _QUEUED_ZONES = "sg:queued-zones"
 # Peek-and-claim rounds of one claim across zones before it settles for fewer entries.
 _CLAIM_ROUNDS = 4
+_LANES_LISTED = "sg:lanes-listed"
+"""Set once every zone's set of lane names holds the lanes of its queue entries."""
 _SUPP_FOLDED = "sg:supp-folded"
 """Set once every suppression list in this Redis is keyed by suppression_key()."""
 _CLOCK_SAMPLE_EVERY = 10.0
@@ -331,6 +333,15 @@ end
 return {redis.call('SCARD', KEYS[2]), out}
 """
 
+# KEYS: queue, lanes.  ARGV: zone prefix.  Adds the lane of every queue entry to the set.
+_LANES_OF = """
+for _, m in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local lane = redis.call('HGET', ARGV[1] .. 'q:' .. m, 'lane')
+  if lane then redis.call('SADD', KEYS[2], lane) end
+end
+return 0
+"""
+
 # Read only. KEYS: queue, claimed.  ARGV: zone prefix.
 # Returns {key, lane, priority, due, enqueued at, size, state ('' = no record), claimed until}…
 _ENTRIES = """
@@ -410,6 +421,7 @@ class RedisStore:
         self._peek: AsyncScript | None = None
         self._claim: AsyncScript | None = None
         self._entries: AsyncScript | None = None
+        self._lanes_of: AsyncScript | None = None
         self._zones_announced: dict[str, float] = {}
         self._queued_swept_at: float | None = None
         self._mono: Callable[[], float] = time.monotonic
@@ -417,6 +429,7 @@ class RedisStore:
         """Redis TIME minus this process's monotonic clock, from the last sample."""
         self._last_now = 0.0
         self._clock_task: asyncio.Task[None] | None = None
+        self._fold_task: asyncio.Task[None] | None = None
 
     # --- plumbing ----------------------------------------------------------------------------
     async def open(self) -> None:
@@ -452,19 +465,21 @@ class RedisStore:
         self._peek = client.register_script(_PEEK)
         self._claim = client.register_script(_CLAIM)
         self._entries = client.register_script(_ENTRIES)
+        self._lanes_of = client.register_script(_LANES_OF)
         self._client = client
         # Down at start: the local clock until the first sample (see now()).
         with contextlib.suppress(StoreUnavailable):
             await self.sync_clock()
-            await self._fold_suppression_keys()
         self._clock_task = asyncio.create_task(self._track_clock())
+        self._fold_task = asyncio.create_task(self._upgrade())
 
     async def close(self) -> None:
-        if self._clock_task is not None:
-            self._clock_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._clock_task
-            self._clock_task = None
+        for task in (self._clock_task, self._fold_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._clock_task = self._fold_task = None
         if self._client is not None:
             client, self._client = self._client, None
             await client.aclose()
@@ -495,7 +510,9 @@ class RedisStore:
 
     async def _track_clock(self) -> None:
         while True:
-            await asyncio.sleep(_CLOCK_SAMPLE_EVERY)
+            # Until the first sample (Redis was down at open) this instance runs on its own
+            # clock: look again soon, not in ten seconds.
+            await asyncio.sleep(_CLOCK_SAMPLE_EVERY if self._offset is not None else 0.2)
             with contextlib.suppress(StoreUnavailable):
                 await self.sync_clock()
 
@@ -1033,15 +1050,19 @@ class RedisStore:
     # --- suppression -------------------------------------------------------------------------
     @_translated
     async def suppressed(self, zone: str, address: str) -> str | None:
-        addr = suppression_key(address)
+        # The folded key, and the address as an earlier version keyed it until the
+        # background fold has re-keyed every list (_fold_suppression_keys).
+        forms = {suppression_key(address), normalize_address(address)}
         # Two slots (the zone's and global's): a plain pipeline, one round trip, no MULTI.
         async with self._r.pipeline(transaction=False) as pipe:
-            pipe.hexists(_zone_key(zone, "supp"), addr)
-            pipe.hexists(_zone_key("global", "supp"), addr)
-            in_zone, in_global = await pipe.execute()
-        if in_zone:
+            for owner in (zone, "global"):
+                for form in forms:
+                    pipe.hexists(_zone_key(owner, "supp"), form)
+            found = await pipe.execute()
+        n = len(forms)
+        if any(found[:n]):
             return zone
-        return "global" if in_global else None
+        return "global" if any(found[n:]) else None
 
     @_translated
     async def suppress_add(self, zone: str, address: str, reason: str, now: float) -> bool:
@@ -1054,41 +1075,74 @@ class RedisStore:
 
     @_translated
     async def suppress_remove(self, zone: str, address: str) -> bool:
+        forms = {suppression_key(address), normalize_address(address)}
         async with self._r.pipeline(transaction=True) as pipe:
-            pipe.hdel(_zone_key(zone, "supp"), suppression_key(address))
+            pipe.hdel(_zone_key(zone, "supp"), *forms)
             pipe.incr(_zone_key(zone, "supp:v"))
             removed, _ = await pipe.execute()
         return bool(removed)
 
-    async def _fold_suppression_keys(self) -> None:
-        """Entries written before suppression compared case-folded addresses are re-keyed
-        (policy/senders.suppression_key), once per Redis: a marker says it is done."""
-        if await self._flag_get():
-            return
-        for zone in [*await self._known_zones(), "global"]:
-            await self._fold_zone(zone)
-        await self._flag_set()
+    async def _upgrade(self) -> None:
+        """Once per Redis (a marker each says it is done), for data an earlier version wrote:
+        the set of each zone's lane names is filled from its queue entries (the orphan lane
+        scan reads it), and suppression entries are re-keyed by policy/senders.
+        suppression_key (lookups meanwhile try both forms). In the background, a page at a
+        time (a long list outlasts one operation's deadline); idempotent, so instances may
+        run it concurrently."""
+        while True:
+            try:
+                if not await self._flag_get(_LANES_LISTED):
+                    for zone in await self._known_zones():
+                        await self._list_lanes(zone)
+                    await self._flag_set(_LANES_LISTED)
+                if not await self._flag_get(_SUPP_FOLDED):
+                    for zone in [*await self._known_zones(), "global"]:
+                        await self._fold_zone(zone)
+                    await self._flag_set(_SUPP_FOLDED)
+                return
+            except StoreUnavailable:
+                await asyncio.sleep(1.0)
 
     @_translated
-    async def _flag_get(self) -> bool:
-        return bool(await self._r.exists(_SUPP_FOLDED))
+    async def _flag_get(self, flag: str) -> bool:
+        return bool(await self._r.exists(flag))
 
     @_translated
-    async def _flag_set(self) -> None:
-        await self._r.set(_SUPP_FOLDED, "1")
+    async def _flag_set(self, flag: str) -> None:
+        await self._r.set(flag, "1")
 
     @_translated
+    async def _list_lanes(self, zone: str) -> None:
+        await self._eval(
+            self._lanes_of, [_zone_key(zone, "queue"), _zone_key(zone, "lanes")], [_zone_key(zone, "")]
+        )
+
     async def _fold_zone(self, zone: str) -> None:
+        cursor = 0
+        while True:
+            cursor, moved = await self._fold_page(zone, cursor)
+            if moved:
+                await self._bump_supp(zone)
+            if cursor == 0:
+                return
+
+    @_translated
+    async def _fold_page(self, zone: str, cursor: int) -> tuple[int, bool]:
         key = _zone_key(zone, "supp")
-        moved = False
-        async for address, entry in self._r.hscan_iter(key):
-            folded = suppression_key(str(address))
-            if folded != address:
-                await self._r.hsetnx(key, folded, entry)
-                await self._r.hdel(key, address)
-                moved = True
-        if moved:
-            await self._r.incr(_zone_key(zone, "supp:v"))
+        cursor, page = await self._r.hscan(key, cursor, count=500)
+        assert isinstance(page, dict)
+        stale = {str(a): e for a, e in page.items() if suppression_key(str(a)) != a}
+        if stale:
+            async with self._r.pipeline(transaction=True) as pipe:
+                for address, entry in stale.items():
+                    pipe.hsetnx(key, suppression_key(address), entry)
+                    pipe.hdel(key, address)
+                await pipe.execute()
+        return int(cursor), bool(stale)
+
+    @_translated
+    async def _bump_supp(self, zone: str) -> None:
+        await self._r.incr(_zone_key(zone, "supp:v"))
 
     @_translated
     async def suppression_versions(self, zone: str) -> tuple[int, int]:
