@@ -195,7 +195,7 @@ def cmd_resolve(args: argparse.Namespace) -> int:
 
 
 def cmd_release(args: argparse.Namespace) -> int:
-    return _operator_change(args, lambda r, now: ledger.release(r, actor(), now))
+    return _operator_change(args, lambda r, now: ledger.release(r, actor(), now, args.force))
 
 
 def cmd_queue(args: argparse.Namespace) -> int:
@@ -442,6 +442,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp = cmd("release", cmd_release, "allow one new attempt of a failed event")
     sp.add_argument("zone")
     sp.add_argument("key")
+    sp.add_argument(
+        "--force",
+        action="store_true",
+        help="release even while an owner that lost its lease may still be sending (risks a second copy)",
+    )
     for name, fn in (("pause", cmd_pause), ("resume", cmd_resume)):
         sp = cmd(name, fn, f"{name} a zone on every instance")
         sp.add_argument("zone")

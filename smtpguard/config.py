@@ -340,14 +340,16 @@ class Config(_Strict):
 
     def send_timeout(self) -> float:
         """The longest one relay can keep talking to providers after its last lease renewal:
-        the whole route (a failover walks it), each SMTP provider's connect, MAIL/RCPT/RSET
-        and DATA timeouts, twice for one that dedupes (an unknown outcome there is retried
-        once). A Maildir write is bounded by the disk, not by a timeout: a minute is generous."""
+        the whole route (a failover walks it), each SMTP provider's connect, its session's
+        commands (EHLO to RSET) and DATA timeouts, twice for one that dedupes (an unknown
+        outcome there is retried once). A Maildir write is bounded by the disk, not by a
+        timeout: a minute is generous."""
         total = 0.0
         for p in self.providers:
             if isinstance(p, SmtpProviderConfig):
                 t = p.timeouts
-                one = t.connect + 3 * t.command + t.data
+                # EHLO, STARTTLS, EHLO, AUTH, MAIL, RCPT… and RSET: eight command round trips.
+                one = t.connect + 8 * t.command + t.data
                 total += 2 * one if p.idempotency_header else one
             else:
                 total += 60.0

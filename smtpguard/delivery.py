@@ -78,8 +78,9 @@ class DeliveryWorker:
         fresh = self._orphans_for is self.config
         if fresh and self._orphans_seen_at is not None and now - self._orphans_seen_at < ORPHAN_SCAN_INTERVAL:
             return
-        self._orphans_seen_at, self._orphans_for = now, self.config
         found = await self.store.queue_lanes() - self.config.queue.classes.keys()
+        # Marked only once it worked: a failed scan is tried again on the next pass.
+        self._orphans_seen_at, self._orphans_for = now, self.config
         for lane in sorted(found - self._orphans):
             log.warning(
                 "queued entries in a lane no class names any more; delivering them as the default class",
@@ -154,7 +155,14 @@ class DeliveryWorker:
         now = clock()
         attempt_id = new_id(now)
         instance = self.submitter.instance
-        settings = self.submitter.settings(zone) if zone else ledger.LedgerSettings()
+        ek = self.config.event_key
+        settings = (
+            self.submitter.settings(zone)
+            if zone
+            else ledger.LedgerSettings(
+                ek.min_retry_interval, ek.lease, send_timeout=self.config.send_timeout()
+            )
+        )
         try:
             verdict = ledger.on_claim(rec, attempt_id, instance, now, settings)
             if isinstance(verdict, ledger.Finish):
@@ -183,7 +191,8 @@ class DeliveryWorker:
                 await self._hold(taken, attempt_id, reached.free_at or now + 3600.0)
                 return
             backoff = self.config.queue.backoff
-            delay = backoff_delay(len(rec.attempts) + 1, backoff.base, backoff.max, self.rng.random())
+            tries = ledger.attempts_of_this_event(rec) + 1
+            delay = backoff_delay(tries, backoff.base, backoff.max, self.rng.random())
             msg = item.message
             sub = Submission(rec.zone, rec.key, rec.fingerprint, attempt_id, instance, rec.message_id)
             env = Envelope(

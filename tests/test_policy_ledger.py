@@ -671,3 +671,40 @@ def test_to_dict_uses_plain_values() -> None:
         ["bob@example.org", {"code": 550, "enhanced": "5.1.1", "text": "no such user"}]
     ]
     assert d["audit"][0]["note"] == "cause fixed"
+
+
+def test_release_of_a_dropped_held_event_waits_for_its_lost_owner() -> None:
+    # `queue drop` turns an unknown record failed; release must not bypass the wait that
+    # resolve --as retry keeps (the owner may still get its 250).
+    s = ledger.LedgerSettings(send_timeout=150.0)
+    dead = rec(State.IN_FLIGHT, lease_until=T0 + 30, phase=Phase.DATA_SENT, owner="i-1", lane="bulk")
+    verdict = ledger.on_claim(dead, "A3", "i-2", T0 + 31, s)
+    assert isinstance(verdict, ledger.Finish) and verdict.record is not None
+    assert verdict.record.state is State.UNKNOWN and verdict.record.lost_owner == "i-1"
+    dropped = ledger.drop(verdict.record, "cli:alice", T0 + 40)
+    with pytest.raises(ledger.RetryTooEarly):
+        ledger.release(dropped, "cli:alice", T0 + 41)
+    forced = ledger.release(dropped, "cli:alice", T0 + 41, force=True)
+    assert forced.state is State.DEFERRED and "forced" in forced.audit[-1].note
+    assert ledger.release(dropped, "cli:alice", T0 + 182).state is State.DEFERRED
+
+
+def test_a_lost_owner_reporting_back_is_no_longer_sending() -> None:
+    s = ledger.LedgerSettings(send_timeout=150.0)
+    dead = rec(State.IN_FLIGHT, lease_until=T0 + 30, phase=Phase.DATA_SENT, owner="i-1")
+    verdict = ledger.decide(dead, sub(), T0 + 31, s)
+    assert isinstance(verdict, ledger.Transition)
+    late = Outcome(Kind.FAILED, "primary", Reply(554, "5.7.1", "refused"), data_sent=True)
+    told = ledger.settle(verdict.record, "A1", "i-1", late, T0 + 35, s)
+    assert told.state is State.UNKNOWN and told.lost_until is None
+    assert ledger.resolve(told, "retry", "cli:alice", T0 + 36).state is State.DEFERRED
+
+
+def test_a_derived_keys_new_event_keeps_a_bounded_history() -> None:
+    many = tuple(attempt(f"A{i}", outcome="delivered", code=250, at=T0 + i) for i in range(50))
+    old = rec(State.DELIVERED, key="auto:" + FP, valid_until=T0 + 600, attempts=many)
+    verdict = ledger.decide(old, sub(key="auto:" + FP, derived=True), T0 + 3600, S)
+    assert isinstance(verdict, Proceed)
+    assert verdict.record.attempts == many[-ledger.KEPT_HISTORY :]
+    # Backoff and hold count this event's attempts only.
+    assert ledger.attempts_of_this_event(verdict.record) == 0

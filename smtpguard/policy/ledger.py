@@ -38,6 +38,12 @@ class Phase(StrEnum):
     """The final dot may have reached the provider: the outcome belongs to it."""
 
 
+KEPT_HISTORY = 20
+"""Attempts and audit entries a derived key's new event keeps of the events before it:
+enough to read what happened, bounded so that a message sent every window does not grow
+one record without end."""
+
+
 @dataclass(frozen=True, slots=True)
 class LedgerSettings:
     min_retry_interval: float = 60.0
@@ -263,7 +269,12 @@ def decide(existing: Record | None, sub: Submission, now: float, s: LedgerSettin
         # A derived key's window is over: the same fingerprint is a new event. The history
         # of the old one stays with the record.
         fresh = _fresh(sub, now, s)
-        fresh = replace(fresh, version=existing.version + 1, attempts=existing.attempts, audit=existing.audit)
+        fresh = replace(
+            fresh,
+            version=existing.version + 1,
+            attempts=existing.attempts[-KEPT_HISTORY:],
+            audit=existing.audit[-KEPT_HISTORY:],
+        )
         note = f"derive_window over; previous event {existing.state.value} as sg:{existing.sg_id}"
         return Proceed(
             _audit(fresh, now, "smtpguard", "new_event", existing.state, fresh.state, note), existing.version
@@ -481,6 +492,9 @@ def settle(
         rejected=outcome.rejected,
     )
     rec = replace(rec, attempts=(*rec.attempts, attempt))
+    if rec.lost_owner == instance and rec.lost_until is not None:
+        # The owner that lost its lease has its answer: it is no longer sending.
+        rec = replace(rec, lost_until=None)
     if not owns(rec, attempt_id) and outcome.kind is not Kind.DELIVERED:
         return _bump(rec, now)
     common: dict[str, Any] = {"owner": None, "lease_until": None, "phase": None}
@@ -557,12 +571,17 @@ class RetryTooEarly(OperatorRefused):
         )
 
 
-def release(rec: Record, actor: str, now: float) -> Record:
-    """Allow one new attempt of a `failed` event once its cause is fixed."""
+def release(rec: Record, actor: str, now: float, force: bool = False) -> Record:
+    """Allow one new attempt of a `failed` event once its cause is fixed. Refused, as
+    `resolve --as retry` is, while an owner that lost its lease may still be sending (a
+    held event an operator dropped keeps that fact), unless `force`."""
     if rec.state is not State.FAILED:
         raise OperatorRefused(f"{rec.zone} {rec.key} is {rec.state.value}, not failed; nothing to release")
-    new = _bump(rec, now, state=State.DEFERRED, next_attempt_at=now)
-    return _audit(new, now, actor, "release", State.FAILED, State.DEFERRED)
+    if rec.lost_until is not None and now < rec.lost_until and not force:
+        raise RetryTooEarly(rec.lost_owner or "?", rec.lost_until)
+    new = _bump(rec, now, state=State.DEFERRED, next_attempt_at=now, lost_owner=None, lost_until=None)
+    note = "forced while its owner may still be sending" if force and rec.lost_until else ""
+    return _audit(new, now, actor, "release", State.FAILED, State.DEFERRED, note)
 
 
 # --- store-and-forward (DESIGN.md §4a) -------------------------------------------------------
@@ -623,6 +642,11 @@ def on_claim(rec: Record, attempt_id: str, instance: str, now: float, s: LedgerS
     return Deliver(taken, refund=rec.sg_id if rec.state is State.IN_FLIGHT else None)
 
 
+def attempts_of_this_event(rec: Record) -> int:
+    """Attempts since the event began (a derived key's record keeps earlier events' too)."""
+    return sum(1 for a in rec.attempts if a.at >= rec.created_at)
+
+
 def hold(rec: Record, attempt_id: str, now: float, until: float) -> Record | None:
     """Give a claimed entry back unsent (zone paused or capped): no attempt is recorded."""
     if not owns(rec, attempt_id):
@@ -630,7 +654,7 @@ def hold(rec: Record, attempt_id: str, now: float, until: float) -> Record | Non
     return _bump(
         rec,
         now,
-        state=State.DEFERRED if rec.attempts else State.QUEUED,
+        state=State.DEFERRED if attempts_of_this_event(rec) else State.QUEUED,
         owner=None,
         lease_until=None,
         phase=None,

@@ -132,7 +132,12 @@ class _Writer:
             conn.executescript(_SCHEMA)
             columns = {row[1] for row in conn.execute("PRAGMA table_info(queue)")}
             if "smtputf8" not in columns:  # a file from before queued mail kept the flag
-                conn.execute("ALTER TABLE queue ADD COLUMN smtputf8 INTEGER NOT NULL DEFAULT 0")
+                try:
+                    conn.execute("ALTER TABLE queue ADD COLUMN smtputf8 INTEGER NOT NULL DEFAULT 0")
+                except sqlite3.OperationalError as e:
+                    # Another process opening the same file (workers, the CLI) added it first.
+                    if "duplicate column" not in str(e):
+                        raise
             # The loop thread must never wait on a lock held by another process: a busy
             # BEGIN is retried on the writer thread instead (_begin_waiting).
             conn.execute("PRAGMA busy_timeout = 0")
