@@ -336,6 +336,18 @@ def _lost_after_dot(rec: Record, now: float, s: LedgerSettings) -> Record:
     end a lease while its session is still in DATA. Until its send timeout has run out it
     may still get its 250, so that moment is kept for `resolve --as retry` to respect."""
     last_lease = rec.lease_until if rec.lease_until is not None else now
+    # The lost attempt in the history, so an operator sees when and where it ran; its own
+    # id stays free for the owner's outcome, should the owner still report one.
+    trace = Attempt(
+        attempt_id=f"{rec.sg_id}:lost",
+        at=now,
+        instance=rec.owner or "?",
+        provider=None,
+        phase=Phase.DATA_SENT.value,
+        outcome="unknown",
+        text="lease lost after the data_sent note: the final dot may have reached the provider",
+        message_id=rec.message_id,
+    )
     lost = _bump(
         rec,
         now,
@@ -344,6 +356,7 @@ def _lost_after_dot(rec: Record, now: float, s: LedgerSettings) -> Record:
         lease_until=None,
         lost_owner=rec.owner,
         lost_until=max(last_lease, now) + s.send_timeout,
+        attempts=(*rec.attempts, trace),
     )
     return _audit(
         lost,
@@ -352,7 +365,7 @@ def _lost_after_dot(rec: Record, now: float, s: LedgerSettings) -> Record:
         "lease_expired",
         State.IN_FLIGHT,
         State.UNKNOWN,
-        f"owner {rec.owner} lost its lease after the final dot",
+        f"owner {rec.owner} lost its lease after noting data_sent (the final dot may have gone)",
     )
 
 
