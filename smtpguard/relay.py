@@ -308,8 +308,26 @@ class SmtpProvider:
         accepted, rejected = envelope.accepted, envelope.rejected
 
         # From here the final dot may reach the provider: the outcome is the provider's.
+        watch = _BodyWatch(conn)
         try:
-            response = await conn.data(payload, timeout=t.data)
+            with watch:
+                response = await conn.data(payload, timeout=t.data)
+        except (aiosmtplib.SMTPServerDisconnected, aiosmtplib.SMTPTimeoutError, OSError, TimeoutError) as e:
+            if not watch.body_written:
+                # Lost while waiting for 354: not one byte of the message, let alone its
+                # final dot, was written, so nothing can have been accepted (DESIGN.md §11.6).
+                return _unavailable(self.name, f"at DATA, before the message: {_describe(e)}"), False
+            return Attempted(
+                Outcome(
+                    Kind.UNKNOWN,
+                    self.name,
+                    detail=f"after DATA: {_describe(e)}",
+                    rejected=tuple(rejected),
+                    data_sent=True,
+                ),
+                failover=False,
+                health="fail",
+            ), False
         except aiosmtplib.SMTPResponseException as e:
             reply = upstream_reply(e.code, e.message)
             kind = classify_reply(e.code)
@@ -319,7 +337,7 @@ class SmtpProvider:
                 failover=False,
                 health=health,
             ), await _rset(conn)
-        except (aiosmtplib.SMTPException, OSError, TimeoutError) as e:
+        except aiosmtplib.SMTPException as e:
             return Attempted(
                 Outcome(
                     Kind.UNKNOWN,
@@ -359,6 +377,42 @@ class SmtpProvider:
             failover=False,
             health="ok",
         ), True
+
+
+class _BodyWatch:
+    """Whether any byte of the message was handed to the socket during `conn.data()`.
+
+    aiosmtplib sends the DATA command and the message in one call; a connection lost in
+    between (no 354 yet) has sent nothing the provider could accept, while one lost after
+    the message was written is RFC 1047's unknown window. The call writes exactly twice
+    (the command line, then the message), so counting writes tells the two apart."""
+
+    def __init__(self, conn: aiosmtplib.SMTP) -> None:
+        self._protocol = conn.protocol
+        self.writes = 0
+
+    @property
+    def body_written(self) -> bool:
+        return self.writes > 1
+
+    def __enter__(self) -> _BodyWatch:
+        proto = self._protocol
+        if proto is not None:
+            original = proto.write
+
+            def counted(data: bytes) -> None:
+                self.writes += 1
+                original(data)
+
+            proto.write = counted  # type: ignore[method-assign]
+        else:
+            self.writes = 2  # nothing to watch: assume the worst (unknown)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._protocol is not None:
+            with contextlib.suppress(AttributeError):
+                del self._protocol.write
 
 
 def _retrieve(task: asyncio.Future[None]) -> None:

@@ -432,3 +432,59 @@ async def test_a_redis_down_at_start_is_checked_once_it_answers(tmp: Path) -> No
     log = (tmp / "guard.log").read_text()
     assert down.code == 451 and down.text.startswith("4.3.0")
     assert rc == 1 and "appendonly is 'no'" in log and "Traceback" not in log
+
+
+# --- §11.6: an error before the final dot is never `unknown` ------------------------------------
+class HangsUpAtData:
+    """A provider that takes MAIL and RCPT, then closes the connection on the DATA command
+    (no 354): nothing of the message was sent, so nothing can have been accepted."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.data_commands = 0
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._session, "127.0.0.1", self.port)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    async def _session(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(b"220 hangs-up ESMTP\r\n")
+        while line := await r.readline():
+            verb = line[:4].upper()
+            if verb in (b"EHLO", b"HELO"):
+                w.write(b"250-hangs-up\r\n250 8BITMIME\r\n")
+            elif verb == b"DATA":
+                self.data_commands += 1
+                w.close()
+                return
+            elif verb == b"QUIT":
+                w.write(b"221 bye\r\n")
+                w.close()
+                return
+            else:
+                w.write(b"250 ok\r\n")
+            await w.drain()
+
+
+async def test_a_provider_lost_before_354_is_retryable_and_refunded(tmp: Path, store_url: str) -> None:
+    bad = HangsUpAtData()
+    await bad.start()
+    cfg = base_config(tmp, bad.port)
+    cfg["store"] = {"url": store_url, **({"unsafe": True} if store_url.startswith("redis") else {})}
+    try:
+        async with running_guard(cfg) as guard:
+            first = await send(guard.ports[0], message("inv:354"))
+            rec = await record(guard, "inv:354")
+            now = guard.clock()
+            assert guard.store is not None
+            usage = await guard.store.cap_usage("acme", now, month_of(now))
+    finally:
+        await bad.stop()
+    assert bad.data_commands == 1
+    assert first.code == 451 and first.text.startswith("4.4.1"), str(first)
+    assert rec.state is State.DEFERRED and [a.outcome for a in rec.attempts] == ["unavailable"]
+    assert (usage.hour, usage.month) == (0, 0)
