@@ -277,13 +277,20 @@ class Submitter:
         return LedgerSettings(ek.min_retry_interval, ek.lease, zone.derive_window, self.config.send_timeout())
 
     async def refund(self, zone: str, token: str) -> None:
-        """Give back the cap unit of an attempt that reached no provider's DATA (idempotent,
-        so a refund that lands twice returns one unit). Best effort: a store that cannot be
-        reached now keeps the unit, which is the safe side of a cap."""
-        try:
-            await self.store.refund(zone, token, token_month(token, self.clock()))
-        except StoreUnavailable as e:
-            log.warning("cap unit not refunded: store unavailable", extra={"zone": zone, "error": str(e)})
+        """Give back the cap unit of an attempt that reached no provider's DATA. Idempotent,
+        so it is retried (a few times, briefly) and a refund that lands twice returns one
+        unit; a store that stays unreachable keeps the unit, the safe side of a cap."""
+        for attempt in range(4):
+            try:
+                await self.store.refund(zone, token, token_month(token, self.clock()))
+                return
+            except StoreUnavailable as e:
+                if attempt == 3:
+                    log.warning(
+                        "cap unit not refunded: store unavailable", extra={"zone": zone, "error": str(e)}
+                    )
+                    return
+            await asyncio.sleep(0.05 * 2**attempt)
 
     async def _accept_queued(
         self, sub: Submission, zone: ZoneConfig, s: LedgerSettings, message: QueuedMessage

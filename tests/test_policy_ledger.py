@@ -694,10 +694,22 @@ def test_a_lost_owner_reporting_back_is_no_longer_sending() -> None:
     dead = rec(State.IN_FLIGHT, lease_until=T0 + 30, phase=Phase.DATA_SENT, owner="i-1")
     verdict = ledger.decide(dead, sub(), T0 + 31, s)
     assert isinstance(verdict, ledger.Transition)
+    # A reply to the dot is an answer: the event is known again (here: refused).
     late = Outcome(Kind.FAILED, "primary", Reply(554, "5.7.1", "refused"), data_sent=True)
     told = ledger.settle(verdict.record, "A1", "i-1", late, T0 + 35, s)
-    assert told.state is State.UNKNOWN and told.lost_until is None
-    assert ledger.resolve(told, "retry", "cli:alice", T0 + 36).state is State.DEFERRED
+    assert told.state is State.FAILED and told.lost_until is None
+    # A refusal at MAIL: nothing was sent, retryable as any deferral.
+    early = Outcome(Kind.DEFERRED, "primary", Reply(451, "4.3.0", "later"), data_sent=False)
+    back = ledger.settle(verdict.record, "A1", "i-1", early, T0 + 35, s)
+    assert back.state is State.DEFERRED and back.next_attempt_at == T0 + 35 + s.min_retry_interval
+    # Its reply lost too: still unknown, and now nothing stops resolve --as retry.
+    lost = Outcome(Kind.UNKNOWN, "primary", detail="timeout after DATA", data_sent=True)
+    still = ledger.settle(verdict.record, "A1", "i-1", lost, T0 + 35, s)
+    assert still.state is State.UNKNOWN and still.lost_until is None
+    assert ledger.resolve(still, "retry", "cli:alice", T0 + 36).state is State.DEFERRED
+    # Another instance's late report changes nothing.
+    other = ledger.settle(verdict.record, "A1", "i-9", early, T0 + 35, s)
+    assert other.state is State.UNKNOWN
 
 
 def test_a_derived_keys_new_event_keeps_a_bounded_history() -> None:

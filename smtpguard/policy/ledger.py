@@ -505,10 +505,14 @@ def settle(
         rejected=outcome.rejected,
     )
     rec = replace(rec, attempts=(*rec.attempts, attempt))
-    if rec.lost_owner == instance and rec.lost_until is not None:
-        # The owner that lost its lease has its answer: it is no longer sending.
+    # The owner that lost its lease after noting data_sent has its answer, and nobody has
+    # acted on the event since (it is still unknown, still this attempt's): whatever it
+    # learnt — a refusal at MAIL or RCPT, a reply to the dot — is known now, and the event
+    # is no longer unknown. Only a lost reply leaves it unknown.
+    reported = rec.state is State.UNKNOWN and rec.lost_owner == instance and rec.sg_id == attempt_id
+    if reported:
         rec = replace(rec, lost_until=None)
-    if not owns(rec, attempt_id) and outcome.kind is not Kind.DELIVERED:
+    if not owns(rec, attempt_id) and not reported and outcome.kind is not Kind.DELIVERED:
         return _bump(rec, now)
     common: dict[str, Any] = {"owner": None, "lease_until": None, "phase": None}
     if outcome.kind is Kind.DELIVERED:
