@@ -249,11 +249,7 @@ class SmtpProvider:
             # and the next provider may be tried. The connection answered EHLO, and the
             # fault is this message's: it must not count against the provider's circuit.
             _log_unexpected(self.name, "before DATA", e)
-            return Attempted(
-                Outcome(Kind.UNAVAILABLE, self.name, detail=f"before DATA: {_describe(e)}", data_sent=False),
-                failover=True,
-                health="ok",
-            ), False
+            return _unavailable(self.name, f"before DATA: {_describe(e)}", health="ok"), False
         return _Accepted(accepted, rejected)
 
     async def _transaction(
@@ -277,11 +273,7 @@ class SmtpProvider:
             payload = self._prepare(env)
         except Exception as e:
             _log_unexpected(self.name, "preparing the message", e)
-            return Attempted(
-                Outcome(Kind.UNAVAILABLE, self.name, detail=f"before DATA: {_describe(e)}", data_sent=False),
-                failover=True,
-                health="ok",
-            ), True
+            return _unavailable(self.name, f"before DATA: {_describe(e)}", health="ok"), True
         # The data_sent mark is written while MAIL and RCPT go out and awaited before DATA:
         # its durable write and the provider's round trips overlap instead of adding up (and
         # the pooled connection is not held idle meanwhile). A crash between the two leaves
@@ -462,9 +454,11 @@ def _before_dot_reply(provider: str, code: int, text: str) -> Attempted:
     return Attempted(Outcome(Kind.FAILED, provider, reply, data_sent=False), failover=False, health="ok")
 
 
-def _unavailable(provider: str, detail: str) -> Attempted:
+def _unavailable(provider: str, detail: str, health: Health = "fail") -> Attempted:
+    """Nothing of the message reached the provider: retryable, and the next provider may be
+    tried. `health="ok"` when the fault is the message's, not the provider's."""
     return Attempted(
-        Outcome(Kind.UNAVAILABLE, provider, detail=detail, data_sent=False), failover=True, health="fail"
+        Outcome(Kind.UNAVAILABLE, provider, detail=detail, data_sent=False), failover=True, health=health
     )
 
 
