@@ -176,8 +176,8 @@ class DeliveryWorker:
             taken = verdict.record
             if await store.put(taken, rec.version) is not None:
                 return  # someone else moved it first; their write stands
-            if verdict.refund is not None:
-                await self.submitter.refund(rec.zone, verdict.refund)
+            for token in verdict.refund:
+                await self.submitter.refund(rec.zone, token)
             if zone is None:
                 await self._hold(taken, attempt_id, now + 60.0)
                 return

@@ -362,8 +362,8 @@ class Submitter:
                     await self.refund(sub.zone, sub.attempt_id)
                 raise
             if isinstance(result, Reserved):
-                if verdict.refund is not None:
-                    await self.refund(sub.zone, verdict.refund)
+                for token in verdict.refund:
+                    await self.refund(sub.zone, token)
                 return verdict.record
             if isinstance(result, Conflict):
                 current = result.current
@@ -374,8 +374,8 @@ class Submitter:
                 ):
                     # Our own write landed and only its reply was lost (a retried script
                     # after a connection reset): the reservation is ours.
-                    if verdict.refund is not None:
-                        await self.refund(sub.zone, verdict.refund)
+                    for token in verdict.refund:
+                        await self.refund(sub.zone, token)
                     return current
                 continue
             if isinstance(result, Paused):

@@ -261,10 +261,24 @@ def test_relay_deferred_retried_in_queue_mode_is_taken_into_the_lane() -> None:
 def test_takeover_before_data_refunds_the_abandoned_unit() -> None:
     dead = rec(State.IN_FLIGHT, lease_until=T0 + 30, phase=Phase.BEFORE_DATA)
     verdict = ledger.decide(dead, sub(), T0 + 31, S)
-    assert isinstance(verdict, Proceed) and verdict.refund == "A1"
+    assert isinstance(verdict, Proceed) and verdict.refund == ("A1",)
     deferred = rec(State.DEFERRED, next_attempt_at=T0)
     again = ledger.decide(deferred, sub(), T0 + 1, S)
-    assert isinstance(again, Proceed) and again.refund is None
+    assert isinstance(again, Proceed) and again.refund == ()
+
+
+def test_a_takeover_that_dies_before_its_refunds_leaves_them_to_the_next() -> None:
+    # Worker 1 consumed a unit and died; worker 2 took the entry over and died before its
+    # refund landed; worker 3 must give back both.
+    first = rec(State.IN_FLIGHT, lease_until=T0 + 30, phase=Phase.BEFORE_DATA, sg_id="X1", lane="bulk")
+    second = ledger.on_claim(first, "X2", "w2", T0 + 31, S)
+    assert isinstance(second, ledger.Deliver) and second.refund == ("X1",)
+    third = ledger.on_claim(second.record, "X3", "w3", T0 + 31 + S.lease, S)
+    assert isinstance(third, ledger.Deliver) and third.refund == ("X1", "X2")
+    done = ledger.settle(
+        third.record, "X3", "w3", Outcome(Kind.DELIVERED, "p", Reply(250, "2.0.0", "ok")), T0 + 70, S
+    )
+    assert done.unrefunded == ()
 
 
 def test_lost_lease_after_dot_keeps_when_its_owner_may_still_send() -> None:

@@ -112,6 +112,10 @@ class Record:
     lost_until: float | None = None
     """Until then that owner may still be in DATA with the provider (its lease plus the
     route's send timeout): `resolve --as retry` before it could send the event twice."""
+    unrefunded: tuple[str, ...] = ()
+    """Cap tokens of attempts abandoned before DATA that this record's attempt took over:
+    refunded after each takeover (idempotent), carried forward so that a takeover that
+    dies before its refunds lands leaves them to the next one; cleared once settled."""
     attempts: tuple[Attempt, ...] = field(default=())
     audit: tuple[AuditEntry, ...] = field(default=())
 
@@ -138,6 +142,7 @@ class Record:
             "expires_at": self.expires_at,
             "lost_owner": self.lost_owner,
             "lost_until": self.lost_until,
+            "unrefunded": list(self.unrefunded),
             "attempts": [_attempt_to_dict(a) for a in self.attempts],
             "audit": [
                 {
@@ -176,6 +181,7 @@ class Record:
             expires_at=d.get("expires_at"),
             lost_owner=d.get("lost_owner"),
             lost_until=d.get("lost_until"),
+            unrefunded=tuple(d.get("unrefunded", ())),
             attempts=tuple(_attempt_from_dict(a) for a in d.get("attempts", ())),
             audit=tuple(AuditEntry(**e) for e in d.get("audit", ())),
         )
@@ -239,10 +245,10 @@ class Proceed:
 
     record: Record
     expected_version: int | None
-    refund: str | None = None
-    """The cap token of an attempt this one takes over (its owner died before DATA, or
-    its reservation's reply was lost): nothing of it reached a provider, so once the
-    write stands its unit goes back (refunds are idempotent)."""
+    refund: tuple[str, ...] = ()
+    """Cap tokens of attempts this one takes over (their owners died before DATA, or a
+    reservation's reply was lost): nothing of them reached a provider, so once the write
+    stands their units go back (refunds are idempotent)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,7 +306,8 @@ def decide(existing: Record | None, sub: Submission, now: float, s: LedgerSettin
             return Transition(lost, existing.version, replies.outcome_unknown(sub.key), "unknown_held")
         # The owner died (or its reservation's reply was lost) before DATA: nothing was
         # sent, so this submission takes over and the abandoned attempt's unit goes back.
-        return Proceed(_retry(existing, sub, now, s), existing.version, refund=existing.sg_id)
+        taken = replace(_retry(existing, sub, now, s), unrefunded=_abandoned(existing))
+        return Proceed(taken, existing.version, refund=taken.unrefunded)
     if state is State.DEFERRED:
         if existing.next_attempt_at is not None and now < existing.next_attempt_at:
             return Answer(replies.retry_too_soon(sub.key, existing.next_attempt_at), "too_soon")
@@ -310,6 +317,15 @@ def decide(existing: Record | None, sub: Submission, now: float, s: LedgerSettin
     if state is State.UNKNOWN:
         return Answer(replies.outcome_unknown(sub.key), "unknown_held")
     return Answer(replies.expired(sub.key), "expired")
+
+
+KEPT_UNREFUNDED = 8
+
+
+def _abandoned(rec: Record) -> tuple[str, ...]:
+    """The tokens whose units a takeover of `rec` (in flight, before DATA, lease over) gives
+    back: its own attempt's, and those an earlier takeover may not have lived to refund."""
+    return (*rec.unrefunded, rec.sg_id)[-KEPT_UNREFUNDED:]
 
 
 def _in_lane(rec: Record) -> bool:
@@ -514,7 +530,7 @@ def settle(
         rec = replace(rec, lost_until=None)
     if not owns(rec, attempt_id) and not reported and outcome.kind is not Kind.DELIVERED:
         return _bump(rec, now)
-    common: dict[str, Any] = {"owner": None, "lease_until": None, "phase": None}
+    common: dict[str, Any] = {"owner": None, "lease_until": None, "phase": None, "unrefunded": ()}
     if outcome.kind is Kind.DELIVERED:
         return _bump(
             rec,
@@ -607,8 +623,8 @@ class Deliver:
     """The worker takes this attempt: write `record` (in_flight, owned), then relay."""
 
     record: Record
-    refund: str | None = None
-    """As Proceed.refund: the cap token of an attempt whose worker died before DATA."""
+    refund: tuple[str, ...] = ()
+    """As Proceed.refund: the cap tokens of attempts whose workers died before DATA."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -656,7 +672,9 @@ def on_claim(rec: Record, attempt_id: str, instance: str, now: float, s: LedgerS
         next_attempt_at=None,
     )
     # An in_flight record here lost its worker before DATA: its unit goes back.
-    return Deliver(taken, refund=rec.sg_id if rec.state is State.IN_FLIGHT else None)
+    if rec.state is State.IN_FLIGHT:
+        taken = replace(taken, unrefunded=_abandoned(rec))
+    return Deliver(taken, refund=taken.unrefunded)
 
 
 def attempts_of_this_event(rec: Record) -> int:
