@@ -169,7 +169,9 @@ class DeliveryWorker:
                 if verdict.decision == "busy":
                     return
                 final = verdict.record or rec
-                await store.requeue(final, rec.version, queue_due(final))
+                if await store.requeue(final, rec.version, queue_due(final)) is None:
+                    for token in verdict.refund:
+                        await self.submitter.refund(rec.zone, token)
                 if verdict.record is not None:
                     self.on_result(rec.zone, Result(_reply_of(final), verdict.decision, rec.key))
                 return

@@ -422,6 +422,13 @@ class Submitter:
             await self.refund(sub.zone, sub.attempt_id)
             if isinstance(e, LeaseLost):
                 return Result(replies.in_flight(sub.key), "lease_lost", sub.key)
+            # The data_sent note (or a renewal) may have landed with only its reply lost:
+            # left so, the event would read `unknown` after its lease though no DATA was
+            # sent (DESIGN.md §11.6). Record what is known, briefly; a store that stays
+            # down leaves it to the lease.
+            unsent = Outcome(Kind.UNAVAILABLE, None, detail=f"store: {e}"[:200], data_sent=False)
+            self.leases.release(held)
+            await self._settle(state["rec"], sub, unsent, s, retry_delay, tries=3)
             raise
         except Exception as e:
             # A defect, not an SMTP outcome (providers translate every SMTP and OS error).
@@ -458,13 +465,14 @@ class Submitter:
         outcome: Outcome,
         s: LedgerSettings,
         retry_delay: float | None = None,
+        tries: int = 20,
     ) -> None:
         """Write the outcome durably. The provider has already answered, so this is retried
         rather than abandoned: a lost 250 would later read as `unknown`, never a resend.
         If the record vanished meanwhile (a Redis failover or eviction), the outcome is
         written back from the last copy we held, so the next duplicate is still caught."""
         current: Record | None = rec
-        for attempt in range(20):
+        for attempt in range(tries):
             if current is None:
                 log.warning(
                     "ledger record vanished while relaying; writing its outcome back",

@@ -734,3 +734,17 @@ def test_a_derived_keys_new_event_keeps_a_bounded_history() -> None:
     assert verdict.record.attempts == many[-ledger.KEPT_HISTORY :]
     # Backoff and hold count this event's attempts only.
     assert ledger.attempts_of_this_event(verdict.record) == 0
+
+
+def test_an_entry_expiring_under_a_dead_worker_gives_its_unit_back() -> None:
+    dead = rec(
+        State.IN_FLIGHT,
+        lease_until=T0 + 30,
+        phase=Phase.BEFORE_DATA,
+        sg_id="X1",
+        lane="otp",
+        expires_at=T0 + 20,
+    )
+    verdict = ledger.on_claim(dead, "X2", "w2", T0 + 31, S)
+    assert isinstance(verdict, ledger.Finish) and verdict.decision == "expired"
+    assert verdict.refund == ("X1",) and verdict.record is not None and verdict.record.unrefunded == ()

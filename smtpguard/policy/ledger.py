@@ -633,6 +633,8 @@ class Finish:
 
     record: Record | None
     decision: str
+    refund: tuple[str, ...] = ()
+    """As Deliver.refund: an entry that expires under a worker that died before DATA."""
 
 
 ClaimVerdict = Deliver | Finish
@@ -660,7 +662,8 @@ def on_claim(rec: Record, attempt_id: str, instance: str, now: float, s: LedgerS
             State.EXPIRED,
             f"older than its class's max_age ({rec.lane})",
         )
-        return Finish(gone, "expired")
+        abandoned = _abandoned(rec) if rec.state is State.IN_FLIGHT else rec.unrefunded
+        return Finish(replace(gone, unrefunded=()), "expired", refund=abandoned)
     taken = _bump(
         rec,
         now,
