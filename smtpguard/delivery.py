@@ -169,7 +169,7 @@ class DeliveryWorker:
                 if verdict.decision == "busy":
                     return
                 final = verdict.record or rec
-                if await store.requeue(final, rec.version, queue_due(final)) is None:
+                if await self._requeue_stands(final, rec.version):
                     for token in verdict.refund:
                         await self.submitter.refund(rec.zone, token)
                 if verdict.record is not None:
@@ -208,6 +208,17 @@ class DeliveryWorker:
                 "delivery interrupted: store unavailable",
                 extra={"zone": rec.zone, "key": rec.key, "error": str(e)},
             )
+
+    async def _requeue_stands(self, final: ledger.Record, expected: int) -> bool:
+        """Requeue, and say whether `final` is what the store now holds — also when the
+        write's reply was lost (the refunds that follow it must happen exactly then)."""
+        try:
+            return await self.store.requeue(final, expected, queue_due(final)) is None
+        except StoreUnavailable:
+            now = await self.store.get(final.zone, final.key)
+            if now is None or now != final:
+                raise
+            return True
 
     async def _hold(self, rec: ledger.Record, attempt_id: str, until: float) -> None:
         held = ledger.hold(rec, attempt_id, self.submitter.clock(), until)
