@@ -309,17 +309,7 @@ class SmtpProvider:
                 # Lost while waiting for 354: not one byte of the message, let alone its
                 # final dot, was written, so nothing can have been accepted (DESIGN.md §11.6).
                 return _unavailable(self.name, f"at DATA, before the message: {_describe(e)}"), False
-            return Attempted(
-                Outcome(
-                    Kind.UNKNOWN,
-                    self.name,
-                    detail=f"after DATA: {_describe(e)}",
-                    rejected=tuple(rejected),
-                    data_sent=True,
-                ),
-                failover=False,
-                health="fail",
-            ), False
+            return _unknown(self.name, e, rejected), False
         except aiosmtplib.SMTPResponseException as e:
             reply = upstream_reply(e.code, e.message)
             kind = classify_reply(e.code)
@@ -330,31 +320,11 @@ class SmtpProvider:
                 health=health,
             ), await _rset(conn)
         except aiosmtplib.SMTPException as e:
-            return Attempted(
-                Outcome(
-                    Kind.UNKNOWN,
-                    self.name,
-                    detail=f"after DATA: {_describe(e)}",
-                    rejected=tuple(rejected),
-                    data_sent=True,
-                ),
-                failover=False,
-                health="fail",
-            ), False
+            return _unknown(self.name, e, rejected), False
         except Exception as e:
             # Not an SMTP or socket error, but DATA had started: the dot may have gone out.
             _log_unexpected(self.name, "after DATA", e)
-            return Attempted(
-                Outcome(
-                    Kind.UNKNOWN,
-                    self.name,
-                    detail=f"after DATA: {_describe(e)}",
-                    rejected=tuple(rejected),
-                    data_sent=True,
-                ),
-                failover=False,
-                health="fail",
-            ), False
+            return _unknown(self.name, e, rejected), False
         reply = upstream_reply(response.code, response.message)
         return Attempted(
             Outcome(
@@ -452,6 +422,22 @@ def _before_dot_reply(provider: str, code: int, text: str) -> Attempted:
             health="fail" if code == 421 else "ok",
         )
     return Attempted(Outcome(Kind.FAILED, provider, reply, data_sent=False), failover=False, health="ok")
+
+
+def _unknown(provider: str, e: BaseException, rejected: list[tuple[str, Reply]]) -> Attempted:
+    """The message was written and no reply came: RFC 1047's window. The outcome is this
+    provider's (never failed over) and nobody knows it."""
+    return Attempted(
+        Outcome(
+            Kind.UNKNOWN,
+            provider,
+            detail=f"after DATA: {_describe(e)}",
+            rejected=tuple(rejected),
+            data_sent=True,
+        ),
+        failover=False,
+        health="fail",
+    )
 
 
 def _unavailable(provider: str, detail: str, health: Health = "fail") -> Attempted:
