@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
 from tests.hostile_support import nothing_recorded
-from tests.support import RedisServer, Upstream, base_config, running_guard
-from tests.utf8_support import Utf8Upstream, cap_usage, raw_message, transact, utf8_upstream
+from tests.support import Upstream, base_config, running_guard
+from tests.utf8_support import Utf8Upstream, cap_usage, raw_message, store_overrides, transact, utf8_upstream
 
 KELVIN = "\u212a"  # KELVIN SIGN: str.lower() makes it "k"
 SENDERS = ["billing@acme.example", "@bank.example", "kelvin@trust.example"]
@@ -30,18 +29,7 @@ async def utf8_up() -> AsyncIterator[Utf8Upstream]:
 
 @pytest.fixture(params=["sqlite", "redis"])
 def store(request: pytest.FixtureRequest, tmp: Path) -> Iterator[dict[str, Any]]:
-    """base_config overrides for a real SQLite file or the real redis-server."""
-    if request.param == "sqlite":
-        yield {"store__url": f"sqlite:///{tmp / 'state.db'}"}
-        return
-    server: RedisServer = request.getfixturevalue("redis_server")
-    url = server.url.rsplit("/", 1)[0] + "/7"  # a database of its own on the shared server
-    plain = redis.Redis.from_url(url)
-    plain.flushdb()
-    # The session's redis-server does not fsync every write; these tests do not restart it.
-    yield {"store__url": url, "store__unsafe": True}
-    plain.flushdb()
-    plain.close()
+    yield from store_overrides(request, tmp, redis_db=7)
 
 
 async def test_kelvin_sign_domain_is_not_the_mapped_domain_without_smtputf8(

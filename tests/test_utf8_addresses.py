@@ -17,7 +17,6 @@ from typing import Any
 
 import aiosmtplib
 import pytest
-import redis
 import yaml
 
 from smtpguard.config import SmtpProviderConfig, loads
@@ -25,8 +24,8 @@ from smtpguard.policy.outcome import Kind
 from smtpguard.relay import Envelope, SmtpProvider
 from smtpguard.store import CapUsage
 from tests.hostile_support import nothing_recorded
-from tests.support import RedisServer, Upstream, base_config, running_guard
-from tests.utf8_support import Utf8Upstream, cap_usage, raw_message, transact, utf8_upstream
+from tests.support import Upstream, base_config, running_guard
+from tests.utf8_support import Utf8Upstream, cap_usage, raw_message, store_overrides, transact, utf8_upstream
 
 JOE = "jöe@example.net"
 CUSTOMER = "customer@example.com"
@@ -34,18 +33,7 @@ CUSTOMER = "customer@example.com"
 
 @pytest.fixture(params=["sqlite", "redis"])
 def store(request: pytest.FixtureRequest, tmp: Path) -> Iterator[dict[str, Any]]:
-    """base_config overrides for a real SQLite file or the real redis-server."""
-    if request.param == "sqlite":
-        yield {"store__url": f"sqlite:///{tmp / 'state.db'}"}
-        return
-    server: RedisServer = request.getfixturevalue("redis_server")
-    url = server.url.rsplit("/", 1)[0] + "/6"  # a database of its own on the shared server
-    plain = redis.Redis.from_url(url)
-    plain.flushdb()
-    # The session's redis-server does not fsync every write; these tests do not restart it.
-    yield {"store__url": url, "store__unsafe": True}
-    plain.flushdb()
-    plain.close()
+    yield from store_overrides(request, tmp, redis_db=6)
 
 
 @pytest.fixture

@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import aiosmtplib
+import pytest
+import redis
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
 from smtpguard.policy.limits import month_of
 from smtpguard.server import Server
 from smtpguard.store import CapUsage
-from tests.support import PASSWORD, RecordingHandler, Upstream
+from tests.support import PASSWORD, RecordingHandler, RedisServer, Upstream
 
 
 class _OptionsRecorder(RecordingHandler):
@@ -133,3 +137,19 @@ def raw_message(key: str, *, sender: str = "billing@acme.example", to: str = "cu
     """A CRLF message; its header From and To may hold UTF-8 (RFC 6532) as written."""
     head = f"From: {sender}\r\nTo: {to}\r\nSubject: Invoice\r\nX-Event-Key: {key}\r\n"
     return (head + "\r\nYour invoice.\r\n").encode()
+
+
+def store_overrides(request: pytest.FixtureRequest, tmp: Path, redis_db: int) -> Iterator[dict[str, Any]]:
+    """base_config overrides for a real SQLite file, or a database of its own (`redis_db`)
+    on the session's real redis-server, flushed before and after."""
+    if request.param == "sqlite":
+        yield {"store__url": f"sqlite:///{tmp / 'state.db'}"}
+        return
+    server: RedisServer = request.getfixturevalue("redis_server")
+    url = server.url.rsplit("/", 1)[0] + f"/{redis_db}"
+    plain = redis.Redis.from_url(url)
+    plain.flushdb()
+    # The session's redis-server does not fsync every write; these tests do not restart it.
+    yield {"store__url": url, "store__unsafe": True}
+    plain.flushdb()
+    plain.close()
