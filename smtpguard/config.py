@@ -295,6 +295,114 @@ class ZoneConfig(_Strict):
         return v
 
 
+class _Secret(_Strict):
+    """A secret named by environment variable or file, never inline."""
+
+    @model_validator(mode="after")
+    def _one_secret(self) -> _Secret:
+        fields = [f for f in type(self).model_fields if f.endswith(("_env", "_file"))]
+        given = [f for f in fields if getattr(self, f) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of {' or '.join(fields)} (never the secret inline)")
+        return self
+
+
+class MailgunSource(_Secret):
+    kind: Literal["mailgun"]
+    provider: str
+    signing_key_env: str | None = None
+    signing_key_file: Path | None = None
+
+
+class SendgridSource(_Secret):
+    kind: Literal["sendgrid"]
+    provider: str
+    public_key_env: str | None = None
+    """The Event Webhook's verification key: base64 DER of an ECDSA P-256 public key."""
+    public_key_file: Path | None = None
+
+
+class SvixSource(_Secret):
+    kind: Literal["svix"]
+    provider: str
+    secret_env: str | None = None
+    """The endpoint's signing secret, `whsec_…` (Resend and others deliver through Svix)."""
+    secret_file: Path | None = None
+
+
+class PostmarkSource(_Secret):
+    kind: Literal["postmark"]
+    provider: str
+    username: str = Field(min_length=1)
+    password_env: str | None = None
+    password_file: Path | None = None
+
+
+class SesSource(_Strict):
+    kind: Literal["ses"]
+    provider: str
+    certificate_file: Path
+    """The SNS signing certificate (PEM), downloaded once by the operator: smtpguard never
+    fetches a SigningCertURL named by the request it is verifying."""
+    topic_arn: str = Field(min_length=1)
+
+
+EventSource = Annotated[
+    MailgunSource | SendgridSource | SvixSource | PostmarkSource | SesSource, Field(discriminator="kind")
+]
+SOURCE_KINDS = ("mailgun", "sendgrid", "svix", "postmark", "ses")
+_SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+class MailboxConfig(_Strict):
+    """RFC 3464 DSNs and RFC 5965 ARF reports mailed to `address` at the `listen` listener."""
+
+    listen: str
+    address: str
+    provider: str
+    """Events from this mailbox match records relayed through this provider."""
+    max_message_size: Size = 1_000_000
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: str) -> str:
+        _host_port(v)
+        return v
+
+    @field_validator("address")
+    @classmethod
+    def _mailbox(cls, v: str) -> str:
+        problem = address_problem(v)
+        if problem:
+            raise ValueError(f"mailbox address {v!r}: {problem}")
+        return v
+
+
+class EventsConfig(_Strict):
+    address: str | None = None
+    """The webhook listener (HTTP; put TLS in front of it, as for any webhook receiver)."""
+    max_body: Size = 1_000_000
+    tolerance: Duration = 300.0
+    """Signed timestamps further from the store's clock than this are refused (replay)."""
+    sources: dict[str, EventSource] = Field(default_factory=dict)
+    mailbox: MailboxConfig | None = None
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str | None) -> str | None:
+        if v is not None:
+            _host_port(v)
+        return v
+
+    @field_validator("sources")
+    @classmethod
+    def _names(cls, v: dict[str, EventSource]) -> dict[str, EventSource]:
+        for name in v:
+            if not _SOURCE_NAME.match(name):
+                raise ValueError(f"source name {name!r} must be letters, digits, . _ - (it is a URL path)")
+        return v
+
+
 class Config(_Strict):
     listen: list[ListenerConfig] = Field(min_length=1)
     tls: TLSFiles | None = None
@@ -305,6 +413,7 @@ class Config(_Strict):
     breaker: BreakerConfig = BreakerConfig()
     queue: QueueConfig = QueueConfig()
     metrics: MetricsConfig | None = None
+    events: EventsConfig | None = None
     log: LogConfig = LogConfig()
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     """auto: uvloop when installed (the `fast` extra), else asyncio's own loop."""
@@ -336,6 +445,15 @@ class Config(_Strict):
                 seen[user.username] = zname
             if zcfg.default_class and zcfg.default_class not in self.queue.classes:
                 raise ValueError(f"zones.{zname}.default_class is not one of queue.classes")
+        if self.events is not None:
+            named = [(f"events.sources.{n}", s.provider) for n, s in self.events.sources.items()]
+            if self.events.mailbox is not None:
+                named.append(("events.mailbox", self.events.mailbox.provider))
+            for where, provider in named:
+                if provider not in names:
+                    raise ValueError(
+                        f"{where}.provider {provider!r} is not one of providers: {', '.join(names)}"
+                    )
         return self
 
     def send_timeout(self) -> float:
@@ -415,7 +533,7 @@ def _describe(err: Any, root: yaml.Node | None, source: str) -> str:
 
 def _is_union_tag(part: Any) -> bool:
     # pydantic inserts the discriminator value (`smtp`, `maildir`) into the location.
-    return part in ("smtp", "maildir")
+    return part in ("smtp", "maildir", *SOURCE_KINDS)
 
 
 def _dotted(loc: list[Any]) -> str:

@@ -67,6 +67,12 @@ class Metrics:
             ["zone", "window"],
             registry=r,
         )
+        self.provider_events = Counter(
+            "smtpguard_provider_events",
+            "Provider events (webhooks, DSNs) by source, type and outcome",
+            ["source", "type", "outcome"],
+            registry=r,
+        )
         self.connections = Gauge(
             "smtpguard_connections",
             "Open client connections",
@@ -81,6 +87,9 @@ class Metrics:
     def upstream(self, provider: str, reply_class: str, seconds: float) -> None:
         self._child(self.upstream_replies, provider, reply_class).inc()
         self._child(self.upstream_latency, provider).observe(seconds)
+
+    def provider_event(self, source: str, kind: str, outcome: str) -> None:
+        self._child(self.provider_events, source, kind, outcome).inc()
 
     def _child(self, metric: Any, *labels: str) -> Any:
         # prometheus_client's labels() validates and locks on every call; per message it

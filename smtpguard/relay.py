@@ -26,6 +26,7 @@ import aiosmtplib
 
 from smtpguard import replies
 from smtpguard.config import MaildirProviderConfig, SmtpProviderConfig
+from smtpguard.events.tags import tag_header
 from smtpguard.policy.breaker import Breaker, Circuit
 from smtpguard.policy.eventkey import qualified_key
 from smtpguard.policy.outcome import Kind, Outcome, classify_reply, queue_id, upstream_reply
@@ -88,8 +89,13 @@ class Provider(Protocol):
 
 # --- SMTP upstream ---------------------------------------------------------------------------
 class SmtpProvider:
-    def __init__(self, cfg: SmtpProviderConfig, password: str | None, helo: str) -> None:
+    def __init__(
+        self, cfg: SmtpProviderConfig, password: str | None, helo: str, event_tag: str | None = None
+    ) -> None:
         self.name = cfg.name
+        self.event_tag = event_tag
+        """The kind of the event source reading this provider's webhooks: its custom-variable
+        header carries the event key back (events/tags.py)."""
         self.cfg = cfg
         self.idempotent = cfg.idempotency_header is not None
         self.smtputf8: bool | None = None
@@ -118,10 +124,15 @@ class SmtpProvider:
             conn.close()
 
     def _prepare(self, env: Envelope) -> bytes:
-        if self.cfg.idempotency_header and env.key is not None:
-            header = f"{self.cfg.idempotency_header}: {qualified_key(env.zone, env.key)}\r\n"
-            return header.encode() + env.content
-        return env.content
+        if env.key is None:
+            return env.content
+        qualified = qualified_key(env.zone, env.key)
+        added = b""
+        if self.event_tag is not None:
+            added = tag_header(self.event_tag, qualified, env.content)
+        if self.cfg.idempotency_header:
+            added += f"{self.cfg.idempotency_header}: {qualified}\r\n".encode()
+        return added + env.content if added else env.content
 
     async def _connect(self) -> aiosmtplib.SMTP:
         t = self.cfg.timeouts
@@ -670,11 +681,13 @@ def build_providers(
     configs: Sequence[SmtpProviderConfig | MaildirProviderConfig],
     secrets: dict[str, str | None],
     helo: str,
+    event_tags: dict[str, str] | None = None,
 ) -> list[Provider]:
     out: list[Provider] = []
+    tags = event_tags or {}
     for cfg in configs:
         if isinstance(cfg, SmtpProviderConfig):
-            out.append(SmtpProvider(cfg, secrets.get(cfg.name), helo))
+            out.append(SmtpProvider(cfg, secrets.get(cfg.name), helo, tags.get(cfg.name)))
         else:
             out.append(MaildirProvider(cfg))
     return out

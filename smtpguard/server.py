@@ -14,6 +14,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from smtpguard.config import Config, ConfigError, load, provider_secrets, read_secret
 from smtpguard.delivery import DeliveryWorker
@@ -25,6 +26,11 @@ from smtpguard.policy.limits import caps_for, month_of
 from smtpguard.relay import Route, build_providers
 from smtpguard.store import Store, StoreUnavailable, store_from_url
 from smtpguard.submission import Principal, Result, Submitter
+
+if TYPE_CHECKING:
+    from smtpguard.events.apply import Applier
+    from smtpguard.events.sources import Sources
+    from smtpguard.events.web import EventsServer
 
 log = logging.getLogger("smtpguard.server")
 decisions = logging.getLogger("smtpguard.decision")
@@ -97,6 +103,8 @@ class Server:
         self.health: HealthServer | None = None
         self.submitter: Submitter | None = None
         self.worker: DeliveryWorker | None = None
+        self.events: EventsServer | None = None
+        self.event_applier: Applier | None = None
         self._background: set[asyncio.Future[None]] = set()
         self.unfit: list[str] = []
         """Why the store turned out unfit after start (checked once it answered)."""
@@ -115,6 +123,7 @@ class Server:
     async def start(self) -> None:
         config = self.config
         secrets = provider_secrets(config)
+        sources = _event_sources(config)
         ssl_ctx = tls_context(config)
         password = read_secret(config.store.password_env, config.store.password_file, "store")
         self.store = store_from_url(config.store.url, password=password)
@@ -154,6 +163,8 @@ class Server:
             self.health = HealthServer(self.metrics, self.readiness)
             await self.health.start(host.strip("[]"), int(port))
             log.info("metrics listening", extra={"address": config.metrics.address, "port": self.health.port})
+        if sources is not None:
+            await self._start_events(config, sources)
         self._tasks.append(asyncio.create_task(self._flush_stats()))
         self._tasks.append(asyncio.create_task(self._refresh_gauges()))
         self._tasks.append(asyncio.create_task(self._purge()))
@@ -165,6 +176,23 @@ class Server:
                 "event_loop": type(loop).__module__.split(".")[0],
             },
         )
+
+    async def _start_events(self, config: Config, sources: Sources) -> None:
+        """The provider-event listener (§13)."""
+        from smtpguard.events.apply import Applier
+        from smtpguard.events.web import EventsServer
+
+        assert config.events is not None and self.store is not None and self.submitter is not None
+        self.event_applier = Applier(
+            self.store, lambda: self.config.zones, self.clock, self.submitter.suppressions.invalidate
+        )
+        if config.events.address is not None:
+            host, _, port = config.events.address.rpartition(":")
+            self.events = EventsServer(
+                sources, self.event_applier, config.events.max_body, self.clock, self.metrics.provider_event
+            )
+            await self.events.start(host.strip("[]"), int(port))
+            log.info("events listening", extra={"address": config.events.address, "port": self.events.port})
 
     async def _judge_durability(self, problems: list[str], at_start: bool) -> None:
         """DESIGN.md §15: a store that may forget an acknowledged reservation turns a restart
@@ -198,7 +226,7 @@ class Server:
 
     def _route(self, config: Config, secrets: dict[str, str | None]) -> Route:
         return Route(
-            build_providers(config.providers, secrets, self.hostname),
+            build_providers(config.providers, secrets, self.hostname, _event_tags(config)),
             config.breaker.failure_threshold,
             config.breaker.cooldown,
             self.clock,
@@ -353,6 +381,8 @@ class Server:
             await asyncio.wait(self._background, timeout=2)
         if self.health is not None:
             await self.health.stop()
+        if self.events is not None:
+            await self.events.stop()
         if self.store is not None:
             await self.stats.flush(self.store)
         if self.route is not None:
@@ -373,7 +403,9 @@ class Server:
             return
         try:
             new = load(self.config_path)
-            secrets = provider_secrets(new) if new.providers != self.config.providers else None
+            rebuild = new.providers != self.config.providers or _event_tags(new) != _event_tags(self.config)
+            secrets = provider_secrets(new) if rebuild else None
+            sources = _event_sources(new) if new.events != self.config.events else None
         except ConfigError as e:
             log.error("reload refused; keeping the running config", extra={"problems": e.problems})
             return
@@ -389,10 +421,43 @@ class Server:
             self.handler.submitter.route = self.route
             # In-flight sends keep their provider objects; only idle connections are closed.
             await old_route.close()
+        if sources is not None and self.events is not None:
+            # Rotated signing keys apply to the next request; the address is bound at start.
+            self.events.sources = sources
+        if _events_address(new) != _events_address(self.config):
+            log.warning("events.address changes take effect only after a restart")
         self.handler.submitter.config = new
         self.config = new
         self._ensure_worker()
         log.info("config reloaded", extra={"zones": len(new.zones), "providers": len(new.providers)})
+
+
+def _event_tags(config: Config) -> dict[str, str]:
+    """Provider name → the kind of the first event source reading its webhooks."""
+    tags: dict[str, str] = {}
+    if config.events is not None:
+        for source in config.events.sources.values():
+            tags.setdefault(source.provider, source.kind)
+    return tags
+
+
+def _events_address(config: Config) -> str | None:
+    return config.events.address if config.events is not None else None
+
+
+def _event_sources(config: Config) -> Sources | None:
+    """The configured event sources with their secrets, read at start (or reload) so that a
+    missing one is a config error, not a 500 at the first webhook."""
+    if config.events is None:
+        return None
+    try:
+        from smtpguard.events.sources import build_sources
+        from smtpguard.events.web import EventsServer  # noqa: F401 - fail now when aiohttp is missing
+    except ImportError as e:
+        raise ConfigError(
+            [f"events: needs the `events` extra (pip install 'smtpguard[events]'): {e}"]
+        ) from None
+    return build_sources(config.events)
 
 
 def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop]:

@@ -71,6 +71,12 @@ def test_upstream_reply(code: int, text: str, reply: Reply) -> None:
         pytest.param("OK id=1rZ3Xy-0004Vd-2K", "1rZ3Xy-0004Vd-2K", id="exim"),
         pytest.param("Accepted, message id: <a1b2@mta.example>", "a1b2@mta.example", id="id-colon-brackets"),
         pytest.param("Ok", None, id="no-id"),
+        pytest.param(
+            "Ok 0100018c2c5d1c0a-8d4d6f8e-2b6a-4b7e-9a43-6f0b7f3c1d2e-000000",
+            "0100018c2c5d1c0a-8d4d6f8e-2b6a-4b7e-9a43-6f0b7f3c1d2e-000000",
+            id="ses-ok-and-message-id",
+        ),
+        pytest.param("2.0.0 Ok short", None, id="ok-and-a-short-word"),
         pytest.param("2.0.0 OK 1709550000 x1-20020a.123 - gsmtp", None, id="gmail-style-no-marker"),
         pytest.param("Message accepted, valid=yes", None, id="id-inside-a-word"),
         pytest.param("", None, id="empty"),

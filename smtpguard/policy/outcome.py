@@ -16,6 +16,8 @@ from smtpguard.replies import Reply
 
 _ENHANCED = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})\s*")
 _QUEUE_ID = re.compile(r"(?:\bqueued as\s+|\bid[=:]\s*)<?([A-Za-z0-9._@=+-]{1,128})>?", re.IGNORECASE)
+# Amazon SES (and others) answer `250 Ok <message id>` and nothing else: one long token.
+_OK_ID = re.compile(r"^(?:[245]\.\d{1,3}\.\d{1,3}\s+)?ok:?\s+<?([A-Za-z0-9._@=+-]{16,128})>?\s*$", re.IGNORECASE)
 
 
 class Kind(StrEnum):
@@ -61,7 +63,7 @@ def upstream_reply(code: int, text: str) -> Reply:
 
 def queue_id(text: str) -> str | None:
     """The upstream's queue id, as Postfix, Exim and most providers put it in their 250."""
-    m = _QUEUE_ID.search(text)
+    m = _QUEUE_ID.search(text) or _OK_ID.match(text)
     return m.group(1) if m else None
 
 

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
+from smtpguard.events.model import StoredEvent as StoredEvent  # re-exported for the backends
+from smtpguard.events.model import bare_message_id
 from smtpguard.policy.ledger import Record
 from smtpguard.policy.limits import CapCheck, CapReached
 from smtpguard.policy.queue import HELD as HELD  # re-exported: stores write it as a due time
@@ -106,6 +108,18 @@ class CircuitState:
 class CapUsage:
     hour: int
     month: int
+
+
+IdField = Literal["message_id", "upstream_id"]
+
+
+def id_forms(field: IdField, value: str) -> list[str]:
+    """The forms a record may hold an id in: a Message-ID with and without its angle
+    brackets (clients write either), an upstream id as given."""
+    if field == "message_id":
+        bare = bare_message_id(value)
+        return [bare, f"<{bare}>"]
+    return [value.strip()]
 
 
 class Store(Protocol):
@@ -202,6 +216,20 @@ class Store(Protocol):
     async def suppression_versions(self, zone: str) -> tuple[int, int]:
         """Change counters of the zone's list and of the global list: a cache that saw the
         same pair still holds both lists exactly."""
+
+    # --- provider events (DESIGN.md §13) -----------------------------------------------------
+    async def find_records(self, field: IdField, value: str) -> list[Record]:
+        """Records, in any zone, whose message_id (either form, see id_forms) or upstream_id
+        is `value` (an index lookup; at most 100)."""
+
+    async def apply_event(self, zone: str, key: str, event: StoredEvent, suppress_reason: str | None) -> bool:
+        """Atomically, once per (zone, event.source, event.id): add the event to the
+        record's history and, with a reason, put event.recipient on the zone's list (an
+        existing entry keeps its first reason). False when the event was applied before:
+        nothing changes. Event ids are kept for `retention` (purge)."""
+
+    async def provider_events(self, zone: str, key: str) -> list[StoredEvent]:
+        """The record's provider events, in the order they arrived."""
 
     # --- provider health, for operators (each instance keeps its own breaker) ---------------
     async def set_circuit(self, instance: str, provider: str, circuit: str, now: float) -> None:

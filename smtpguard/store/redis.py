@@ -34,6 +34,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
+from smtpguard.events.model import bare_message_id
 from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached
 from smtpguard.policy.senders import normalize_address, suppression_key
@@ -43,11 +44,13 @@ from smtpguard.store.base import (
     CircuitState,
     Claimed,
     Conflict,
+    IdField,
     Paused,
     QueuedMessage,
     QueueEntry,
     Reserved,
     ReserveResult,
+    StoredEvent,
     StoreUnavailable,
     Suppression,
 )
@@ -81,10 +84,28 @@ _CLOCK_SAMPLE_EVERY = 10.0
 """How often TIME is sampled to follow drift between Redis's clock and ours."""
 _SETTLED_EXCLUDED = (State.IN_FLIGHT.value, State.QUEUED.value)
 
+# Every record write also keeps the zone's `ids` hash (m:<Message-ID without <>> and
+# u:<upstream id> → key), so a provider event naming either finds its record (§13), and
+# the record keeps the two ids it indexed so that the purge can take them out again.
+# The two ids are always the last two ARGV of the script; KEYS[1] is the record and the
+# zone's index is the KEYS entry `idx` names (its prefix is the zone's).
+_INDEX_IDS = """
+do
+  local mid, uid = ARGV[#ARGV - 1], ARGV[#ARGV]
+  local ids = string.sub(KEYS[IDX], 1, -4) .. 'ids'
+  local member = ARGV[MEMBER]
+  if mid ~= '' then redis.call('HSET', ids, 'm:' .. mid, member) end
+  if uid ~= '' then redis.call('HSET', ids, 'u:' .. uid, member) end
+  redis.call('HSET', KEYS[1], 'mid', mid, 'uid', uid)
+end
+"""
+
 # KEYS: record, paused, sends, month, index
 # ARGV: expected version ('' = absent), forced pause, has cap, monthly cap, hourly cap,
-#       hour start, token, now, trim before, month ttl, version, state, data, index score, key
-_RESERVE = """
+#       hour start, token, now, trim before, month ttl, version, state, data, index score, key,
+#       message id, upstream id
+_RESERVE = (
+    """
 local cur = redis.call('HMGET', KEYS[1], 'v', 'd')
 -- This very record is there already: our own write, re-run after its reply was lost.
 if cur[1] == ARGV[11] and cur[2] == ARGV[13] then return {'ok'} end
@@ -108,15 +129,21 @@ if ARGV[3] == '1' and not redis.call('ZSCORE', KEYS[3], ARGV[7]) then
 end
 redis.call('HSET', KEYS[1], 'v', ARGV[11], 's', ARGV[12], 'd', ARGV[13])
 redis.call('ZADD', KEYS[5], ARGV[14], ARGV[15])
+"""
+    + _INDEX_IDS.replace("IDX", "5").replace("MEMBER", "15")
+    + """
 return {'ok'}
 """
+)
 
 # The compare-and-swap every record write starts with (put, enqueue, requeue).
 # KEYS[1] record, KEYS[2] index; ARGV[1] expected version ('' = absent), ARGV[2] version,
-# ARGV[3] state, ARGV[4] data, ARGV[5] index score, ARGV[6] key.
+# ARGV[3] state, ARGV[4] data, ARGV[5] index score, ARGV[6] key; the last two ARGV the
+# message id and upstream id (_INDEX_IDS).
 # A record already equal to the one written is our own write, re-run after its reply was
 # lost: it counts as written, and what follows (idempotent) runs again.
-_CAS_WRITE = """
+_CAS_WRITE = (
+    """
 local cur = redis.call('HMGET', KEYS[1], 'v', 'd')
 if cur[1] ~= ARGV[2] or cur[2] ~= ARGV[4] then
   if ARGV[1] == '' then
@@ -126,8 +153,12 @@ if cur[1] ~= ARGV[2] or cur[2] ~= ARGV[4] then
   end
   redis.call('HSET', KEYS[1], 'v', ARGV[2], 's', ARGV[3], 'd', ARGV[4])
   redis.call('ZADD', KEYS[2], ARGV[5], ARGV[6])
+"""
+    + _INDEX_IDS.replace("IDX", "2").replace("MEMBER", "6")
+    + """
 end
 """
+)
 
 # KEYS: record, index.  ARGV: expected version ('' = absent), version, state, data, index
 # score, key
@@ -163,6 +194,14 @@ for i = 2, #KEYS do
     elseif s == ARGV[2] or s == ARGV[3] then
       kept = kept + 1
     else
+      local indexed = redis.call('HMGET', KEYS[i], 'mid', 'uid')
+      for n, kind in ipairs({'m:', 'u:'}) do
+        local id = indexed[n]
+        if id and id ~= '' and redis.call('HGET', prefix .. 'ids', kind .. id) == member then
+          redis.call('HDEL', prefix .. 'ids', kind .. id)
+        end
+      end
+      redis.call('DEL', prefix .. 'pev:' .. member)
       redis.call('DEL', KEYS[i])
       redis.call('ZREM', KEYS[1], member)
       -- A store-and-forward entry kept for the operator (unknown, failed) goes with it.
@@ -357,6 +396,20 @@ return out
 """
 
 
+# KEYS: event ids (zset), the record's events (list), the zone's suppression hash, its
+# change counter.  ARGV: member (source NUL id), received at, event JSON, address ('' none),
+# suppression entry JSON.  Returns 1 when applied, 0 when this event was applied before.
+_APPLY_EVENT = """
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+redis.call('RPUSH', KEYS[2], ARGV[3])
+redis.call('LTRIM', KEYS[2], -EVENTS_KEPT, -1)
+if ARGV[4] ~= '' and redis.call('HSETNX', KEYS[3], ARGV[4], ARGV[5]) == 1 then
+  redis.call('INCR', KEYS[4])
+end
+return 1
+""".replace("EVENTS_KEPT", "500")
+
 _CIRCUITS = "sg:{providers}:circuits"
 """Hash (instance, provider) → (circuit, since): each instance's breakers, for `stats`."""
 
@@ -406,6 +459,11 @@ def _dump(r: Record) -> str:
     return json.dumps(r.to_dict(), separators=(",", ":"))
 
 
+def _ids(r: Record) -> tuple[str, str]:
+    """What _INDEX_IDS indexes the record under: its Message-ID without <>, its upstream id."""
+    return (bare_message_id(r.message_id) if r.message_id else "", r.upstream_id or "")
+
+
 class RedisStore:
     def __init__(self, url: str, password: str | None = None) -> None:
         self.url = url
@@ -422,6 +480,7 @@ class RedisStore:
         self._claim: AsyncScript | None = None
         self._entries: AsyncScript | None = None
         self._lanes_of: AsyncScript | None = None
+        self._apply_event: AsyncScript | None = None
         self._zones_announced: dict[str, float] = {}
         self._queued_swept_at: float | None = None
         self._mono: Callable[[], float] = time.monotonic
@@ -466,6 +525,7 @@ class RedisStore:
         self._claim = client.register_script(_CLAIM)
         self._entries = client.register_script(_ENTRIES)
         self._lanes_of = client.register_script(_LANES_OF)
+        self._apply_event = client.register_script(_APPLY_EVENT)
         self._client = client
         # Down at start: the local clock until the first sample (see now()).
         with contextlib.suppress(StoreUnavailable):
@@ -619,6 +679,7 @@ class RedisStore:
             _dump(record),
             record.updated_at,
             record.key,
+            *_ids(record),
         ]
         reply = await self._eval(self._reserve, keys, args)
         verdict = reply[0]
@@ -646,6 +707,7 @@ class RedisStore:
             _dump(record),
             record.updated_at,
             record.key,
+            *_ids(record),
         ]
         reply = await self._eval(self._put, keys, args)
         if reply[0] == "ok":
@@ -674,6 +736,7 @@ class RedisStore:
                 if len(members) < _PURGE_BATCH:
                     break
             await self._trim_window(zone, now - _WINDOW_KEEP)
+            await self._trim_event_ids(zone, cutoff)
         # AUTH failure keys expire by themselves (see auth_failure).
         return deleted
 
@@ -693,6 +756,10 @@ class RedisStore:
         keys = [_zone_key(zone, "idx"), *(_record_key(zone, m) for m in members)]
         done, kept = await self._eval(self._purge, keys, [cutoff, *_SETTLED_EXCLUDED, *members])
         return int(done), int(kept)
+
+    @_translated
+    async def _trim_event_ids(self, zone: str, before: float) -> None:
+        await self._r.zremrangebyscore(_zone_key(zone, "pev-ids"), "-inf", f"({before!r}")
 
     @_translated
     async def _trim_window(self, zone: str, before: float) -> None:
@@ -761,6 +828,7 @@ class RedisStore:
             json.dumps(list(message.recipients)),
             message.content,
             "1" if message.smtputf8 else "0",
+            *_ids(record),
         ]
         reply = await self._eval(self._enqueue, keys, args)
         if reply[0] == "ok":
@@ -790,6 +858,7 @@ class RedisStore:
             record.key,
             _zone_key(zone, ""),
             "" if due is None else due,
+            *_ids(record),
         ]
         reply = await self._eval(self._requeue, keys, args)
         if reply[0] == "ok":
@@ -1161,6 +1230,55 @@ class RedisStore:
             entry = json.loads(raw)
             result.append(Suppression(zone, str(address), str(entry["reason"]), float(entry["at"])))
         return result
+
+    # --- provider events ---------------------------------------------------------------------
+    @_translated
+    async def find_records(self, field: IdField, value: str) -> list[Record]:
+        wanted = bare_message_id(value) if field == "message_id" else value.strip()
+        name = ("m:" if field == "message_id" else "u:") + wanted
+        zones = sorted(str(z) for z in await self._r.smembers(_ZONES))
+        async with self._r.pipeline(transaction=False) as pipe:
+            for zone in zones:
+                pipe.hget(_zone_key(zone, "ids"), name)
+            keys = await pipe.execute()
+        found = []
+        for zone, key in zip(zones, keys, strict=True):
+            if not key:
+                continue
+            data = await self._r.hget(_record_key(zone, str(key)), "d")
+            record = _load(data if isinstance(data, str) else None)
+            # The entry may be stale (the record moved on to another attempt's ids).
+            if record is not None and _ids(record)[0 if field == "message_id" else 1] == wanted:
+                found.append(record)
+        return found
+
+    @_translated
+    async def apply_event(self, zone: str, key: str, event: StoredEvent, suppress_reason: str | None) -> bool:
+        address = ""
+        entry = ""
+        if suppress_reason is not None and event.recipient is not None:
+            address = suppression_key(event.recipient)
+            entry = json.dumps({"reason": suppress_reason, "at": event.received_at}, separators=(",", ":"))
+        keys = [
+            _zone_key(zone, "pev-ids"),
+            _zone_key(zone, f"pev:{key}"),
+            _zone_key(zone, "supp"),
+            _zone_key(zone, "supp:v"),
+        ]
+        args = [
+            f"{event.source}\x00{event.id}",
+            event.received_at,
+            json.dumps(event.to_dict(), separators=(",", ":")),
+            address,
+            entry,
+        ]
+        applied = await self._eval(self._apply_event, keys, args)
+        return bool(applied)
+
+    @_translated
+    async def provider_events(self, zone: str, key: str) -> list[StoredEvent]:
+        items = await self._r.lrange(_zone_key(zone, f"pev:{key}"), 0, -1)
+        return [StoredEvent.from_dict(json.loads(item)) for item in items]
 
     # --- provider health ---------------------------------------------------------------------
     @_translated

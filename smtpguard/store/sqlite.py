@@ -30,13 +30,16 @@ from smtpguard.store.base import (
     CircuitState,
     Claimed,
     Conflict,
+    IdField,
     Paused,
     QueuedMessage,
     QueueEntry,
     Reserved,
     ReserveResult,
+    StoredEvent,
     StoreUnavailable,
     Suppression,
+    id_forms,
 )
 
 T = TypeVar("T")
@@ -77,6 +80,17 @@ CREATE INDEX IF NOT EXISTS queue_lane_due ON queue (lane, due_at);
 CREATE TABLE IF NOT EXISTS circuits (
     instance TEXT NOT NULL, provider TEXT NOT NULL, circuit TEXT NOT NULL, at REAL NOT NULL,
     PRIMARY KEY (instance, provider)) WITHOUT ROWID;
+-- Provider events (DESIGN.md §13): one row per event applied; the key makes an event
+-- applied once, and the rows of a record are its `events` history.
+CREATE TABLE IF NOT EXISTS provider_events (
+    zone TEXT NOT NULL, source TEXT NOT NULL, event_id TEXT NOT NULL, key TEXT NOT NULL,
+    received_at REAL NOT NULL, data TEXT NOT NULL,
+    PRIMARY KEY (zone, source, event_id)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS provider_events_record ON provider_events (zone, key);
+CREATE INDEX IF NOT EXISTS provider_events_received ON provider_events (received_at);
+-- A provider event names its message by Message-ID or by the id in the provider's 250.
+CREATE INDEX IF NOT EXISTS events_message_id ON events (json_extract(data, '$.message_id'));
+CREATE INDEX IF NOT EXISTS events_upstream_id ON events (json_extract(data, '$.upstream_id'));
 CREATE TABLE IF NOT EXISTS counters (
     zone TEXT NOT NULL, name TEXT NOT NULL, value INTEGER NOT NULL,
     PRIMARY KEY (zone, name)) WITHOUT ROWID;
@@ -450,6 +464,7 @@ class SQLiteStore:
             for (zone,) in c.execute("SELECT DISTINCT zone FROM sends").fetchall():
                 _trim(c, zone, now - 2 * HOUR)
             c.execute("DELETE FROM auth_failures WHERE at < ?", (now - 2 * HOUR,))
+            c.execute("DELETE FROM provider_events WHERE received_at < ?", (now - retention,))
             return n
 
         return await self._write(op, heavy=True)
@@ -671,6 +686,52 @@ class SQLiteStore:
         )
         return [Suppression(z, a, r, float(t)) for z, a, r, t in rows]
 
+    # --- provider events ---------------------------------------------------------------------
+    async def find_records(self, field: IdField, value: str) -> list[Record]:
+        column = _ID_COLUMNS[field]
+        forms = id_forms(field, value)
+
+        def op(c: sqlite3.Connection) -> list[Record]:
+            marks = ", ".join("?" * len(forms))
+            rows = c.execute(
+                f"SELECT data FROM events WHERE json_extract(data, '$.{column}') IN ({marks}) LIMIT 100",
+                forms,
+            ).fetchall()
+            return [Record.from_dict(json.loads(row[0])) for row in rows]
+
+        return await self._read(op)
+
+    async def apply_event(self, zone: str, key: str, event: StoredEvent, suppress_reason: str | None) -> bool:
+        data = json.dumps(event.to_dict(), separators=(",", ":"))
+
+        def op(c: sqlite3.Connection) -> bool:
+            added = c.execute(
+                "INSERT OR IGNORE INTO provider_events (zone, source, event_id, key, received_at, data) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (zone, event.source, event.id, key, event.received_at, data),
+            ).rowcount
+            if not added:
+                return False
+            if suppress_reason is not None and event.recipient is not None:
+                listed = c.execute(
+                    "INSERT OR IGNORE INTO suppression (zone, address, reason, at) VALUES (?, ?, ?, ?)",
+                    (zone, suppression_key(event.recipient), suppress_reason, event.received_at),
+                ).rowcount
+                if listed:
+                    _bump_supp_version(c, zone)
+            return True
+
+        return await self._write(op)
+
+    async def provider_events(self, zone: str, key: str) -> list[StoredEvent]:
+        rows = await self._read(
+            lambda c: c.execute(
+                "SELECT data FROM provider_events WHERE zone = ? AND key = ? ORDER BY received_at",
+                (zone, key),
+            ).fetchall()
+        )
+        return [StoredEvent.from_dict(json.loads(row[0])) for row in rows]
+
     # --- provider health ---------------------------------------------------------------------
     async def set_circuit(self, instance: str, provider: str, circuit: str, now: float) -> None:
         await self._write(
@@ -757,6 +818,8 @@ def _bump_supp_version(c: sqlite3.Connection, zone: str) -> None:
         (zone,),
     )
 
+
+_ID_COLUMNS: dict[IdField, str] = {"message_id": "message_id", "upstream_id": "upstream_id"}
 
 _OWN = "own"
 """_swap's answer when the record already equals the one being written: a retried write

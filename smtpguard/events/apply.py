@@ -1,0 +1,89 @@
+"""Find the ledger record a provider event is about, and apply the event to it (§13).
+
+Matching is restricted to records the event's provider could have sent: the record has an
+attempt through the source's `provider`. It tries the zone-qualified key the provider
+echoed, then the Message-ID, then the upstream id from the provider's 250; an id that names
+records in two zones (two clients chose the same Message-ID) is not trusted and the next
+way is tried. An event that finds no record changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from enum import StrEnum
+
+from smtpguard.events.model import Match, ProviderEvent, StoredEvent, suppression_reason
+from smtpguard.policy.ledger import Record
+from smtpguard.store import Store
+from smtpguard.store.base import IdField
+
+
+class Applied(StrEnum):
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"
+    UNMATCHED = "unmatched"
+
+
+class Applier:
+    def __init__(
+        self,
+        store: Store,
+        zones: Callable[[], Collection[str]],
+        clock: Callable[[], float],
+        on_suppressed: Callable[[str], None] = lambda zone: None,
+    ) -> None:
+        self.store = store
+        self.zones = zones
+        self.clock = clock
+        self.on_suppressed = on_suppressed
+        """Told the zone whose list an event added to (this instance's suppression cache
+        then reads it at once; other instances within a second)."""
+
+    async def apply(self, provider: str, event: ProviderEvent) -> tuple[Applied, Record | None]:
+        record = await self.find(provider, event.match)
+        if record is None:
+            return Applied.UNMATCHED, None
+        reason = suppression_reason(event)
+        stored = StoredEvent(
+            at=event.at,
+            source=event.source,
+            type=event.kind.value,
+            provider_type=event.provider_type,
+            recipient=event.recipient,
+            status=event.status,
+            id=event.event_id,
+            effect="suppressed" if reason else "history",
+            received_at=self.clock(),
+        )
+        applied = await self.store.apply_event(record.zone, record.key, stored, reason)
+        if not applied:
+            return Applied.DUPLICATE, record
+        if reason:
+            self.on_suppressed(record.zone)
+        return Applied.APPLIED, record
+
+    async def find(self, provider: str, match: Match) -> Record | None:
+        zones = self.zones()
+        for qualified in match.keys:
+            zone, sep, key = qualified.partition(":")
+            if sep and zone in zones:
+                record = await self.store.get(zone, key)
+                if record is not None and _sent_through(record, provider):
+                    return record
+        lookups: list[tuple[IdField, str]] = [("message_id", m) for m in match.message_ids]
+        lookups += [("upstream_id", u) for u in match.upstream_ids]
+        for field, value in lookups:
+            if not value.strip():
+                continue
+            found = [
+                r
+                for r in await self.store.find_records(field, value)
+                if r.zone in zones and _sent_through(r, provider)
+            ]
+            if len({(r.zone, r.key) for r in found}) == 1:
+                return found[0]
+        return None
+
+
+def _sent_through(record: Record, provider: str) -> bool:
+    return any(a.provider == provider for a in record.attempts)

@@ -1,0 +1,121 @@
+"""One provider event, as every source kind is reduced to, and the effects table of §13.
+
+Pure: no I/O. The source modules turn a verified request into `ProviderEvent`s; `effect()`
+says what each one does; the store applies it atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+KEY_FIELD = "smtpguard_key"
+"""The custom variable (Mailgun user-variables, SendGrid unique_args, Postmark metadata)
+that carries the zone-qualified event key back."""
+KEY_HEADER = "X-Smtpguard-Key"
+"""The header carrying it where the provider echoes headers instead (SES, Resend)."""
+
+
+class Kind(StrEnum):
+    """What an event means for smtpguard, whatever the provider calls it. Also the `type`
+    label of smtpguard_provider_events_total, so the label's values are bounded."""
+
+    BOUNCE = "bounce"
+    """A hard (permanent) bounce: the address does not take mail."""
+    COMPLAINT = "complaint"
+    UNSUBSCRIBE = "unsubscribe"
+    DELIVERED = "delivered"
+    DEFERRED = "deferred"
+    SOFT_BOUNCE = "soft_bounce"
+    OTHER = "other"
+
+
+SUPPRESSING = {Kind.BOUNCE, Kind.COMPLAINT, Kind.UNSUBSCRIBE}
+
+
+class Malformed(Exception):
+    """The request verified (or needs no signature) but is not what the source sends: 400."""
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """How to find the ledger record an event is about, tried in this order (§13)."""
+
+    keys: tuple[str, ...] = ()
+    """Zone-qualified event keys (`zone:key`) the provider echoed back."""
+    message_ids: tuple[str, ...] = ()
+    upstream_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderEvent:
+    source: str
+    kind: Kind
+    provider_type: str
+    """The provider's own name for it (`failed`, `bounce`, `email.bounced`, …)."""
+    recipient: str | None
+    status: str
+    """The delivery status as the provider gave it (`5.1.1`, `550`, `HardBounce`), or ''."""
+    at: float
+    event_id: str
+    match: Match = field(default_factory=Match)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredEvent:
+    """What the record's history keeps of an event (`events` in `history --json`)."""
+
+    at: float
+    source: str
+    type: str
+    provider_type: str
+    recipient: str | None
+    status: str
+    id: str
+    effect: str
+    """`suppressed` (the recipient went on the zone's list), `listed` (it was already
+    there), or `history`."""
+    received_at: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "at": self.at,
+            "source": self.source,
+            "type": self.type,
+            "provider_type": self.provider_type,
+            "recipient": self.recipient,
+            "status": self.status,
+            "id": self.id,
+            "effect": self.effect,
+            "received_at": self.received_at,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StoredEvent:
+        return cls(**d)
+
+
+def suppression_reason(event: ProviderEvent) -> str | None:
+    """The §13 effects table: the reason a suppressing event puts its recipient on the
+    record's zone list with, or None when the event only joins the history."""
+    if event.recipient is None or event.kind not in SUPPRESSING:
+        return None
+    if event.kind is Kind.BOUNCE:
+        status = f" {event.status}" if event.status else ""
+        return f"bounce{status} via {event.source}"
+    return f"{event.kind.value} via {event.source}"
+
+
+def content_id(payload: Any) -> str:
+    """An id for an event the provider gave none: a hash of its canonical JSON, so the same
+    event delivered again is recognised."""
+    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()[:40]
+
+
+def bare_message_id(value: str) -> str:
+    """A Message-ID compared without its angle brackets and surrounding space (§13)."""
+    return value.strip().removeprefix("<").removesuffix(">").strip()

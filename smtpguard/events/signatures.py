@@ -1,0 +1,110 @@
+"""The signature checks of §13, each exactly as its provider documents it, on `cryptography`.
+
+Every function returns True or False and raises nothing for a bad signature or key: a
+request that does not verify is a 401, whatever was wrong with it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac as std_hmac
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, hmac
+from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
+from cryptography.hazmat.primitives.serialization import load_der_public_key
+from cryptography.x509 import load_pem_x509_certificate
+
+
+def _hmac_sha256(key: bytes, message: bytes) -> bytes:
+    h = hmac.HMAC(key, hashes.SHA256())
+    h.update(message)
+    return h.finalize()
+
+
+def mailgun(signing_key: str, timestamp: str, token: str, signature: str) -> bool:
+    """Hex HMAC-SHA256 of timestamp + token, keyed with the webhook signing key."""
+    expected = _hmac_sha256(signing_key.encode(), (timestamp + token).encode()).hex()
+    return std_hmac.compare_digest(expected, signature.strip().lower())
+
+
+def svix(secret: str, msg_id: str, timestamp: str, body: bytes, header: str) -> bool:
+    """Any `v1,<base64>` of the space-separated list is HMAC-SHA256 of `id.timestamp.body`,
+    keyed with the base64 secret after `whsec_` (several while a secret is rotated)."""
+    try:
+        key = base64.b64decode(secret.removeprefix("whsec_"), validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    expected = base64.b64encode(_hmac_sha256(key, f"{msg_id}.{timestamp}.".encode() + body)).decode()
+    for part in header.split():
+        version, _, value = part.partition(",")
+        if version == "v1" and std_hmac.compare_digest(expected, value):
+            return True
+    return False
+
+
+class KeyProblem(Exception):
+    """A configured key or certificate that cannot be loaded: a config error, not a 401."""
+
+
+def sendgrid_key(public_key_b64: str) -> ec.EllipticCurvePublicKey:
+    """The Event Webhook verification key as SendGrid shows it: base64 of its DER form."""
+    try:
+        key = load_der_public_key(base64.b64decode(public_key_b64.strip(), validate=True))
+    except (binascii.Error, ValueError) as e:
+        raise KeyProblem(f"not a base64 DER public key: {e}") from None
+    if not isinstance(key, ec.EllipticCurvePublicKey):
+        raise KeyProblem("not an ECDSA public key")
+    return key
+
+
+def sendgrid(key: ec.EllipticCurvePublicKey, timestamp: str, body: bytes, signature_b64: str) -> bool:
+    """ECDSA P-256 with SHA-256 over the timestamp header followed by the raw body."""
+    try:
+        signature = base64.b64decode(signature_b64.strip(), validate=True)
+        key.verify(signature, timestamp.encode() + body, ec.ECDSA(hashes.SHA256()))
+    except (binascii.Error, ValueError, InvalidSignature):
+        return False
+    return True
+
+
+def sns_certificate(pem: bytes) -> rsa.RSAPublicKey:
+    try:
+        key = load_pem_x509_certificate(pem).public_key()
+    except ValueError as e:
+        raise KeyProblem(f"not a PEM certificate: {e}") from None
+    if not isinstance(key, rsa.RSAPublicKey):
+        raise KeyProblem("the certificate's key is not RSA")
+    return key
+
+
+def sns(key: rsa.RSAPublicKey, version: str, canonical: bytes, signature_b64: str) -> bool:
+    """SignatureVersion 1 is SHA1withRSA, 2 is SHA256withRSA, over the canonical string."""
+    algorithm: hashes.HashAlgorithm
+    if version == "1":
+        algorithm = hashes.SHA1()
+    elif version == "2":
+        algorithm = hashes.SHA256()
+    else:
+        return False
+    try:
+        key.verify(base64.b64decode(signature_b64, validate=True), canonical, padding.PKCS1v15(), algorithm)
+    except (binascii.Error, ValueError, InvalidSignature):
+        return False
+    return True
+
+
+def basic_auth(header: str, username: str, password: str) -> bool:
+    scheme, _, encoded = header.partition(" ")
+    if scheme.lower() != "basic":
+        return False
+    try:
+        given = base64.b64decode(encoded.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    user, sep, secret = given.partition(b":")
+    # Both compared, always: the time taken says nothing about which one was wrong.
+    user_ok = std_hmac.compare_digest(user, username.encode())
+    secret_ok = std_hmac.compare_digest(secret, password.encode())
+    return bool(sep) and user_ok and secret_ok

@@ -1,0 +1,116 @@
+"""The `events` HTTP listener: `POST /events/NAME` for each configured source (§13).
+
+aiohttp's web server parses HTTP (a hand-written parser is how request smuggling starts)
+and runs on smtpguard's own event loop, so a webhook's store writes share the process's
+store connection. Every request gets one status and nothing partial: the body is read
+whole (bounded by `max_body`), verified, and only then are its events applied, each one
+atomically and idempotently — so a store failure half way through a batch answers 503 and
+the provider's retry applies the rest while the applied ones count as duplicates.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from smtpguard.events.apply import Applied, Applier
+from smtpguard.events.model import Malformed
+from smtpguard.events.sources import Rejected, Sources
+from smtpguard.store import StoreUnavailable
+
+log = logging.getLogger("smtpguard.events")
+
+Observe = Callable[[str, str, str], None]
+"""(source, type, outcome) → count it."""
+
+
+class EventsServer:
+    def __init__(
+        self,
+        sources: Sources,
+        applier: Applier,
+        max_body: int,
+        clock: Callable[[], float],
+        observe: Observe,
+    ) -> None:
+        self.sources = sources
+        self.applier = applier
+        self.clock = clock
+        self.observe = observe
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+        self.app = web.Application(client_max_size=max_body)
+        self.app.router.add_post("/events/{name}", self._handle)
+
+    async def start(self, host: str, port: int) -> None:
+        # No access log: a webhook URL may carry a token in its query string.
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, reuse_address=True)
+        await site.start()
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        self.port = sockets[0].getsockname()[1] if sockets else port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        source = self.sources.get(name)
+        if source is None:
+            return _reply(404, f"no event source named {name!r}")
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            self.observe(name, "-", "too_large")
+            return _reply(413, "the body is over events.max_body")
+        try:
+            verified = source.verify(body, request.headers, self.clock())
+        except Rejected as e:
+            self.observe(name, "-", f"rejected_{e.status}")
+            log.warning(
+                "provider event refused",
+                extra={"source": name, "status": e.status, "reason": e.reason, "peer": request.remote},
+            )
+            return _reply(e.status, e.reason)
+        except Malformed as e:
+            self.observe(name, "-", "rejected_400")
+            return _reply(400, str(e))
+        if verified.notice:
+            log.warning(verified.notice, extra={"source": name})
+        counts: dict[str, int] = {o.value: 0 for o in Applied}
+        try:
+            for event in verified.events:
+                outcome, record = await self.applier.apply(source.provider, event)
+                counts[outcome.value] += 1
+                self.observe(name, event.kind.value, outcome.value)
+                log.info(
+                    "provider event",
+                    extra={
+                        "source": name,
+                        "type": event.kind.value,
+                        "provider_type": event.provider_type,
+                        "event_id": event.event_id,
+                        "outcome": outcome.value,
+                        "zone": record.zone if record else None,
+                        "event_key": record.key if record else None,
+                        "status": event.status,
+                    },
+                )
+        except StoreUnavailable as e:
+            log.error(
+                "provider event not applied: store unavailable", extra={"source": name, "error": str(e)}
+            )
+            return _reply(503, "store unavailable; retry")
+        return web.json_response({"status": "ok", **counts})
+
+
+def _reply(status: int, reason: str) -> web.Response:
+    body: dict[str, Any] = {"status": "error", "error": reason}
+    return web.json_response(body, status=status)
