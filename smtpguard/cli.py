@@ -29,6 +29,7 @@ from smtpguard.policy.limits import caps_for, month_of
 from smtpguard.policy.queue import queue_due
 from smtpguard.policy.senders import address_problem, normalize_address
 from smtpguard.store import Store, StoreUnavailable, store_from_url
+from smtpguard.store.base import StoredEvent
 
 T = TypeVar("T")
 
@@ -113,9 +114,11 @@ def cmd_hash_password(args: argparse.Namespace) -> int:
 _TIMES = ("created_at", "updated_at", "next_attempt_at", "lease_until", "valid_until", "expires_at")
 
 
-def history_json(rec: ledger.Record) -> dict[str, Any]:
-    """The record as `history --json` prints it: the ledger's own fields, times in ISO 8601."""
+def history_json(rec: ledger.Record, events: Sequence[StoredEvent] = ()) -> dict[str, Any]:
+    """The record as `history --json` prints it: the ledger's own fields, and the provider
+    events that came back about it (§13), times in ISO 8601."""
     doc = rec.to_dict()
+    doc["events"] = [{**e.to_dict(), "at": iso(e.at), "received_at": iso(e.received_at)} for e in events]
     for name in _TIMES:
         doc[name] = iso(doc[name])
     doc["class"] = doc.pop("lane")
@@ -130,10 +133,15 @@ def history_json(rec: ledger.Record) -> dict[str, Any]:
 def cmd_history(args: argparse.Namespace) -> int:
     config = _config(args)
     zone = _zone(config, args.zone)
-    rec = asyncio.run(_with_store(config, lambda s: s.get(zone, args.key)))
+
+    async def read(store: Store) -> tuple[ledger.Record | None, list[StoredEvent]]:
+        rec = await store.get(zone, args.key)
+        return rec, (await store.provider_events(zone, args.key) if rec is not None else [])
+
+    rec, events = asyncio.run(_with_store(config, read))
     if rec is None:
         raise CLIError(f"no record for zone {zone} key {args.key!r}")
-    doc = history_json(rec)
+    doc = history_json(rec, events)
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
@@ -157,6 +165,12 @@ def cmd_history(args: argparse.Namespace) -> int:
     for e in doc["audit"]:
         print(
             f"  audit {e['at']} {e['actor']} {e['action']}: {e['from_state']} -> {e['to_state']} {e['note']}"
+        )
+    for e in doc["events"]:
+        status = f" {e['status']}" if e["status"] else ""
+        print(
+            f"  event {e['at']} {e['source']} {e['type']} ({e['provider_type']}){status} "
+            f"{e['recipient'] or '-'}: {e['effect']}"
         )
     return 0
 
