@@ -177,6 +177,7 @@ def ses(
     topic: str | None = None,
     private: Any = None,
     message_id: str | None = None,
+    subscribe_url: str = "https://sns.eu-west-1.amazonaws.com/?Action=ConfirmSubscription&Token=x",
 ) -> Signed:
     when = dt.datetime.fromtimestamp(at if at is not None else time.time(), dt.UTC)
     envelope: dict[str, Any] = {
@@ -194,7 +195,7 @@ def ses(
         envelope["UnsubscribeURL"] = "https://sns.eu-west-1.amazonaws.com/?Action=Unsubscribe"
     else:
         envelope["Token"] = secrets.token_hex(32)
-        envelope["SubscribeURL"] = "https://sns.eu-west-1.amazonaws.com/?Action=ConfirmSubscription&Token=x"
+        envelope["SubscribeURL"] = subscribe_url
     algorithm: hashes.HashAlgorithm = hashes.SHA1() if version == "1" else hashes.SHA256()
     signer = private or keys.ses_private
     signature = signer.sign(sns_canonical(envelope), padding.PKCS1v15(), algorithm)
@@ -369,11 +370,14 @@ def ses_message(
 async def post(
     port: int, source: str, signed: Signed, *, raw: bytes | None = None
 ) -> tuple[int, dict[str, Any]]:
-    async with aiohttp.ClientSession() as session, session.post(
-        f"http://127.0.0.1:{port}/events/{source}",
-        data=raw if raw is not None else signed.body,
-        headers=signed.headers,
-    ) as resp:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            f"http://127.0.0.1:{port}/events/{source}",
+            data=raw if raw is not None else signed.body,
+            headers=signed.headers,
+        ) as resp,
+    ):
         try:
             doc = await resp.json(content_type=None)
         except ValueError:

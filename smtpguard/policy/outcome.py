@@ -17,7 +17,9 @@ from smtpguard.replies import Reply
 _ENHANCED = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})\s*")
 _QUEUE_ID = re.compile(r"(?:\bqueued as\s+|\bid[=:]\s*)<?([A-Za-z0-9._@=+-]{1,128})>?", re.IGNORECASE)
 # Amazon SES (and others) answer `250 Ok <message id>` and nothing else: one long token.
-_OK_ID = re.compile(r"^(?:[245]\.\d{1,3}\.\d{1,3}\s+)?ok:?\s+<?([A-Za-z0-9._@=+-]{16,128})>?\s*$", re.IGNORECASE)
+_OK_ID = re.compile(
+    r"^(?:[245]\.\d{1,3}\.\d{1,3}\s+)?ok:?\s+<?([A-Za-z0-9._@=+-]{16,128})>?\s*$", re.IGNORECASE
+)
 
 
 class Kind(StrEnum):
