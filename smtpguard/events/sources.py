@@ -557,8 +557,8 @@ def _build(
         return value
 
     if isinstance(cfg, MailgunSource):
-        key = secret(cfg.signing_key_env, cfg.signing_key_file)
-        return Mailgun(name, cfg.provider, tolerance, key, tokens=_Tokens(tolerance))
+        signing_key = secret(cfg.signing_key_env, cfg.signing_key_file)
+        return Mailgun(name, cfg.provider, tolerance, signing_key, tokens=_Tokens(tolerance))
     if isinstance(cfg, SendgridSource):
         key = signatures.sendgrid_key(secret(cfg.public_key_env, cfg.public_key_file))
         return Sendgrid(name, cfg.provider, tolerance, key)
