@@ -34,6 +34,7 @@ from smtpguard.store import (
     Suppression,
     store_from_url,
 )
+from smtpguard.store.base import StoredEvent
 from smtpguard.store.redis import RedisStore
 from tests.support import RedisServer, free_port
 
@@ -824,8 +825,8 @@ async def test_redis_keys_of_a_zone_share_its_cluster_slot(redis_server: RedisSe
         await s.auth_failure("192.0.2.1", NOW, 300)
         keys = [str(k) for k in await plain.keys("*")]
         by_zone = {z: [k for k in keys if f"{{{z}}}" in k] for z in ("acme", "globex", "global")}
-        # record, index, sends, month, paused, counts, suppression, its change counter
-        assert len(by_zone["acme"]) == len(by_zone["globex"]) == 8
+        # record, index, ids, sends, month, paused, counts, suppression, its change counter
+        assert len(by_zone["acme"]) == len(by_zone["globex"]) == 9
         for zone, zone_keys in by_zone.items():
             assert {key_slot(k.encode()) for k in zone_keys} == {key_slot(zone.encode())}
         assert {
@@ -852,8 +853,8 @@ async def test_redis_queue_keys_share_the_zone_slot_and_idle_zones_leave_the_cla
         assert len(await s.claim(NOW, [("transactional", 2), ("bulk", 2)], LEASE)) == 4
         keys = [str(k) for k in await plain.keys("*")]
         by_zone = {z: [k for k in keys if f"{{{z}}}" in k] for z in ("acme", "globex")}
-        # records, index, entries, lanes, claimed, claimers, queue, the set of lane names
-        assert len(by_zone["acme"]) == len(by_zone["globex"]) == 11
+        # records, index, ids, entries, lanes, claimed, claimers, queue, the set of lane names
+        assert len(by_zone["acme"]) == len(by_zone["globex"]) == 12
         for zone, zone_keys in by_zone.items():
             assert {key_slot(k.encode()) for k in zone_keys} == {key_slot(zone.encode())}
         assert {k for k in keys if "{" not in k} - UPGRADE_MARKERS == {"sg:zones", "sg:queued-zones"}
@@ -1142,3 +1143,77 @@ async def test_redis_lanes_of_entries_queued_by_an_earlier_version_are_found(
     finally:
         await s.close()
         await plain.aclose()
+
+
+# --- provider events (DESIGN.md §13) ----------------------------------------------------------
+def provider_event(
+    event_id: str, recipient: str = "gone@example.net", at: float = NOW, source: str = "mg"
+) -> StoredEvent:
+    return StoredEvent(at, source, "bounce", "failed/permanent", recipient, "550", event_id, "suppressed", at)
+
+
+async def test_records_are_found_by_message_id_in_either_form_and_by_upstream_id(store: Store) -> None:
+    rec = fresh("inv-1")  # Message-ID <inv-1@test>
+    assert await store.reserve(rec, None, None, False) == Reserved()
+    assert [r.key for r in await store.find_records("message_id", "<inv-1@test>")] == ["inv-1"]
+    assert [r.key for r in await store.find_records("message_id", " inv-1@test ")] == ["inv-1"]
+    assert await store.find_records("upstream_id", "Q1") == []
+    done = replace(settled(rec, NOW + 1), upstream_id="Q1")
+    assert await store.put(done, 1) is None
+    assert [r.key for r in await store.find_records("upstream_id", "Q1")] == ["inv-1"]
+    # The record moved on to another attempt's id: the old one no longer finds it.
+    again = replace(done, version=3, upstream_id="Q2")
+    assert await store.put(again, 2) is None
+    assert await store.find_records("upstream_id", "Q1") == []
+    assert [r.key for r in await store.find_records("upstream_id", "Q2")] == ["inv-1"]
+    assert await store.find_records("message_id", "<other@test>") == []
+
+
+async def test_a_message_id_in_two_zones_finds_both(store: Store) -> None:
+    for zone in ("acme", "globex"):
+        rec = replace(fresh("k", zone=zone), message_id="<shared@x>")
+        assert await store.reserve(rec, None, None, False) == Reserved()
+    assert sorted(r.zone for r in await store.find_records("message_id", "shared@x")) == ["acme", "globex"]
+
+
+async def test_an_event_is_applied_once_with_its_suppression(store: Store) -> None:
+    before = await store.suppression_versions("acme")
+    assert await store.apply_event(
+        "acme", "inv-1", provider_event("e1", "Gone@Example.net"), "bounce 550 via mg"
+    )
+    assert not await store.apply_event("acme", "inv-1", provider_event("e1"), "bounce 550 via mg")
+    assert await store.suppressed("acme", "gone@example.net") == "acme"
+    assert await store.suppression_versions("acme") != before
+    # Another event for the same address keeps the first reason; another source's id is its own.
+    assert await store.apply_event("acme", "inv-1", provider_event("e1", source="sg"), "complaint via sg")
+    assert [s.reason for s in await store.suppress_list("acme")] == ["bounce 550 via mg"]
+    assert [e.id for e in await store.provider_events("acme", "inv-1")] == ["e1", "e1"]
+    # History only: no suppression, and the zone's list does not change.
+    version = await store.suppression_versions("acme")
+    assert await store.apply_event("acme", "inv-1", provider_event("e2", "ok@example.net"), None)
+    assert await store.suppressed("acme", "ok@example.net") is None
+    assert await store.suppression_versions("acme") == version
+    assert await store.provider_events("globex", "inv-1") == []
+    assert await store.suppressed("globex", "gone@example.net") is None
+
+
+async def test_concurrent_deliveries_of_one_event_apply_it_once(store: Store) -> None:
+    results = await asyncio.gather(
+        *(store.apply_event("acme", "inv-1", provider_event("e1"), "bounce 550 via mg") for _ in range(20))
+    )
+    assert sorted(results) == [False] * 19 + [True]
+    assert len(await store.provider_events("acme", "inv-1")) == 1
+
+
+async def test_purge_forgets_event_ids_after_retention_and_the_ids_of_purged_records(store: Store) -> None:
+    rec = fresh("inv-1")
+    assert await store.reserve(rec, None, None, False) == Reserved()
+    assert await store.put(replace(settled(rec, NOW), upstream_id="Q1"), 1) is None
+    assert await store.apply_event("acme", "inv-1", provider_event("e1"), None)
+    await store.purge(NOW + RETENTION + 1, RETENTION)
+    assert await store.get("acme", "inv-1") is None
+    assert await store.find_records("upstream_id", "Q1") == []
+    assert await store.find_records("message_id", "<inv-1@test>") == []
+    assert await store.provider_events("acme", "inv-1") == []
+    # The id is forgotten with it: the same event id is new again.
+    assert await store.apply_event("acme", "inv-1", provider_event("e1", at=NOW + RETENTION + 2), None)
