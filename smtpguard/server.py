@@ -29,6 +29,7 @@ from smtpguard.submission import Principal, Result, Submitter
 
 if TYPE_CHECKING:
     from smtpguard.events.apply import Applier
+    from smtpguard.events.mailbox import MailboxServer
     from smtpguard.events.sources import Sources
     from smtpguard.events.web import EventsServer
 
@@ -104,6 +105,7 @@ class Server:
         self.submitter: Submitter | None = None
         self.worker: DeliveryWorker | None = None
         self.events: EventsServer | None = None
+        self.mailbox: MailboxServer | None = None
         self.event_applier: Applier | None = None
         self._background: set[asyncio.Future[None]] = set()
         self.unfit: list[str] = []
@@ -193,6 +195,17 @@ class Server:
             )
             await self.events.start(host.strip("[]"), int(port))
             log.info("events listening", extra={"address": config.events.address, "port": self.events.port})
+        if config.events.mailbox is not None:
+            from smtpguard.events.mailbox import MailboxServer
+
+            self.mailbox = MailboxServer(
+                config.events.mailbox, self.event_applier, self.hostname, self.metrics.provider_event
+            )
+            await self.mailbox.start()
+            log.info(
+                "events mailbox listening",
+                extra={"address": config.events.mailbox.listen, "port": self.mailbox.port},
+            )
 
     async def _judge_durability(self, problems: list[str], at_start: bool) -> None:
         """DESIGN.md §15: a store that may forget an acknowledged reservation turns a restart
@@ -383,6 +396,8 @@ class Server:
             await self.health.stop()
         if self.events is not None:
             await self.events.stop()
+        if self.mailbox is not None:
+            await self.mailbox.stop()
         if self.store is not None:
             await self.stats.flush(self.store)
         if self.route is not None:

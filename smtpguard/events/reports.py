@@ -1,0 +1,128 @@
+"""RFC 3464 delivery status notifications and RFC 5965 ARF complaint reports, mailed to
+`events.mailbox`, read into ProviderEvents (the same effects as a webhook, §13).
+
+The standard library's `email` reads both formats exactly: `message/delivery-status` as a
+block of per-message fields followed by one block per recipient (Final-Recipient, Action,
+Status), and `message/feedback-report` as one block of fields. flufl.bounce was looked at:
+its strength is guessing addresses out of non-standard bounces, which would turn a
+free-text guess into a suppression; only standard reports are read here. Pure: bytes in,
+events out.
+"""
+
+from __future__ import annotations
+
+import email
+import email.policy
+import email.utils
+import hashlib
+from email.message import Message
+
+from smtpguard.events.model import KEY_HEADER, Kind, Match, ProviderEvent
+
+
+class NotAReport(Exception):
+    """The message is neither a DSN nor an ARF report: accepted, counted, nothing applied."""
+
+
+def read_report(raw: bytes, source: str, received_at: float) -> list[ProviderEvent]:
+    msg = email.message_from_bytes(raw, policy=email.policy.compat32)
+    if msg.get_content_type() != "multipart/report":
+        raise NotAReport("not a multipart/report")
+    param = msg.get_param("report-type")
+    report_type = param.lower() if isinstance(param, str) else ""
+    payload = msg.get_payload()
+    if not isinstance(payload, list):
+        raise NotAReport("a multipart/report without parts")
+    parts = [p for p in payload if isinstance(p, Message)]
+    original = _original_headers(parts)
+    match = Match(
+        keys=tuple(v for v in [original.get(KEY_HEADER)] if v),
+        message_ids=tuple(v for v in [original.get("Message-ID")] if v),
+    )
+    digest = hashlib.sha256(raw).hexdigest()[:32]
+    if report_type == "delivery-status":
+        return _dsn(parts, source, received_at, match, digest)
+    if report_type == "feedback-report":
+        return _arf(parts, source, received_at, match, digest, original)
+    raise NotAReport(f"report-type {report_type or '(none)'} is neither delivery-status nor feedback-report")
+
+
+def _original_headers(parts: list[Message]) -> Message:
+    """The headers of the message the report is about (message/rfc822 or
+    text/rfc822-headers part); empty when the reporter returned neither."""
+    for part in parts:
+        ctype = part.get_content_type()
+        if ctype == "message/rfc822":
+            inner = part.get_payload()
+            if isinstance(inner, list) and inner:
+                first = inner[0]
+                if isinstance(first, Message):
+                    return first
+        if ctype == "text/rfc822-headers":
+            text = part.get_payload(decode=True)
+            if isinstance(text, bytes):
+                return email.message_from_bytes(text, policy=email.policy.compat32)
+    return Message()
+
+
+def _field_blocks(parts: list[Message], ctype: str) -> list[Message]:
+    for part in parts:
+        if part.get_content_type() == ctype:
+            blocks = part.get_payload()
+            if isinstance(blocks, list):
+                return [b for b in blocks if isinstance(b, Message)]
+    raise NotAReport(f"no {ctype} part")
+
+
+def _address(value: str | None) -> str | None:
+    """`rfc822; user@example.net` → user@example.net (RFC 3464 §2.3.2, address-type)."""
+    if not value:
+        return None
+    kind, sep, addr = value.partition(";")
+    addr = (addr if sep else kind).strip().strip("<>")
+    return addr or None
+
+
+def _dsn(parts: list[Message], source: str, at: float, match: Match, digest: str) -> list[ProviderEvent]:
+    blocks = _field_blocks(parts, "message/delivery-status")
+    events = []
+    for i, block in enumerate(blocks[1:]):  # the first block holds the per-message fields
+        recipient = _address(block.get("Final-Recipient") or block.get("Original-Recipient"))
+        action = (block.get("Action") or "").strip().lower()
+        status = (block.get("Status") or "").strip()
+        if action == "failed":
+            kind = Kind.BOUNCE if status.startswith("5") else Kind.SOFT_BOUNCE
+        elif action == "delayed":
+            kind = Kind.DEFERRED
+        elif action in ("delivered", "relayed", "expanded"):
+            kind = Kind.DELIVERED
+        else:
+            kind = Kind.OTHER
+        events.append(
+            ProviderEvent(
+                source, kind, f"dsn/{action or '-'}", recipient, status, at, f"dsn:{digest}:{i}", match
+            )
+        )
+    if not events:
+        raise NotAReport("a delivery-status part without a recipient")
+    return events
+
+
+# RFC 5965 §7.3 registry: reports of mail the recipient did not want.
+_COMPLAINTS = {"abuse", "fraud", "virus"}
+
+
+def _arf(
+    parts: list[Message], source: str, at: float, match: Match, digest: str, original: Message
+) -> list[ProviderEvent]:
+    (fields, *_) = _field_blocks(parts, "message/feedback-report") or [Message()]
+    feedback = (fields.get("Feedback-Type") or "").strip().lower()
+    recipients = [_address(v) for v in fields.get_all("Original-Rcpt-To") or []]
+    if not recipients:
+        to = original.get("To")
+        recipients = [_address(email.utils.parseaddr(to)[1]) if to else None]
+    kind = Kind.COMPLAINT if feedback in _COMPLAINTS else Kind.OTHER
+    return [
+        ProviderEvent(source, kind, f"arf/{feedback or '-'}", rcpt, feedback, at, f"arf:{digest}:{i}", match)
+        for i, rcpt in enumerate(recipients)
+    ]
