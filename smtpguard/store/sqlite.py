@@ -86,7 +86,7 @@ CREATE TABLE IF NOT EXISTS provider_events (
     zone TEXT NOT NULL, source TEXT NOT NULL, event_id TEXT NOT NULL, key TEXT NOT NULL,
     received_at REAL NOT NULL, data TEXT NOT NULL,
     PRIMARY KEY (zone, source, event_id)) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS provider_events_record ON provider_events (zone, key);
+CREATE INDEX IF NOT EXISTS provider_events_of_record ON provider_events (zone, key, received_at);
 CREATE INDEX IF NOT EXISTS provider_events_received ON provider_events (received_at);
 -- A provider event names its message by Message-ID or by the id in the provider's 250.
 CREATE INDEX IF NOT EXISTS events_message_id ON events (json_extract(data, '$.message_id'));
@@ -726,7 +726,10 @@ class SQLiteStore:
     async def provider_events(self, zone: str, key: str) -> list[StoredEvent]:
         rows = await self._read(
             lambda c: c.execute(
-                "SELECT data FROM provider_events WHERE zone = ? AND key = ? ORDER BY received_at",
+                # Without statistics the planner prefers the primary key's zone prefix: a scan
+                # of every event of the zone.
+                "SELECT data FROM provider_events INDEXED BY provider_events_of_record "
+                "WHERE zone = ? AND key = ? ORDER BY received_at",
                 (zone, key),
             ).fetchall()
         )
