@@ -579,7 +579,7 @@ def read_secret(env: str | None, file: Path | None, what: str) -> str | None:
         try:
             return file.read_text(encoding="utf-8").rstrip("\r\n")
         except OSError as e:
-            raise ConfigError([f"{what}: cannot read password_file {file}: {e.strerror}"]) from None
+            raise ConfigError([f"{what}: cannot read {file}: {e.strerror}"]) from None
     return None
 
 

@@ -420,7 +420,8 @@ class Server:
             new = load(self.config_path)
             rebuild = new.providers != self.config.providers or _event_tags(new) != _event_tags(self.config)
             secrets = provider_secrets(new) if rebuild else None
-            sources = _event_sources(new) if new.events != self.config.events else None
+            # Re-read on every SIGHUP: a key file rewritten in place is a rotation too.
+            sources = _event_sources(new)
         except ConfigError as e:
             log.error("reload refused; keeping the running config", extra={"problems": e.problems})
             return

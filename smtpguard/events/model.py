@@ -76,8 +76,8 @@ class StoredEvent:
     status: str
     id: str
     effect: str
-    """`suppressed` (the recipient went on the zone's list), `listed` (it was already
-    there), or `history`."""
+    """`suppressed` (a suppressing event: its recipient is on the zone's list, put there
+    now or earlier), or `history`."""
     received_at: float
 
     def to_dict(self) -> dict[str, Any]:
