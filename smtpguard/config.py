@@ -343,7 +343,8 @@ class SesSource(_Strict):
     provider: str
     certificate_file: Path
     """The SNS signing certificate (PEM), downloaded once by the operator: smtpguard never
-    fetches a SigningCertURL named by the request it is verifying."""
+    fetches a SigningCertURL named by the request it is verifying. The file may hold
+    several (the current one and the next, while AWS rotates it)."""
     topic_arn: str = Field(min_length=1)
 
 

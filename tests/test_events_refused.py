@@ -345,3 +345,20 @@ def test_a_secret_that_is_not_base64_never_verifies() -> None:
     assert not signatures.svix("whsec_***", "id", "1", b"{}", "v1,AAAA")
     assert not signatures.basic_auth("Basic !!!", "u", "p")
     assert not signatures.basic_auth("Bearer x", "u", "p")
+
+
+async def test_a_certificate_file_with_the_next_sns_certificate_verifies_both(
+    tmp: Path, upstream: Upstream, keys: ev.Keys
+) -> None:
+    (tmp / "next").mkdir()
+    rotated = ev.Keys.make(tmp / "next")
+    keys.ses_cert.write_bytes(keys.ses_cert.read_bytes() + rotated.ses_cert.read_bytes())
+    async with running_guard(config(tmp, upstream, keys)) as guard:
+        mid, q = await sent(guard, upstream, "invoice:1")
+        by_old = ev.ses(keys, ev.ses_message("Delivery", RCPT, mid, q))
+        by_next = ev.ses(keys, ev.ses_message("Bounce", RCPT, mid, q), private=rotated.ses_private)
+        assert (await ev.post(events_port(guard), "ses", by_old))[1]["applied"] == 1
+        assert (await ev.post(events_port(guard), "ses", by_next))[1]["applied"] == 1
+        stranger = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        by_stranger = ev.ses(keys, ev.ses_message("Bounce", RCPT, mid, q), private=stranger)
+        assert (await ev.post(events_port(guard), "ses", by_stranger))[0] == 401

@@ -14,7 +14,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, hmac
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.serialization import load_der_public_key
-from cryptography.x509 import load_pem_x509_certificate
+from cryptography.x509 import load_pem_x509_certificates
 
 
 def _hmac_sha256(key: bytes, message: bytes) -> bytes:
@@ -69,18 +69,25 @@ def sendgrid(key: ec.EllipticCurvePublicKey, timestamp: str, body: bytes, signat
     return True
 
 
-def sns_certificate(pem: bytes) -> rsa.RSAPublicKey:
+def sns_certificates(pem: bytes) -> list[rsa.RSAPublicKey]:
+    """The keys of every certificate in the file: AWS rotates its SNS signing certificate,
+    so the file may hold the current one and the next one side by side."""
     try:
-        key = load_pem_x509_certificate(pem).public_key()
+        certificates = load_pem_x509_certificates(pem)
     except ValueError as e:
         raise KeyProblem(f"not a PEM certificate: {e}") from None
-    if not isinstance(key, rsa.RSAPublicKey):
-        raise KeyProblem("the certificate's key is not RSA")
-    return key
+    keys = []
+    for certificate in certificates:
+        key = certificate.public_key()
+        if not isinstance(key, rsa.RSAPublicKey):
+            raise KeyProblem("a certificate's key is not RSA")
+        keys.append(key)
+    return keys
 
 
-def sns(key: rsa.RSAPublicKey, version: str, canonical: bytes, signature_b64: str) -> bool:
-    """SignatureVersion 1 is SHA1withRSA, 2 is SHA256withRSA, over the canonical string."""
+def sns(keys: list[rsa.RSAPublicKey], version: str, canonical: bytes, signature_b64: str) -> bool:
+    """SignatureVersion 1 is SHA1withRSA, 2 is SHA256withRSA, over the canonical string,
+    made with any of the configured certificates' keys."""
     algorithm: hashes.HashAlgorithm
     if version == "1":
         algorithm = hashes.SHA1()
@@ -89,10 +96,16 @@ def sns(key: rsa.RSAPublicKey, version: str, canonical: bytes, signature_b64: st
     else:
         return False
     try:
-        key.verify(base64.b64decode(signature_b64, validate=True), canonical, padding.PKCS1v15(), algorithm)
-    except (binascii.Error, ValueError, InvalidSignature):
+        signature = base64.b64decode(signature_b64, validate=True)
+    except (binascii.Error, ValueError):
         return False
-    return True
+    for key in keys:
+        try:
+            key.verify(signature, canonical, padding.PKCS1v15(), algorithm)
+        except (ValueError, InvalidSignature):
+            continue
+        return True
+    return False
 
 
 def basic_auth(header: str, username: str, password: str) -> bool:

@@ -431,7 +431,7 @@ def sns_canonical(message: Mapping[str, Any]) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class Ses(_Base):
-    key: Any
+    keys: Any
     topic_arn: str
     kind: str = "ses"
 
@@ -445,7 +445,7 @@ class Ses(_Base):
         signature, version = envelope.get("Signature"), envelope.get("SignatureVersion")
         if not isinstance(signature, str) or not isinstance(version, str):
             raise Rejected(401, "Signature or SignatureVersion is missing")
-        if not signatures.sns(self.key, version, sns_canonical(envelope), signature):
+        if not signatures.sns(self.keys, version, sns_canonical(envelope), signature):
             raise Rejected(401, "the signature does not verify with certificate_file")
         if envelope.get("TopicArn") != self.topic_arn:
             raise Rejected(403, f"TopicArn {envelope.get('TopicArn')!r} is not this source's topic")
@@ -573,4 +573,4 @@ def _build(
         raise ConfigError(
             [f"{where}.certificate_file: cannot read {cfg.certificate_file}: {e.strerror}"]
         ) from None
-    return Ses(name, cfg.provider, tolerance, signatures.sns_certificate(pem), cfg.topic_arn)
+    return Ses(name, cfg.provider, tolerance, signatures.sns_certificates(pem), cfg.topic_arn)
