@@ -34,12 +34,12 @@ from smtpguard.store import (
     Suppression,
     store_from_url,
 )
-from smtpguard.store.base import StoredEvent
+from smtpguard.store.base import StoredEvent, ZoneAudit
 from smtpguard.store.redis import RedisStore
 from tests.support import RedisServer, free_port
 
 # One key each, one slot: set by a background step at open once older data is upgraded.
-UPGRADE_MARKERS = {"sg:supp-folded", "sg:lanes-listed"}
+UPGRADE_MARKERS = {"sg:supp-folded", "sg:lanes-listed", "sg:states-listed"}
 NOW = 1_790_000_000.0  # 2026-09-21 14:13 UTC: hours from any month boundary
 MONTH = month_of(NOW)
 DAY = 86400.0
@@ -825,8 +825,9 @@ async def test_redis_keys_of_a_zone_share_its_cluster_slot(redis_server: RedisSe
         await s.auth_failure("192.0.2.1", NOW, 300)
         keys = [str(k) for k in await plain.keys("*")]
         by_zone = {z: [k for k in keys if f"{{{z}}}" in k] for z in ("acme", "globex", "global")}
-        # record, index, ids, sends, month, paused, counts, suppression, its change counter
-        assert len(by_zone["acme"]) == len(by_zone["globex"]) == 9
+        # record, index, ids, its state's set, sends, month, paused, counts, suppression, its
+        # change counter
+        assert len(by_zone["acme"]) == len(by_zone["globex"]) == 10
         for zone, zone_keys in by_zone.items():
             assert {key_slot(k.encode()) for k in zone_keys} == {key_slot(zone.encode())}
         assert {
@@ -853,8 +854,9 @@ async def test_redis_queue_keys_share_the_zone_slot_and_idle_zones_leave_the_cla
         assert len(await s.claim(NOW, [("transactional", 2), ("bulk", 2)], LEASE)) == 4
         keys = [str(k) for k in await plain.keys("*")]
         by_zone = {z: [k for k in keys if f"{{{z}}}" in k] for z in ("acme", "globex")}
-        # records, index, ids, entries, lanes, claimed, claimers, queue, the set of lane names
-        assert len(by_zone["acme"]) == len(by_zone["globex"]) == 12
+        # records, index, ids, the state's set, entries, lanes, claimed, claimers, queue, the set
+        # of lane names
+        assert len(by_zone["acme"]) == len(by_zone["globex"]) == 13
         for zone, zone_keys in by_zone.items():
             assert {key_slot(k.encode()) for k in zone_keys} == {key_slot(zone.encode())}
         assert {k for k in keys if "{" not in k} - UPGRADE_MARKERS == {"sg:zones", "sg:queued-zones"}
@@ -1217,3 +1219,83 @@ async def test_purge_forgets_event_ids_after_retention_and_the_ids_of_purged_rec
     assert await store.provider_events("acme", "inv-1") == []
     # The id is forgotten with it: the same event id is new again.
     assert await store.apply_event("acme", "inv-1", provider_event("e1", at=NOW + RETENTION + 2), None)
+
+
+# --- the operator's desk (DESIGN.md §14) ------------------------------------------------------
+async def _held_and_delivered(store: Store) -> None:
+    for i in range(6):
+        rec = fresh(f"k{i}", now=NOW + i)
+        assert await store.reserve(rec, None, None, False) == Reserved()
+        state = State.UNKNOWN if i % 3 == 0 else State.DELIVERED
+        assert await store.put(settled(rec, NOW + 10 + i, state), 1) is None
+    other = fresh("g1", zone="globex")
+    assert await store.reserve(other, None, None, False) == Reserved()
+
+
+async def test_records_are_listed_by_state_newest_first(store: Store) -> None:
+    await _held_and_delivered(store)
+    assert [r.key for r in await store.list_records("acme", "unknown", None, None, 10)] == ["k3", "k0"]
+    assert [r.key for r in await store.list_records("acme", None, None, None, 3)] == ["k5", "k4", "k3"]
+    assert [r.key for r in await store.list_records("acme", "delivered", NOW + 12, None, 10)] == [
+        "k5",
+        "k4",
+        "k2",
+    ]
+    # Pages: before the oldest shown, exclusive.
+    assert [r.key for r in await store.list_records("acme", None, None, NOW + 13, 2)] == ["k2", "k1"]
+    assert [r.key for r in await store.list_records("globex", None, None, None, 10)] == ["g1"]
+    assert await store.state_counts("acme") == {"unknown": 2, "delivered": 4}
+    assert await store.state_counts("globex") == {"in_flight": 1}
+    assert await store.state_counts("nobody") == {}
+
+
+async def test_a_record_changing_state_leaves_its_old_list(store: Store) -> None:
+    rec = fresh("k")
+    assert await store.reserve(rec, None, None, False) == Reserved()
+    held = settled(rec, NOW + 1, State.UNKNOWN)
+    assert await store.put(held, 1) is None
+    assert [r.key for r in await store.list_records("acme", "unknown", None, None, 10)] == ["k"]
+    assert await store.put(replace(held, state=State.DELIVERED, version=3, updated_at=NOW + 2), 2) is None
+    assert await store.list_records("acme", "unknown", None, None, 10) == []
+    assert [r.key for r in await store.list_records("acme", "delivered", None, None, 10)] == ["k"]
+    assert await store.state_counts("acme") == {"delivered": 1}
+    await store.purge(NOW + RETENTION + 10, RETENTION)
+    assert await store.list_records("acme", "delivered", None, None, 10) == []
+    assert await store.state_counts("acme") == {}
+
+
+async def test_a_record_is_found_by_its_smtpguard_id(store: Store) -> None:
+    rec = fresh("k", attempt="01J0SGID")
+    assert await store.reserve(rec, None, None, False) == Reserved()
+    assert [r.key for r in await store.find_records("sg_id", "01J0SGID")] == ["k"]
+    assert await store.find_records("sg_id", "nope") == []
+
+
+async def test_zone_audit_is_kept_newest_first(store: Store) -> None:
+    for i, action in enumerate(("pause", "resume", "suppress:add")):
+        await store.audit_add("acme", ZoneAudit(NOW + i, "cli:ops@host", action, "x@y" if i == 2 else ""))
+    await store.audit_add("globex", ZoneAudit(NOW, "console:alice", "pause"))
+    assert [e.action for e in await store.audit_log("acme", NOW + 1)] == ["suppress:add", "resume"]
+    assert (await store.audit_log("acme", 0))[0] == ZoneAudit(NOW + 2, "cli:ops@host", "suppress:add", "x@y")
+    assert [e.actor for e in await store.audit_log("globex", 0)] == ["console:alice"]
+
+
+async def test_redis_lists_records_written_before_the_state_sets(redis_server: RedisServer) -> None:
+    plain = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    await plain.flushall()
+    s = RedisStore(redis_server.url)
+    await s.open()
+    try:
+        await _held_and_delivered(s)
+        # As an earlier version left them: no per-state sets, no marker.
+        for key in await plain.keys("sg:*:st:*"):
+            await plain.delete(key)
+        await plain.delete("sg:states-listed")
+        assert [r.key for r in await s.list_records("acme", "unknown", None, None, 10)] == ["k3", "k0"]
+        await s._upgrade()
+        assert await plain.exists("sg:states-listed")
+        assert await s.state_counts("acme") == {"unknown": 2, "delivered": 4}
+        assert [r.key for r in await s.list_records("acme", "unknown", None, None, 10)] == ["k3", "k0"]
+    finally:
+        await s.close()
+        await plain.aclose()

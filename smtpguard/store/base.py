@@ -110,7 +110,21 @@ class CapUsage:
     month: int
 
 
-IdField = Literal["message_id", "upstream_id"]
+@dataclass(frozen=True, slots=True)
+class ZoneAudit:
+    """An operator's action on a zone (DESIGN.md §14): pause, resume, suppress, queue drop,
+    and each decision on a held record (which its record's own audit holds too)."""
+
+    at: float
+    actor: str
+    """`cli:USER@HOST` or `console:USERNAME`."""
+    action: str
+    key: str = ""
+    """The record's key, or the address for a suppression change; '' for the zone itself."""
+    note: str = ""
+
+
+IdField = Literal["sg_id", "message_id", "upstream_id"]
 
 
 def id_forms(field: IdField, value: str) -> list[str]:
@@ -219,8 +233,8 @@ class Store(Protocol):
 
     # --- provider events (DESIGN.md §13) -----------------------------------------------------
     async def find_records(self, field: IdField, value: str) -> list[Record]:
-        """Records, in any zone, whose message_id (either form, see id_forms) or upstream_id
-        is `value` (an index lookup; at most 100)."""
+        """Records, in any zone, whose sg_id (the id in smtpguard's replies), message_id
+        (either form, see id_forms) or upstream_id is `value` (an index lookup; at most 100)."""
 
     async def apply_event(self, zone: str, key: str, event: StoredEvent, suppress_reason: str | None) -> bool:
         """Atomically, once per (zone, event.source, event.id): add the event to the
@@ -230,6 +244,21 @@ class Store(Protocol):
 
     async def provider_events(self, zone: str, key: str) -> list[StoredEvent]:
         """The record's provider events, in the order they arrived."""
+
+    # --- the operator's desk (DESIGN.md §14) -------------------------------------------------
+    async def list_records(
+        self, zone: str, state: str | None, since: float | None, before: float | None, limit: int
+    ) -> list[Record]:
+        """The zone's records (of one state, or all), newest `updated_at` first, with
+        since <= updated_at < before; an index walk, never a scan of the zone."""
+
+    async def state_counts(self, zone: str) -> dict[str, int]:
+        """Records per state in the zone (states with none are left out)."""
+
+    async def audit_add(self, zone: str, entry: ZoneAudit) -> None: ...
+
+    async def audit_log(self, zone: str, since: float, limit: int = 1000) -> list[ZoneAudit]:
+        """The zone's operator actions since `since`, newest first."""
 
     # --- provider health, for operators (each instance keeps its own breaker) ---------------
     async def set_circuit(self, instance: str, provider: str, circuit: str, now: float) -> None:

@@ -53,6 +53,7 @@ from smtpguard.store.base import (
     StoredEvent,
     StoreUnavailable,
     Suppression,
+    ZoneAudit,
 )
 
 P = ParamSpec("P")
@@ -78,35 +79,46 @@ _QUEUED_ZONES = "sg:queued-zones"
 _CLAIM_ROUNDS = 4
 _LANES_LISTED = "sg:lanes-listed"
 """Set once every zone's set of lane names holds the lanes of its queue entries."""
+_STATES_LISTED = "sg:states-listed"
+"""Set once every zone's per-state sets (st:<state>) hold the records written before them."""
+_AUDIT_KEPT = 10_000
+"""Zone audit entries kept per zone (newest)."""
 _SUPP_FOLDED = "sg:supp-folded"
 """Set once every suppression list in this Redis is keyed by suppression_key()."""
 _CLOCK_SAMPLE_EVERY = 10.0
 """How often TIME is sampled to follow drift between Redis's clock and ours."""
 _SETTLED_EXCLUDED = (State.IN_FLIGHT.value, State.QUEUED.value)
 
-# Every record write also keeps the zone's `ids` hash (m:<Message-ID without <>> and
-# u:<upstream id> → key), so a provider event naming either finds its record (§13), and
-# the record keeps the two ids it indexed so that the purge can take them out again.
-# The two ids are always the last two ARGV of the script; KEYS[1] is the record and the
-# zone's index is the KEYS entry `idx` names (its prefix is the zone's).
-_INDEX_IDS = """
+# Every record write also keeps the zone's lookups: the `ids` hash (m:<Message-ID without
+# <>>, u:<upstream id>, s:<smtpguard id> → key), so a provider event or an operator naming
+# one finds its record (§13, §14), and one sorted set per state (st:<state>: key → updated
+# at), so held records are listed without reading the others. The record keeps the ids it
+# indexed so that the purge can take them out again. The three ids are always the last
+# three ARGV of the script; KEYS[1] is the record, `cur` its fields (v, d, s) before the
+# write, and the zone's index is the KEYS entry IDX (its prefix is the zone's).
+_INDEXES = """
 do
-  local mid, uid = ARGV[#ARGV - 1], ARGV[#ARGV]
-  local ids = string.sub(KEYS[IDX], 1, -4) .. 'ids'
+  local sid, mid, uid = ARGV[#ARGV - 2], ARGV[#ARGV - 1], ARGV[#ARGV]
+  local prefix = string.sub(KEYS[IDX], 1, -4)
+  local ids = prefix .. 'ids'
   local member = ARGV[MEMBER]
   if mid ~= '' then redis.call('HSET', ids, 'm:' .. mid, member) end
   if uid ~= '' then redis.call('HSET', ids, 'u:' .. uid, member) end
-  redis.call('HSET', KEYS[1], 'mid', mid, 'uid', uid)
+  if sid ~= '' then redis.call('HSET', ids, 's:' .. sid, member) end
+  redis.call('HSET', KEYS[1], 'mid', mid, 'uid', uid, 'sid', sid)
+  local old, new = cur[3], ARGV[STATE]
+  if old and old ~= new then redis.call('ZREM', prefix .. 'st:' .. old, member) end
+  redis.call('ZADD', prefix .. 'st:' .. new, ARGV[SCORE], member)
 end
 """
 
 # KEYS: record, paused, sends, month, index
 # ARGV: expected version ('' = absent), forced pause, has cap, monthly cap, hourly cap,
 #       hour start, token, now, trim before, month ttl, version, state, data, index score, key,
-#       message id, upstream id
+#       smtpguard id, message id, upstream id
 _RESERVE = (
     """
-local cur = redis.call('HMGET', KEYS[1], 'v', 'd')
+local cur = redis.call('HMGET', KEYS[1], 'v', 'd', 's')
 -- This very record is there already: our own write, re-run after its reply was lost.
 if cur[1] == ARGV[11] and cur[2] == ARGV[13] then return {'ok'} end
 if ARGV[1] == '' then
@@ -130,7 +142,7 @@ end
 redis.call('HSET', KEYS[1], 'v', ARGV[11], 's', ARGV[12], 'd', ARGV[13])
 redis.call('ZADD', KEYS[5], ARGV[14], ARGV[15])
 """
-    + _INDEX_IDS.replace("IDX", "5").replace("MEMBER", "15")
+    + _INDEXES.replace("IDX", "5").replace("MEMBER", "15").replace("STATE", "12").replace("SCORE", "14")
     + """
 return {'ok'}
 """
@@ -138,13 +150,13 @@ return {'ok'}
 
 # The compare-and-swap every record write starts with (put, enqueue, requeue).
 # KEYS[1] record, KEYS[2] index; ARGV[1] expected version ('' = absent), ARGV[2] version,
-# ARGV[3] state, ARGV[4] data, ARGV[5] index score, ARGV[6] key; the last two ARGV the
-# message id and upstream id (_INDEX_IDS).
+# ARGV[3] state, ARGV[4] data, ARGV[5] index score, ARGV[6] key; the last three ARGV the
+# smtpguard id, message id and upstream id (_INDEXES).
 # A record already equal to the one written is our own write, re-run after its reply was
 # lost: it counts as written, and what follows (idempotent) runs again.
 _CAS_WRITE = (
     """
-local cur = redis.call('HMGET', KEYS[1], 'v', 'd')
+local cur = redis.call('HMGET', KEYS[1], 'v', 'd', 's')
 if cur[1] ~= ARGV[2] or cur[2] ~= ARGV[4] then
   if ARGV[1] == '' then
     if cur[1] then return {'conflict', cur[2]} end
@@ -154,7 +166,7 @@ if cur[1] ~= ARGV[2] or cur[2] ~= ARGV[4] then
   redis.call('HSET', KEYS[1], 'v', ARGV[2], 's', ARGV[3], 'd', ARGV[4])
   redis.call('ZADD', KEYS[2], ARGV[5], ARGV[6])
 """
-    + _INDEX_IDS.replace("IDX", "2").replace("MEMBER", "6")
+    + _INDEXES.replace("IDX", "2").replace("MEMBER", "6").replace("STATE", "3").replace("SCORE", "5")
     + """
 end
 """
@@ -194,8 +206,9 @@ for i = 2, #KEYS do
     elseif s == ARGV[2] or s == ARGV[3] then
       kept = kept + 1
     else
-      local indexed = redis.call('HMGET', KEYS[i], 'mid', 'uid')
-      for n, kind in ipairs({'m:', 'u:'}) do
+      local indexed = redis.call('HMGET', KEYS[i], 'mid', 'uid', 'sid')
+      redis.call('ZREM', prefix .. 'st:' .. s, member)
+      for n, kind in ipairs({'m:', 'u:', 's:'}) do
         local id = indexed[n]
         if id and id ~= '' and redis.call('HGET', prefix .. 'ids', kind .. id) == member then
           redis.call('HDEL', prefix .. 'ids', kind .. id)
@@ -459,9 +472,17 @@ def _dump(r: Record) -> str:
     return json.dumps(r.to_dict(), separators=(",", ":"))
 
 
-def _ids(r: Record) -> tuple[str, str]:
-    """What _INDEX_IDS indexes the record under: its Message-ID without <>, its upstream id."""
-    return (bare_message_id(r.message_id) if r.message_id else "", r.upstream_id or "")
+def _ids(r: Record) -> tuple[str, str, str]:
+    """What _INDEXES indexes the record under: its smtpguard id, its Message-ID without <>,
+    its upstream id."""
+    return (r.sg_id, bare_message_id(r.message_id) if r.message_id else "", r.upstream_id or "")
+
+
+_ID_PREFIX: dict[str, tuple[str, int]] = {
+    "sg_id": ("s:", 0),
+    "message_id": ("m:", 1),
+    "upstream_id": ("u:", 2),
+}
 
 
 class RedisStore:
@@ -1164,6 +1185,10 @@ class RedisStore:
                     for zone in await self._known_zones():
                         await self._list_lanes(zone)
                     await self._flag_set(_LANES_LISTED)
+                if not await self._flag_get(_STATES_LISTED):
+                    for zone in await self._known_zones():
+                        await self._list_states(zone)
+                    await self._flag_set(_STATES_LISTED)
                 if not await self._flag_get(_SUPP_FOLDED):
                     for zone in [*await self._known_zones(), "global"]:
                         await self._fold_zone(zone)
@@ -1235,7 +1260,8 @@ class RedisStore:
     @_translated
     async def find_records(self, field: IdField, value: str) -> list[Record]:
         wanted = bare_message_id(value) if field == "message_id" else value.strip()
-        name = ("m:" if field == "message_id" else "u:") + wanted
+        prefix, position = _ID_PREFIX[field]
+        name = prefix + wanted
         zones = sorted(str(z) for z in await self._r.smembers(_ZONES))
         async with self._r.pipeline(transaction=False) as pipe:
             for zone in zones:
@@ -1248,7 +1274,7 @@ class RedisStore:
             data = await self._r.hget(_record_key(zone, str(key)), "d")
             record = _load(data if isinstance(data, str) else None)
             # The entry may be stale (the record moved on to another attempt's ids).
-            if record is not None and _ids(record)[0 if field == "message_id" else 1] == wanted:
+            if record is not None and _ids(record)[position] == wanted:
                 found.append(record)
         return found
 
@@ -1279,6 +1305,90 @@ class RedisStore:
     async def provider_events(self, zone: str, key: str) -> list[StoredEvent]:
         items = await self._r.lrange(_zone_key(zone, f"pev:{key}"), 0, -1)
         return [StoredEvent.from_dict(json.loads(item)) for item in items]
+
+    # --- the operator's desk ------------------------------------------------------------------
+    @_translated
+    async def list_records(
+        self, zone: str, state: str | None, since: float | None, before: float | None, limit: int
+    ) -> list[Record]:
+        high = f"({before!r}" if before is not None else "+inf"
+        low = repr(since) if since is not None else "-inf"
+        if state is None or await self._flag_get(_STATES_LISTED):
+            index = _zone_key(zone, "idx" if state is None else f"st:{state}")
+            members = await self._r.zrevrangebyscore(index, high, low, start=0, num=limit)
+            return [r for r in await self._records(zone, members) if state is None or r.state == state]
+        # Records written before the per-state sets existed are in none yet (the background
+        # upgrade fills them): walk the zone's index and filter, a page at a time.
+        found: list[Record] = []
+        offset = 0
+        while len(found) < limit:
+            members = await self._r.zrevrangebyscore(
+                _zone_key(zone, "idx"), high, low, start=offset, num=_PURGE_BATCH
+            )
+            found += [r for r in await self._records(zone, members) if r.state == state]
+            if len(members) < _PURGE_BATCH:
+                break
+            offset += len(members)
+        return found[:limit]
+
+    async def _records(self, zone: str, members: list[Any]) -> list[Record]:
+        async with self._r.pipeline(transaction=False) as pipe:
+            for m in members:
+                pipe.hget(_record_key(zone, str(m)), "d")
+            datas = await pipe.execute()
+        return [r for r in (_load(d if isinstance(d, str) else None) for d in datas) if r is not None]
+
+    @_translated
+    async def state_counts(self, zone: str) -> dict[str, int]:
+        async with self._r.pipeline(transaction=False) as pipe:
+            for st in State:
+                pipe.zcard(_zone_key(zone, f"st:{st.value}"))
+            counts = await pipe.execute()
+        return {st.value: int(n) for st, n in zip(State, counts, strict=True) if n}
+
+    @_translated
+    async def audit_add(self, zone: str, entry: ZoneAudit) -> None:
+        item = json.dumps(
+            {
+                "at": entry.at,
+                "actor": entry.actor,
+                "action": entry.action,
+                "key": entry.key,
+                "note": entry.note,
+            },
+            separators=(",", ":"),
+        )
+        async with self._r.pipeline(transaction=True) as pipe:
+            pipe.lpush(_zone_key(zone, "audit"), item)
+            pipe.ltrim(_zone_key(zone, "audit"), 0, _AUDIT_KEPT - 1)
+            await pipe.execute()
+
+    @_translated
+    async def audit_log(self, zone: str, since: float, limit: int = 1000) -> list[ZoneAudit]:
+        items = await self._r.lrange(_zone_key(zone, "audit"), 0, limit - 1)
+        entries = [ZoneAudit(**json.loads(item)) for item in items]
+        return [e for e in entries if e.at >= since]
+
+    @_translated
+    async def _list_states(self, zone: str) -> None:
+        cursor = 0
+        while True:
+            members: list[tuple[str, float]] = await self._r.zrange(  # type: ignore[assignment]
+                _zone_key(zone, "idx"), cursor, cursor + _PURGE_BATCH - 1, withscores=True
+            )
+            if not members:
+                return
+            async with self._r.pipeline(transaction=False) as pipe:
+                for m, _ in members:
+                    pipe.hget(_record_key(zone, str(m)), "s")
+                states = await pipe.execute()
+            async with self._r.pipeline(transaction=False) as pipe:
+                for (m, score), st in zip(members, states, strict=True):
+                    if st:
+                        # NX: a write since then has put it in its current state's set.
+                        pipe.zadd(_zone_key(zone, f"st:{st}"), {str(m): score}, nx=True)
+                await pipe.execute()
+            cursor += len(members)
 
     # --- provider health ---------------------------------------------------------------------
     @_translated

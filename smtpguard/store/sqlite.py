@@ -39,6 +39,7 @@ from smtpguard.store.base import (
     StoredEvent,
     StoreUnavailable,
     Suppression,
+    ZoneAudit,
     id_forms,
 )
 
@@ -91,6 +92,15 @@ CREATE INDEX IF NOT EXISTS provider_events_received ON provider_events (received
 -- A provider event names its message by Message-ID or by the id in the provider's 250.
 CREATE INDEX IF NOT EXISTS events_message_id ON events (json_extract(data, '$.message_id'));
 CREATE INDEX IF NOT EXISTS events_upstream_id ON events (json_extract(data, '$.upstream_id'));
+CREATE INDEX IF NOT EXISTS events_sg_id ON events (json_extract(data, '$.sg_id'));
+-- The operator's lists (DESIGN.md §14): a zone's records by state, newest first.
+CREATE INDEX IF NOT EXISTS events_zone_state ON events (zone, state, updated_at);
+CREATE INDEX IF NOT EXISTS events_zone_updated ON events (zone, updated_at);
+-- Zone-level operator actions (pause, resume, suppress, queue drop, decisions).
+CREATE TABLE IF NOT EXISTS zone_audit (
+    zone TEXT NOT NULL, at REAL NOT NULL, actor TEXT NOT NULL, action TEXT NOT NULL,
+    key TEXT NOT NULL, note TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS zone_audit_zone_at ON zone_audit (zone, at);
 CREATE TABLE IF NOT EXISTS counters (
     zone TEXT NOT NULL, name TEXT NOT NULL, value INTEGER NOT NULL,
     PRIMARY KEY (zone, name)) WITHOUT ROWID;
@@ -735,6 +745,63 @@ class SQLiteStore:
         )
         return [StoredEvent.from_dict(json.loads(row[0])) for row in rows]
 
+    # --- the operator's desk ------------------------------------------------------------------
+    async def list_records(
+        self, zone: str, state: str | None, since: float | None, before: float | None, limit: int
+    ) -> list[Record]:
+        where: list[str] = ["zone = ?"]
+        params: list[str | float] = [zone]
+        index = "events_zone_updated"
+        if state is not None:
+            where.append("state = ?")
+            params.append(state)
+            index = "events_zone_state"
+        if since is not None:
+            where.append("updated_at >= ?")
+            params.append(since)
+        if before is not None:
+            where.append("updated_at < ?")
+            params.append(before)
+        sql = (
+            f"SELECT data FROM events INDEXED BY {index} WHERE {' AND '.join(where)} "
+            "ORDER BY updated_at DESC LIMIT ?"
+        )
+
+        def op(c: sqlite3.Connection) -> list[Record]:
+            rows = c.execute(sql, (*params, limit)).fetchall()
+            return [Record.from_dict(json.loads(row[0])) for row in rows]
+
+        return await self._read(op)
+
+    async def state_counts(self, zone: str) -> dict[str, int]:
+        rows = await self._read(
+            lambda c: c.execute(
+                "SELECT state, COUNT(*) FROM events INDEXED BY events_zone_state "
+                "WHERE zone = ? GROUP BY state",
+                (zone,),
+            ).fetchall()
+        )
+        return {str(state): int(n) for state, n in rows}
+
+    async def audit_add(self, zone: str, entry: ZoneAudit) -> None:
+        def op(c: sqlite3.Connection) -> None:
+            c.execute(
+                "INSERT INTO zone_audit (zone, at, actor, action, key, note) VALUES (?, ?, ?, ?, ?, ?)",
+                (zone, entry.at, entry.actor, entry.action, entry.key, entry.note),
+            )
+
+        await self._write(op)
+
+    async def audit_log(self, zone: str, since: float, limit: int = 1000) -> list[ZoneAudit]:
+        rows = await self._read(
+            lambda c: c.execute(
+                "SELECT at, actor, action, key, note FROM zone_audit WHERE zone = ? AND at >= ? "
+                "ORDER BY at DESC LIMIT ?",
+                (zone, since, limit),
+            ).fetchall()
+        )
+        return [ZoneAudit(float(at), actor, action, key, note) for at, actor, action, key, note in rows]
+
     # --- provider health ---------------------------------------------------------------------
     async def set_circuit(self, instance: str, provider: str, circuit: str, now: float) -> None:
         await self._write(
@@ -822,7 +889,7 @@ def _bump_supp_version(c: sqlite3.Connection, zone: str) -> None:
     )
 
 
-_ID_COLUMNS: dict[IdField, str] = {"message_id": "message_id", "upstream_id": "upstream_id"}
+_ID_COLUMNS: dict[IdField, str] = {"sg_id": "sg_id", "message_id": "message_id", "upstream_id": "upstream_id"}
 
 _OWN = "own"
 """_swap's answer when the record already equals the one being written: a retried write
