@@ -257,6 +257,15 @@ class LogConfig(_Strict):
     level: Literal["debug", "info", "warning", "error"] = "info"
 
 
+def _argon2_hash(v: str) -> str:
+    if not v.startswith(("$argon2id$", "$argon2i$", "$argon2d$")):
+        raise ValueError(
+            "password_hash must be an argon2 hash from `smtpguard hash-password` "
+            "(plaintext passwords are not accepted)"
+        )
+    return v
+
+
 class UserConfig(_Strict):
     username: str = Field(min_length=1, max_length=128)
     password_hash: str
@@ -264,12 +273,7 @@ class UserConfig(_Strict):
     @field_validator("password_hash")
     @classmethod
     def _hash(cls, v: str) -> str:
-        if not v.startswith(("$argon2id$", "$argon2i$", "$argon2d$")):
-            raise ValueError(
-                "password_hash must be an argon2 hash from `smtpguard hash-password` "
-                "(plaintext passwords are not accepted)"
-            )
-        return v
+        return _argon2_hash(v)
 
 
 class ZoneConfig(_Strict):
@@ -404,6 +408,52 @@ class EventsConfig(_Strict):
         return v
 
 
+class OperatorConfig(_Strict):
+    username: str = Field(min_length=1, max_length=64)
+    password_hash: str
+    role: Literal["operator", "viewer"] = "viewer"
+
+    @field_validator("password_hash")
+    @classmethod
+    def _hash(cls, v: str) -> str:
+        return _argon2_hash(v)
+
+
+class ConsoleConfig(_Strict):
+    """The operator's console in the browser (DESIGN.md §14)."""
+
+    address: str = "127.0.0.1:9590"
+    tls: TLSFiles | None = None
+    session_ttl: Duration = 8 * 3600.0
+    operators: list[OperatorConfig] = Field(default_factory=list)
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        _host_port(v)
+        return v
+
+    @model_validator(mode="after")
+    def _loopback_or_tls(self) -> ConsoleConfig:
+        if self.tls is None and not is_loopback(_host_port(self.address)[0]):
+            raise ValueError(
+                "console.address is not loopback, so console.tls is required "
+                "(passwords and session cookies would cross the network in clear)"
+            )
+        names = [o.username for o in self.operators]
+        if len(set(names)) != len(names):
+            raise ValueError("console.operators usernames must be unique")
+        return self
+
+    @property
+    def host(self) -> str:
+        return _host_port(self.address)[0]
+
+    @property
+    def port(self) -> int:
+        return _host_port(self.address)[1]
+
+
 class Config(_Strict):
     listen: list[ListenerConfig] = Field(min_length=1)
     tls: TLSFiles | None = None
@@ -415,6 +465,7 @@ class Config(_Strict):
     queue: QueueConfig = QueueConfig()
     metrics: MetricsConfig | None = None
     events: EventsConfig | None = None
+    console: ConsoleConfig | None = None
     log: LogConfig = LogConfig()
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     """auto: uvloop when installed (the `fast` extra), else asyncio's own loop."""

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from smtpguard.policy.breaker import Circuit
+from smtpguard.policy.ledger import State
 
 log = logging.getLogger("smtpguard.metrics")
 
@@ -73,6 +74,12 @@ class Metrics:
             ["source", "type", "outcome"],
             registry=r,
         )
+        self.records = Gauge(
+            "smtpguard_ledger_records",
+            "Ledger records per zone and state",
+            ["zone", "state"],
+            registry=r,
+        )
         self.connections = Gauge(
             "smtpguard_connections",
             "Open client connections",
@@ -87,6 +94,10 @@ class Metrics:
     def upstream(self, provider: str, reply_class: str, seconds: float) -> None:
         self._child(self.upstream_replies, provider, reply_class).inc()
         self._child(self.upstream_latency, provider).observe(seconds)
+
+    def ledger_records(self, zone: str, counts: dict[str, int]) -> None:
+        for state in State:
+            self.records.labels(zone, state.value).set(counts.get(state.value, 0))
 
     def provider_event(self, source: str, kind: str, outcome: str) -> None:
         self._child(self.provider_events, source, kind, outcome).inc()

@@ -28,6 +28,7 @@ from smtpguard.store import Store, StoreUnavailable, store_from_url
 from smtpguard.submission import Principal, Result, Submitter
 
 if TYPE_CHECKING:
+    from smtpguard.console.app import Console
     from smtpguard.events.apply import Applier
     from smtpguard.events.mailbox import MailboxServer
     from smtpguard.events.sources import Sources
@@ -39,6 +40,7 @@ decisions = logging.getLogger("smtpguard.decision")
 STATS_FLUSH_INTERVAL = 1.0
 PURGE_INTERVAL = 3600.0
 GAUGE_INTERVAL = 5.0
+RECORD_COUNT_INTERVAL = 60.0
 
 
 class StatsBuffer:
@@ -106,6 +108,7 @@ class Server:
         self.worker: DeliveryWorker | None = None
         self.events: EventsServer | None = None
         self.mailbox: MailboxServer | None = None
+        self.console: Console | None = None
         self.event_applier: Applier | None = None
         self._background: set[asyncio.Future[None]] = set()
         self.unfit: list[str] = []
@@ -167,8 +170,11 @@ class Server:
             log.info("metrics listening", extra={"address": config.metrics.address, "port": self.health.port})
         if sources is not None:
             await self._start_events(config, sources)
+        if config.console is not None:
+            await self._start_console(config)
         self._tasks.append(asyncio.create_task(self._flush_stats()))
         self._tasks.append(asyncio.create_task(self._refresh_gauges()))
+        self._tasks.append(asyncio.create_task(self._count_records()))
         self._tasks.append(asyncio.create_task(self._purge()))
         log.info(
             "smtpguard started",
@@ -206,6 +212,19 @@ class Server:
                 "events mailbox listening",
                 extra={"address": config.events.mailbox.listen, "port": self.mailbox.port},
             )
+
+    async def _start_console(self, config: Config) -> None:
+        """The operator's console (§14), on the same store and config as the proxy."""
+        try:
+            from smtpguard.console.app import Console
+        except ImportError as e:
+            raise ConfigError(
+                [f"console: needs the `console` extra (pip install 'smtpguard[console]'): {e}"]
+            ) from None
+        assert config.console is not None and self.store is not None
+        self.console = Console(lambda: self.config, self.store, config.console)
+        await self.console.start()
+        log.info("console listening", extra={"address": config.console.address, "port": self.console.port})
 
     async def _judge_durability(self, problems: list[str], at_start: bool) -> None:
         """DESIGN.md §15: a store that may forget an acknowledged reservation turns a restart
@@ -329,6 +348,19 @@ class Server:
                 self.metrics.cap_remaining.labels(zname, "month").set(max(caps.monthly - usage.month, 0))
             await asyncio.sleep(GAUGE_INTERVAL)
 
+    async def _count_records(self) -> None:
+        """smtpguard_ledger_records{zone,state}: a count over the state index, so once a
+        minute rather than with the cheap gauges."""
+        assert self.store is not None
+        while True:
+            for zname in list(self.config.zones):
+                try:
+                    counts = await self.store.state_counts(zname)
+                except StoreUnavailable:
+                    break
+                self.metrics.ledger_records(zname, counts)
+            await asyncio.sleep(RECORD_COUNT_INTERVAL)
+
     def _on_result(self, principal: Principal | None, result: Result, latency: float) -> None:
         zone = principal.zone if principal else "-"
         self.stats.bump(zone, stat_name(result.decision))
@@ -398,6 +430,8 @@ class Server:
             await self.events.stop()
         if self.mailbox is not None:
             await self.mailbox.stop()
+        if self.console is not None:
+            await self.console.stop()
         if self.store is not None:
             await self.stats.flush(self.store)
         if self.route is not None:

@@ -1,0 +1,302 @@
+"""The console's HTTP side: aiohttp routes, login, sessions, CSRF and roles (§14).
+
+Every page is server-rendered HTML that works without JavaScript; Jinja2 autoescapes
+everything it renders. Every change is a POST carrying the session's CSRF token (403
+without), refused to a `viewer` (403), audited as `console:USERNAME` and made through the
+same code as the CLI's (smtpguard/desk.py for decisions).
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import quote
+
+import jinja2
+from aiohttp import web
+
+from smtpguard import desk
+from smtpguard.config import Config, ConsoleConfig, OperatorConfig
+from smtpguard.console import views
+from smtpguard.console.sessions import COOKIE, Session, Sessions
+from smtpguard.passwords import Verifier
+from smtpguard.policy.senders import address_problem
+from smtpguard.store import Store, StoreUnavailable
+from smtpguard.store.base import ZoneAudit
+
+log = logging.getLogger("smtpguard.console")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+SESSION = web.RequestKey("session", Session)
+_PUBLIC = ("/login",)
+_SECURITY_HEADERS = {
+    # Pages need nothing but themselves: no scripts, no frames, forms only back to us.
+    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; "
+    "frame-ancestors 'none'; base-uri 'none'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+
+class Console:
+    def __init__(self, config: Callable[[], Config], store: Store, console: ConsoleConfig) -> None:
+        self.config = config
+        self.store = store
+        self.settings = console
+        self.tls = console.tls is not None
+        self.sessions = Sessions(console.session_ttl)
+        self.verifier = Verifier()
+        self.templates = jinja2.Environment(
+            loader=jinja2.PackageLoader("smtpguard.console", "templates"),
+            autoescape=True,
+            undefined=jinja2.StrictUndefined,
+        )
+        self.templates.globals.update(views.template_globals(), quote=lambda s: quote(s, safe=""))
+        self.app = web.Application(middlewares=[self._guard], client_max_size=64 * 1024)
+        r = self.app.router
+        r.add_get("/login", self.login_page)
+        r.add_post("/login", self.login)
+        r.add_post("/logout", self.logout)
+        r.add_get("/", self.zones)
+        r.add_post("/zones/{zone}/{action:pause|resume}", self.pause)
+        r.add_get("/decisions", self.decisions)
+        r.add_post("/decide", self.decide)
+        r.add_get("/events/{zone}/{key:.+}", self.history)
+        r.add_get("/records/{zone}", self.records)
+        r.add_get("/suppression/{zone}", self.suppression)
+        r.add_post("/suppression/{zone}/{action:add|remove}", self.suppression_change)
+        r.add_get("/queue", self.queue)
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        ctx = None
+        if self.settings.tls is not None:
+            ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+            ctx.load_cert_chain(self.settings.tls.cert, self.settings.tls.key)
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(
+            self._runner, self.settings.host, self.settings.port, ssl_context=ctx, reuse_address=True
+        )
+        await site.start()
+        sockets = getattr(site._server, "sockets", None) or []
+        self.port = sockets[0].getsockname()[1] if sockets else self.settings.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # --- security ----------------------------------------------------------------------------
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            response = await self._checked(request, handler)
+        except StoreUnavailable as e:
+            log.error("console: store unavailable", extra={"error": str(e)})
+            response = self.page(
+                "error.html", request, status=503, message="The store is unavailable; try again."
+            )
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            response = self.page("error.html", request, status=e.status, message=e.reason)
+        response.headers.update(_SECURITY_HEADERS)
+        return response
+
+    async def _checked(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        session = self.sessions.get(request.cookies.get(COOKIE))
+        if session is not None:
+            request[SESSION] = session
+        if request.path in _PUBLIC:
+            return await handler(request)
+        if session is None or session.username is None:
+            if request.method == "POST":
+                raise web.HTTPForbidden(reason="log in first")
+            raise web.HTTPSeeOther("/login")
+        if request.method == "POST":
+            form = await request.post()
+            csrf = form.get("csrf")
+            if not session.csrf_ok(csrf if isinstance(csrf, str) else None):
+                raise web.HTTPForbidden(reason="missing or wrong CSRF token; reload the page")
+            if session.role != "operator" and request.path != "/logout":
+                raise web.HTTPForbidden(
+                    reason=f"{session.username} is a viewer: changes need the operator role"
+                )
+        return await handler(request)
+
+    def page(self, name: str, request: web.Request, status: int = 200, **context: Any) -> web.Response:
+        session = request.get(SESSION)
+        body = self.templates.get_template(name).render(
+            session=session,
+            csrf=session.csrf if session else "",
+            can_change=session is not None and session.role == "operator",
+            **context,
+        )
+        return web.Response(text=body, status=status, content_type="text/html", charset="utf-8")
+
+    def _actor(self, request: web.Request) -> str:
+        return f"console:{request[SESSION].username}"
+
+    def _zone(self, request: web.Request, name: str | None = None) -> str:
+        zone = name if name is not None else request.match_info["zone"]
+        if zone not in self.config().zones and zone != "global":
+            raise web.HTTPNotFound(reason=f"no zone named {zone!r}")
+        return zone
+
+    # --- login -------------------------------------------------------------------------------
+    async def login_page(self, request: web.Request) -> web.StreamResponse:
+        session = request.get(SESSION)
+        if session is None:
+            session = self.sessions.new()
+            request[SESSION] = session
+        response = self.page("login.html", request, error=None)
+        self._set_cookie(response, session)
+        return response
+
+    async def login(self, request: web.Request) -> web.StreamResponse:
+        session = request.get(SESSION)
+        form = await request.post()
+        csrf = form.get("csrf")
+        if session is None or not session.csrf_ok(csrf if isinstance(csrf, str) else None):
+            raise web.HTTPForbidden(reason="missing or wrong CSRF token; reload the login page")
+        ip = request.remote or "?"
+        limits = self.config().limits
+        now = self.store.now()
+        if await self.store.auth_failures(ip, now, limits.auth_failure_window) >= limits.auth_failures:
+            log.warning("console: login refused, too many failures", extra={"client_ip": ip})
+            return self.page(
+                "login.html", request, status=429, error="Too many failed logins; wait and try again."
+            )
+        username, password = form.get("username"), form.get("password")
+        operator = self._operator(username if isinstance(username, str) else "")
+        ok = await self.verifier.verify(
+            str(username),
+            operator.password_hash if operator else None,
+            password if isinstance(password, str) else "",
+        )
+        if not ok or operator is None:
+            await self.store.auth_failure(ip, now, limits.auth_failure_window)
+            log.warning("console: login failed", extra={"client_ip": ip, "username": str(username)[:64]})
+            return self.page("login.html", request, status=401, error="Wrong username or password.")
+        self.sessions.drop(session.token)
+        fresh = self.sessions.new(operator.username, operator.role)
+        log.info(
+            "console: login", extra={"username": operator.username, "client_ip": ip, "role": operator.role}
+        )
+        response = web.HTTPSeeOther("/")
+        self._set_cookie(response, fresh)
+        raise response
+
+    def _operator(self, username: str) -> OperatorConfig | None:
+        for op in self.settings.operators:
+            if op.username == username:
+                return op
+        return None
+
+    def _set_cookie(self, response: web.StreamResponse, session: Session) -> None:
+        response.set_cookie(
+            COOKIE,
+            session.token,
+            httponly=True,
+            samesite="Strict",
+            secure=self.tls,
+            path="/",
+            max_age=int(self.settings.session_ttl),
+        )
+
+    async def logout(self, request: web.Request) -> web.StreamResponse:
+        self.sessions.drop(request[SESSION].token)
+        response = web.HTTPSeeOther("/login")
+        response.del_cookie(COOKIE, path="/")
+        raise response
+
+    # --- pages -------------------------------------------------------------------------------
+    async def zones(self, request: web.Request) -> web.StreamResponse:
+        return self.page("zones.html", request, zones=await views.zones(self.config(), self.store))
+
+    async def pause(self, request: web.Request) -> web.StreamResponse:
+        zone = self._zone(request)
+        action = request.match_info["action"]
+        await self.store.set_paused(zone, action == "pause")
+        await self.store.audit_add(zone, ZoneAudit(self.store.now(), self._actor(request), action))
+        log.warning(f"console: zone {action}d", extra={"zone": zone, "actor": self._actor(request)})
+        raise web.HTTPSeeOther("/")
+
+    async def decisions(self, request: web.Request) -> web.StreamResponse:
+        return self.page("decisions.html", request, rows=await views.decisions(self.config(), self.store))
+
+    async def decide(self, request: web.Request) -> web.StreamResponse:
+        form = await request.post()
+        zone = self._zone(request, str(form.get("zone", "")))
+        key, action = str(form.get("key", "")), str(form.get("action", ""))
+        try:
+            version = int(str(form.get("version", "")))
+        except ValueError:
+            raise web.HTTPBadRequest(reason="the form carries no record version; reload the page") from None
+        if action not in desk.DECISIONS:
+            raise web.HTTPBadRequest(reason=f"unknown decision {action!r}")
+        try:
+            await desk.decide(self.store, zone, key, action, self._actor(request), version)
+        except desk.DeskError as e:
+            return self.page("error.html", request, status=e.status, message=str(e), zone=zone, key=key)
+        log.warning(
+            "console: decision",
+            extra={"zone": zone, "event_key": key, "decision": action, "actor": self._actor(request)},
+        )
+        back = str(form.get("back", ""))
+        raise web.HTTPSeeOther(back if back.startswith("/events/") else "/decisions")
+
+    async def history(self, request: web.Request) -> web.StreamResponse:
+        zone = self._zone(request)
+        found = await views.history(self.store, zone, request.match_info["key"])
+        if found is None:
+            raise web.HTTPNotFound(reason="no such record")
+        return self.page("history.html", request, h=found, zone=zone)
+
+    async def records(self, request: web.Request) -> web.StreamResponse:
+        zone = self._zone(request)
+        state = request.query.get("state") or None
+        return self.page(
+            "records.html",
+            request,
+            zone=zone,
+            state=state,
+            records=await views.records(self.store, zone, state),
+        )
+
+    async def suppression(self, request: web.Request) -> web.StreamResponse:
+        zone = self._zone(request)
+        q = request.query.get("q", "").strip().lower()
+        entries = [e for e in await self.store.suppress_list(zone) if q in e.address.lower()]
+        return self.page(
+            "suppression.html", request, zone=zone, q=q, entries=entries[:500], total=len(entries)
+        )
+
+    async def suppression_change(self, request: web.Request) -> web.StreamResponse:
+        zone = self._zone(request)
+        form = await request.post()
+        address = str(form.get("address", "")).strip()
+        problem = address_problem(address)
+        if problem:
+            raise web.HTTPBadRequest(reason=f"{address!r}: {problem}")
+        action = request.match_info["action"]
+        if action == "add":
+            reason = str(form.get("reason", "")).strip()[:200] or f"added by {self._actor(request)}"
+            await self.store.suppress_add(zone, address, reason, self.store.now())
+        else:
+            await self.store.suppress_remove(zone, address)
+        await self.store.audit_add(
+            zone, ZoneAudit(self.store.now(), self._actor(request), f"suppress:{action}", address)
+        )
+        raise web.HTTPSeeOther(f"/suppression/{quote(zone)}")
+
+    async def queue(self, request: web.Request) -> web.StreamResponse:
+        return self.page("queue.html", request, lanes=await views.queue(self.store), now=self.store.now())

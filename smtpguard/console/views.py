@@ -1,0 +1,201 @@
+"""What each console page shows, gathered from the config and the store. No HTTP here:
+app.py turns requests into these calls and their results into pages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from smtpguard.config import Config
+from smtpguard.desk import Decision, last_decision
+from smtpguard.policy.ledger import Record, State
+from smtpguard.policy.limits import caps_for, month_of
+from smtpguard.store import Store
+
+HELD = (State.UNKNOWN.value, State.FAILED.value)
+DECIDED_SHOWN_FOR = 24 * 3600.0
+"""A decided record stays on /decisions this long, with who decided it."""
+LIST_LIMIT = 200
+
+
+def iso(epoch: float | None) -> str:
+    if epoch is None:
+        return "-"
+    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+@dataclass
+class Bar:
+    used: int
+    limit: int
+
+    @property
+    def percent(self) -> int:
+        return 100 if self.limit <= 0 else min(100, round(100 * self.used / self.limit))
+
+
+@dataclass
+class ZoneRow:
+    name: str
+    counts: dict[str, int]
+    hour: Bar
+    month: Bar
+    paused: bool
+    paused_by_config: bool
+
+
+async def zones(config: Config, store: Store) -> list[ZoneRow]:
+    now = store.now()
+    rows = []
+    for name, zone in sorted(config.zones.items()):
+        caps = caps_for(zone.plan, zone.hourly_cap, zone.monthly_cap)
+        usage = await store.cap_usage(name, now, month_of(now))
+        rows.append(
+            ZoneRow(
+                name,
+                await store.state_counts(name),
+                Bar(usage.hour, caps.hourly),
+                Bar(usage.month, caps.monthly),
+                zone.paused or await store.is_paused(name),
+                zone.paused,
+            )
+        )
+    return rows
+
+
+@dataclass
+class HeldRow:
+    record: Record
+    decision: Decision | None
+    """The latest decision on it; when the record is no longer held, the one that closed it."""
+
+    @property
+    def open(self) -> bool:
+        return self.record.state.value in HELD
+
+    @property
+    def actions(self) -> tuple[str, ...]:
+        if self.record.state is State.UNKNOWN:
+            return ("delivered", "retry")
+        if self.record.state is State.FAILED:
+            return ("release",)
+        return ()
+
+    @property
+    def reply(self) -> str:
+        r = self.record.reply
+        return f"{r.code} {r.enhanced} {r.text}" if r else ""
+
+
+async def decisions(config: Config, store: Store) -> list[HeldRow]:
+    """Every held record, and every one decided in the last day, newest first."""
+    now = store.now()
+    seen: dict[tuple[str, str], HeldRow] = {}
+    for zone in sorted(config.zones):
+        for state in HELD:
+            for rec in await store.list_records(zone, state, None, None, LIST_LIMIT):
+                seen[(zone, rec.key)] = HeldRow(rec, last_decision(rec))
+        for entry in await store.audit_log(zone, now - DECIDED_SHOWN_FOR):
+            if not entry.action.startswith("decide:") or (zone, entry.key) in seen:
+                continue
+            decided = await store.get(zone, entry.key)
+            if decided is not None:
+                seen[(zone, entry.key)] = HeldRow(decided, last_decision(decided))
+    return sorted(seen.values(), key=lambda row: row.record.updated_at, reverse=True)
+
+
+@dataclass
+class Moment:
+    at: float
+    kind: str
+    """attempt | audit | event"""
+    title: str
+    detail: str = ""
+    css: str = ""
+
+    @property
+    def when(self) -> str:
+        return iso(self.at)
+
+
+@dataclass
+class History:
+    record: Record
+    moments: list[Moment] = field(default_factory=list)
+    row: HeldRow | None = None
+
+
+async def history(store: Store, zone: str, key: str) -> History | None:
+    rec = await store.get(zone, key)
+    if rec is None:
+        return None
+    moments = []
+    for a in rec.attempts:
+        code = f"{a.code} {a.enhanced} " if a.code else ""
+        moments.append(
+            Moment(
+                a.at,
+                "attempt",
+                f"attempt via {a.provider or '-'}: {a.outcome}",
+                f"{code}{a.text} [{a.phase}] on {a.instance}",
+                "bad" if a.outcome in ("failed", "unknown") else ("ok" if a.outcome == "delivered" else ""),
+            )
+        )
+    for e in rec.audit:
+        moments.append(
+            Moment(e.at, "audit", f"{e.action} by {e.actor}", f"{e.from_state} → {e.to_state} {e.note}")
+        )
+    for ev in await store.provider_events(zone, key):
+        status = f" {ev.status}" if ev.status else ""
+        moments.append(
+            Moment(
+                ev.at,
+                "event",
+                f"{ev.type} from {ev.source}{status}",
+                f"{ev.recipient or '-'}: {ev.effect} ({ev.provider_type})",
+                "bad" if ev.effect == "suppressed" else "",
+            )
+        )
+    moments.sort(key=lambda m: m.at)
+    return History(rec, moments, HeldRow(rec, last_decision(rec)))
+
+
+async def records(store: Store, zone: str, state: str | None) -> list[Record]:
+    return await store.list_records(zone, state, None, None, LIST_LIMIT)
+
+
+@dataclass
+class LaneRow:
+    zone: str
+    lane: str
+    depth: int
+    due: int
+    oldest: float | None
+
+
+async def queue(store: Store) -> list[LaneRow]:
+    now = store.now()
+    lanes: dict[tuple[str, str], LaneRow] = {}
+    for e in await store.queue_entries(None):
+        row = lanes.setdefault((e.zone, e.lane), LaneRow(e.zone, e.lane, 0, 0, None))
+        row.depth += 1
+        if e.due_at is not None and e.due_at <= now and not e.claimed:
+            row.due += 1
+        if row.oldest is None or e.enqueued_at < row.oldest:
+            row.oldest = e.enqueued_at
+    return sorted(lanes.values(), key=lambda r: (r.zone, r.lane))
+
+
+def age(now: float, at: float | None) -> str:
+    if at is None:
+        return "-"
+    seconds = max(0, int(now - at))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def template_globals() -> dict[str, Any]:
+    return {"iso": iso, "age": age}
