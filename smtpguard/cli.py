@@ -376,10 +376,22 @@ def cmd_stats(args: argparse.Namespace) -> int:
         return out
 
     async def gather_all(store: Store) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        circuits = [
-            {"instance": c.instance, "provider": c.provider, "circuit": c.circuit, "since": iso(c.at)}
-            for c in await store.circuits()
-        ]
+        probes = {(p.instance, p.provider): p for p in await store.probes()}
+        circuits = []
+        for c in await store.circuits():
+            probe = probes.get((c.instance, c.provider))
+            circuits.append(
+                {
+                    "instance": c.instance,
+                    "provider": c.provider,
+                    "circuit": c.circuit,
+                    "since": iso(c.at),
+                    # DESIGN.md §12: the last probe's verdict; null when the provider is not probed
+                    "ready": probe.ready if probe else None,
+                    "probe": probe.detail if probe else None,
+                    "probed_at": iso(probe.at) if probe else None,
+                }
+            )
         return await gather(store), circuits
 
     rows, circuits = asyncio.run(_with_store(config, gather_all))
@@ -399,7 +411,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
             f"{'yes' if r['paused'] else 'no':>6} {r['suppressed']:>5}"
         )
     for c in circuits:
-        print(f"provider {c['provider']} on {c['instance']}: circuit {c['circuit']} since {c['since']}")
+        ready = "" if c["ready"] is None else f"; {'ready' if c['ready'] else 'NOT READY'} ({c['probe']})"
+        where = f"provider {c['provider']} on {c['instance']}"
+        print(f"{where}: circuit {c['circuit']} since {c['since']}{ready}")
     return 0
 
 

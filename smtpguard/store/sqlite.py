@@ -31,6 +31,7 @@ from smtpguard.store.base import (
     Claimed,
     Conflict,
     Paused,
+    ProbeState,
     QueuedMessage,
     QueueEntry,
     Reserved,
@@ -77,6 +78,9 @@ CREATE INDEX IF NOT EXISTS queue_lane_due ON queue (lane, due_at);
 CREATE TABLE IF NOT EXISTS circuits (
     instance TEXT NOT NULL, provider TEXT NOT NULL, circuit TEXT NOT NULL, at REAL NOT NULL,
     PRIMARY KEY (instance, provider)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS probes (
+    instance TEXT NOT NULL, provider TEXT NOT NULL, ready INTEGER NOT NULL, detail TEXT NOT NULL,
+    at REAL NOT NULL, PRIMARY KEY (instance, provider)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS counters (
     zone TEXT NOT NULL, name TEXT NOT NULL, value INTEGER NOT NULL,
     PRIMARY KEY (zone, name)) WITHOUT ROWID;
@@ -687,6 +691,23 @@ class SQLiteStore:
             ).fetchall()
         )
         return [CircuitState(i, p, s, float(t)) for i, p, s, t in rows]
+
+    async def set_probe(self, instance: str, provider: str, ready: bool, detail: str, now: float) -> None:
+        await self._write(
+            lambda c: c.execute(
+                "INSERT OR REPLACE INTO probes (instance, provider, ready, detail, at) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (instance, provider, int(ready), detail, now),
+            )
+        )
+
+    async def probes(self) -> list[ProbeState]:
+        rows = await self._read(
+            lambda c: c.execute(
+                "SELECT instance, provider, ready, detail, at FROM probes ORDER BY provider, instance"
+            ).fetchall()
+        )
+        return [ProbeState(i, p, bool(r), d, float(t)) for i, p, r, d, t in rows]
 
     # --- AUTH brute force --------------------------------------------------------------------
     async def auth_failure(self, ip: str, now: float, window: float) -> int:
