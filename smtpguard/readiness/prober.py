@@ -41,7 +41,8 @@ class Prober:
         self._tasks: list[asyncio.Task[None]] = []
         self.ready: dict[str, bool] = {}
         self.probes = 0
-        """Probes run (for tests)."""
+        self.probed = asyncio.Event()
+        """Set after each probe (tests wait on it instead of polling)."""
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._loop(p)) for p in self._targets]
@@ -57,6 +58,7 @@ class Prober:
                 await asyncio.sleep(cfg.probe_interval)
                 continue
             self.probes += 1
+            self.probed.set()
             status, detail = judge_probe(result, self._wall_clock())
             ready = status != "error"
             before = self.ready.get(cfg.name)
