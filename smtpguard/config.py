@@ -34,6 +34,7 @@ DEFAULT_CONFIG = "conf/smtpguard.yaml"
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 Size = Annotated[int, BeforeValidator(parse_size)]
 _ZONE_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+_DNS_LABELS = re.compile(r"[A-Za-z0-9_-]{1,63}(\.[A-Za-z0-9_-]{1,63})*")
 
 
 class ConfigError(Exception):
@@ -240,6 +241,10 @@ class SmtpProviderConfig(_Strict):
     spf: Annotated[str, BeforeValidator(_spf_term)] | None = None
     """The SPF mechanism that authorises this provider in a sender domain's record
     (`include:mailgun.org`); doctor looks for it through the include tree."""
+    spf_subdomain: str | None = None
+    """Where the provider's SPF record must be, below each sender domain: the return-path
+    (envelope-from) subdomain the provider sends with, e.g. `send` for `send.acme.example`.
+    Absent: the sender domain's own record."""
     dkim_selectors: list[str] = Field(default_factory=list)
     """SELECTOR._domainkey.DOMAIN must publish a key for every sender domain."""
     probe_interval: Duration | None = Field(None, gt=0)
@@ -253,9 +258,16 @@ class SmtpProviderConfig(_Strict):
     @classmethod
     def _selectors(cls, v: list[str]) -> list[str]:
         for sel in v:
-            if not re.fullmatch(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*", sel):
+            if not _DNS_LABELS.fullmatch(sel):
                 raise ValueError(f"dkim selector {sel!r} is not a DNS label")
         return v
+
+    @field_validator("spf_subdomain")
+    @classmethod
+    def _spf_subdomain(cls, v: str | None) -> str | None:
+        if v is not None and not _DNS_LABELS.fullmatch(v.strip(".")):
+            raise ValueError(f"spf_subdomain {v!r} is not DNS labels (e.g. send, or bounces.mail)")
+        return v.strip(".").lower() if v else v
 
     @model_validator(mode="after")
     def _secret(self) -> SmtpProviderConfig:

@@ -72,6 +72,11 @@ RECORDS = [
     + txt("v=spf1 include:_spf.primary.test a:gone1.test mx:gone2.test exists:gone3.test -all"),
     "twovoids IN TXT " + txt("v=spf1 include:_spf.primary.test a:gone1.test mx:gone2.test -all"),
     "loop IN TXT " + txt("v=spf1 include:loop.test -all"),
+    # a provider that authorises itself on a return-path subdomain (send.DOMAIN)
+    "amazonses IN TXT " + txt("v=spf1 ip4:203.0.113.0/24 -all"),
+    "send.good IN TXT " + txt("v=spf1 include:amazonses.test ~all"),
+    "send.good IN MX 10 feedback-smtp.amazonses.test.",
+    "resend._domainkey.good IN TXT " + txt(f"p={KEY}"),
 ]
 
 
@@ -292,6 +297,31 @@ async def test_exit_2_for_a_bad_config_an_unknown_zone_or_bad_usage(tmp: Path, d
     bad.write_text(path.read_text().replace("timeout: 2s", "timeout: 2s\n  colour: blue"))
     code, _, err = await doctor(bad)
     assert code == 2 and "dns.colour" in err and "unknown key" in err
+
+
+async def test_spf_on_the_providers_return_path_subdomain(tmp: Path, dns_server: NsdServer) -> None:
+    path = doctor_config(
+        tmp,
+        dns_server,
+        [
+            provider(
+                "resend",
+                free_port(),
+                spf="include:amazonses.test",
+                spf_subdomain="send",
+                dkim_selectors=["resend"],
+            ),
+            provider("apex", free_port(), spf="include:amazonses.test"),
+        ],
+    )
+    code, out, _ = await doctor(path, "--json", "--zone", "good", "--no-probe")
+    doc = json.loads(out)
+    sub = row(doc, "spf", "good.test", "resend")
+    assert sub["status"] == "ok" and sub["detail"].startswith("SPF of send.good.test:"), sub
+    assert row(doc, "dkim", "good.test", "resend")["status"] == "ok"
+    # Looked for in the sender domain's own record, the same mechanism is not there.
+    assert row(doc, "spf", "good.test", "apex")["status"] == "error"
+    assert code == 1
 
 
 # --- the probe: AUTH and certificates --------------------------------------------------------

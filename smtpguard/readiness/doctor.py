@@ -55,9 +55,13 @@ async def check_domain(
     lookups: Lookups, config: Config, zone: str, domain: str, providers: list[SmtpProviderConfig]
 ) -> list[Finding]:
     out: list[Finding] = []
-    tree = await lookups.spf_tree(domain)
     for p in providers:
-        status, detail = verdicts.judge_spf(tree, p.spf)
+        # A provider that sends with its own return-path subdomain (`send.DOMAIN`) is
+        # authorised by that subdomain's SPF record, not the sender domain's.
+        spf_domain = f"{p.spf_subdomain}.{domain}" if p.spf_subdomain else domain
+        status, detail = verdicts.judge_spf(await lookups.spf_tree(spf_domain), p.spf)
+        if spf_domain != domain:
+            detail = f"SPF of {spf_domain}: {detail}"
         out.append(Finding("spf", zone, domain, p.name, status, detail))
     for p in providers:
         answers = [(sel, await lookups.get("TXT", f"{sel}._domainkey.{domain}")) for sel in p.dkim_selectors]
