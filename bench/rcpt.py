@@ -72,6 +72,9 @@ def start_nsd(tmp: Path) -> tuple[Proc, int]:
   zonelistfile: "{tmp}/zone.list"
   server-count: 1
   hide-version: yes
+  # NSD limits answers to 200/s per /24 by default (response rate limiting): off on loopback
+  rrl-ratelimit: 0
+  rrl-whitelist-ratelimit: 0
 remote-control:
   control-enable: no
 zone:

@@ -78,6 +78,9 @@ class NsdServer:
   server-count: 1
   verbosity: 1
   hide-version: yes
+  # NSD limits answers to 200/s per /24 by default (response rate limiting): off on loopback
+  rrl-ratelimit: 0
+  rrl-whitelist-ratelimit: 0
 remote-control:
   control-enable: no
 zone:

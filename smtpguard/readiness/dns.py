@@ -28,9 +28,10 @@ class DnsClient:
         else:
             resolver = dns.asyncresolver.Resolver()
         # `lifetime` bounds the whole lookup (every server, every retry): what a RCPT waits at
-        # most. Each server gets the full time unless there are several.
+        # most. Each try gets half of its server's share, so a UDP answer lost once is asked
+        # again within the lifetime instead of ending the lookup as a timeout.
         resolver.lifetime = cfg.timeout
-        resolver.timeout = cfg.timeout / max(len(servers), 1)
+        resolver.timeout = cfg.timeout / (2 * max(len(servers), 1))
         resolver.cache = None  # callers keep what they need for the TTL they are given
         self._resolver = resolver
 
