@@ -472,3 +472,32 @@ async def test_probe_of_an_untrusted_certificate_is_an_error(tmp: Path, dns_serv
         assert code == 1 and probe["status"] == "error" and "not trusted" in probe["detail"]
     finally:
         await up.stop()
+
+
+async def test_probe_of_a_refused_ehlo_is_an_error_naming_the_reply(tmp: Path, dns_server: NsdServer) -> None:
+    """A provider that greets, then refuses EHLO (and HELO): the probe's EHLO row."""
+    commands: list[bytes] = []
+
+    async def refusing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"220 refusing.test ESMTP\r\n")
+        while line := await reader.readline():
+            commands.append(line.split(b" ", 1)[0].strip().upper())
+            if commands[-1] == b"QUIT":
+                writer.write(b"221 bye\r\n")
+                break
+            writer.write(b"554 5.7.1 no service for you\r\n")
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(refusing, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        path = doctor_config(tmp, dns_server, [provider("primary", port)])
+        code, out, _ = await doctor(path, "--json", "--zone", "good")
+        probe = row(json.loads(out), "probe", None, "primary")
+        assert code == 1 and probe["status"] == "error"
+        assert probe["detail"].startswith("EHLO: 554 5.7.1"), probe
+        assert b"MAIL" not in commands
+    finally:
+        server.close()
+        await server.wait_closed()
