@@ -390,10 +390,22 @@ def cmd_stats(args: argparse.Namespace) -> int:
         return out
 
     async def gather_all(store: Store) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        circuits = [
-            {"instance": c.instance, "provider": c.provider, "circuit": c.circuit, "since": iso(c.at)}
-            for c in await store.circuits()
-        ]
+        probes = {(p.instance, p.provider): p for p in await store.probes()}
+        circuits = []
+        for c in await store.circuits():
+            probe = probes.get((c.instance, c.provider))
+            circuits.append(
+                {
+                    "instance": c.instance,
+                    "provider": c.provider,
+                    "circuit": c.circuit,
+                    "since": iso(c.at),
+                    # DESIGN.md §12: the last probe's verdict; null when the provider is not probed
+                    "ready": probe.ready if probe else None,
+                    "probe": probe.detail if probe else None,
+                    "probed_at": iso(probe.at) if probe else None,
+                }
+            )
         return await gather(store), circuits
 
     rows, circuits = asyncio.run(_with_store(config, gather_all))
@@ -413,8 +425,34 @@ def cmd_stats(args: argparse.Namespace) -> int:
             f"{'yes' if r['paused'] else 'no':>6} {r['suppressed']:>5}"
         )
     for c in circuits:
-        print(f"provider {c['provider']} on {c['instance']}: circuit {c['circuit']} since {c['since']}")
+        ready = "" if c["ready"] is None else f"; {'ready' if c['ready'] else 'NOT READY'} ({c['probe']})"
+        where = f"provider {c['provider']} on {c['instance']}"
+        print(f"{where}: circuit {c['circuit']} since {c['since']}{ready}")
     return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """DESIGN.md §12. Exit 0 no check is an error, 1 one is, 2 bad config or usage."""
+    from smtpguard.readiness import doctor
+
+    try:
+        config = _config(args)
+    except ConfigError as e:
+        for problem in e.problems:
+            print(f"smtpguard: {problem}", file=sys.stderr)
+        return 2
+    if args.zone is not None and args.zone not in config.zones:
+        known = ", ".join(sorted(config.zones))
+        print(f"smtpguard: unknown zone {args.zone!r} (configured: {known})", file=sys.stderr)
+        return 2
+    helo = config.hostname or socket.getfqdn()
+    findings = asyncio.run(doctor.run(config, args.zone, probes=not args.no_probe, helo=helo))
+    ok = all(f.status != "error" for f in findings)
+    if args.json:
+        print(json.dumps({"ok": ok, "checks": [f.to_dict() for f in findings]}, indent=2))
+    else:
+        print(doctor.render_table(findings))
+    return 0 if ok else 1
 
 
 def cmd_sink(args: argparse.Namespace) -> int:
@@ -478,6 +516,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = cmd("stats", cmd_stats, "sends, duplicates, rejections and cap use per zone")
     sp.add_argument("zone", nargs="?")
     sp.add_argument("--json", action="store_true")
+    sp = cmd("doctor", cmd_doctor, "check DNS (SPF, DKIM, DMARC, MX) and probe every provider")
+    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--zone", help="check this zone only")
+    sp.add_argument("--no-probe", action="store_true", help="DNS checks only; no provider connection")
     sp = sub.add_parser("sink", help="a local test upstream writing to a Maildir")
     sp.add_argument("--listen", default="127.0.0.1:2525")
     sp.add_argument("--maildir", default="var/sink")

@@ -34,6 +34,7 @@ DEFAULT_CONFIG = "conf/smtpguard.yaml"
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 Size = Annotated[int, BeforeValidator(parse_size)]
 _ZONE_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+_DNS_LABELS = re.compile(r"[A-Za-z0-9_-]{1,63}(\.[A-Za-z0-9_-]{1,63})*")
 
 
 class ConfigError(Exception):
@@ -169,6 +170,59 @@ class Timeouts(_Strict):
     data: Duration = 120.0
 
 
+def _nameserver(value: str) -> tuple[str, int]:
+    """`127.0.0.1`, `127.0.0.1:5353`, `[::1]:5353` or `::1`: an IP literal (a resolver's own
+    name would need a resolver to find it) and an optional port, 53 by default."""
+    text = value.strip()
+    host, port = text, 53
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep:
+            raise ValueError(f"{value!r}: unclosed [")
+        if rest:
+            if not rest.startswith(":") or not rest[1:].isdigit():
+                raise ValueError(f"{value!r} is not [host]:port")
+            port = int(rest[1:])
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+        if not port_text.isdigit():
+            raise ValueError(f"{value!r} is not host:port")
+        port = int(port_text)
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"nameserver {value!r} must be an IP address, optionally with :port") from None
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port} is out of range")
+    return host, port
+
+
+class DnsConfig(_Strict):
+    """The resolver every lookup uses (doctor's checks, the RCPT recipient-domain check).
+    Without `nameservers`, the system's (/etc/resolv.conf)."""
+
+    nameservers: list[str] = Field(default_factory=list)
+    timeout: Duration = Field(2.0, gt=0)
+    """The whole lookup, every nameserver tried included: RCPT waits at most this long."""
+
+    @field_validator("nameservers")
+    @classmethod
+    def _nameservers(cls, v: list[str]) -> list[str]:
+        for ns in v:
+            _nameserver(ns)
+        return v
+
+    def servers(self) -> list[tuple[str, int]]:
+        return [_nameserver(ns) for ns in self.nameservers]
+
+
+def _spf_term(value: str) -> str:
+    term = value.strip()
+    if not term or " " in term:
+        raise ValueError(f"spf must be one SPF mechanism such as include:mailgun.org, not {value!r}")
+    return term
+
+
 class SmtpProviderConfig(_Strict):
     name: str
     kind: Literal["smtp"]
@@ -184,6 +238,36 @@ class SmtpProviderConfig(_Strict):
     pool_size: int = Field(8, ge=1, le=256)
     idempotency_header: str | None = None
     helo_name: str | None = None
+    spf: Annotated[str, BeforeValidator(_spf_term)] | None = None
+    """The SPF mechanism that authorises this provider in a sender domain's record
+    (`include:mailgun.org`); doctor looks for it through the include tree."""
+    spf_subdomain: str | None = None
+    """Where the provider's SPF record must be, below each sender domain: the return-path
+    (envelope-from) subdomain the provider sends with, e.g. `send` for `send.acme.example`.
+    Absent: the sender domain's own record."""
+    dkim_selectors: list[str] = Field(default_factory=list)
+    """SELECTOR._domainkey.DOMAIN must publish a key for every sender domain."""
+    probe_interval: Duration | None = Field(None, gt=0)
+    """serve probes the provider this often (connect, EHLO, STARTTLS, AUTH, QUIT; never
+    MAIL); off when absent."""
+    share: float = Field(0.0, ge=0.0, le=1.0)
+    """On a standby: this share of relayed mail goes through it while it is ready, chosen
+    by event key so that a retry takes the same route."""
+
+    @field_validator("dkim_selectors")
+    @classmethod
+    def _selectors(cls, v: list[str]) -> list[str]:
+        for sel in v:
+            if not _DNS_LABELS.fullmatch(sel):
+                raise ValueError(f"dkim selector {sel!r} is not a DNS label")
+        return v
+
+    @field_validator("spf_subdomain")
+    @classmethod
+    def _spf_subdomain(cls, v: str | None) -> str | None:
+        if v is not None and not _DNS_LABELS.fullmatch(v.strip(".")):
+            raise ValueError(f"spf_subdomain {v!r} is not DNS labels (e.g. send, or bounces.mail)")
+        return v.strip(".").lower() if v else v
 
     @model_validator(mode="after")
     def _secret(self) -> SmtpProviderConfig:
@@ -191,6 +275,10 @@ class SmtpProviderConfig(_Strict):
             raise ValueError("give password_env or password_file, not both")
         if self.username and not (self.password_env or self.password_file):
             raise ValueError("username needs password_env or password_file (never inline)")
+        if self.share and self.probe_interval is None:
+            # The share goes only to a standby that answers its probes: without them smtpguard
+            # cannot know it is ready, and an untested standby is what the share is meant to avoid.
+            raise ValueError("share needs probe_interval (the share goes only to a ready provider)")
         return self
 
 
@@ -276,6 +364,15 @@ class UserConfig(_Strict):
         return _argon2_hash(v)
 
 
+def _check_or_off(value: object) -> object:
+    # YAML 1.1 reads a bare `off` (and `false`, `no`) as False.
+    return "off" if value is False else value
+
+
+def _host_name(value: str) -> str:
+    return value.strip().rstrip(".").lower()
+
+
 class ZoneConfig(_Strict):
     plan: Literal["free", "solo", "starter", "business", "agency", "unlimited"] = "solo"
     hourly_cap: int | None = Field(None, ge=0)
@@ -287,6 +384,11 @@ class ZoneConfig(_Strict):
     paused: bool = False
     senders: list[str] = Field(default_factory=list)
     users: list[UserConfig] = Field(default_factory=list)
+    recipient_domains: Annotated[Literal["check", "off"], BeforeValidator(_check_or_off)] = "off"
+    """check: RCPT refuses a recipient domain with a null MX (556 5.1.10) or that cannot
+    receive mail (550 5.1.2); DNS trouble accepts (DESIGN.md §3, §12)."""
+    mx: list[Annotated[str, BeforeValidator(_host_name)]] | None = None
+    """The MX hosts the zone's sender domains should have; doctor warns about any other."""
 
     @field_validator("senders")
     @classmethod
@@ -461,6 +563,7 @@ class Config(_Strict):
     event_key: EventKeyConfig = EventKeyConfig()
     limits: LimitsConfig = LimitsConfig()
     providers: list[ProviderConfig] = Field(min_length=1)
+    dns: DnsConfig = DnsConfig()
     breaker: BreakerConfig = BreakerConfig()
     queue: QueueConfig = QueueConfig()
     metrics: MetricsConfig | None = None
@@ -482,6 +585,17 @@ class Config(_Strict):
         names = [p.name for p in self.providers]
         if len(set(names)) != len(names):
             raise ValueError("provider names must be unique")
+        first = self.providers[0]
+        if isinstance(first, SmtpProviderConfig) and first.share:
+            raise ValueError(
+                f"providers[0] ({first.name}) is the primary: share is for a standby, "
+                "the primary takes whatever the standbys do not"
+            )
+        shared = sum(p.share for p in self.providers if isinstance(p, SmtpProviderConfig))
+        if shared > 0.5:
+            raise ValueError(
+                f"the standbys' shares add up to {shared:g}; more than 0.5 makes the primary a standby"
+            )
         for zname in self.zones:
             if not _ZONE_NAME.match(zname) or zname == "global":
                 raise ValueError(

@@ -31,6 +31,7 @@ from smtpguard.policy.senders import (
     sender_allowed,
     smtputf8_refusal,
 )
+from smtpguard.recipient_domains import RecipientDomains
 from smtpguard.replies import Reply
 from smtpguard.store import Store, StoreUnavailable
 from smtpguard.submission import Principal, Result, Submitter
@@ -404,8 +405,11 @@ class Handler:
         verifier: Verifier,
         on_result: Callable[[Principal | None, Result, float], None],
         clock: Callable[[], float] = time.time,
+        recipient_domains: RecipientDomains | None = None,
     ) -> None:
         self.submitter = submitter
+        self.recipient_domains = recipient_domains
+        """The RCPT domain check of zones with `recipient_domains: check` (DESIGN.md §12)."""
         self.store = store
         self.verifier = verifier
         self.connections = Connections()
@@ -591,6 +595,11 @@ class Handler:
             return str(replies.STORE_UNAVAILABLE)
         if listed:
             return self._refuse(principal, replies.suppressed(address, listed))
+        zone = self.config.zones.get(principal.zone)
+        if zone is not None and zone.recipient_domains == "check" and self.recipient_domains is not None:
+            unroutable = await self.recipient_domains.refusal(address)
+            if unroutable is not None:
+                return self._refuse(principal, unroutable)
         envelope.rcpt_tos.append(normalize_address(address))
         envelope.rcpt_options.extend(rcpt_options)
         return str(replies.OK_RECIPIENT)

@@ -62,6 +62,12 @@ class Metrics:
             ["provider"],
             registry=r,
         )
+        self.provider_ready = Gauge(
+            "smtpguard_provider_ready",
+            "1 when the provider's last probe (connect, EHLO, STARTTLS, AUTH, QUIT) passed, else 0",
+            ["provider"],
+            registry=r,
+        )
         self.cap_remaining = Gauge(
             "smtpguard_cap_remaining",
             "Sends left in the zone's cap window",

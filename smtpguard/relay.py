@@ -17,7 +17,7 @@ import socket
 import ssl
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, Protocol
@@ -31,6 +31,7 @@ from smtpguard.policy.breaker import Breaker, Circuit
 from smtpguard.policy.eventkey import qualified_key
 from smtpguard.policy.outcome import Kind, Outcome, classify_reply, queue_id, upstream_reply
 from smtpguard.policy.senders import needs_smtputf8
+from smtpguard.policy.share import Candidate, shared_provider, slot
 from smtpguard.replies import Reply
 
 log = logging.getLogger("smtpguard.relay")
@@ -562,7 +563,8 @@ def _maildir_store(root: Path, name: str, data: bytes) -> None:
 
 # --- the route -------------------------------------------------------------------------------
 class Route:
-    """Primary, then standby (then more), skipping open circuits (DESIGN.md §6)."""
+    """Primary, then standby (then more), skipping open circuits (DESIGN.md §6); a standby
+    with a `share` heads the route for that share of event keys while it is ready (§12)."""
 
     def __init__(
         self,
@@ -572,9 +574,14 @@ class Route:
         clock: Callable[[], float] = time.time,
         observe: Callable[[str, str, float], None] | None = None,
         on_circuit: Callable[[str, Circuit], None] | None = None,
+        shares: Mapping[str, float] | None = None,
     ) -> None:
         self.providers = list(providers)
         self.breakers = {p.name: Breaker(threshold, cooldown) for p in self.providers}
+        self.shares = {name: share for name, share in (shares or {}).items() if share > 0}
+        self.ready: dict[str, bool] = {}
+        """Each probed provider's last probe (serve's prober writes it). A provider never
+        probed is not ready: no share goes to a standby that has not answered."""
         self._clock = clock
         self._observe = observe
         self._on_circuit = on_circuit
@@ -592,10 +599,32 @@ class Route:
     def any_closed(self) -> bool:
         return any(b.circuit is not Circuit.OPEN for b in self.breakers.values())
 
+    def order(self, env: Envelope) -> list[Provider]:
+        """The providers to try, in order, for this envelope. The shared standby is picked by
+        zone and key (policy/share.py), so a retry of the event heads the same route; it must
+        be ready and its circuit closed, else the normal route. Failover from it walks the
+        rest of the route in its configured order."""
+        if not self.shares or env.key is None:
+            return self.providers
+        candidates = [
+            Candidate(
+                p.name,
+                self.shares[p.name],
+                self.ready.get(p.name, False) and self.breakers[p.name].circuit is Circuit.CLOSED,
+            )
+            for p in self.providers[1:]
+            if p.name in self.shares
+        ]
+        name = shared_provider(slot(env.zone, env.key), candidates)
+        if name is None:
+            return self.providers
+        chosen = next(p for p in self.providers if p.name == name)
+        return [chosen, *(p for p in self.providers if p is not chosen)]
+
     async def send(self, env: Envelope, before_data: BeforeData) -> Outcome:
         fallback: Outcome | None = None
         unavailable = skipped = False
-        for p in self.providers:
+        for p in self.order(env):
             allowed, self.breakers[p.name] = self.breakers[p.name].allow(self._clock())
             if not allowed:
                 skipped = True

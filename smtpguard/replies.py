@@ -112,6 +112,16 @@ def smtputf8_not_offered(provider: str) -> Reply:
     return Reply(553, "5.6.7", f"Upstream {provider} does not offer SMTPUTF8, which this message needs")
 
 
+def recipient_null_mx(domain: str) -> Reply:
+    """RFC 7505 §4.3: the domain publishes a null MX, it accepts no mail (X.1.10)."""
+    return Reply(556, "5.1.10", f"Recipient domain {safe(domain)} accepts no mail (null MX)")
+
+
+def recipient_domain_unroutable(domain: str, why: str) -> Reply:
+    """RFC 3463 X.1.2: the destination domain does not exist or cannot receive mail."""
+    return Reply(550, "5.1.2", f"Recipient domain {safe(domain)} cannot receive mail: {safe(why)}")
+
+
 def too_many_recipients(limit: int) -> Reply:
     return Reply(452, "4.5.3", f"Too many recipients (limit {limit})")
 

@@ -23,6 +23,9 @@ from smtpguard.metrics import HealthServer, Metrics
 from smtpguard.passwords import Verifier
 from smtpguard.policy.breaker import Circuit
 from smtpguard.policy.limits import caps_for, month_of
+from smtpguard.readiness.dns import DnsClient
+from smtpguard.readiness.prober import Prober
+from smtpguard.recipient_domains import RecipientDomains
 from smtpguard.relay import Route, build_providers
 from smtpguard.store import Store, StoreUnavailable, store_from_url
 from smtpguard.submission import Principal, Result, Submitter
@@ -114,6 +117,7 @@ class Server:
         self.unfit: list[str] = []
         """Why the store turned out unfit after start (checked once it answered)."""
         self.unfit_event = asyncio.Event()
+        self.prober: Prober | None = None
 
     def clock(self) -> float:
         """Leases, windows and history are measured on one clock for every instance sharing
@@ -145,7 +149,14 @@ class Server:
         submitter = Submitter(config, self.store, self.route, self.instance, self.hostname, self.clock)
         self.submitter = submitter
         self._ensure_worker()
-        self.handler = Handler(submitter, self.store, Verifier(), self._on_result, self.clock)
+        self.handler = Handler(
+            submitter,
+            self.store,
+            Verifier(),
+            self._on_result,
+            self.clock,
+            recipient_domains=self._recipient_domains(config),
+        )
         for zname, zone in config.zones.items():
             if zone.paused:
                 log.info("zone paused by config", extra={"zone": zname})
@@ -176,6 +187,7 @@ class Server:
         self._tasks.append(asyncio.create_task(self._refresh_gauges()))
         self._tasks.append(asyncio.create_task(self._count_records()))
         self._tasks.append(asyncio.create_task(self._purge()))
+        self._start_prober(config, secrets)
         log.info(
             "smtpguard started",
             extra={
@@ -264,7 +276,39 @@ class Server:
             self.clock,
             observe=self.metrics.upstream,
             on_circuit=self._circuit_changed,
+            shares={p.name: getattr(p, "share", 0.0) for p in config.providers},
         )
+
+    @staticmethod
+    def _recipient_domains(config: Config) -> RecipientDomains | None:
+        """Only when a zone checks recipient domains: otherwise RCPT pays nothing for it."""
+        if not any(z.recipient_domains == "check" for z in config.zones.values()):
+            return None
+        return RecipientDomains(DnsClient(config.dns))
+
+    def _start_prober(self, config: Config, secrets: dict[str, str | None]) -> None:
+        """Probe every provider with a probe_interval (DESIGN.md §12); the route, the gauge
+        and the store (for `stats`) learn each result."""
+        if self.prober is not None:
+            self.prober.stop_later(self._background)
+        self.prober = Prober(config, secrets, self.hostname, self._probe_changed)
+        self.prober.start()
+
+    def _probe_changed(self, provider: str, ready: bool, detail: str) -> None:
+        if self.route is not None:
+            self.route.ready[provider] = ready
+        self.metrics.provider_ready.labels(provider).set(1 if ready else 0)
+        if self.store is not None:
+            task = asyncio.ensure_future(self._publish_probe(provider, ready, detail))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _publish_probe(self, provider: str, ready: bool, detail: str) -> None:
+        assert self.store is not None
+        try:
+            await self.store.set_probe(self.instance, provider, ready, detail, self.clock())
+        except StoreUnavailable:
+            log.warning("could not publish probe result", extra={"provider": provider})
 
     def _factory(self, tls: str, ssl_ctx: ssl.SSLContext | None) -> Callable[[], GuardSMTP]:
         handler = self.handler
@@ -417,6 +461,8 @@ class Server:
                 "drain timeout; in-flight submissions abandoned (their leases expire)",
                 extra={"active": self.handler.active},
             )
+        if self.prober is not None:
+            await self.prober.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -468,6 +514,9 @@ class Server:
             for name, breaker in old_route.breakers.items():
                 if name in self.route.breakers:
                     self.route.breakers[name] = breaker
+            self.route.ready.update(
+                {name: ready for name, ready in old_route.ready.items() if name in self.route.breakers}
+            )
             self.handler.submitter.route = self.route
             # In-flight sends keep their provider objects; only idle connections are closed.
             await old_route.close()
@@ -477,6 +526,10 @@ class Server:
         if _events_address(new) != _events_address(self.config):
             log.warning("events.address changes take effect only after a restart")
         self.handler.submitter.config = new
+        if new.dns != self.config.dns or self.handler.recipient_domains is None:
+            self.handler.recipient_domains = self._recipient_domains(new)
+        if secrets is not None:
+            self._start_prober(new, secrets)
         self.config = new
         self._ensure_worker()
         log.info("config reloaded", extra={"zones": len(new.zones), "providers": len(new.providers)})

@@ -122,6 +122,18 @@ async def test_circuits_are_published_per_instance_and_provider(store: Store) ->
     assert got == [("a", "primary", "half_open", 102.0), ("b", "primary", "closed", 101.0)]
 
 
+async def test_probes_are_published_per_instance_and_provider(store: Store) -> None:
+    assert await store.probes() == []
+    await store.set_probe("a", "standby", True, "connect, EHLO, QUIT ok", 100.0)
+    await store.set_probe("b", "standby", False, "AUTH: 535 5.7.8 bad", 101.0)
+    await store.set_probe("a", "standby", False, "connect: refused", 102.0)
+    got = [(p.instance, p.provider, p.ready, p.detail, p.at) for p in await store.probes()]
+    assert got == [
+        ("a", "standby", False, "connect: refused", 102.0),
+        ("b", "standby", False, "AUTH: 535 5.7.8 bad", 101.0),
+    ]
+
+
 async def test_suppression_versions_move_on_every_change(store: Store) -> None:
     assert await store.suppression_versions("acme") == (0, 0)
     await store.suppress_add("acme", "a@example.com", "r", 1.0)

@@ -105,6 +105,15 @@ class CircuitState:
 
 
 @dataclass(frozen=True, slots=True)
+class ProbeState:
+    instance: str
+    provider: str
+    ready: bool
+    detail: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
 class CapUsage:
     hour: int
     month: int
@@ -265,6 +274,12 @@ class Store(Protocol):
         """Publish one instance's circuit for one provider (written on every transition)."""
 
     async def circuits(self) -> list[CircuitState]: ...
+
+    async def set_probe(self, instance: str, provider: str, ready: bool, detail: str, now: float) -> None:
+        """Publish one instance's last probe of one provider (DESIGN.md §12; written when its
+        readiness changes), so `stats` shows whether each standby could take over."""
+
+    async def probes(self) -> list[ProbeState]: ...
 
     # --- AUTH brute force (shared by every instance) -----------------------------------------
     async def auth_failure(self, ip: str, now: float, window: float) -> int:

@@ -46,6 +46,7 @@ from smtpguard.store.base import (
     Conflict,
     IdField,
     Paused,
+    ProbeState,
     QueuedMessage,
     QueueEntry,
     Reserved,
@@ -423,6 +424,8 @@ end
 return 1
 """.replace("EVENTS_KEPT", "500")
 
+_PROBES = "sg:{providers}:probes"
+"""Hash (instance, provider) → (ready, detail, at): each instance's last probe, for `stats`."""
 _CIRCUITS = "sg:{providers}:circuits"
 """Hash (instance, provider) → (circuit, since): each instance's breakers, for `stats`."""
 
@@ -1404,6 +1407,21 @@ class RedisStore:
             instance, provider = json.loads(field)
             circuit, at = json.loads(value)
             out.append(CircuitState(str(instance), str(provider), str(circuit), float(at)))
+        return sorted(out, key=lambda c: (c.provider, c.instance))
+
+    @_translated
+    async def set_probe(self, instance: str, provider: str, ready: bool, detail: str, now: float) -> None:
+        field = json.dumps([instance, provider])
+        await self._r.hset(_PROBES, field, json.dumps([ready, detail, now]))
+
+    @_translated
+    async def probes(self) -> list[ProbeState]:
+        entries = await self._r.hgetall(_PROBES)
+        out = []
+        for field, value in entries.items():
+            instance, provider = json.loads(field)
+            ready, detail, at = json.loads(value)
+            out.append(ProbeState(str(instance), str(provider), bool(ready), str(detail), float(at)))
         return sorted(out, key=lambda c: (c.provider, c.instance))
 
     # --- AUTH brute force --------------------------------------------------------------------

@@ -32,6 +32,7 @@ from smtpguard.store.base import (
     Conflict,
     IdField,
     Paused,
+    ProbeState,
     QueuedMessage,
     QueueEntry,
     Reserved,
@@ -101,6 +102,9 @@ CREATE TABLE IF NOT EXISTS zone_audit (
     zone TEXT NOT NULL, at REAL NOT NULL, actor TEXT NOT NULL, action TEXT NOT NULL,
     key TEXT NOT NULL, note TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS zone_audit_zone_at ON zone_audit (zone, at);
+CREATE TABLE IF NOT EXISTS probes (
+    instance TEXT NOT NULL, provider TEXT NOT NULL, ready INTEGER NOT NULL, detail TEXT NOT NULL,
+    at REAL NOT NULL, PRIMARY KEY (instance, provider)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS counters (
     zone TEXT NOT NULL, name TEXT NOT NULL, value INTEGER NOT NULL,
     PRIMARY KEY (zone, name)) WITHOUT ROWID;
@@ -818,6 +822,23 @@ class SQLiteStore:
             ).fetchall()
         )
         return [CircuitState(i, p, s, float(t)) for i, p, s, t in rows]
+
+    async def set_probe(self, instance: str, provider: str, ready: bool, detail: str, now: float) -> None:
+        await self._write(
+            lambda c: c.execute(
+                "INSERT OR REPLACE INTO probes (instance, provider, ready, detail, at) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (instance, provider, int(ready), detail, now),
+            )
+        )
+
+    async def probes(self) -> list[ProbeState]:
+        rows = await self._read(
+            lambda c: c.execute(
+                "SELECT instance, provider, ready, detail, at FROM probes ORDER BY provider, instance"
+            ).fetchall()
+        )
+        return [ProbeState(i, p, bool(r), d, float(t)) for i, p, r, d, t in rows]
 
     # --- AUTH brute force --------------------------------------------------------------------
     async def auth_failure(self, ip: str, now: float, window: float) -> int:

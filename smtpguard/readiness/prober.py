@@ -1,0 +1,94 @@
+"""serve's periodic provider probes (DESIGN.md §12): every `probe_interval`, for every
+provider that sets one, the probe of probe.py (never MAIL). Each change of readiness is
+reported to the server (route, `smtpguard_provider_ready`, the store for `stats`); a
+provider that turns not ready is logged at warning with the reply it got.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from smtpguard.config import Config, SmtpProviderConfig
+from smtpguard.policy.readiness import judge_probe
+from smtpguard.readiness.probe import probe_smtp
+
+log = logging.getLogger("smtpguard.readiness")
+
+OnChange = Callable[[str, bool, str], None]
+
+
+class Prober:
+    def __init__(
+        self,
+        config: Config,
+        secrets: dict[str, str | None],
+        helo: str,
+        on_change: OnChange,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._targets = [
+            p for p in config.providers if isinstance(p, SmtpProviderConfig) and p.probe_interval is not None
+        ]
+        self._secrets = secrets
+        self._helo = helo
+        self._on_change = on_change
+        self._wall_clock = wall_clock
+        """Certificates expire on the calendar, whatever clock the store keeps."""
+        self._tasks: list[asyncio.Task[None]] = []
+        self.ready: dict[str, bool] = {}
+        self.probes = 0
+        self.probed = asyncio.Event()
+        """Set after each probe (tests wait on it instead of polling)."""
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._loop(p)) for p in self._targets]
+
+    async def _loop(self, cfg: SmtpProviderConfig) -> None:
+        assert cfg.probe_interval is not None
+        warned_expiry = False
+        while True:
+            try:
+                result = await probe_smtp(cfg, self._secrets.get(cfg.name), self._helo)
+            except Exception as e:  # a defect in the probe must not end the loop
+                log.error("provider probe raised", exc_info=e, extra={"provider": cfg.name})
+                await asyncio.sleep(cfg.probe_interval)
+                continue
+            self.probes += 1
+            self.probed.set()
+            status, detail = judge_probe(result, self._wall_clock())
+            ready = status != "error"
+            before = self.ready.get(cfg.name)
+            self.ready[cfg.name] = ready
+            if before is not ready:
+                if not ready:
+                    log.warning(
+                        "provider not ready: %s",
+                        detail,
+                        extra={"provider": cfg.name, "probe": detail},
+                    )
+                elif before is False:
+                    log.info("provider ready again", extra={"provider": cfg.name, "probe": detail})
+                self._on_change(cfg.name, ready, detail)
+            if status == "warning" and not warned_expiry:
+                log.warning("provider certificate: %s", detail, extra={"provider": cfg.name})
+            warned_expiry = status == "warning"
+            await asyncio.sleep(cfg.probe_interval)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+
+    def stop_later(self, background: set[asyncio.Future[None]]) -> None:
+        """Stop without waiting (a reload replaces the prober): kept in `background` so the
+        server's stop still waits for it."""
+        task = asyncio.ensure_future(self.stop())
+        background.add(task)
+        task.add_done_callback(background.discard)

@@ -1,0 +1,79 @@
+"""RCPT's recipient-domain check (`recipient_domains: check`, DESIGN.md §3 and §12).
+
+Looks the domain up through the resolver seam, asks policy/recipients.py, and keeps the
+verdict for the answer's TTL, so a burst to one domain costs one lookup. Concurrent RCPTs
+for a domain not yet known share one lookup. Nothing here touches the store: a refusal at
+RCPT reserves nothing and spends no cap unit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from smtpguard import replies
+from smtpguard.policy import recipients
+from smtpguard.policy.recipients import DomainVerdict
+from smtpguard.readiness.dns import DnsClient
+from smtpguard.replies import Reply
+
+MAX_ENTRIES = 10_000
+"""Domains kept at once; the oldest go first. Bounded so that RCPTs to random domains
+cannot grow memory without limit."""
+
+
+class RecipientDomains:
+    def __init__(self, dns: DnsClient, clock: Callable[[], float] = time.monotonic) -> None:
+        self.dns = dns
+        self.clock = clock
+        self._known: OrderedDict[str, tuple[DomainVerdict, float]] = OrderedDict()
+        self._asking: dict[str, asyncio.Future[DomainVerdict]] = {}
+        self.lookups = 0
+        """Domains looked up (not served from the cache): for tests and the bench."""
+
+    async def refusal(self, address: str) -> Reply | None:
+        """The §3 reply for a recipient whose domain cannot receive mail, else None."""
+        domain = address.rpartition("@")[2].lower().rstrip(".")
+        if not domain or domain.startswith("["):
+            return None  # an address literal names a host, not a domain with MX records
+        verdict = await self.verdict(domain)
+        if verdict.verdict == "null_mx":
+            return replies.recipient_null_mx(domain)
+        if verdict.verdict in ("no_domain", "no_mail"):
+            return replies.recipient_domain_unroutable(domain, verdict.detail)
+        return None
+
+    async def verdict(self, domain: str) -> DomainVerdict:
+        now = self.clock()
+        known = self._known.get(domain)
+        if known is not None and known[1] > now:
+            return known[0]
+        pending = self._asking.get(domain)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[DomainVerdict] = asyncio.get_running_loop().create_future()
+        self._asking[domain] = future
+        try:
+            verdict = await self._look_up(domain)
+        except BaseException as e:
+            future.set_exception(e)
+            future.exception()  # retrieved here: waiters, if any, get it too
+            raise
+        finally:
+            del self._asking[domain]
+        future.set_result(verdict)
+        self._known[domain] = (verdict, self.clock() + verdict.ttl)
+        self._known.move_to_end(domain)
+        while len(self._known) > MAX_ENTRIES:
+            self._known.popitem(last=False)
+        return verdict
+
+    async def _look_up(self, domain: str) -> DomainVerdict:
+        self.lookups += 1
+        mx = await self.dns.lookup("MX", domain)
+        if not recipients.needs_address_lookup(mx):
+            return recipients.judge(mx)
+        a, aaaa = await asyncio.gather(self.dns.lookup("A", domain), self.dns.lookup("AAAA", domain))
+        return recipients.judge(mx, a, aaaa)
