@@ -96,6 +96,9 @@ def test_unit_runs_the_console_script_with_the_etc_config(unit: dict[str, list[t
 
 def test_unit_has_the_required_directives(unit: dict[str, list[tuple[str, str]]]) -> None:
     expected = {
+        # smtpguard tells systemd when it is ready and when it stops (tests/test_metrics.py).
+        "Type": "notify",
+        "NotifyAccess": "main",
         "StateDirectory": "smtpguard",
         "ConfigurationDirectory": "smtpguard",
         "WorkingDirectory": "/var/lib/smtpguard",
