@@ -153,6 +153,23 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_healthcheck(args: argparse.Namespace) -> int:
+    from smtpguard.metrics import local_health
+
+    config = _config(args)
+    listen = [(lst.host, lst.port, lst.tls) for lst in config.listen]
+    metrics = None
+    if config.metrics is not None:
+        host, _, port = config.metrics.address.rpartition(":")
+        metrics = (host.strip("[]"), int(port))
+    ok, why = asyncio.run(local_health(listen, metrics))
+    if args.json:
+        emit({"ok": ok, "checked": why})
+    elif not ok:
+        print(f"smtpguard: unhealthy: {why}", file=sys.stderr)
+    return EXIT_OK if ok else EXIT_FAILED
+
+
 def cmd_hash_password(args: argparse.Namespace) -> int:
     from smtpguard.passwords import hash_password
 
@@ -575,6 +592,13 @@ def build_parser() -> argparse.ArgumentParser:
         "validate the config",
         "Validate the config as serve would: every problem with its YAML path and line, "
         "provider secrets present, TLS files loadable. Exit 0 when serve would accept it.",
+    )
+    cmd(
+        "healthcheck",
+        cmd_healthcheck,
+        "is the local instance up (for container health checks)",
+        "Ask the instance on this machine whether it is up: /healthz when the config has "
+        "`metrics:`, else the first listener's SMTP greeting. Exit 0 healthy, 1 not.",
     )
     cmd(
         "hash-password",

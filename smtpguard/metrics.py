@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import platform
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -223,3 +223,53 @@ class HealthServer:
             pass
         finally:
             writer.close()
+
+
+def _loopback(host: str) -> str:
+    """Where a check on this machine reaches a listener bound to `host`."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "::1"
+    return host
+
+
+async def local_health(
+    listen: Sequence[tuple[str, int, str]], metrics: tuple[str, int] | None, timeout: float = 4.0
+) -> tuple[bool, str]:
+    """The container HEALTHCHECK (`smtpguard healthcheck`): /healthz when `metrics:` is set,
+    else the first listener's SMTP greeting (a 220), so the check works either way."""
+    try:
+        if metrics is not None:
+            host, port = metrics
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(_loopback(host), port), timeout)
+            try:
+                writer.write(b"GET /healthz HTTP/1.0\r\nHost: localhost\r\n\r\n")
+                await writer.drain()
+                status = await asyncio.wait_for(reader.readline(), timeout)
+            finally:
+                writer.close()
+            ok = status.split()[1:2] == [b"200"]
+            return ok, f"/healthz on {host}:{port}: {status.decode('latin-1').strip() or 'no answer'}"
+        host, port, tls = listen[0]
+        ctx = None
+        if tls == "implicit":
+            import ssl
+
+            ctx = ssl.create_default_context()
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE  # the greeting is checked, not the certificate
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(_loopback(host), port, ssl=ctx), timeout
+        )
+        try:
+            greeting = await asyncio.wait_for(reader.readline(), timeout)
+            writer.write(b"QUIT\r\n")
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+        finally:
+            writer.close()
+        text = greeting.decode("latin-1").strip()
+        return text.startswith("220"), f"SMTP greeting on {host}:{port}: {text or 'none'}"
+    except (OSError, TimeoutError) as e:
+        return False, f"no answer: {e}"
