@@ -525,6 +525,14 @@ _TYPE_NAMES = {
 }
 
 
+_BOUNDS = {
+    "greater_than_equal": ("at least", "ge"),
+    "greater_than": ("more than", "gt"),
+    "less_than_equal": ("at most", "le"),
+    "less_than": ("less than", "lt"),
+}
+
+
 def _describe(err: Any, root: yaml.Node | None, source: str, schema: type[BaseModel] | None = None) -> str:
     raw_loc = list(err["loc"])
     problem = (err.get("ctx") or {}).get("error")
@@ -551,6 +559,13 @@ def _describe(err: Any, root: yaml.Node | None, source: str, schema: type[BaseMo
         else:
             msg = f"{disc} {err['ctx']['tag']!r} is not a known kind; one of {tags}"
             line = _line_of(root, [*loc, disc]) or line
+    elif kind in _BOUNDS:
+        ctx = err.get("ctx") or {}
+        word, name = _BOUNDS[kind]
+        msg = f"must be {word} {ctx.get(name)}, got {err.get('input')!r}"
+    elif kind in ("too_short", "string_too_short"):
+        n = (err.get("ctx") or {}).get("min_length")
+        msg = "must not be empty" if n == 1 else f"needs at least {n} entries"
     elif kind == "literal_error":
         expected = str((err.get("ctx") or {}).get("expected", "")).replace("'", "")
         msg = f"{err.get('input')!r} is not one of: {expected.replace(' or ', ', ')}"
