@@ -439,7 +439,7 @@ class Server:
             load_certificate(self.ssl_ctx, new.tls)
             self._cert_gauge(new)
         elif new.tls != self.config.tls:
-            log.warning("TLS on listeners that had none at start needs a restart")
+            log.warning("adding or removing the tls section takes effect only after a restart")
         if secrets is not None:
             old_route = self.route
             self.route = self._route(new, secrets)
