@@ -240,3 +240,22 @@ async def test_systemd_notify_ready_reloading_stopping(
     finally:
         await proc.astop()
         sock.close()
+
+
+async def test_store_errors_are_counted_where_they_happen(tmp: Path, upstream: Upstream) -> None:
+    cfg = base_config(tmp, upstream.port, metrics={"address": "127.0.0.1:0"})
+    async with running_guard(cfg) as guard:
+        assert guard.store is not None and guard.health is not None
+        # The fault: the store goes away under a running instance (closed, not mocked).
+        await guard.store.close()
+        try:
+            client = await RawClient.connect(guard.ports[0])
+            await client.reply()
+            await client.ehlo()
+            refused = await client.login()
+            await client.close()
+        finally:
+            await guard.store.open()
+        _, body = await http_get(guard.health.port, "/metrics")
+    assert (refused.code, refused.enhanced) == (451, "4.3.0"), refused
+    assert sample(body, "smtpguard_store_errors_total", where="auth") == 1
