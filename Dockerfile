@@ -6,8 +6,9 @@
 # The config mounted at /etc/smtpguard/smtpguard.yaml should listen on 0.0.0.0:587 (starttls
 # or implicit, with tls.cert/tls.key under /etc/smtpguard), keep its store under
 # /var/lib/smtpguard (sqlite:////var/lib/smtpguard/state.db), and set
-# metrics.address: 0.0.0.0:9587 so that Prometheus can scrape it (the HEALTHCHECK below
-# reaches it over loopback either way). See docs/configuration.md.
+# metrics.address: 0.0.0.0:9587 so that Prometheus can scrape it. The HEALTHCHECK below
+# works with or without `metrics:` (`smtpguard healthcheck`: /healthz, else the SMTP
+# greeting). See docs/configuration.md.
 
 # --- build: a self-contained virtualenv ------------------------------------------------------
 FROM python:3.12-slim AS builder
@@ -19,9 +20,9 @@ RUN python -m venv /opt/smtpguard
 
 WORKDIR /src
 # Every runtime dependency ships manylinux wheels: no compiler, no apt-get.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY smtpguard ./smtpguard
-RUN /opt/smtpguard/bin/pip install --no-cache-dir ".[fast,events,console]" \
+RUN /opt/smtpguard/bin/pip install --no-cache-dir ".[fast,redis,events,console]" \
     && /opt/smtpguard/bin/smtpguard --version
 
 # --- runtime ---------------------------------------------------------------------------------
@@ -51,15 +52,20 @@ WORKDIR /var/lib/smtpguard
 VOLUME ["/etc/smtpguard", "/var/lib/smtpguard"]
 
 # 587 as a non-root user: Docker (20.10+) sets net.ipv4.ip_unprivileged_port_start=0 inside
-# a container's own network namespace. With --network host, listen on 2587 instead.
+# a container's own network namespace, so no capability is needed. Where that does not
+# hold (--network host, an older engine, Kubernetes without that sysctl), either listen on
+# 2587 and publish it as 587 (-p 587:2587), or run with --cap-add NET_BIND_SERVICE and give
+# the interpreter the capability (setcap cap_net_bind_service=+ep on
+# /usr/local/bin/python3.12) — docs/runbook.md compares the options.
 EXPOSE 587 9587
 
 USER 10587:10587
 
-# slim has no curl; the venv's Python asks the metrics listener. urlopen raises on any
-# non-2xx answer and on a refused connection, so the exit code is the verdict.
+# slim has no curl; smtpguard asks its own instance: GET /healthz when the config has
+# `metrics:`, else the first listener's SMTP greeting (a config without metrics would
+# otherwise fail the check forever). Exit 0 healthy, 1 not.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=20s --retries=3 \
-    CMD ["/opt/smtpguard/bin/python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9587/healthz', timeout=4)"]
+    CMD ["smtpguard", "healthcheck"]
 
 # Exec form: smtpguard is PID 1 and gets SIGTERM itself; it drains in-flight submissions for
 # limits.drain_timeout (30 s), so stop with a longer grace period (--stop-timeout 40, or

@@ -1,8 +1,15 @@
 """`smtpguard …`: the only place that turns errors into exit codes (DESIGN.md §8).
 
-Exit codes: 0 success, 1 a refused or failed operation (bad config, unknown key, a state
-that does not allow the command), 2 bad usage. Errors are one line on stderr, never a
-traceback.
+Exit codes (EXIT_CODES, also in `--help` and docs/runbook.md): 0 success, 1 a refused or
+failed operation (bad config, unknown zone, a state that does not allow the command), 2 bad
+usage, 3 no such record (or list entry), 4 the store is unavailable or does not exist.
+Errors are one line on stderr, never a traceback. Options may come anywhere on the line,
+`-c FILE` before or after the command. `--json` documents are objects whose `schema` is
+JSON_SCHEMA; a change that breaks a reader bumps it.
+
+Commands that only read (history, stats, queue list, suppress list/export) open the store
+read-only; no command creates a store: a wrong path or working directory is an error that
+says so, not an empty store that answers "no record".
 """
 
 from __future__ import annotations
@@ -28,14 +35,42 @@ from smtpguard.policy import ledger
 from smtpguard.policy.limits import caps_for, month_of
 from smtpguard.policy.queue import queue_due
 from smtpguard.policy.senders import address_problem, normalize_address
-from smtpguard.store import Store, StoreUnavailable, store_from_url
+from smtpguard.store import Store, StoreMissing, StoreUnavailable, store_from_url
 from smtpguard.store.base import StoredEvent
 
 T = TypeVar("T")
 
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_NOT_FOUND = 3
+EXIT_STORE = 4
+EXIT_CODES = {
+    EXIT_OK: "success",
+    EXIT_FAILED: "refused or failed (bad config, unknown zone, a state that does not allow it)",
+    EXIT_USAGE: "bad usage (unknown command or option, missing argument)",
+    EXIT_NOT_FOUND: "no such record, queue entry or list entry",
+    EXIT_STORE: "store unavailable, or no store at the configured path",
+}
+JSON_SCHEMA = 1
+"""The version of every `--json` document (its `schema` key)."""
+
 
 class CLIError(Exception):
     """A refused operation: printed as one line, exit code 1."""
+
+    code = EXIT_FAILED
+
+
+class NotFound(CLIError):
+    """No record (or entry) under that name: exit code 3, so a script can tell it from a
+    store it could not read."""
+
+    code = EXIT_NOT_FOUND
+
+
+def emit(doc: dict[str, Any]) -> None:
+    print(json.dumps({"schema": JSON_SCHEMA, **doc}, indent=2))
 
 
 def iso(epoch: float | None) -> str | None:
@@ -49,14 +84,17 @@ def actor() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
+def _config_path(args: argparse.Namespace) -> str:
+    return getattr(args, "config", None) or os.environ.get("SMTPGUARD_CONFIG") or DEFAULT_CONFIG
+
+
 def _config(args: argparse.Namespace) -> Config:
-    path = args.config or os.environ.get("SMTPGUARD_CONFIG") or DEFAULT_CONFIG
-    return load(path)
+    return load(_config_path(args))
 
 
-async def _with_store(config: Config, fn: Callable[[Store], Awaitable[T]]) -> T:
+async def _with_store(config: Config, fn: Callable[[Store], Awaitable[T]], read_only: bool = False) -> T:
     password = read_secret(config.store.password_env, config.store.password_file, "store")
-    store = store_from_url(config.store.url, password=password)
+    store = store_from_url(config.store.url, password=password, read_only=read_only, create=False)
     await store.open()
     try:
         return await fn(store)
@@ -77,25 +115,60 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = _config(args)
     logs.configure(config.log.format, config.log.level)
-    path = Path(args.config or os.environ.get("SMTPGUARD_CONFIG") or DEFAULT_CONFIG)
-    server.serve(config, path)
+    server.serve(config, Path(_config_path(args)))
     return 0
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     from smtpguard.config import provider_secrets
 
-    config = _config(args)
-    provider_secrets(config)
-    if config.tls is not None:
-        from smtpguard.server import tls_context
+    try:
+        config = _config(args)
+        provider_secrets(config)
+        if config.tls is not None:
+            from smtpguard.server import tls_context
 
-        tls_context(config)
+            tls_context(config)
+        try:
+            # Builds the backend without connecting: a redis:// store without the redis extra.
+            store_from_url(config.store.url, create=False)
+        except StoreUnavailable as e:
+            raise ConfigError([f"store.url: {e}"]) from None
+    except ConfigError as e:
+        if args.json:
+            emit({"ok": False, "config": _config_path(args), "problems": e.problems})
+        raise
+    summary = {
+        "listeners": len(config.listen),
+        "providers": len(config.providers),
+        "zones": len(config.zones),
+        "store": config.store.url.split("://")[0],
+    }
+    if args.json:
+        emit({"ok": True, "config": _config_path(args), **summary})
+        return 0
     print(
-        f"config OK: {len(config.listen)} listener(s), {len(config.providers)} provider(s), "
-        f"{len(config.zones)} zone(s), store {config.store.url.split('://')[0]}"
+        f"config OK: {summary['listeners']} listener(s), {summary['providers']} provider(s), "
+        f"{summary['zones']} zone(s), store {summary['store']}"
     )
     return 0
+
+
+def cmd_healthcheck(args: argparse.Namespace) -> int:
+    from smtpguard.metrics import local_health
+
+    config = _config(args)
+    listen = [(lst.host, lst.port, lst.tls) for lst in config.listen]
+    metrics = None
+    if config.metrics is not None:
+        host, _, port = config.metrics.address.rpartition(":")
+        metrics = (host.strip("[]"), int(port))
+    ok, why = asyncio.run(local_health(listen, metrics))
+    if args.json:
+        emit({"ok": ok, "checked": why})
+    elif not ok:
+        print(f"smtpguard: unhealthy: {why}", file=sys.stderr)
+    return EXIT_OK if ok else EXIT_FAILED
 
 
 def cmd_hash_password(args: argparse.Namespace) -> int:
@@ -138,12 +211,12 @@ def cmd_history(args: argparse.Namespace) -> int:
         rec = await store.get(zone, args.key)
         return rec, (await store.provider_events(zone, args.key) if rec is not None else [])
 
-    rec, events = asyncio.run(_with_store(config, read))
+    rec, events = asyncio.run(_with_store(config, read, read_only=True))
     if rec is None:
-        raise CLIError(f"no record for zone {zone} key {args.key!r}")
+        raise NotFound(f"no record for zone {zone} key {args.key!r}")
     doc = history_json(rec, events)
     if args.json:
-        print(json.dumps(doc, indent=2))
+        emit(doc)
         return 0
     print(f"{doc['zone']} {doc['key']}: {doc['state']} (sg:{doc['sg_id']})")
     print(f"  created {doc['created_at']}  updated {doc['updated_at']}")
@@ -185,7 +258,7 @@ def _operator_change(
         for _ in range(10):
             rec = await store.get(zone, args.key)
             if rec is None:
-                raise CLIError(f"no record for zone {zone} key {args.key!r}")
+                raise NotFound(f"no record for zone {zone} key {args.key!r}")
             try:
                 new = change(rec, store.now())
             except ledger.OperatorRefused as e:
@@ -200,6 +273,9 @@ def _operator_change(
         raise CLIError("the record kept changing; try again")
 
     new = asyncio.run(_with_store(config, run))
+    if args.json:
+        emit({"zone": zone, "key": args.key, "state": new.state.value, "sg_id": new.sg_id})
+        return 0
     print(f"{zone} {args.key}: now {new.state.value}")
     return 0
 
@@ -219,11 +295,11 @@ def cmd_queue(args: argparse.Namespace) -> int:
         return _operator_change(args, lambda r, now: ledger.drop(r, actor(), now))
     config = _config(args)
     zone = _zone(config, args.zone) if args.zone else None
-    entries = asyncio.run(_with_store(config, lambda s: s.queue_entries(zone)))
+    entries = asyncio.run(_with_store(config, lambda s: s.queue_entries(zone), read_only=True))
     if args.json:
-        print(
-            json.dumps(
-                [
+        emit(
+            {
+                "entries": [
                     {
                         "zone": e.zone,
                         "key": e.key,
@@ -235,9 +311,8 @@ def cmd_queue(args: argparse.Namespace) -> int:
                         "size": e.size,
                     }
                     for e in entries
-                ],
-                indent=2,
-            )
+                ]
+            }
         )
         return 0
     print(f"{'zone':12} {'class':13} {'state':10} {'due':21} {'size':>8}  key")
@@ -251,6 +326,9 @@ def cmd_pause(args: argparse.Namespace, paused: bool = True) -> int:
     config = _config(args)
     zone = _zone(config, args.zone)
     asyncio.run(_with_store(config, lambda s: s.set_paused(zone, paused)))
+    if args.json:
+        emit({"zone": zone, "paused": paused})
+        return 0
     print(f"zone {zone} {'paused' if paused else 'resumed'}")
     return 0
 
@@ -279,13 +357,19 @@ def cmd_suppress(args: argparse.Namespace) -> int:
                 lambda s: s.suppress_add(zone, addr, args.reason or "added by operator", now),
             )
         )
-        print(f"{addr} {'added to' if added else 'already on'} the {zone} suppression list")
+        if args.json:
+            emit({"zone": zone, "address": addr, "added": added})
+        else:
+            print(f"{addr} {'added to' if added else 'already on'} the {zone} suppression list")
     elif args.action == "remove":
         addr = _address(args.address)
         removed = asyncio.run(_with_store(config, lambda s: s.suppress_remove(zone, addr)))
         if not removed:
-            raise CLIError(f"{addr} is not on the {zone} suppression list")
-        print(f"{addr} removed from the {zone} suppression list")
+            raise NotFound(f"{addr} is not on the {zone} suppression list")
+        if args.json:
+            emit({"zone": zone, "address": addr, "removed": True})
+        else:
+            print(f"{addr} removed from the {zone} suppression list")
     elif args.action == "import":
         rows = _read_csv(Path(args.file))
 
@@ -296,18 +380,20 @@ def cmd_suppress(args: argparse.Namespace) -> int:
             return n
 
         n = asyncio.run(_with_store(config, imp))
-        print(f"imported {n} new address(es) of {len(rows)} into the {zone} suppression list")
+        if args.json:
+            emit({"zone": zone, "rows": len(rows), "added": n})
+        else:
+            print(f"imported {n} new address(es) of {len(rows)} into the {zone} suppression list")
     else:
-        entries = asyncio.run(_with_store(config, lambda s: s.suppress_list(zone)))
+        entries = asyncio.run(_with_store(config, lambda s: s.suppress_list(zone), read_only=True))
         if args.action == "list" and args.json:
-            print(
-                json.dumps(
-                    [
+            emit(
+                {
+                    "entries": [
                         {"zone": e.zone, "address": e.address, "reason": e.reason, "at": iso(e.at)}
                         for e in entries
-                    ],
-                    indent=2,
-                )
+                    ]
+                }
             )
         else:
             out = io.StringIO()
@@ -321,9 +407,13 @@ def cmd_suppress(args: argparse.Namespace) -> int:
 
 def _read_csv(path: Path) -> list[tuple[str, str]]:
     try:
-        text = path.read_text(encoding="utf-8")
+        # utf-8-sig: spreadsheet exports start with a byte-order mark, which would otherwise
+        # glue itself to the first address (or hide the header row).
+        text = path.read_text(encoding="utf-8-sig")
     except OSError as e:
         raise CLIError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise CLIError(f"{path}: not UTF-8 text (byte {e.start}); save the CSV as UTF-8") from None
     rows: list[tuple[str, str]] = []
     for lineno, row in enumerate(csv.reader(io.StringIO(text)), start=1):
         if not row or not row[0].strip() or row[0].strip().lower() in ("address", "email"):
@@ -408,9 +498,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
             )
         return await gather(store), circuits
 
-    rows, circuits = asyncio.run(_with_store(config, gather_all))
+    rows, circuits = asyncio.run(_with_store(config, gather_all, read_only=True))
     if args.json:
-        print(json.dumps({"zones": rows, "providers": circuits}, indent=2))
+        emit({"zones": rows, "providers": circuits})
         return 0
     print(
         f"{'zone':16} {'sent':>7} {'dups':>6} {'rejected':>8} {'hour':>9} {'month':>13} "
@@ -449,7 +539,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     findings = asyncio.run(doctor.run(config, args.zone, probes=not args.no_probe, helo=helo))
     ok = all(f.status != "error" for f in findings)
     if args.json:
-        print(json.dumps({"ok": ok, "checks": [f.to_dict() for f in findings]}, indent=2))
+        emit({"ok": ok, "checks": [f.to_dict() for f in findings]})
     else:
         print(doctor.render_table(findings))
     return 0 if ok else 1
@@ -463,26 +553,130 @@ def cmd_sink(args: argparse.Namespace) -> int:
 
 
 # --- parser ----------------------------------------------------------------------------------
+class _Commands(argparse._SubParsersAction):  # type: ignore[type-arg]
+    """Subcommands whose options and positionals may come in any order, as the docs write
+    them (`queue list -c FILE ZONE`): stock argparse stops at the first option and reads
+    ZONE as an extra argument."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        name, rest = values[0], list(values[1:])
+        sub = self.choices.get(name)
+        if sub is None:
+            super().__call__(parser, namespace, values, option_string)
+            return
+        if self.dest is not argparse.SUPPRESS:
+            setattr(namespace, self.dest, name)
+        try:
+            subns, extra = sub.parse_known_intermixed_args(rest)
+        except TypeError:
+            # A command with subcommands of its own cannot be parsed intermixed.
+            subns, extra = sub.parse_known_args(rest)
+        for key, value in vars(subns).items():
+            setattr(namespace, key, value)
+        if extra:
+            sub.error(f"unrecognized arguments: {' '.join(extra)}")
+
+
+_EPILOG = (
+    "exit codes:\n"
+    + "\n".join(f"  {code}  {meaning}" for code, meaning in EXIT_CODES.items())
+    + (
+        f"\n\nThe config is -c FILE (before or after the command), else $SMTPGUARD_CONFIG, else "
+        f"{DEFAULT_CONFIG}; the CLI works on the store named there. --json output is an object "
+        f'with "schema": {JSON_SCHEMA}. See docs/runbook.md.'
+    )
+)
+_CONFIG_HELP = f"config file (default: $SMTPGUARD_CONFIG, else {DEFAULT_CONFIG})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="smtpguard", description="Idempotent SMTP submission proxy")
+    p = argparse.ArgumentParser(
+        prog="smtpguard",
+        description="Idempotent SMTP submission proxy: one upstream 250 per business event.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.register("action", "parsers", _Commands)
     p.add_argument("--version", action="version", version=f"smtpguard {__version__}")
+    p.add_argument("-c", "--config", help=_CONFIG_HELP)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def cmd(name: str, fn: Callable[[argparse.Namespace], int], help_: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help_)
-        sp.add_argument("-c", "--config", help=f"config file (default $SMTPGUARD_CONFIG or {DEFAULT_CONFIG})")
-        sp.set_defaults(fn=fn)
+    def cmd(
+        name: str,
+        fn: Callable[[argparse.Namespace], int],
+        help_: str,
+        description: str,
+        config: bool = True,
+        json_: bool = True,
+    ) -> argparse.ArgumentParser:
+        sp = sub.add_parser(
+            name,
+            help=help_,
+            description=description,
+            epilog=_EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        if config:
+            # SUPPRESS: a -c given before the command is not reset by this one's default.
+            sp.add_argument("-c", "--config", default=argparse.SUPPRESS, help=_CONFIG_HELP)
+        if json_:
+            sp.add_argument("--json", action="store_true", help=f"print a JSON object (schema {JSON_SCHEMA})")
+        sp.set_defaults(fn=fn, json=False)
         return sp
 
-    cmd("serve", cmd_serve, "run the proxy")
-    cmd("check-config", cmd_check_config, "validate the config")
-    sub_hash = sub.add_parser("hash-password", help="read a password on stdin, print its hash")
-    sub_hash.set_defaults(fn=cmd_hash_password)
-    sp = cmd("history", cmd_history, "show an event's record and attempts")
-    sp.add_argument("zone")
-    sp.add_argument("key")
-    sp.add_argument("--json", action="store_true")
-    sp = cmd("resolve", cmd_resolve, "close an unknown outcome")
+    cmd(
+        "serve",
+        cmd_serve,
+        "run the proxy",
+        "Run the listeners, the relay and the store-and-forward worker until SIGTERM "
+        "(graceful drain); SIGHUP reloads the config and re-reads the TLS files.",
+        json_=False,
+    )
+    cmd(
+        "check-config",
+        cmd_check_config,
+        "validate the config",
+        "Validate the config as serve would: every problem with its YAML path and line, "
+        "provider secrets present, TLS files loadable. Exit 0 when serve would accept it.",
+    )
+    cmd(
+        "healthcheck",
+        cmd_healthcheck,
+        "is the local instance up (for container health checks)",
+        "Ask the instance on this machine whether it is up: /healthz when the config has "
+        "`metrics:`, else the first listener's SMTP greeting. Exit 0 healthy, 1 not.",
+    )
+    cmd(
+        "hash-password",
+        cmd_hash_password,
+        "read a password on stdin, print its hash",
+        "Read one password line on stdin (prompted on a terminal) and print the argon2 hash "
+        "for a user's password_hash.",
+        config=False,
+        json_=False,
+    )
+    sp = cmd(
+        "history",
+        cmd_history,
+        "show an event's record and attempts",
+        "Show the ledger record of one event key: state, every attempt (provider, reply, "
+        "upstream id) and the operator audit. Read-only. Exit 3 when there is no record.",
+    )
+    sp.add_argument("zone", help="the zone the event was submitted in")
+    sp.add_argument("key", help="the event key (X-Event-Key)")
+    sp = cmd(
+        "resolve",
+        cmd_resolve,
+        "close an unknown outcome",
+        "Close an `unknown` outcome after asking the provider: --as delivered (duplicates "
+        "are answered 250) or --as retry (the client's next retry is sent). Audited.",
+    )
     sp.add_argument("zone")
     sp.add_argument("key")
     sp.add_argument("--as", dest="as_", required=True, choices=["delivered", "retry"])
@@ -491,7 +685,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="retry even while the owner that lost its lease may still be sending (risks a second copy)",
     )
-    sp = cmd("release", cmd_release, "allow one new attempt of a failed event")
+    sp = cmd(
+        "release",
+        cmd_release,
+        "allow one new attempt of a failed event",
+        "Allow one new attempt of a `failed` event (after fixing what the 5xx said). Audited.",
+    )
     sp.add_argument("zone")
     sp.add_argument("key")
     sp.add_argument(
@@ -500,30 +699,65 @@ def build_parser() -> argparse.ArgumentParser:
         help="release even while an owner that lost its lease may still be sending (risks a second copy)",
     )
     for name, fn in (("pause", cmd_pause), ("resume", cmd_resume)):
-        sp = cmd(name, fn, f"{name} a zone on every instance")
+        sp = cmd(
+            name,
+            fn,
+            f"{name} a zone on every instance",
+            f"{name.capitalize()} a zone through the store, on every instance at once. Paused, "
+            "new events get 451 4.7.0 and duplicates still get their 250.",
+        )
         sp.add_argument("zone")
-    sp = cmd("suppress", cmd_suppress, "manage suppression lists")
+    sp = cmd(
+        "suppress",
+        cmd_suppress,
+        "manage suppression lists",
+        "Suppression lists: add, remove, list, import FILE.csv (address[,reason]; a UTF-8 "
+        "BOM is fine), export (CSV). ZONE `global` is the list every zone shares.",
+    )
     sp.add_argument("action", choices=["add", "remove", "list", "import", "export"])
     sp.add_argument("zone", help="a zone, or 'global'")
     sp.add_argument("address", nargs="?", help="address (add/remove) or CSV file (import)")
-    sp.add_argument("--reason")
-    sp.add_argument("--json", action="store_true")
-    sp = cmd("queue", cmd_queue, "the store-and-forward queue")
+    sp.add_argument("--reason", help="why the address is listed (add)")
+    sp = cmd(
+        "queue",
+        cmd_queue,
+        "the store-and-forward queue",
+        "The store-and-forward queue (delivery: queue): list [ZONE], retry ZONE KEY (now), "
+        "drop ZONE KEY (never send; audited).",
+    )
     sp.add_argument("action", choices=["list", "retry", "drop"])
     sp.add_argument("zone", nargs="?")
     sp.add_argument("key", nargs="?")
-    sp.add_argument("--json", action="store_true")
-    sp = cmd("stats", cmd_stats, "sends, duplicates, rejections and cap use per zone")
+    sp = cmd(
+        "stats",
+        cmd_stats,
+        "sends, duplicates, rejections and cap use per zone",
+        "Totals per zone since the store was created (sent, duplicates, rejections, held) "
+        "with live cap use, queue depth and each instance's provider circuits. Read-only.",
+    )
     sp.add_argument("zone", nargs="?")
-    sp.add_argument("--json", action="store_true")
-    sp = cmd("doctor", cmd_doctor, "check DNS (SPF, DKIM, DMARC, MX) and probe every provider")
-    sp.add_argument("--json", action="store_true")
+    sp = cmd(
+        "doctor",
+        cmd_doctor,
+        "check DNS (SPF, DKIM, DMARC, MX) and probe every provider",
+        "Readiness (DESIGN.md §12): per zone, sender domain and provider, the SPF include "
+        "tree, DKIM selectors, DMARC, MX; per provider a probe (connect, EHLO, STARTTLS with "
+        "certificate checks, AUTH, QUIT; never MAIL). Exit 0 when no check is an error, 1 "
+        "when one is, 2 for a bad config.",
+    )
     sp.add_argument("--zone", help="check this zone only")
     sp.add_argument("--no-probe", action="store_true", help="DNS checks only; no provider connection")
-    sp = sub.add_parser("sink", help="a local test upstream writing to a Maildir")
-    sp.add_argument("--listen", default="127.0.0.1:2525")
-    sp.add_argument("--maildir", default="var/sink")
-    sp.set_defaults(fn=cmd_sink)
+    sp = cmd(
+        "sink",
+        cmd_sink,
+        "a local test upstream writing to a Maildir",
+        "A local SMTP upstream for demos and staging: accepts everything, writes each "
+        "message to MAILDIR/new under a name that is never reused.",
+        config=False,
+        json_=False,
+    )
+    sp.add_argument("--listen", default="127.0.0.1:2525", help="host:port (default 127.0.0.1:2525)")
+    sp.add_argument("--maildir", default="var/sink", help="the Maildir to write (default var/sink)")
     return p
 
 
@@ -550,15 +784,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         for problem in e.problems:
             print(f"smtpguard: {problem}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     except CLIError as e:
         print(f"smtpguard: {e}", file=sys.stderr)
-        return 1
+        return e.code
+    except StoreMissing as e:
+        print(f"smtpguard: {e}", file=sys.stderr)
+        return EXIT_STORE
     except StoreUnavailable as e:
         print(f"smtpguard: store unavailable: {e}", file=sys.stderr)
-        return 1
+        return EXIT_STORE
     except KeyboardInterrupt:
         return 130
     except OSError as e:
-        print(f"smtpguard: {e.strerror or e}", file=sys.stderr)
-        return 1
+        # The path is what an operator needs to fix it: "Permission denied" alone is not.
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"smtpguard: {where}{e.strerror or e}", file=sys.stderr)
+        return EXIT_FAILED

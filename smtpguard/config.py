@@ -2,17 +2,25 @@
 
 Every error names the YAML path and line (`zones.acme.users[0].password_hash (line 41): …`),
 because an operator reading a failed `check-config` or a refused reload has only the file.
-Unknown keys are errors: a misspelt `hourly_cap` must not silently mean "no cap".
+Unknown keys are errors: a misspelt `hourly_cap` must not silently mean "no cap"; nor may a
+second `acme:` silently replace the first (duplicate keys are refused with both lines), nor
+`hourly_cap: "20"` or `paused: "on"` be read as a number or a flag (types are strict).
+
+A model checking several fields together raises FieldProblem with the location of the field
+at fault, relative to the model, so the error names that field's line, not the section's.
 """
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import os
 import re
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import (
@@ -33,6 +41,14 @@ DEFAULT_CONFIG = "conf/smtpguard.yaml"
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 Size = Annotated[int, BeforeValidator(parse_size)]
+
+
+def _path(value: object) -> object:
+    # YAML has no path type: a string is the only spelling, and strict mode takes it here.
+    return Path(value) if isinstance(value, str) and value else value
+
+
+FilePath = Annotated[Path, BeforeValidator(_path)]
 _ZONE_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 _DNS_LABELS = re.compile(r"[A-Za-z0-9_-]{1,63}(\.[A-Za-z0-9_-]{1,63})*")
 
@@ -45,8 +61,19 @@ class ConfigError(Exception):
         self.problems = problems
 
 
+class FieldProblem(ValueError):
+    """A problem with one field found by a model's own check (a cross-field rule): `loc` is
+    the field's path inside the model that raises it, e.g. `("zones", "acme", "users", 0)`."""
+
+    def __init__(self, loc: tuple[str | int, ...], message: str) -> None:
+        super().__init__(message)
+        self.loc = loc
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: YAML already has numbers and booleans; a quoted "20" or "on" is a mistake to
+    # show, not a value to coerce.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 def _host_port(value: str) -> tuple[str, int]:
@@ -84,9 +111,10 @@ class ListenerConfig(_Strict):
     @model_validator(mode="after")
     def _clear_auth_only_on_loopback(self) -> ListenerConfig:
         if self.tls == "none" and not is_loopback(self.host):
-            raise ValueError(
+            raise FieldProblem(
+                ("tls",),
                 "tls: none is allowed only on loopback addresses (AUTH would cross the network "
-                "in clear); use starttls or implicit"
+                "in clear); use starttls or implicit",
             )
         return self
 
@@ -100,14 +128,14 @@ class ListenerConfig(_Strict):
 
 
 class TLSFiles(_Strict):
-    cert: Path
-    key: Path
+    cert: FilePath
+    key: FilePath
 
 
 class StoreConfig(_Strict):
     url: str = "sqlite:///var/smtpguard.db"
     password_env: str | None = None
-    password_file: Path | None = None
+    password_file: FilePath | None = None
     unsafe: bool = False
     """Serve on a Redis that may forget acknowledged writes (no `appendonly yes` with
     `appendfsync always`, or an evicting `maxmemory-policy`): a forgotten reservation is a
@@ -230,10 +258,10 @@ class SmtpProviderConfig(_Strict):
     port: int = Field(587, ge=1, le=65535)
     tls: Literal["starttls", "implicit", "none"] = "starttls"
     verify_tls: bool = True
-    ca_file: Path | None = None
+    ca_file: FilePath | None = None
     username: str | None = None
     password_env: str | None = None
-    password_file: Path | None = None
+    password_file: FilePath | None = None
     timeouts: Timeouts = Timeouts()
     pool_size: int = Field(8, ge=1, le=256)
     idempotency_header: str | None = None
@@ -272,20 +300,22 @@ class SmtpProviderConfig(_Strict):
     @model_validator(mode="after")
     def _secret(self) -> SmtpProviderConfig:
         if self.password_env and self.password_file:
-            raise ValueError("give password_env or password_file, not both")
+            raise FieldProblem(("password_file",), "give password_env or password_file, not both")
         if self.username and not (self.password_env or self.password_file):
-            raise ValueError("username needs password_env or password_file (never inline)")
+            raise FieldProblem(("username",), "username needs password_env or password_file (never inline)")
         if self.share and self.probe_interval is None:
             # The share goes only to a standby that answers its probes: without them smtpguard
             # cannot know it is ready, and an untested standby is what the share is meant to avoid.
-            raise ValueError("share needs probe_interval (the share goes only to a ready provider)")
+            raise FieldProblem(
+                ("share",), "share needs probe_interval (the share goes only to a ready provider)"
+            )
         return self
 
 
 class MaildirProviderConfig(_Strict):
     name: str
     kind: Literal["maildir"]
-    path: Path
+    path: FilePath
 
 
 ProviderConfig = Annotated[SmtpProviderConfig | MaildirProviderConfig, Field(discriminator="kind")]
@@ -326,7 +356,11 @@ class QueueConfig(_Strict):
     @model_validator(mode="after")
     def _default_known(self) -> QueueConfig:
         if self.default_class not in self.classes:
-            raise ValueError(f"default_class {self.default_class!r} is not one of classes")
+            raise FieldProblem(
+                ("default_class",),
+                f"default_class {self.default_class!r} is not one of classes "
+                f"({', '.join(sorted(self.classes))})",
+            )
         return self
 
 
@@ -417,7 +451,7 @@ class MailgunSource(_Secret):
     kind: Literal["mailgun"]
     provider: str
     signing_key_env: str | None = None
-    signing_key_file: Path | None = None
+    signing_key_file: FilePath | None = None
 
 
 class SendgridSource(_Secret):
@@ -425,7 +459,7 @@ class SendgridSource(_Secret):
     provider: str
     public_key_env: str | None = None
     """The Event Webhook's verification key: base64 DER of an ECDSA P-256 public key."""
-    public_key_file: Path | None = None
+    public_key_file: FilePath | None = None
 
 
 class SvixSource(_Secret):
@@ -433,7 +467,7 @@ class SvixSource(_Secret):
     provider: str
     secret_env: str | None = None
     """The endpoint's signing secret, `whsec_…` (Resend and others deliver through Svix)."""
-    secret_file: Path | None = None
+    secret_file: FilePath | None = None
 
 
 class PostmarkSource(_Secret):
@@ -441,13 +475,13 @@ class PostmarkSource(_Secret):
     provider: str
     username: str = Field(min_length=1)
     password_env: str | None = None
-    password_file: Path | None = None
+    password_file: FilePath | None = None
 
 
 class SesSource(_Strict):
     kind: Literal["ses"]
     provider: str
-    certificate_file: Path
+    certificate_file: FilePath
     """The SNS signing certificate (PEM), downloaded once by the operator: smtpguard never
     fetches a SigningCertURL named by the request it is verifying. The file may hold
     several (the current one and the next, while AWS rotates it)."""
@@ -538,13 +572,14 @@ class ConsoleConfig(_Strict):
     @model_validator(mode="after")
     def _loopback_or_tls(self) -> ConsoleConfig:
         if self.tls is None and not is_loopback(_host_port(self.address)[0]):
-            raise ValueError(
+            raise FieldProblem(
+                ("address",),
                 "console.address is not loopback, so console.tls is required "
-                "(passwords and session cookies would cross the network in clear)"
+                "(passwords and session cookies would cross the network in clear)",
             )
         names = [o.username for o in self.operators]
         if len(set(names)) != len(names):
-            raise ValueError("console.operators usernames must be unique")
+            raise FieldProblem(("operators",), "console.operators usernames must be unique")
         return self
 
     @property
@@ -580,46 +615,65 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
-        if self.tls is None and any(lst.tls != "none" for lst in self.listen):
-            raise ValueError("a listener uses starttls or implicit TLS, so `tls: {cert, key}` is required")
+        for i, lst in enumerate(self.listen):
+            if self.tls is None and lst.tls != "none":
+                raise FieldProblem(
+                    ("listen", i, "tls"),
+                    f"tls: {lst.tls} needs the top-level `tls: {{cert, key}}` section",
+                )
+        first: dict[str, int] = {}
+        for i, p in enumerate(self.providers):
+            if p.name in first:
+                raise FieldProblem(
+                    ("providers", i, "name"),
+                    f"provider name {p.name!r} is already used by providers[{first[p.name]}]",
+                )
+            first[p.name] = i
         names = [p.name for p in self.providers]
-        if len(set(names)) != len(names):
-            raise ValueError("provider names must be unique")
-        first = self.providers[0]
-        if isinstance(first, SmtpProviderConfig) and first.share:
-            raise ValueError(
-                f"providers[0] ({first.name}) is the primary: share is for a standby, "
-                "the primary takes whatever the standbys do not"
+        lead = self.providers[0]
+        if isinstance(lead, SmtpProviderConfig) and lead.share:
+            raise FieldProblem(
+                ("providers", 0, "share"),
+                f"providers[0] ({lead.name}) is the primary: share is for a standby, "
+                "the primary takes whatever the standbys do not",
             )
         shared = sum(p.share for p in self.providers if isinstance(p, SmtpProviderConfig))
         if shared > 0.5:
-            raise ValueError(
-                f"the standbys' shares add up to {shared:g}; more than 0.5 makes the primary a standby"
+            raise FieldProblem(
+                ("providers",),
+                f"the standbys' shares add up to {shared:g}; more than 0.5 makes the primary a standby",
             )
         for zname in self.zones:
             if not _ZONE_NAME.match(zname) or zname == "global":
-                raise ValueError(
-                    f"zone name {zname!r} must be lower-case letters, digits, . _ - and not 'global'"
+                raise FieldProblem(
+                    ("zones", zname),
+                    f"zone name {zname!r} must be lower-case letters, digits, . _ - and not 'global'",
                 )
         seen: dict[str, str] = {}
         for zname, zcfg in self.zones.items():
-            for user in zcfg.users:
+            for i, user in enumerate(zcfg.users):
                 if user.username in seen:
-                    raise ValueError(
-                        f"user {user.username!r} appears in zones {seen[user.username]} and {zname}"
+                    raise FieldProblem(
+                        ("zones", zname, "users", i, "username"),
+                        f"user {user.username!r} is also a user of zone {seen[user.username]}",
                     )
                 seen[user.username] = zname
             if zcfg.default_class and zcfg.default_class not in self.queue.classes:
-                raise ValueError(f"zones.{zname}.default_class is not one of queue.classes")
+                raise FieldProblem(
+                    ("zones", zname, "default_class"),
+                    f"{zcfg.default_class!r} is not one of queue.classes "
+                    f"({', '.join(sorted(self.queue.classes))})",
+                )
         if self.events is not None:
-            named = [(f"events.sources.{n}", s.provider) for n, s in self.events.sources.items()]
+            located: list[tuple[tuple[str | int, ...], str]] = [
+                (("events", "sources", n, "provider"), src.provider) for n, src in self.events.sources.items()
+            ]
             if self.events.mailbox is not None:
-                named.append(("events.mailbox", self.events.mailbox.provider))
-            for where, provider in named:
+                located.append((("events", "mailbox", "provider"), self.events.mailbox.provider))
+            for loc, provider in located:
                 if provider not in names:
-                    raise ValueError(
-                        f"{where}.provider {provider!r} is not one of providers: {', '.join(names)}"
-                    )
+                    known = ", ".join(names)
+                    raise FieldProblem(loc, f"provider {provider!r} is not one of providers: {known}")
         return self
 
     def send_timeout(self) -> float:
@@ -666,14 +720,7 @@ def load(path: str | os.PathLike[str]) -> Config:
 
 
 def loads(text: str, source: str = "<config>") -> Config:
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e)
-        raise ConfigError([f"{source}{where}: invalid YAML: {problem}"]) from None
+    node, data = parse_yaml(text, source)
     if not isinstance(data, dict):
         raise ConfigError([f"{source}: the config must be a mapping of sections"])
     try:
@@ -682,24 +729,243 @@ def loads(text: str, source: str = "<config>") -> Config:
         raise ConfigError([_describe(err, node, source) for err in e.errors()]) from None
 
 
-def _describe(err: Any, root: yaml.Node | None, source: str) -> str:
-    loc = [part for part in err["loc"] if not _is_union_tag(part)]
+# --- YAML ------------------------------------------------------------------------------------
+_YAML_BASE = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _Loader(_YAML_BASE):  # type: ignore[misc,valid-type]
+    """PyYAML's safe loader with YAML 1.2 booleans: only true/false are flags. YAML 1.1's
+    yes/no/on/off stay strings, so `paused: on` is refused rather than read as true, and a
+    country code `NO` in a list stays `NO`."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+def parse_yaml(text: str, source: str = "<config>") -> tuple[yaml.Node | None, Any]:
+    """The document's node tree (for line numbers) and its data; refuses duplicate keys.
+
+    PyYAML keeps the last of two equal keys; here both lines are named instead. This is a
+    walk over the node tree PyYAML composes anyway, so no second YAML library is needed."""
+    loader = _Loader(text)
+    try:
+        try:
+            node = loader.get_single_node()
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" (line {mark.line + 1})" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e)
+            raise ConfigError([f"{source}{where}: invalid YAML: {problem}"]) from None
+        if node is None:
+            return None, None
+        duplicates = _duplicate_keys(node, "", set())
+        if duplicates:
+            raise ConfigError([f"{source}: {d}" for d in duplicates])
+        try:
+            data = loader.construct_document(node)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" (line {mark.line + 1})" if mark is not None else ""
+            raise ConfigError([f"{source}{where}: invalid YAML: {getattr(e, 'problem', e)}"]) from None
+        return node, data
+    finally:
+        loader.dispose()
+
+
+def _duplicate_keys(node: yaml.Node, path: str, seen: set[int]) -> list[str]:
+    if id(node) in seen:  # an alias: its node was checked where the anchor is
+        return []
+    seen.add(id(node))
+    out: list[str] = []
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[str, int] = {}
+        for k, v in node.value:
+            if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                line = k.start_mark.line + 1
+                here = f"{path}.{k.value}" if path else str(k.value)
+                if k.value in lines:
+                    out.append(
+                        f"{here} (lines {lines[k.value]} and {line}): duplicate key; "
+                        "YAML would keep only the second, silently"
+                    )
+                else:
+                    lines[k.value] = line
+                out += _duplicate_keys(v, here, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            out += _duplicate_keys(item, f"{path}[{i}]", seen)
+    return out
+
+
+# --- errors ----------------------------------------------------------------------------------
+_TYPE_NAMES = {
+    "bool_type": "true or false",
+    "int_type": "a whole number",
+    "float_type": "a number",
+    "string_type": "a string",
+    "list_type": "a list",
+    "dict_type": "a mapping",
+    "model_type": "a mapping",
+    "model_attributes_type": "a mapping",
+}
+
+
+_BOUNDS = {
+    "greater_than_equal": ("at least", "ge"),
+    "greater_than": ("more than", "gt"),
+    "less_than_equal": ("at most", "le"),
+    "less_than": ("less than", "lt"),
+}
+
+
+def _describe(err: Any, root: yaml.Node | None, source: str, schema: type[BaseModel] | None = None) -> str:
+    raw_loc = list(err["loc"])
+    problem = (err.get("ctx") or {}).get("error")
+    if isinstance(problem, FieldProblem):
+        raw_loc += list(problem.loc)
+    loc, union = _strip_union_tags(schema or Config, raw_loc)
     path = _dotted(loc)
     line = _line_of(root, loc)
     msg = str(err["msg"]).removeprefix("Value error, ")
-    if err["type"] == "extra_forbidden":
+    kind = err["type"]
+    if kind == "extra_forbidden":
         msg = "unknown key"
-    elif err["type"] == "missing":
+        known = _known_keys(schema or Config, raw_loc[:-1])
+        close = difflib.get_close_matches(str(raw_loc[-1]), known, n=1, cutoff=0.6)
+        if close:
+            msg += f"; did you mean `{close[0]}`?"
+    elif kind == "missing":
         msg = "required key is missing"
+    elif kind in ("union_tag_not_found", "union_tag_invalid"):
+        disc = str((err.get("ctx") or {}).get("discriminator", "kind")).strip("'")
+        tags = ", ".join(union)
+        if kind == "union_tag_not_found":
+            msg = f"`{disc}` is missing; say which kind this is: one of {tags}"
+        else:
+            msg = f"{disc} {err['ctx']['tag']!r} is not a known kind; one of {tags}"
+            line = _line_of(root, [*loc, disc]) or line
+    elif kind in _BOUNDS:
+        ctx = err.get("ctx") or {}
+        word, name = _BOUNDS[kind]
+        msg = f"must be {word} {ctx.get(name)}, got {err.get('input')!r}"
+    elif kind in ("too_short", "string_too_short"):
+        n = (err.get("ctx") or {}).get("min_length")
+        msg = "must not be empty" if n == 1 else f"needs at least {n} entries"
+    elif kind == "literal_error":
+        expected = str((err.get("ctx") or {}).get("expected", "")).replace("'", "")
+        msg = f"{err.get('input')!r} is not one of: {expected.replace(' or ', ', ')}"
+    elif kind in _TYPE_NAMES:
+        got = err.get("input")
+        msg = f"expected {_TYPE_NAMES[kind]}, got {got!r}"
+        if isinstance(got, str) and _unquoted_would_do(kind, got):
+            msg += " (a quoted string: write it without quotes)"
+        elif kind == "bool_type" and isinstance(got, str):
+            msg += " (yes/no/on/off are strings here: write true or false)"
     where = f"{source}: {path or '(top level)'}"
     if line:
         where += f" (line {line})"
     return f"{where}: {msg}"
 
 
-def _is_union_tag(part: Any) -> bool:
-    # pydantic inserts the discriminator value (`smtp`, `maildir`) into the location.
-    return part in ("smtp", "maildir", *SOURCE_KINDS)
+def _unquoted_would_do(kind: str, text: str) -> bool:
+    if kind == "bool_type":
+        return text.lower() in ("true", "false")
+    try:
+        (int if kind == "int_type" else float)(text)
+    except ValueError:
+        return False
+    return kind in ("int_type", "float_type")
+
+
+def _unwrap(tp: Any) -> Any:
+    """The type under Annotated and Optional."""
+    while typing.get_origin(tp) is Annotated:
+        tp = typing.get_args(tp)[0]
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        members = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(members) == 1:
+            return _unwrap(members[0])
+    return tp
+
+
+def _union_members(tp: Any) -> list[type[BaseModel]] | None:
+    """The models of a discriminated union (providers' `kind`), else None."""
+    if typing.get_origin(tp) not in (Union, types.UnionType):
+        return None
+    members = [_unwrap(a) for a in typing.get_args(tp) if a is not type(None)]
+    if not all(isinstance(m, type) and issubclass(m, BaseModel) for m in members):
+        return None
+    return members
+
+
+def _tags(model: type[BaseModel], members: list[type[BaseModel]]) -> list[str]:
+    """The values `model` takes in the union's discriminator: the field that is a Literal
+    in every member (`kind`)."""
+    for name, f in model.model_fields.items():
+        if all(
+            typing.get_origin(getattr(m.model_fields.get(name), "annotation", None)) is Literal
+            for m in members
+        ):
+            return [str(a) for a in typing.get_args(f.annotation)]
+    return []
+
+
+def _step(tp: Any, part: Any) -> Any:
+    tp = _unwrap(tp)
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        field = tp.model_fields.get(str(part))
+        return field.annotation if field is not None else None
+    origin = typing.get_origin(tp)
+    if origin in (list, tuple) and isinstance(part, int):
+        return typing.get_args(tp)[0]
+    if origin is dict:
+        return typing.get_args(tp)[1]
+    return None
+
+
+def _strip_union_tags(schema: type[BaseModel], loc: list[Any]) -> tuple[list[Any], list[str]]:
+    """pydantic puts a discriminated union's tag (`smtp`) into the location; walking the
+    schema tells a tag from a key of the same spelling (a zone named `smtp`). Returns the
+    location without tags and the tags of the last union met."""
+    out: list[Any] = []
+    tags: list[str] = []
+    tp: Any = schema
+    for part in loc:
+        members = _union_members(_unwrap(tp)) if tp is not None else None
+        if members is not None:
+            tags = [t for m in members for t in _tags(m, members)]
+            chosen = next((m for m in members if str(part) in _tags(m, members)), None)
+            if chosen is not None:
+                tp = chosen
+                continue
+        out.append(part)
+        tp = _step(tp, part) if tp is not None else None
+    if tp is not None and (members := _union_members(_unwrap(tp))) is not None:
+        tags = [t for m in members for t in _tags(m, members)]
+    return out, tags
+
+
+def _known_keys(schema: type[BaseModel], loc: list[Any]) -> list[str]:
+    """The keys the model at `loc` (a location as pydantic gives it, tags included) knows."""
+    tp: Any = schema
+    for part in loc:
+        members = _union_members(_unwrap(tp))
+        if members is not None:
+            tp = next((m for m in members if str(part) in _tags(m, members)), None)
+        else:
+            tp = _step(tp, part)
+        if tp is None:
+            return []
+    tp = _unwrap(tp)
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return list(tp.model_fields)
+    return []
 
 
 def _dotted(loc: list[Any]) -> str:

@@ -206,7 +206,7 @@ class DeliveryWorker:
             # The claim expires and the entry returns; the ledger decides what happens then.
             log.warning(
                 "delivery interrupted: store unavailable",
-                extra={"zone": rec.zone, "key": rec.key, "error": str(e)},
+                extra={"zone": rec.zone, "event_key": rec.key, "error": str(e)},
             )
 
     async def _requeue_stands(self, final: ledger.Record, expected: int) -> bool:

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import logging
 import re
+import secrets
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -108,6 +109,14 @@ class Connections:
             del self.per_ip[ip]
 
 
+class GuardSession(Session):
+    """aiosmtpd's session with an id that every log line about the connection carries."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
+        self.id = secrets.token_hex(6)
+
+
 class GuardSMTP(SMTP):
     def __init__(self, handler: Handler, **kwargs: Any) -> None:
         limits = handler.config.limits
@@ -124,6 +133,13 @@ class GuardSMTP(SMTP):
         self._admitted_ip: str | None = None
         self._refused = False
         self._bogus = 0
+
+    def _create_session(self) -> Session:
+        return GuardSession(self.loop)
+
+    def _where(self) -> dict[str, object]:
+        """The fields that place a log line: client IP and session id."""
+        return {"client_ip": self._admitted_ip, "session": getattr(self.session, "id", None)}
 
     def _cb_client_connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         super()._cb_client_connected(reader, writer)
@@ -187,7 +203,7 @@ class GuardSMTP(SMTP):
         try:
             received = await self._receive_data()
         except asyncio.CancelledError:
-            log.info("connection lost during DATA", extra={"client_ip": self._admitted_ip})
+            log.info("connection lost during DATA", extra=self._where())
             self._writer.close()
             raise
         finally:
@@ -258,7 +274,7 @@ class GuardSMTP(SMTP):
 
     def _data_timed_out(self) -> None:
         self._data_timer = None
-        log.info("DATA transfer exceeded data_timeout", extra={"client_ip": self._admitted_ip})
+        log.info("DATA transfer exceeded data_timeout", extra=self._where())
         self.hang_up(replies.DATA_TIMEOUT)
 
     def _timeout_cb(self) -> None:
@@ -270,7 +286,7 @@ class GuardSMTP(SMTP):
             if quiet < self._timeout_duration:
                 self._reset_timeout(self._timeout_duration - quiet)
                 return
-        log.info("idle timeout", extra={"client_ip": self._admitted_ip})
+        log.info("idle timeout", extra=self._where())
         self.hang_up(replies.IDLE_TIMEOUT)
 
     def _stop_data_timer(self) -> None:
@@ -406,6 +422,7 @@ class Handler:
         on_result: Callable[[Principal | None, Result, float], None],
         clock: Callable[[], float] = time.time,
         recipient_domains: RecipientDomains | None = None,
+        observe: Callable[[str], None] | None = None,
     ) -> None:
         self.submitter = submitter
         self.recipient_domains = recipient_domains
@@ -415,6 +432,8 @@ class Handler:
         self.connections = Connections()
         self.on_result = on_result
         self.clock = clock
+        self.observe = observe or (lambda event: None)
+        """Events for metrics: auth_failure, auth_lockout, store_error:<where>."""
         self.active = 0
         """Submissions between end of DATA and their reply (graceful stop waits for them)."""
         self.idle = asyncio.Event()
@@ -491,11 +510,17 @@ class Handler:
                 secret or "",
             )
             if ok and found and secret is not None:
-                return AuthResult(success=True, auth_data=Principal(found[0], username))
+                principal = Principal(found[0], username, ip, _session_id(server.session))
+                return AuthResult(success=True, auth_data=principal)
             failures = await self.store.auth_failure(ip, self.clock(), limits.auth_failure_window)
         except StoreUnavailable:
+            self.observe("store_error:auth")
             return AuthResult(success=False, handled=False, message=str(replies.STORE_UNAVAILABLE))
-        log.info("authentication failed", extra={"client_ip": ip, "failures": failures})
+        self.observe("auth_failure")
+        log.info(
+            "authentication failed",
+            extra={"client_ip": ip, "session": _session_id(server.session), "failures": failures},
+        )
         if failures >= limits.auth_failures:
             return await self._lock_out(server, ip)
         return AuthResult(success=False, handled=False, message=str(replies.AUTH_INVALID))
@@ -515,7 +540,8 @@ class Handler:
                 del self._auth_turns[ip]
 
     async def _lock_out(self, server: SMTP, ip: str) -> AuthResult:
-        log.warning("AUTH locked out", extra={"client_ip": ip})
+        self.observe("auth_lockout")
+        log.warning("AUTH locked out", extra={"client_ip": ip, "session": _session_id(server.session)})
         if isinstance(server, GuardSMTP):
             server.hang_up(replies.AUTH_LOCKED)
         else:
@@ -592,6 +618,7 @@ class Handler:
         try:
             listed = await self.submitter.suppressions.find(principal.zone, address)
         except StoreUnavailable:
+            self.observe("store_error:rcpt")
             return str(replies.STORE_UNAVAILABLE)
         if listed:
             return self._refuse(principal, replies.suppressed(address, listed))
@@ -645,7 +672,14 @@ class Handler:
         try:
             result = await self.submitter.submit(principal, mail_from, rcpt_tos, raw, smtputf8)
         except Exception:
-            log.exception("internal error while handling a submission", extra={"zone": principal.zone})
+            log.exception(
+                "internal error while handling a submission",
+                extra={
+                    "zone": principal.zone,
+                    "client_ip": principal.client_ip,
+                    "session": principal.session,
+                },
+            )
             result = Result(replies.INTERNAL_ERROR, "internal_error")
         finally:
             self.active -= 1
@@ -674,6 +708,11 @@ async def _initial_response(server: SMTP, arg: str) -> bytes | None:
     except (binascii.Error, ValueError):
         await server.push(str(replies.AUTH_BAD_BASE64))
         return None
+
+
+def _session_id(session: Session | None) -> str | None:
+    sid = getattr(session, "id", None)
+    return sid if isinstance(sid, str) else None
 
 
 def _peer_ip(session: Session | None) -> str:

@@ -1,7 +1,10 @@
 """Structured logs: one JSON object per line by default, `key=value` text with `log.format: text`.
 
 Fields come from `extra=`; nothing here formats a message unless the level is enabled, and
-nothing secret is ever passed in (AUTH payloads and passwords never reach a log call).
+nothing secret is ever passed in (AUTH payloads and passwords never reach a log call, nor do
+message bodies). One name per thing in every line: `event_key`, `zone`, `client_ip`,
+`session`, `sg_id`. A line logged with an exception carries its traceback (`traceback` in
+JSON, the indented lines after the record in text): a bug must be findable from the log.
 """
 
 from __future__ import annotations
@@ -24,9 +27,17 @@ def _fields(record: logging.LogRecord) -> dict[str, object]:
     for k, v in record.__dict__.items():
         if k not in _STANDARD and not k.startswith("_"):
             out[k] = v
-    if record.exc_info and record.levelno >= logging.ERROR:
-        out["error_type"] = record.exc_info[0].__name__ if record.exc_info[0] else None
+    if record.exc_info and record.exc_info[0] is not None:
+        out["error_type"] = record.exc_info[0].__name__
+        out["traceback"] = _formatter.formatException(record.exc_info)
+    elif record.exc_text:
+        out["traceback"] = record.exc_text
+    if record.stack_info:
+        out["stack"] = record.stack_info
     return out
+
+
+_formatter = logging.Formatter()
 
 
 class JSONFormatter(logging.Formatter):
@@ -39,7 +50,11 @@ class TextFormatter(logging.Formatter):
         f = _fields(record)
         head = f"{f.pop('time')} {str(f.pop('level')).upper():7} {f.pop('msg')}"
         f.pop("logger", None)
-        return head + "".join(f" {k}={v}" for k, v in f.items())
+        trace = [str(f.pop(k)) for k in ("traceback", "stack") if k in f]
+        line = head + "".join(f" {k}={v}" for k, v in f.items())
+        for block in trace:
+            line += "\n" + "\n".join("    " + t for t in block.splitlines())
+        return line
 
 
 def configure(fmt: str, level: str) -> None:

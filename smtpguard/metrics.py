@@ -3,6 +3,8 @@
 prometheus_client does the exposition format; the HTTP side is a few lines of asyncio so
 that /readyz can ask the store (an async call) on the same event loop as everything else.
 Label values are bounded: zones come from the config, decisions and classes from code.
+Every name here is listed in docs/runbook.md; tests/test_metrics.py checks the docs against a
+real /metrics, so a renamed metric cannot leave the runbook behind.
 """
 
 from __future__ import annotations
@@ -10,19 +12,39 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+import platform
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from smtpguard import __version__
 from smtpguard.policy.breaker import Circuit
 from smtpguard.policy.ledger import State
 
 log = logging.getLogger("smtpguard.metrics")
 
+# A `_created` series per counter and histogram child doubles the series count and carries
+# nothing a rate() needs.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
 _CIRCUIT_VALUE = {Circuit.CLOSED: 0, Circuit.HALF_OPEN: 1, Circuit.OPEN: 2}
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300,
+)  # fmt: skip
+"""Up to past the longest provider timeout (DATA, 120 s by default): a hung provider shows
+up in the top buckets instead of vanishing into +Inf."""
 
 
 class Metrics:
@@ -38,8 +60,8 @@ class Metrics:
         )
         self.submission_latency = Histogram(
             "smtpguard_submission_latency_seconds",
-            "End of DATA to reply",
-            ["zone"],
+            "End of DATA to reply, by zone and decision",
+            ["zone", "decision"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -91,11 +113,54 @@ class Metrics:
             "Open client connections",
             registry=r,
         )
+        self.auth_failures = Counter(
+            "smtpguard_auth_failures",
+            "Failed AUTH attempts (wrong user or password)",
+            registry=r,
+        )
+        self.auth_lockouts = Counter(
+            "smtpguard_auth_lockouts",
+            "Connections closed because their client IP failed AUTH too often",
+            registry=r,
+        )
+        self.store_errors = Counter(
+            "smtpguard_store_errors",
+            "Store calls that failed (answered 451 4.3.0 or retried), by where",
+            ["where"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "smtpguard_queue_depth",
+            "Store-and-forward entries waiting or held, by zone and class",
+            ["zone", "class"],
+            registry=r,
+        )
+        self.reloads = Counter(
+            "smtpguard_config_reloads",
+            "SIGHUP reloads by result (applied or refused)",
+            ["result"],
+            registry=r,
+        )
+        self.cert_expiry = Gauge(
+            "smtpguard_tls_certificate_expiry_timestamp_seconds",
+            "notAfter of the listeners' TLS certificate, as a Unix time",
+            registry=r,
+        )
+        self.draining = Gauge(
+            "smtpguard_draining",
+            "1 while the instance stops: no new connections, in-flight submissions finish",
+            registry=r,
+        )
+        Info("smtpguard_build", "smtpguard version and Python it runs on", registry=r).info(
+            {"version": __version__, "python": platform.python_version()}
+        )
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
 
     def submission(self, zone: str, decision: str, seconds: float) -> None:
         self._child(self.submissions, zone, decision).inc()
         if seconds:
-            self._child(self.submission_latency, zone).observe(seconds)
+            self._child(self.submission_latency, zone, decision).observe(seconds)
 
     def upstream(self, provider: str, reply_class: str, seconds: float) -> None:
         self._child(self.upstream_replies, provider, reply_class).inc()
@@ -116,6 +181,15 @@ class Metrics:
         if child is None:
             child = self._children[key] = metric.labels(*labels)
         return child
+
+    def event(self, name: str) -> None:
+        """A listener event with no zone yet: auth_failure, auth_lockout, store_error:<where>."""
+        if name == "auth_failure":
+            self.auth_failures.inc()
+        elif name == "auth_lockout":
+            self.auth_lockouts.inc()
+        elif name.startswith("store_error:"):
+            self._child(self.store_errors, name.split(":", 1)[1]).inc()
 
     def circuit(self, provider: str, circuit: Circuit) -> None:
         self.breaker_state.labels(provider).set(_CIRCUIT_VALUE[circuit])
@@ -175,3 +249,53 @@ class HealthServer:
             pass
         finally:
             writer.close()
+
+
+def _loopback(host: str) -> str:
+    """Where a check on this machine reaches a listener bound to `host`."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "::1"
+    return host
+
+
+async def local_health(
+    listen: Sequence[tuple[str, int, str]], metrics: tuple[str, int] | None, timeout: float = 4.0
+) -> tuple[bool, str]:
+    """The container HEALTHCHECK (`smtpguard healthcheck`): /healthz when `metrics:` is set,
+    else the first listener's SMTP greeting (a 220), so the check works either way."""
+    try:
+        if metrics is not None:
+            host, port = metrics
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(_loopback(host), port), timeout)
+            try:
+                writer.write(b"GET /healthz HTTP/1.0\r\nHost: localhost\r\n\r\n")
+                await writer.drain()
+                status = await asyncio.wait_for(reader.readline(), timeout)
+            finally:
+                writer.close()
+            ok = status.split()[1:2] == [b"200"]
+            return ok, f"/healthz on {host}:{port}: {status.decode('latin-1').strip() or 'no answer'}"
+        host, port, tls = listen[0]
+        ctx = None
+        if tls == "implicit":
+            import ssl
+
+            ctx = ssl.create_default_context()
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE  # the greeting is checked, not the certificate
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(_loopback(host), port, ssl=ctx), timeout
+        )
+        try:
+            greeting = await asyncio.wait_for(reader.readline(), timeout)
+            writer.write(b"QUIT\r\n")
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+        finally:
+            writer.close()
+        text = greeting.decode("latin-1").strip()
+        return text.startswith("220"), f"SMTP greeting on {host}:{port}: {text or 'none'}"
+    except (OSError, TimeoutError) as e:
+        return False, f"no answer: {e}"

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from smtpguard.config import Config, ConfigError, load, provider_secrets, read_secret
+from smtpguard import notify
+from smtpguard.config import Config, ConfigError, TLSFiles, load, provider_secrets, read_secret
 from smtpguard.delivery import DeliveryWorker
 from smtpguard.listener import GuardSMTP, Handler
 from smtpguard.metrics import HealthServer, Metrics
@@ -77,11 +78,29 @@ def tls_context(config: Config) -> ssl.SSLContext | None:
         return None
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    try:
-        ctx.load_cert_chain(str(config.tls.cert), str(config.tls.key))
-    except (OSError, ssl.SSLError) as e:
-        raise ConfigError([f"tls: cannot load certificate/key: {e}"]) from None
+    load_certificate(ctx, config.tls)
     return ctx
+
+
+def load_certificate(ctx: ssl.SSLContext, files: TLSFiles) -> None:
+    try:
+        ctx.load_cert_chain(str(files.cert), str(files.key))
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError([f"tls: cannot load certificate {files.cert} / key {files.key}: {e}"]) from None
+
+
+def certificate_not_after(path: Path) -> float | None:
+    """The certificate's notAfter as a Unix time, for the expiry gauge; None if unreadable.
+    (The standard library decodes a PEM file only through this test hook; without it the
+    gauge is just absent.)"""
+    decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
+    if decode is None:
+        return None
+    try:
+        not_after = decode(str(path)).get("notAfter")
+        return float(ssl.cert_time_to_seconds(not_after)) if not_after else None
+    except (OSError, ValueError, ssl.SSLError):
+        return None
 
 
 class Server:
@@ -118,6 +137,10 @@ class Server:
         """Why the store turned out unfit after start (checked once it answered)."""
         self.unfit_event = asyncio.Event()
         self.prober: Prober | None = None
+        self.ssl_ctx: ssl.SSLContext | None = None
+        """The listeners' one TLS context: a reload loads renewed files into it in place, so
+        new handshakes on every listener (STARTTLS and implicit) use the new certificate."""
+        self.draining = False
 
     def clock(self) -> float:
         """Leases, windows and history are measured on one clock for every instance sharing
@@ -133,7 +156,8 @@ class Server:
         config = self.config
         secrets = provider_secrets(config)
         sources = _event_sources(config)
-        ssl_ctx = tls_context(config)
+        ssl_ctx = self.ssl_ctx = tls_context(config)
+        self._cert_gauge(config)
         password = read_secret(config.store.password_env, config.store.password_file, "store")
         self.store = store_from_url(config.store.url, password=password)
         await self.store.open()
@@ -156,6 +180,7 @@ class Server:
             self._on_result,
             self.clock,
             recipient_domains=self._recipient_domains(config),
+            observe=self.metrics.event,
         )
         for zname, zone in config.zones.items():
             if zone.paused:
@@ -369,6 +394,8 @@ class Server:
         log.info("store-and-forward worker started", extra={"workers": self.config.queue.workers})
 
     async def readiness(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "draining: stopping, no new connections"
         if self.store is None or not await self.store.ping():
             return False, "store unreachable"
         if self.route is None or not self.route.any_closed():
@@ -376,11 +403,21 @@ class Server:
         return True, "ready"
 
     async def _refresh_gauges(self) -> None:
-        """Cap headroom per zone for smtpguard_cap_remaining, every few seconds."""
+        """Cap headroom per zone and queue depth, every few seconds."""
         assert self.store is not None
         while True:
             if self.handler is not None:
                 self.metrics.connections.set(self.handler.connections.total)
+            try:
+                depth: defaultdict[tuple[str, str], int] = defaultdict(int)
+                for e in await self.store.queue_entries(None):
+                    depth[(e.zone, e.lane)] += 1
+            except StoreUnavailable:
+                self.metrics.event("store_error:gauges")
+            else:
+                self.metrics.queue_depth.clear()
+                for (zname, lane), n in depth.items():
+                    self.metrics.queue_depth.labels(zname, lane).set(n)
             now = self.clock()
             for zname, zone in self.config.zones.items():
                 caps = caps_for(zone.plan, zone.hourly_cap, zone.monthly_cap)
@@ -409,6 +446,8 @@ class Server:
         zone = principal.zone if principal else "-"
         self.stats.bump(zone, stat_name(result.decision))
         self.metrics.submission(zone, result.decision, latency)
+        if result.decision == "store_unavailable":
+            self.metrics.event("store_error:submission")
         if decisions.isEnabledFor(logging.INFO):
             decisions.info(
                 "decision",
@@ -416,7 +455,11 @@ class Server:
                     "instance": self.instance,
                     "zone": zone,
                     "user": principal.username if principal else None,
+                    "client_ip": principal.client_ip if principal else None,
+                    "session": principal.session if principal else None,
                     "event_key": result.key,
+                    "sg_id": result.sg_id,
+                    "message_id": result.message_id,
                     "decision": result.decision,
                     "reply_code": result.reply.code,
                     "enhanced": result.reply.enhanced,
@@ -443,8 +486,16 @@ class Server:
                 log.warning("purge skipped: store unavailable", extra={"error": str(e)})
             await asyncio.sleep(PURGE_INTERVAL)
 
+    def _cert_gauge(self, config: Config) -> None:
+        not_after = certificate_not_after(config.tls.cert) if config.tls is not None else None
+        if not_after is not None:
+            self.metrics.cert_expiry.set(not_after)
+
     async def stop(self) -> None:
-        """Stop accepting, let in-flight submissions finish (bounded), close the store."""
+        """Stop accepting, let in-flight submissions finish (bounded), close the store.
+        /readyz answers 503 from the first moment, so a load balancer stops sending here."""
+        self.draining = True
+        self.metrics.draining.set(1)
         if self.handler is not None:
             self.handler.draining = True
         for srv in self._servers:
@@ -487,26 +538,35 @@ class Server:
         self._stopped.set()
         log.info("smtpguard stopped")
 
-    async def reload(self) -> None:
-        """SIGHUP: swap zones, users, caps, limits and providers without dropping connections.
+    async def reload(self) -> bool:
+        """SIGHUP: swap zones, users, caps, limits and providers without dropping connections,
+        and re-read the TLS certificate and key (a renewal needs no restart).
 
-        A file that does not validate, or a provider whose secret is missing, is refused and
-        the running config kept. Listeners and the store are bound at start: changing them
-        needs a restart, and the log says so.
+        A file that does not validate, a provider whose secret is missing, or a certificate
+        that does not load is refused and the running config kept. Listeners and the store
+        are bound at start: changing them needs a restart, and the log says so.
         """
         if self.config_path is None or self.handler is None or self.route is None:
-            return
+            return False
         try:
             new = load(self.config_path)
             rebuild = new.providers != self.config.providers or _event_tags(new) != _event_tags(self.config)
             secrets = provider_secrets(new) if rebuild else None
             # Re-read on every SIGHUP: a key file rewritten in place is a rotation too.
             sources = _event_sources(new)
+            # Loaded into a scratch context first: a bad pair must not half-replace the live one.
+            fresh_tls = tls_context(new) if self.ssl_ctx is not None else None
         except ConfigError as e:
+            self.metrics.reloads.labels("refused").inc()
             log.error("reload refused; keeping the running config", extra={"problems": e.problems})
-            return
-        if new.listen != self.config.listen or new.store != self.config.store or new.tls != self.config.tls:
-            log.warning("listen, tls and store changes take effect only after a restart")
+            return False
+        if new.listen != self.config.listen or new.store != self.config.store:
+            log.warning("listen and store changes take effect only after a restart")
+        if self.ssl_ctx is not None and new.tls is not None and fresh_tls is not None:
+            load_certificate(self.ssl_ctx, new.tls)
+            self._cert_gauge(new)
+        elif new.tls != self.config.tls:
+            log.warning("adding or removing the tls section takes effect only after a restart")
         if secrets is not None:
             old_route = self.route
             self.route = self._route(new, secrets)
@@ -532,7 +592,9 @@ class Server:
             self._start_prober(new, secrets)
         self.config = new
         self._ensure_worker()
+        self.metrics.reloads.labels("applied").inc()
         log.info("config reloaded", extra={"zones": len(new.zones), "providers": len(new.providers)})
+        return True
 
 
 def _event_tags(config: Config) -> dict[str, str]:
@@ -596,11 +658,27 @@ async def run(config: Config, config_path: Path | None) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(server.reload()))
+    reloads: set[asyncio.Task[None]] = set()
+
+    async def reload() -> None:
+        notify.reloading()
+        await server.reload()
+        notify.ready(f"serving {len(server.config.zones)} zone(s)")
+
+    def on_hup() -> None:
+        task = asyncio.create_task(reload())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
+    # systemd (Type=notify) starts the units ordered after this one only now: listeners,
+    # store and metrics are up.
+    notify.ready(f"serving {len(config.zones)} zone(s)")
     waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(server.unfit_event.wait())]
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     for w in waiters:
         w.cancel()
+    notify.stopping()
     log.info("stopping: no new connections, draining in-flight submissions")
     await server.stop()
     if server.unfit:

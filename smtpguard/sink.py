@@ -1,13 +1,21 @@
 """`smtpguard sink`: a local upstream that accepts everything and writes it to a Maildir.
 
-For demos and staging, where a real provider must never be reached.
+For demos and staging, where a real provider must never be reached. A message is never
+written over another: names carry the time, the process id and a random part (a restarted
+sink starts its counter again), the file is created exclusively in tmp/, and it is linked
+into new/, which fails on an existing name instead of replacing it the way rename would.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import secrets
 import signal
+import socket
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,33 +23,70 @@ from aiosmtpd.smtp import SMTP, Envelope, Session
 
 from smtpguard.config import _host_port
 from smtpguard.relay import Envelope as Outbound
-from smtpguard.relay import _maildir_write
+from smtpguard.relay import _maildir_message
 
 log = logging.getLogger("smtpguard.sink")
 
 
+def unique_name(count: int) -> str:
+    """A Maildir name in the usual time.unique.host form, unique across restarts."""
+    now = time.time_ns()
+    host = socket.gethostname().replace("/", "\\057").replace(":", "\\072")
+    return f"{now // 10**9}.M{now // 1000 % 10**6}P{os.getpid()}Q{count}R{secrets.token_hex(4)}.{host}"
+
+
+def prepare(maildir: Path) -> None:
+    for sub in ("tmp", "new", "cur"):
+        (maildir / sub).mkdir(parents=True, exist_ok=True)
+
+
+def deliver(maildir: Path, name: str, data: bytes) -> bool:
+    """Write `data` as new/`name`; False (nothing written) if that name exists already."""
+    tmp = maildir / "tmp" / name
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except FileExistsError:
+        return False
+    try:
+        os.link(tmp, maildir / "new" / name)
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink()
+    return True
+
+
 class SinkHandler:
-    def __init__(self, maildir: Path) -> None:
+    def __init__(self, maildir: Path, names: Callable[[int], str] = unique_name) -> None:
         self.maildir = maildir
+        self.names = names
         self.count = 0
 
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
-        self.count += 1
-        name = f"sink.{self.count}.{id(envelope):x}"
         out = Outbound(
             "sink",
             None,
-            name,
+            "sink",
             envelope.mail_from or "",
             tuple(envelope.rcpt_tos),
             envelope.original_content or b"",
         )
-        await asyncio.to_thread(_maildir_write, self.maildir, name, out)
-        return f"250 2.0.0 Ok: queued as {name}"
+        data = _maildir_message(out)
+        while True:
+            self.count += 1
+            name = self.names(self.count)
+            if await asyncio.to_thread(deliver, self.maildir, name, data):
+                return f"250 2.0.0 Ok: queued as {name}"
+            log.warning("sink: name taken, choosing another", extra={"file": name})
 
 
 async def run(listen: str, maildir: Path) -> None:
     host, port = _host_port(listen)
+    # At start, not at the first message: a Maildir that cannot be made is an error now.
+    prepare(maildir)
     handler = SinkHandler(maildir)
     loop = asyncio.get_running_loop()
 

@@ -54,8 +54,13 @@ def new_id(now: float) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Principal:
+    """Who submits: the zone and user an AUTH proved, and the session it happened on."""
+
     zone: str
     username: str
+    client_ip: str | None = None
+    session: str | None = None
+    """The SMTP session's id in the logs: every line about one connection carries it."""
 
 
 @dataclass(slots=True)
@@ -66,6 +71,10 @@ class Result:
     provider: str | None = None
     upstream_id: str | None = None
     extra: dict[str, object] = field(default_factory=dict)
+    sg_id: str | None = None
+    """smtpguard's history id (`[sg:…]` in replies, `history`): the event's record's when one
+    answered (a duplicate), else this attempt's."""
+    message_id: str | None = None
 
 
 class SettledCache:
@@ -237,12 +246,17 @@ class Submitter:
             message_id = message_id_for(principal.zone, key, self.hostname)
             added_header = f"Message-ID: {message_id}\r\n".encode()
 
+        def ids(result: Result) -> Result:
+            result.sg_id = result.sg_id or attempt_id
+            result.message_id = message_id
+            return result
+
         lane: str | None = None
         max_age: float | None = None
         if zone.delivery == "queue":
             chosen = message_class(parsed, self.config, zone)
             if isinstance(chosen, Reply):
-                return Result(chosen, "rejected:class", key)
+                return ids(Result(chosen, "rejected:class", key))
             lane, max_age = chosen, self.config.queue.classes[chosen].max_age
         sub = Submission(
             principal.zone, key, fp, attempt_id, self.instance, message_id, derived, lane, max_age
@@ -257,20 +271,20 @@ class Submitter:
                     self.config.queue.classes[lane].priority,
                     smtputf8,
                 )
-                return await self._accept_queued(sub, zone, settings, queued)
+                return ids(await self._accept_queued(sub, zone, settings, queued))
             reserved = await self._reserve(sub, zone, settings)
             if isinstance(reserved, Result):
-                return reserved
+                return ids(reserved)
             env = Envelope(
                 principal.zone, key, attempt_id, mail_from, tuple(rcpt_tos), added_header + raw, smtputf8
             )
-            return await self.relay(reserved, env, sub, settings)
+            return ids(await self.relay(reserved, env, sub, settings))
         except StoreUnavailable as e:
             log.error(
                 "store unavailable; nothing relayed",
-                extra={"zone": principal.zone, "key": key, "error": str(e)},
+                extra={"zone": principal.zone, "event_key": key, "error": str(e)},
             )
-            return Result(replies.STORE_UNAVAILABLE, "store_unavailable", key)
+            return ids(Result(replies.STORE_UNAVAILABLE, "store_unavailable", key))
 
     def settings(self, zone: ZoneConfig) -> LedgerSettings:
         ek = self.config.event_key
@@ -327,7 +341,9 @@ class Submitter:
             self.settled.remember(current)
             verdict = ledger.decide(current, sub, now, s)
             if isinstance(verdict, ledger.Answer):
-                return Result(verdict.reply, verdict.decision, sub.key)
+                return Result(
+                    verdict.reply, verdict.decision, sub.key, sg_id=current.sg_id if current else None
+                )
             if cached:
                 # The cache answers duplicates only: its copies carry no history, and a
                 # write (a derived key's new event) must start from the stored record.
@@ -437,7 +453,7 @@ class Submitter:
             sent = state["rec"].phase is not Phase.BEFORE_DATA
             log.error(
                 "relay failed unexpectedly",
-                extra={"zone": sub.zone, "key": sub.key, "error": f"{type(e).__name__}: {e}"[:300]},
+                extra={"zone": sub.zone, "event_key": sub.key, "error": f"{type(e).__name__}: {e}"[:300]},
             )
             kind = Kind.UNKNOWN if sent else Kind.UNAVAILABLE
             outcome = Outcome(kind, None, detail=f"internal error: {type(e).__name__}", data_sent=sent)
@@ -456,6 +472,8 @@ class Submitter:
             sub.key,
             outcome.provider,
             outcome.upstream_id,
+            sg_id=sub.attempt_id,
+            message_id=sub.message_id,
         )
 
     async def _settle(
@@ -476,7 +494,7 @@ class Submitter:
             if current is None:
                 log.warning(
                     "ledger record vanished while relaying; writing its outcome back",
-                    extra={"zone": sub.zone, "key": sub.key},
+                    extra={"zone": sub.zone, "event_key": sub.key},
                 )
             base = current or rec
             new = ledger.settle(
@@ -496,7 +514,7 @@ class Submitter:
             current = conflict.current
         log.error(
             "could not record outcome; the key will read as unknown after its lease",
-            extra={"zone": sub.zone, "key": sub.key, "outcome": outcome.kind.value},
+            extra={"zone": sub.zone, "event_key": sub.key, "outcome": outcome.kind.value},
         )
 
     async def _suppress_bounced(self, zone: str, outcome: Outcome) -> None:

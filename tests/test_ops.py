@@ -266,7 +266,7 @@ async def test_history_json_shape(tmp: Path, upstream: Upstream, capsys: pytest.
     } <= set(attempt)
     assert attempt["code"] == 250 and attempt["provider"] == "primary"
     assert attempt["phase"] == "data_sent" and attempt["upstream_id"] == "Q1"
-    assert await asyncio.to_thread(main, ["history", "acme", "nope", "-c", str(path)]) == 1
+    assert await asyncio.to_thread(main, ["history", "acme", "nope", "-c", str(path)]) == 3
     assert "no record" in capsys.readouterr().err
 
 

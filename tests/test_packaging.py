@@ -8,24 +8,24 @@ files the .dockerignore lets into the build context.
 
 from __future__ import annotations
 
-import http.server
+import asyncio
 import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
-import threading
 import tomllib
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+import smtpguard
 from smtpguard.config import LimitsConfig
 from smtpguard.units import parse_duration
-from tests.support import free_port
+from tests.support import base_config, free_port, running_guard, write_config
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "systemd" / "smtpguard.service"
@@ -96,6 +96,9 @@ def test_unit_runs_the_console_script_with_the_etc_config(unit: dict[str, list[t
 
 def test_unit_has_the_required_directives(unit: dict[str, list[tuple[str, str]]]) -> None:
     expected = {
+        # smtpguard tells systemd when it is ready and when it stops (tests/test_metrics.py).
+        "Type": "notify",
+        "NotifyAccess": "main",
         "StateDirectory": "smtpguard",
         "ConfigurationDirectory": "smtpguard",
         "WorkingDirectory": "/var/lib/smtpguard",
@@ -263,58 +266,40 @@ def test_runtime_stage_instructions(stages: list[list[tuple[str, str]]]) -> None
     assert {"/etc/smtpguard", "/var/lib/smtpguard"} <= set(volumes)
     (entrypoint,) = args_of(runtime, "ENTRYPOINT")
     assert json.loads(entrypoint) == [console_script(), "serve", "-c", CONFIG_PATH]  # exec form: PID 1
-    (healthcheck,) = args_of(runtime, "HEALTHCHECK")
-    assert "http://127.0.0.1:9587/healthz" in healthcheck and "curl" not in healthcheck
+    (check,) = args_of(runtime, "HEALTHCHECK")
+    assert "curl" not in check
 
 
-def healthcheck_code() -> str:
+def healthcheck_argv() -> list[str]:
     runtime_text = DOCKERFILE.read_text().split("FROM ")[-1]
     (hc,) = [a for i, a in instructions("FROM " + runtime_text) if i == "HEALTHCHECK"]
-    argv = json.loads(hc.split("CMD", 1)[1])
-    assert Path(argv[0]).name.startswith("python") and argv[1] == "-c"
-    code: str = argv[2]
-    return code
+    argv: list[str] = json.loads(hc.split("CMD", 1)[1])
+    return argv
 
 
-@pytest.fixture
-def health_server() -> Iterator[tuple[int, dict[str, int]]]:
-    """A real HTTP listener whose /healthz answers the status the test sets."""
-    state = {"status": 200}
-
-    class Health(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            code = state["status"] if self.path == "/healthz" else 404
-            self.send_response(code)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, format: str, *args: object) -> None:
-            return
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1], state
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+def healthcheck(config: Path) -> int:
+    """The image's HEALTHCHECK command as the container runs it (SMTPGUARD_CONFIG set)."""
+    argv = healthcheck_argv()
+    script = Path(sys.executable).parent / argv[0]
+    env = {**os.environ, "SMTPGUARD_CONFIG": str(config)}
+    return subprocess.run([str(script), *argv[1:]], capture_output=True, timeout=30, env=env).returncode
 
 
-def test_healthcheck_command_exit_codes(health_server: tuple[int, dict[str, int]]) -> None:
-    port, state = health_server
-    code = healthcheck_code()
-    assert ":9587/" in code
+def test_healthcheck_is_the_console_script() -> None:
+    assert healthcheck_argv() == [console_script(), "healthcheck"]
 
-    def probe(p: int) -> int:
-        src = code.replace(":9587/", f":{p}/")
-        return subprocess.run([sys.executable, "-c", src], capture_output=True, timeout=20).returncode
 
-    assert probe(port) == 0
-    state["status"] = 503
-    assert probe(port) != 0
-    assert probe(free_port()) != 0  # nothing listening
+@pytest.mark.parametrize("with_metrics", [True, False], ids=["metrics", "no-metrics"])
+async def test_healthcheck_works_with_and_without_metrics(tmp: Path, with_metrics: bool) -> None:
+    cfg = base_config(tmp, None)
+    cfg["listen"] = [{"address": f"127.0.0.1:{free_port()}", "tls": "none"}]
+    if with_metrics:
+        cfg["metrics"] = {"address": f"127.0.0.1:{free_port()}"}
+    path = write_config(tmp / "smtpguard.yaml", cfg)
+    # Nothing running yet: unhealthy.
+    assert await asyncio.to_thread(healthcheck, path) == 1
+    async with running_guard(cfg):
+        assert await asyncio.to_thread(healthcheck, path) == 0
 
 
 def hadolint() -> str:
@@ -415,7 +400,54 @@ def test_build_context_builds_the_package(tmp: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (wheel,) = (tmp / "dist").glob("smtpguard-*.whl")
+    assert wheel.name.startswith(f"smtpguard-{smtpguard.__version__}-")
     with zipfile.ZipFile(wheel) as zf:
         (entry_points,) = [n for n in zf.namelist() if n.endswith(".dist-info/entry_points.txt")]
         text = zf.read(entry_points).decode()
+        (license_file,) = [n for n in zf.namelist() if n.endswith("/LICENSE") and ".dist-info/" in n]
+        assert zf.read(license_file) == (ROOT / "LICENSE").read_bytes()
     assert f"{console_script()} = smtpguard.cli:main" in text
+
+
+# --- metadata --------------------------------------------------------------------------------
+def test_license_file_is_the_apache_2_text() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"]
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+
+
+def test_one_version_source() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "version" not in project and project["dynamic"] == ["version"]
+    out = subprocess.run(
+        [sys.executable, "-m", "smtpguard", "--version"], capture_output=True, text=True, timeout=30
+    ).stdout
+    assert out.strip() == f"smtpguard {smtpguard.__version__}"
+
+
+def test_redis_is_an_extra_and_a_sqlite_install_never_imports_it(tmp: Path) -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith(("redis", "hiredis"))]
+    assert {d.split(">")[0] for d in project["optional-dependencies"]["redis"]} == {"redis", "hiredis"}
+    cfg = base_config(tmp, None)
+    sqlite_cfg = write_config(tmp / "sqlite.yaml", cfg)
+    cfg["store"] = {"url": "redis://127.0.0.1:6379/0"}
+    redis_cfg = write_config(tmp / "redis.yaml", cfg)
+    # As if redis-py were not installed: importing it fails.
+    code = (
+        "import sys; sys.modules['redis'] = None; from smtpguard.cli import main; "
+        "sys.exit(main(sys.argv[1:]))"
+    )
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60, cwd=tmp
+        )
+
+    assert run("check-config", "-c", str(sqlite_cfg)).returncode == 0
+    refused = run("check-config", "-c", str(redis_cfg))
+    assert refused.returncode == 1 and "pip install 'smtpguard[redis]'" in refused.stderr
+    assert "Traceback" not in refused.stderr

@@ -184,7 +184,7 @@ async def test_queue_cli_list_retry_drop(tmp: Path, capsys: pytest.CaptureFixtur
         await asyncio.sleep(0.5)  # both tried once against the closed port, now deferred 1h
         capsys.readouterr()
         assert await asyncio.to_thread(main, ["queue", "list", "acme", "--json", "-c", str(path)]) == 0
-        listed = json.loads(capsys.readouterr().out)
+        listed = json.loads(capsys.readouterr().out)["entries"]
         assert {e["key"] for e in listed} == {"l1", "l2"}
         assert all(e["state"] == "deferred" for e in listed)
         assert await asyncio.to_thread(main, ["queue", "drop", "acme", "l2", "-c", str(path)]) == 0

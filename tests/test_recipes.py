@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
+import signal
 import smtplib
 import subprocess
 import sys
@@ -26,8 +28,10 @@ from email.message import EmailMessage
 from pathlib import Path
 
 import pytest
+import yaml
 
-from tests.support import PASSWORD, Upstream, base_config, running_guard
+from tests.support import PASSWORD, Upstream, base_config, free_port, password_hash, running_guard, send
+from tests.support import message as support_message
 
 USER = "acme-app"
 SENDER = "billing@acme.example"
@@ -204,7 +208,7 @@ NODEMAILER_SCRIPT = textwrap.dedent(
         subject: "Reset your password",
         text: "Follow the link to reset your password.",
         html: "<p>Follow the link to reset your password.</p>",
-        headers: { "X-Event-Key": `password-reset:${resetId}` },
+        headers: { "X-Event-Key": `password-reset:${resetId}`, "X-Message-Class": "otp" },
       })
       .then((info) => console.log(JSON.stringify({ response: info.response, accepted: info.accepted })))
       .catch((err) => {
@@ -331,3 +335,41 @@ async def test_swaks_smoke_test(tmp: Path, upstream: Upstream) -> None:
     assert "duplicate" not in first[1]
     assert any(line.startswith("<-  250 ") and "duplicate" in line for line in second[1].splitlines())
     delivered_once(upstream, "smoke:deploy-42")
+
+
+# --- staging: smtpguard sink as the only provider ---------------------------------------------
+def staging_config(tmp: Path, sink_port: int) -> dict[str, object]:
+    """The staging.yaml of docs/recipes.md, as written, with this test's ports and paths."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "recipes.md").read_text()
+    section = text.split("## A staging zone that never reaches a provider", 1)[1]
+    (block,) = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    cfg = yaml.safe_load(block)
+    cfg["listen"][0]["address"] = "127.0.0.1:0"
+    cfg["store"]["url"] = f"sqlite:///{tmp / 'staging.db'}"
+    assert cfg["providers"][0]["port"] == 2525
+    cfg["providers"][0]["port"] = sink_port
+    cfg["zones"]["staging"]["users"][0]["password_hash"] = password_hash(PASSWORD)
+    return cfg
+
+
+async def test_staging_zone_with_a_sink(tmp: Path) -> None:
+    sink_port = free_port()
+    maildir = tmp / "sink"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "smtpguard", "sink", "--listen", f"127.0.0.1:{sink_port}",
+        "--maildir", str(maildir), stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        assert b"listening" in await asyncio.wait_for(proc.stdout.readline(), 15)
+        async with running_guard(staging_config(tmp, sink_port)) as guard:
+            msg = support_message("staging:signup:1", sender="hello@acme.example")
+            first = await send(guard.ports[0], msg, user="staging-app", sender="hello@acme.example")
+            second = await send(guard.ports[0], msg, user="staging-app", sender="hello@acme.example")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    assert first.code == 250 and "duplicate" not in first.text
+    assert second.code == 250 and "duplicate" in second.text
+    (only,) = list((maildir / "new").iterdir())
+    assert b"X-Event-Key: staging:signup:1" in only.read_bytes()

@@ -40,6 +40,11 @@ class StoreUnavailable(Exception):
     """The backend cannot be reached or refused the write: answer 451 4.3.0, send nothing."""
 
 
+class StoreMissing(StoreUnavailable):
+    """Opened with `create=False` (the CLI) and there is no store there: a wrong path or
+    working directory, not an empty store to answer "no record" from."""
+
+
 @dataclass(frozen=True, slots=True)
 class Reserved:
     pass
@@ -296,12 +301,25 @@ BACKENDS: dict[str, str] = {
 }
 
 
-def store_from_url(url: str, password: str | None = None) -> Store:
+def store_from_url(
+    url: str, password: str | None = None, *, read_only: bool = False, create: bool = True
+) -> Store:
+    """The backend for `url`. `read_only`: the caller only reads (history, stats, lists) and
+    the backend may open itself so; `create=False`: a store that does not exist yet is
+    StoreMissing rather than created empty (every CLI command). A backend with nothing to
+    create (a server) ignores both."""
     scheme = url.split(":", 1)[0]
     target = BACKENDS.get(scheme)
     if target is None:
         raise ValueError(f"unknown store scheme {scheme!r}")
     module, cls = target.split(":")
-    factory = getattr(importlib.import_module(module), cls)
-    store: Store = factory(url, password=password)
+    try:
+        imported = importlib.import_module(module)
+    except ImportError as e:
+        # redis-py is the `redis` extra: a SQLite-only install does not carry it.
+        raise StoreUnavailable(
+            f"the {scheme} store needs the {e.name} package: pip install 'smtpguard[redis]'"
+        ) from None
+    factory = getattr(imported, cls)
+    store: Store = factory(url, password=password, read_only=read_only, create=create)
     return store

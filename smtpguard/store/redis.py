@@ -489,7 +489,10 @@ _ID_PREFIX: dict[str, tuple[str, int]] = {
 
 
 class RedisStore:
-    def __init__(self, url: str, password: str | None = None) -> None:
+    def __init__(
+        self, url: str, password: str | None = None, read_only: bool = False, create: bool = True
+    ) -> None:
+        # read_only and create concern a store file; a Redis server has none to create.
         self.url = url
         self._password = password
         self._client: Redis | None = None

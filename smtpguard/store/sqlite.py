@@ -20,6 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached
@@ -38,6 +39,7 @@ from smtpguard.store.base import (
     Reserved,
     ReserveResult,
     StoredEvent,
+    StoreMissing,
     StoreUnavailable,
     Suppression,
     ZoneAudit,
@@ -119,7 +121,12 @@ def path_from_url(url: str) -> Path:
 
 
 def _connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
-    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+    if readonly:
+        # mode=ro: a reader never creates the file, whatever the working directory.
+        uri = f"file:{quote(str(path.absolute()))}?mode=ro"
+        conn = sqlite3.connect(uri, isolation_level=None, check_same_thread=False, timeout=30, uri=True)
+    else:
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
     conn.execute("PRAGMA busy_timeout = 30000")
     if readonly:
         conn.execute("PRAGMA query_only = ON")
@@ -331,15 +338,31 @@ def _settle_all(items: list[_Result]) -> None:
 
 
 class SQLiteStore:
-    def __init__(self, url: str, password: str | None = None) -> None:
+    def __init__(
+        self, url: str, password: str | None = None, read_only: bool = False, create: bool = True
+    ) -> None:
         self.path = path_from_url(url)
+        self.read_only = read_only
+        """Readers only, each opened with mode=ro: writes raise StoreUnavailable."""
+        self.create = create and not read_only
+        self._opened = False
         self._writer: _Writer | None = None
         self._readers: ThreadPoolExecutor | None = None
         self._local = threading.local()
 
     # --- plumbing ----------------------------------------------------------------------------
     async def open(self) -> None:
-        if self._writer is not None:
+        if self._writer is not None or self._opened:
+            return
+        if not self.create and not self.path.is_file():
+            where = self.path if self.path.is_absolute() else f"{self.path} (in {Path.cwd()})"
+            raise StoreMissing(
+                f"store {where} does not exist; check store.url in the config and the working "
+                "directory (smtpguard serve creates it)"
+            )
+        if self.read_only:
+            self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="smtpguard-sqlite-read")
+            self._opened = True
             return
         if sqlite3.sqlite_version_info < _MIN_SQLITE:
             need = ".".join(map(str, _MIN_SQLITE))
@@ -359,6 +382,7 @@ class SQLiteStore:
         await self._write(_fold_suppression_keys, heavy=True)
 
     async def close(self) -> None:
+        self._opened = False
         if self._writer is not None:
             writer, self._writer = self._writer, None
             await writer.close()
@@ -388,7 +412,7 @@ class SQLiteStore:
 
     def _write(self, fn: Callable[[sqlite3.Connection], T], heavy: bool = False) -> asyncio.Future[T]:
         if self._writer is None:
-            raise StoreUnavailable("store is not open")
+            raise StoreUnavailable("store is opened read-only" if self.read_only else "store is not open")
         return self._writer.submit(fn, heavy)
 
     async def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
