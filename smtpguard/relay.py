@@ -26,7 +26,7 @@ import aiosmtplib
 
 from smtpguard import replies
 from smtpguard.config import MaildirProviderConfig, SmtpProviderConfig
-from smtpguard.events.tags import tag_header
+from smtpguard.events.tags import tagged
 from smtpguard.policy.breaker import Breaker, Circuit
 from smtpguard.policy.eventkey import qualified_key
 from smtpguard.policy.outcome import Kind, Outcome, classify_reply, queue_id, upstream_reply
@@ -125,15 +125,11 @@ class SmtpProvider:
             conn.close()
 
     def _prepare(self, env: Envelope) -> bytes:
-        if env.key is None:
-            return env.content
-        qualified = qualified_key(env.zone, env.key)
-        added = b""
-        if self.event_tag is not None:
-            added = tag_header(self.event_tag, qualified, env.content)
-        if self.cfg.idempotency_header:
-            added += f"{self.cfg.idempotency_header}: {qualified}\r\n".encode()
-        return added + env.content if added else env.content
+        qualified = qualified_key(env.zone, env.key) if env.key is not None else None
+        content = tagged(self.event_tag, qualified, env.attempt_id, env.content)
+        if self.cfg.idempotency_header and qualified is not None:
+            return f"{self.cfg.idempotency_header}: {qualified}\r\n".encode() + content
+        return content
 
     async def _connect(self) -> aiosmtplib.SMTP:
         t = self.cfg.timeouts

@@ -261,7 +261,7 @@ async def test_every_dns_check_ok_warning_and_error_and_no_mail_sent(
         assert up.handler.transactions == 0 and up.handler.data_commands == 0 and up.received == []
 
     # JSON shape: exactly §12's keys
-    assert set(doc) == {"ok", "checks"}
+    assert set(doc) == {"schema", "ok", "checks"} and doc["schema"] == 1
     assert all(set(c) == {"check", "zone", "domain", "provider", "status", "detail"} for c in doc["checks"])
 
 

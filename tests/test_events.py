@@ -381,17 +381,23 @@ async def test_events_match_only_records_of_the_sources_provider(
         ("mailgun", "X-Mailgun-Variables", '{"smtpguard_key": "acme:invoice:77"}'),
         ("sendgrid", "X-SMTPAPI", '{"unique_args": {"smtpguard_key": "acme:invoice:77"}}'),
         ("postmark", "X-PM-Metadata-smtpguard_key", "acme:invoice:77"),
-        ("resend", "X-Smtpguard-Key", "acme:invoice:77"),
-        ("ses", "X-Smtpguard-Key", "acme:invoice:77"),
+        ("resend", "X-Smtpguard-Id", "SGID"),
+        ("ses", "X-Smtpguard-Id", "SGID"),
     ],
 )
-async def test_the_relayed_message_carries_the_key_and_the_echoed_key_finds_it(
+async def test_the_relayed_message_carries_its_identity_and_the_echo_finds_it(
     kind: str, header: str, value: str, tmp: Path, upstream: Upstream, keys: ev.Keys, store: dict[str, Any]
 ) -> None:
     async with running_guard(events_config(tmp, upstream, keys, store, only=kind)) as guard:
         await sent(guard, upstream, "invoice:77")
-        assert upstream.received[0].header(header) == value
-        # The provider rewrote the Message-ID and names no id of ours but the echoed key.
+        assert guard.store is not None
+        record = await guard.store.get("acme", "invoice:77")
+        assert record is not None
+        assert upstream.received[0].header(header) == value.replace("SGID", record.sg_id)
+        # Headers that reach the recipient never carry the key.
+        if kind in ("resend", "ses"):
+            assert b"invoice:77" not in upstream.received[0].content.split(b"X-Event-Key", 1)[0]
+        # The provider rewrote the Message-ID and names no id of ours but the echo.
         other = "<provider-rewrote-it@mail.example>"
         signed: ev.Signed
         if kind == "mailgun":
@@ -407,11 +413,11 @@ async def test_the_relayed_message_carries_the_key_and_the_echoed_key_finds_it(
             payload["Metadata"] = {"smtpguard_key": "acme:invoice:77"}
             signed = ev.postmark(keys, payload)
         elif kind == "resend":
-            headers = [{"name": "X-Smtpguard-Key", "value": "acme:invoice:77"}]
+            headers = [{"name": "X-Smtpguard-Id", "value": record.sg_id}]
             signed = ev.svix(keys, ev.resend_event("email.bounced", RCPT, "re-unknown-id", headers=headers))
         else:
             m = ev.ses_message("Bounce", RCPT, other, "ses-unknown-id")
-            m["mail"]["headers"] = [{"name": "X-Smtpguard-Key", "value": "acme:invoice:77"}]
+            m["mail"]["headers"] = [{"name": "X-Smtpguard-Id", "value": record.sg_id}]
             signed = ev.ses(keys, m)
         status, doc = await ev.post(events_port(guard), kind, signed)
         assert (status, doc["applied"]) == (200, 1), doc
@@ -419,14 +425,77 @@ async def test_the_relayed_message_carries_the_key_and_the_echoed_key_finds_it(
 
 
 @pytest.mark.parametrize("store", ["sqlite"], indirect=True)
-async def test_an_application_header_of_the_same_name_is_left_alone(
+async def test_an_application_header_of_the_same_name_is_merged_not_duplicated(
     tmp: Path, upstream: Upstream, keys: ev.Keys, store: dict[str, Any]
 ) -> None:
     async with running_guard(events_config(tmp, upstream, keys, store, only="sendgrid")) as guard:
-        own = '{"unique_args": {"order": "42"}}'
+        own = '{"category": "billing", "unique_args": {"order": "42"}}'
         await sent(guard, upstream, "invoice:1", headers={"X-SMTPAPI": own})
         head = upstream.received[0].content.split(b"\r\n\r\n", 1)[0]
-        assert head.lower().count(b"x-smtpapi:") == 1 and upstream.received[0].header("X-SMTPAPI") == own
+        assert head.lower().count(b"x-smtpapi:") == 1
+        assert json.loads(upstream.received[0].header("X-SMTPAPI") or "") == {
+            "category": "billing",
+            "unique_args": {"order": "42", "smtpguard_key": "acme:invoice:1"},
+        }
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("kind", ["mailgun", "resend"])
+async def test_a_client_cannot_point_events_at_another_zones_record(
+    kind: str, tmp: Path, upstream: Upstream, keys: ev.Keys, store: dict[str, Any]
+) -> None:
+    """A globex client writes acme's key (or an acme record's smtpguard id) into the headers
+    the provider echoes: smtpguard's own values replace them, so the bounce of globex's
+    recipient lands on globex's list."""
+    async with running_guard(events_config(tmp, upstream, keys, store, only=kind)) as guard:
+        await sent(guard, upstream, "invoice:1")
+        assert guard.store is not None
+        acme = await guard.store.get("acme", "invoice:1")
+        assert acme is not None
+        forged = {
+            "X-Mailgun-Variables": '{"smtpguard_key": "acme:invoice:1"}',
+            "X-Smtpguard-Id": acme.sg_id,
+            "X-Smtpguard-Key": "acme:invoice:1",
+        }
+        reply = await send(
+            guard.ports[0],
+            message("order:1", sender="shop@globex.example", to="victim@example.org", headers=forged),
+            user="globex-app",
+            password=OTHER_PASSWORD,
+            sender="shop@globex.example",
+            recipients=["victim@example.org"],
+        )
+        assert reply.code == 250
+        relayed = upstream.received[-1]
+        globex = await guard.store.get("globex", "order:1")
+        assert globex is not None
+        assert relayed.content.lower().count(b"x-smtpguard-id:") == (1 if kind == "resend" else 0)
+        assert relayed.header("X-Smtpguard-Key") is None
+        if kind == "mailgun":
+            assert b"acme:invoice:1" not in relayed.content
+        # The provider echoes what it was given: the relayed message's own values.
+        if kind == "mailgun":
+            variables = json.loads(relayed.header("X-Mailgun-Variables") or "")
+            assert variables == {"smtpguard_key": "globex:order:1"}
+            signed = ev.mailgun(
+                keys,
+                ev.mailgun_event(
+                    "failed",
+                    "victim@example.org",
+                    "<x@y>",
+                    severity="permanent",
+                    key=variables["smtpguard_key"],
+                ),
+            )
+        else:
+            assert relayed.header("X-Smtpguard-Id") == globex.sg_id
+            headers = [{"name": "X-Smtpguard-Id", "value": relayed.header("X-Smtpguard-Id") or ""}]
+            signed = ev.svix(
+                keys, ev.resend_event("email.bounced", "victim@example.org", "nope", headers=headers)
+            )
+        assert (await ev.post(events_port(guard), kind, signed))[1]["applied"] == 1
+        assert await suppressed(guard, "acme") == {}
+        assert "victim@example.org" in await suppressed(guard, "globex")
 
 
 @pytest.mark.parametrize("store", ["sqlite"], indirect=True)

@@ -70,7 +70,8 @@ class Applier:
                 record = await self.store.get(zone, key)
                 if record is not None and _sent_through(record, provider):
                     return record
-        lookups: list[tuple[IdField, str]] = [("message_id", m) for m in match.message_ids]
+        lookups: list[tuple[IdField, str]] = [("sg_id", i) for i in match.sg_ids]
+        lookups += [("message_id", m) for m in match.message_ids]
         lookups += [("upstream_id", u) for u in match.upstream_ids]
         for field, value in lookups:
             if not value.strip():

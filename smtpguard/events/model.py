@@ -15,8 +15,10 @@ from typing import Any
 KEY_FIELD = "smtpguard_key"
 """The custom variable (Mailgun user-variables, SendGrid unique_args, Postmark metadata)
 that carries the zone-qualified event key back."""
-KEY_HEADER = "X-Smtpguard-Key"
-"""The header carrying it where the provider echoes headers instead (SES, Resend)."""
+ID_HEADER = "X-Smtpguard-Id"
+"""Where the provider echoes the message's headers instead (SES, Resend, a DSN's returned
+headers): the id of the attempt that sent it, which names its record. Not the key: these
+headers reach the recipient, and a key often carries an order or customer id."""
 
 
 class Kind(StrEnum):
@@ -46,6 +48,8 @@ class Match:
 
     keys: tuple[str, ...] = ()
     """Zone-qualified event keys (`zone:key`) the provider echoed back."""
+    sg_ids: tuple[str, ...] = ()
+    """smtpguard ids (the sending attempt's) echoed in the message's headers."""
     message_ids: tuple[str, ...] = ()
     upstream_ids: tuple[str, ...] = ()
 

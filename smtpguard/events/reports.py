@@ -17,7 +17,8 @@ import email.utils
 import hashlib
 from email.message import Message
 
-from smtpguard.events.model import KEY_HEADER, Kind, Match, ProviderEvent
+from smtpguard.events.model import ID_HEADER, Kind, Match, ProviderEvent
+from smtpguard.policy.senders import address_problem
 
 
 class NotAReport(Exception):
@@ -36,10 +37,12 @@ def read_report(raw: bytes, source: str, received_at: float) -> list[ProviderEve
     parts = [p for p in payload if isinstance(p, Message)]
     original = _original_headers(parts)
     match = Match(
-        keys=tuple(v for v in [original.get(KEY_HEADER)] if v),
-        message_ids=tuple(v for v in [original.get("Message-ID")] if v),
+        sg_ids=tuple(v for v in [_text(original.get(ID_HEADER)).strip()] if v),
+        message_ids=tuple(v for v in [_text(original.get("Message-ID")).strip()] if v),
     )
-    digest = hashlib.sha256(raw).hexdigest()[:32]
+    # The report without its header block: a redelivery with other trace headers is the
+    # same report, and is applied once.
+    digest = hashlib.sha256(raw.split(b"\r\n\r\n", 1)[-1]).hexdigest()[:32]
     if report_type == "delivery-status":
         return _dsn(parts, source, received_at, match, digest)
     if report_type == "feedback-report":
@@ -74,13 +77,20 @@ def _field_blocks(parts: list[Message], ctype: str) -> list[Message]:
     raise NotAReport(f"no {ctype} part")
 
 
-def _address(value: str | None) -> str | None:
-    """`rfc822; user@example.net` → user@example.net (RFC 3464 §2.3.2, address-type)."""
-    if not value:
+def _text(value: object) -> str:
+    """A header value as text: compat32 hands 8-bit values back as Header objects."""
+    return "" if value is None else str(value)
+
+
+def _address(value: object) -> str | None:
+    """`rfc822; user@example.net` → user@example.net (RFC 3464 §2.3.2, address-type), or
+    None when what is left is not an address (nothing is suppressed on a guess)."""
+    text = _text(value)
+    if not text:
         return None
-    kind, sep, addr = value.partition(";")
-    addr = (addr if sep else kind).strip().strip("<>")
-    return addr or None
+    kind, sep, addr = text.partition(";")
+    addr = (addr if sep else kind).strip().strip("<>").strip()
+    return addr if addr and address_problem(addr) is None else None
 
 
 def _dsn(parts: list[Message], source: str, at: float, match: Match, digest: str) -> list[ProviderEvent]:
@@ -88,8 +98,8 @@ def _dsn(parts: list[Message], source: str, at: float, match: Match, digest: str
     events = []
     for i, block in enumerate(blocks[1:]):  # the first block holds the per-message fields
         recipient = _address(block.get("Final-Recipient") or block.get("Original-Recipient"))
-        action = (block.get("Action") or "").strip().lower()
-        status = (block.get("Status") or "").strip()
+        action = _text(block.get("Action")).strip().lower()
+        status = _text(block.get("Status")).strip()
         if action == "failed":
             kind = Kind.BOUNCE if status.startswith("5") else Kind.SOFT_BOUNCE
         elif action == "delayed":
@@ -116,10 +126,10 @@ def _arf(
     parts: list[Message], source: str, at: float, match: Match, digest: str, original: Message
 ) -> list[ProviderEvent]:
     (fields, *_) = _field_blocks(parts, "message/feedback-report") or [Message()]
-    feedback = (fields.get("Feedback-Type") or "").strip().lower()
+    feedback = _text(fields.get("Feedback-Type")).strip().lower()
     recipients = [_address(v) for v in fields.get_all("Original-Rcpt-To") or []]
     if not recipients:
-        to = original.get("To")
+        to = _text(original.get("To"))
         recipients = [_address(email.utils.parseaddr(to)[1]) if to else None]
     kind = Kind.COMPLAINT if feedback in _COMPLAINTS else Kind.OTHER
     return [

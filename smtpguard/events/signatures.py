@@ -23,25 +23,42 @@ def _hmac_sha256(key: bytes, message: bytes) -> bytes:
     return h.finalize()
 
 
+def _ascii(*values: str) -> bool:
+    """Signed fields are ASCII in every scheme here; anything else cannot verify (and must
+    not reach encode() or compare_digest(), which raise on it)."""
+    return all(v.isascii() for v in values)
+
+
 def mailgun(signing_key: str, timestamp: str, token: str, signature: str) -> bool:
     """Hex HMAC-SHA256 of timestamp + token, keyed with the webhook signing key."""
+    if not _ascii(timestamp, token, signature):
+        return False
     expected = _hmac_sha256(signing_key.encode(), (timestamp + token).encode()).hex()
-    return std_hmac.compare_digest(expected, signature.strip().lower())
+    return std_hmac.compare_digest(expected.encode(), signature.strip().lower().encode())
 
 
 def svix(secret: str, msg_id: str, timestamp: str, body: bytes, header: str) -> bool:
     """Any `v1,<base64>` of the space-separated list is HMAC-SHA256 of `id.timestamp.body`,
     keyed with the base64 secret after `whsec_` (several while a secret is rotated)."""
-    try:
-        key = base64.b64decode(secret.removeprefix("whsec_"), validate=True)
-    except (binascii.Error, ValueError):
+    if not _ascii(msg_id, timestamp, header):
         return False
-    expected = base64.b64encode(_hmac_sha256(key, f"{msg_id}.{timestamp}.".encode() + body)).decode()
+    try:
+        key = svix_key(secret)
+    except KeyProblem:
+        return False
+    expected = base64.b64encode(_hmac_sha256(key, f"{msg_id}.{timestamp}.".encode() + body))
     for part in header.split():
         version, _, value = part.partition(",")
-        if version == "v1" and std_hmac.compare_digest(expected, value):
+        if version == "v1" and std_hmac.compare_digest(expected, value.encode()):
             return True
     return False
+
+
+def svix_key(secret: str) -> bytes:
+    try:
+        return base64.b64decode(secret.strip().removeprefix("whsec_"), validate=True)
+    except (binascii.Error, ValueError):
+        raise KeyProblem("the secret is not whsec_ followed by base64") from None
 
 
 class KeyProblem(Exception):
@@ -54,13 +71,15 @@ def sendgrid_key(public_key_b64: str) -> ec.EllipticCurvePublicKey:
         key = load_der_public_key(base64.b64decode(public_key_b64.strip(), validate=True))
     except (binascii.Error, ValueError) as e:
         raise KeyProblem(f"not a base64 DER public key: {e}") from None
-    if not isinstance(key, ec.EllipticCurvePublicKey):
-        raise KeyProblem("not an ECDSA public key")
+    if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, ec.SECP256R1):
+        raise KeyProblem("not an ECDSA P-256 public key")
     return key
 
 
 def sendgrid(key: ec.EllipticCurvePublicKey, timestamp: str, body: bytes, signature_b64: str) -> bool:
     """ECDSA P-256 with SHA-256 over the timestamp header followed by the raw body."""
+    if not _ascii(timestamp, signature_b64):
+        return False
     try:
         signature = base64.b64decode(signature_b64.strip(), validate=True)
         key.verify(signature, timestamp.encode() + body, ec.ECDSA(hashes.SHA256()))
@@ -95,6 +114,8 @@ def sns(keys: list[rsa.RSAPublicKey], version: str, canonical: bytes, signature_
         algorithm = hashes.SHA256()
     else:
         return False
+    if not _ascii(signature_b64):
+        return False
     try:
         signature = base64.b64decode(signature_b64, validate=True)
     except (binascii.Error, ValueError):
@@ -110,7 +131,7 @@ def sns(keys: list[rsa.RSAPublicKey], version: str, canonical: bytes, signature_
 
 def basic_auth(header: str, username: str, password: str) -> bool:
     scheme, _, encoded = header.partition(" ")
-    if scheme.lower() != "basic":
+    if scheme.lower() != "basic" or not _ascii(encoded):
         return False
     try:
         given = base64.b64decode(encoded.strip(), validate=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -28,7 +29,7 @@ from smtpguard.config import (
     read_secret,
 )
 from smtpguard.events import signatures
-from smtpguard.events.model import KEY_FIELD, KEY_HEADER, Kind, Malformed, Match, ProviderEvent, content_id
+from smtpguard.events.model import ID_HEADER, KEY_FIELD, Kind, Malformed, Match, ProviderEvent, content_id
 
 
 class Rejected(Exception):
@@ -65,7 +66,7 @@ class _Base:
     tolerance: float
 
     def _fresh(self, timestamp: float, now: float) -> None:
-        if abs(now - timestamp) > self.tolerance:
+        if not math.isfinite(timestamp) or abs(now - timestamp) > self.tolerance:
             raise Rejected(401, "timestamp outside the tolerance (a replayed or delayed request)")
 
 
@@ -73,8 +74,9 @@ class _Base:
 def _json(body: bytes) -> Any:
     try:
         return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise Rejected(400, f"the body is not JSON: {e}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        # RecursionError: nesting deeper than the parser's stack (`[[[[…`), before any check.
+        raise Rejected(400, f"the body is not JSON: {type(e).__name__}") from None
 
 
 def _obj(value: Any, what: str) -> dict[str, Any]:
@@ -317,7 +319,7 @@ class Svix(_Base):
         status = "/".join(_strs(bounce.get("type"), bounce.get("subType")))
         headers = _named_headers(data.get("headers"))
         match = Match(
-            keys=_strs(headers.get(KEY_HEADER.lower())),
+            sg_ids=_strs(headers.get(ID_HEADER.lower())),
             message_ids=_strs(headers.get("message-id")),
             upstream_ids=_strs(data.get("email_id")),
         )
@@ -426,7 +428,9 @@ def sns_canonical(message: Mapping[str, Any]) -> bytes:
                 continue
             raise Rejected(401, f"the signed field {name} is missing")
         out += f"{name}\n{value}\n"
-    return out.encode()
+    # surrogatepass: a lone surrogate (JSON allows `\ud800`) cannot be what SNS signed, but
+    # it must fail the signature, not the handler.
+    return out.encode("utf-8", "surrogatepass")
 
 
 @dataclass(frozen=True, slots=True)
@@ -473,7 +477,7 @@ class Ses(_Base):
         assert isinstance(common, dict)
         headers = _named_headers(mail.get("headers"))
         match = Match(
-            keys=_strs(headers.get(KEY_HEADER.lower())),
+            sg_ids=_strs(headers.get(ID_HEADER.lower())),
             message_ids=_strs(common.get("messageId"), headers.get("message-id")),
             upstream_ids=_strs(mail.get("messageId")),
         )

@@ -1,41 +1,114 @@
-"""The header that makes a provider echo the event key back in its webhooks (§13).
+"""The header that makes a provider echo a message's identity back in its events (§13).
 
-Each provider carries custom data its own way; smtpguard adds the zone-qualified key as
-that provider's custom variable, so an event finds its record even when the provider
-rewrites the Message-ID. Pure: bytes in, bytes out.
+Each provider carries custom data its own way. Mailgun (X-Mailgun-Variables), SendGrid
+(X-SMTPAPI unique_args) and Postmark (X-PM-Metadata-*) strip their header before delivery
+and echo the zone-qualified key in every event. SES and Resend echo the message's headers,
+which also reach the recipient, so there the header carries only the sending attempt's
+smtpguard id (X-Smtpguard-Id), never the key.
+
+What a client wrote is never trusted as ours: its X-Smtpguard-Id, X-Smtpguard-Key and
+X-PM-Metadata-smtpguard_key fields are removed, and in the JSON headers the
+`smtpguard_key` member is overwritten (or removed, when there is no key to put), so one
+zone cannot point events at another zone's records. Pure: bytes in, bytes out.
 """
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
-from smtpguard.events.model import KEY_FIELD, KEY_HEADER
+from smtpguard.events.model import ID_HEADER, KEY_FIELD
 
-_HEADER_OF_KIND = {
-    "mailgun": "X-Mailgun-Variables",
-    "sendgrid": "X-SMTPAPI",
-    "postmark": f"X-PM-Metadata-{KEY_FIELD}",
-    "svix": KEY_HEADER,
-    "ses": KEY_HEADER,
-}
+_POSTMARK = f"X-PM-Metadata-{KEY_FIELD}"
+_OURS = {ID_HEADER.lower().encode(), b"x-smtpguard-key", _POSTMARK.lower().encode()}
+_JSON_HEADERS = {"mailgun": "X-Mailgun-Variables", "sendgrid": "X-SMTPAPI"}
 
 
-def tag_header(kind: str, qualified_key: str, content: bytes) -> bytes:
-    """The header line to put before the message, or b"" when there is none to add: the
-    key is not ASCII (it would need RFC 2047 encoding, and the providers echo such values
-    inconsistently), or the message already carries that header (an application using the
-    provider's own variables keeps them; the Message-ID still matches its events)."""
-    name = _HEADER_OF_KIND.get(kind)
-    if name is None or not qualified_key.isascii():
-        return b""
-    head = content.split(b"\r\n\r\n", 1)[0].lower()
-    marker = name.lower().encode() + b":"
-    if head.startswith(marker) or b"\r\n" + marker in head:
-        return b""
+def tagged(kind: str | None, qualified_key: str | None, attempt_id: str, content: bytes) -> bytes:
+    """The message as relayed through a provider whose events a source of `kind` reads
+    (None: no source reads them; only a client's forged fields are removed)."""
+    head, sep, body = content.partition(b"\r\n\r\n")
+    lowered = head.lower()
+    if kind is None and not any(m in lowered for m in (b"x-smtpguard-", _POSTMARK.lower().encode())):
+        return content  # the common case, untouched
+    key = qualified_key if qualified_key is not None and qualified_key.isascii() else None
+    fields = [f for f in _fields(head) if _name(f) not in _OURS]
+    added: list[bytes] = []
+    json_header = _JSON_HEADERS.get(kind or "")
+    if json_header is not None:
+        fields, client = _take(fields, json_header.lower().encode())
+        merged = _merge(kind or "", client, key)
+        if merged is not None:
+            added.append(_fold(f"{json_header}: {json.dumps(merged, separators=(', ', ': '))}"))
+    elif kind == "postmark" and key is not None:
+        added.append(f"{_POSTMARK}: {key}".encode())
+    elif kind in ("svix", "ses"):
+        added.append(f"{ID_HEADER}: {attempt_id}".encode())
+    return b"\r\n".join([*added, *fields]) + sep + body
+
+
+def _fields(head: bytes) -> list[bytes]:
+    """The header block's fields, each with its folded continuation lines."""
+    out: list[bytes] = []
+    for line in head.split(b"\r\n"):
+        if out and line[:1] in (b" ", b"\t"):
+            out[-1] += b"\r\n" + line
+        else:
+            out.append(line)
+    return out
+
+
+def _name(field: bytes) -> bytes:
+    return field.split(b":", 1)[0].strip().lower()
+
+
+def _take(fields: list[bytes], name: bytes) -> tuple[list[bytes], Any]:
+    """Remove every field called `name`; the JSON value of the first (None if none or not JSON)."""
+    kept, value, found = [], None, False
+    for f in fields:
+        if _name(f) != name:
+            kept.append(f)
+            continue
+        if not found:
+            found = True
+            raw = f.split(b":", 1)[1].replace(b"\r\n", b"")
+            try:
+                value = json.loads(raw)
+            except ValueError:
+                value = None
+    return kept, value
+
+
+def _merge(kind: str, client: Any, key: str | None) -> dict[str, Any] | None:
+    doc: dict[str, Any] = dict(client) if isinstance(client, dict) else {}
     if kind == "mailgun":
-        value = json.dumps({KEY_FIELD: qualified_key})
-    elif kind == "sendgrid":
-        value = json.dumps({"unique_args": {KEY_FIELD: qualified_key}})
+        doc.pop(KEY_FIELD, None)
+        if key is not None:
+            doc[KEY_FIELD] = key
+        return doc or None
+    args = doc.get("unique_args")
+    unique: dict[str, Any] = dict(args) if isinstance(args, dict) else {}
+    unique.pop(KEY_FIELD, None)
+    if key is not None:
+        unique[KEY_FIELD] = key
+    if unique:
+        doc["unique_args"] = unique
     else:
-        value = qualified_key
-    return f"{name}: {value}\r\n".encode()
+        doc.pop("unique_args", None)
+    return doc or None
+
+
+def _fold(line: str, width: int = 900) -> bytes:
+    """Fold a long JSON header at its `, ` separators (RFC 5322 lines stay under 998)."""
+    if len(line) <= width:
+        return line.encode()
+    parts, current = [], ""
+    for piece in line.split(", "):
+        candidate = f"{current}, {piece}" if current else piece
+        if current and len(candidate) > width:
+            parts.append(current + ",")
+            current = piece
+        else:
+            current = candidate
+    parts.append(current)
+    return "\r\n ".join(parts).encode()

@@ -82,6 +82,14 @@ class EventsServer:
         except Malformed as e:
             self.observe(name, "-", "rejected_400")
             return _reply(400, str(e))
+        except Exception as e:
+            # A payload no reader here foresaw: refused and logged, never a 500 the
+            # provider retries forever, and nothing applied.
+            self.observe(name, "-", "rejected_400")
+            log.warning(
+                "provider event unreadable", extra={"source": name, "error": f"{type(e).__name__}: {e}"[:300]}
+            )
+            return _reply(400, "the request could not be read")
         if verified.notice:
             log.warning(verified.notice, extra={"source": name})
         counts: dict[str, int] = {o.value: 0 for o in Applied}
