@@ -28,7 +28,7 @@ from smtpguard.policy.limits import CapReached, cap_check, cap_reply, caps_for, 
 from smtpguard.policy.message import HeaderLimits, Message, parse, smuggling_check
 from smtpguard.policy.outcome import Kind, Outcome, client_reply, is_recipient_unknown
 from smtpguard.policy.queue import queue_due
-from smtpguard.policy.senders import check_header_from
+from smtpguard.policy.senders import check_header_from, recipient_tag
 from smtpguard.relay import Envelope, Route
 from smtpguard.replies import Reply
 from smtpguard.store import (
@@ -259,7 +259,16 @@ class Submitter:
                 return ids(Result(chosen, "rejected:class", key))
             lane, max_age = chosen, self.config.queue.classes[chosen].max_age
         sub = Submission(
-            principal.zone, key, fp, attempt_id, self.instance, message_id, derived, lane, max_age
+            principal.zone,
+            key,
+            fp,
+            attempt_id,
+            self.instance,
+            message_id,
+            derived,
+            lane,
+            max_age,
+            tuple(sorted({recipient_tag(r) for r in rcpt_tos})),
         )
         settings = self.settings(zone)
         try:

@@ -505,3 +505,34 @@ async def test_every_relayed_message_carries_the_message_id_smtpguard_stored(
     message_id, _ = await sent(guard, upstream, "invoice:5")
     assert message_id.startswith("<sg.") and message_id.endswith("@guard.test>")
     assert (await history(tmp, "acme", "invoice:5", capsys))["message_id"] == message_id
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_an_event_suppresses_only_an_address_the_message_was_sent_to(
+    guard: Server, upstream: Upstream, keys: ev.Keys, tmp: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    message_id, _ = await sent(guard, upstream, "invoice:3")
+    signed = ev.mailgun(
+        keys, ev.mailgun_event("failed", "someone-else@example.org", message_id, severity="permanent")
+    )
+    assert (await ev.post(events_port(guard), "mailgun", signed))[1]["applied"] == 1
+    assert await suppressed(guard, "acme") == {}
+    (event,) = (await history(tmp, "acme", "invoice:3", capsys))["events"]
+    assert (event["recipient"], event["effect"]) == ("someone-else@example.org", "not_a_recipient")
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_a_resend_bounce_of_a_many_recipient_email_suppresses_no_one(
+    guard: Server, upstream: Upstream, keys: ev.Keys
+) -> None:
+    to = [RCPT, "second@example.net"]
+    reply = await send(guard.ports[0], message("invoice:4", to=", ".join(to)), recipients=to)
+    assert reply.code == 250
+    payload = ev.resend_event("email.bounced", RCPT, "Q1")
+    payload["data"]["to"] = to
+    assert (await ev.post(events_port(guard), "resend", ev.svix(keys, payload)))[1]["applied"] == 2
+    assert await suppressed(guard, "acme") == {}
+    transient = ev.resend_event("email.bounced", RCPT, "Q1")
+    transient["data"]["bounce"]["type"] = "Transient"
+    assert (await ev.post(events_port(guard), "resend", ev.svix(keys, transient)))[1]["applied"] == 1
+    assert await suppressed(guard, "acme") == {}

@@ -170,3 +170,16 @@ async def test_a_report_about_a_message_smtpguard_did_not_send_changes_nothing(
     assert (await deliver(guard, dsn(headers)))[0] == 250
     assert await suppressed(guard, "acme") == {}
     assert guard.store is not None and await guard.store.provider_events("acme", "invoice:1") == []
+
+
+async def test_a_forged_report_for_an_address_the_message_never_went_to_suppresses_nothing(
+    guard: Server, upstream: Upstream
+) -> None:
+    await sent(guard, upstream, "invoice:1")
+    headers = upstream.received[0].content.split(b"\r\n\r\n", 1)[0].decode()
+    assert (await deliver(guard, dsn(headers, to="ceo@acme-customer.example")))[0] == 250
+    assert (await deliver(guard, dsn(headers, to="<>")))[0] == 250
+    assert await suppressed(guard, "acme") == {}
+    assert guard.store is not None
+    effects = [(e.recipient, e.effect) for e in await guard.store.provider_events("acme", "invoice:1")]
+    assert effects == [("ceo@acme-customer.example", "not_a_recipient"), (None, "history")]

@@ -14,6 +14,7 @@ from enum import StrEnum
 
 from smtpguard.events.model import Match, ProviderEvent, StoredEvent, suppression_reason
 from smtpguard.policy.ledger import Record
+from smtpguard.policy.senders import recipient_tag
 from smtpguard.store import Store
 from smtpguard.store.base import IdField
 
@@ -44,6 +45,10 @@ class Applier:
         if record is None:
             return Applied.UNMATCHED, None
         reason = suppression_reason(event)
+        effect = "suppressed" if reason else "history"
+        if reason and event.recipient is not None and not _was_recipient(record, event.recipient):
+            # Signed or not, an event suppresses only an address the message was sent to.
+            reason, effect = None, "not_a_recipient"
         stored = StoredEvent(
             at=event.at,
             source=event.source,
@@ -52,7 +57,7 @@ class Applier:
             recipient=event.recipient,
             status=event.status,
             id=event.event_id,
-            effect="suppressed" if reason else "history",
+            effect=effect,
             received_at=self.clock(),
         )
         applied = await self.store.apply_event(record.zone, record.key, stored, reason)
@@ -84,6 +89,11 @@ class Applier:
             if len({(r.zone, r.key) for r in found}) == 1:
                 return found[0]
         return None
+
+
+def _was_recipient(record: Record, address: str) -> bool:
+    # Records written before recipients were tagged carry none: the event is trusted.
+    return not record.rcpt_tags or recipient_tag(address) in record.rcpt_tags
 
 
 def _sent_through(record: Record, provider: str) -> bool:

@@ -81,7 +81,8 @@ class StoredEvent:
     id: str
     effect: str
     """`suppressed` (a suppressing event: its recipient is on the zone's list, put there
-    now or earlier), or `history`."""
+    now or earlier), `not_a_recipient` (a suppressing event naming an address the message
+    was not sent to: kept, applied to nothing), or `history`."""
     received_at: float
 
     def to_dict(self) -> dict[str, Any]:

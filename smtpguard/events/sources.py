@@ -316,6 +316,8 @@ class Svix(_Base):
         kind = _RESEND_KINDS.get(event, Kind.OTHER)
         bounce = data.get("bounce") if isinstance(data.get("bounce"), dict) else {}
         assert isinstance(bounce, dict)
+        if kind is Kind.BOUNCE and bounce.get("type") in ("Transient", "Undetermined"):
+            kind = Kind.SOFT_BOUNCE
         status = "/".join(_strs(bounce.get("type"), bounce.get("subType")))
         headers = _named_headers(data.get("headers"))
         match = Match(
@@ -327,6 +329,10 @@ class Svix(_Base):
         recipients: list[str | None] = [r for r in to if isinstance(r, str)] if isinstance(to, list) else []
         if isinstance(to, str):
             recipients = [to]
+        if kind in (Kind.BOUNCE, Kind.COMPLAINT) and len(recipients) > 1:
+            # The event names the email, not which of its recipients bounced or complained:
+            # suppressing all of them would punish the ones who did not.
+            kind = Kind.OTHER
         at = _epoch(payload.get("created_at") or data.get("created_at") or 0)
         return [
             ProviderEvent(

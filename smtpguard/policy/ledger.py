@@ -112,6 +112,9 @@ class Record:
     lost_until: float | None = None
     """Until then that owner may still be in DATA with the provider (its lease plus the
     route's send timeout): `resolve --as retry` before it could send the event twice."""
+    rcpt_tags: tuple[str, ...] = ()
+    """A short hash of each envelope recipient (senders.recipient_tag): a provider event
+    suppresses an address only if it was one of them, without the ledger keeping them."""
     unrefunded: tuple[str, ...] = ()
     """Cap tokens of attempts abandoned before DATA that this record's attempt took over:
     refunded after each takeover (idempotent), carried forward so that a takeover that
@@ -142,6 +145,7 @@ class Record:
             "expires_at": self.expires_at,
             "lost_owner": self.lost_owner,
             "lost_until": self.lost_until,
+            "rcpt_tags": list(self.rcpt_tags),
             "unrefunded": list(self.unrefunded),
             "attempts": [_attempt_to_dict(a) for a in self.attempts],
             "audit": [
@@ -181,6 +185,7 @@ class Record:
             expires_at=d.get("expires_at"),
             lost_owner=d.get("lost_owner"),
             lost_until=d.get("lost_until"),
+            rcpt_tags=tuple(d.get("rcpt_tags", ())),
             unrefunded=tuple(d.get("unrefunded", ())),
             attempts=tuple(_attempt_from_dict(a) for a in d.get("attempts", ())),
             audit=tuple(AuditEntry(**e) for e in d.get("audit", ())),
@@ -223,6 +228,7 @@ class Submission:
     lane: str | None = None
     """Set for a zone in store-and-forward mode: accept into this lane instead of relaying."""
     max_age: float | None = None
+    rcpt_tags: tuple[str, ...] = ()
 
 
 # --- verdicts --------------------------------------------------------------------------------
@@ -395,6 +401,7 @@ def _fresh(sub: Submission, now: float, s: LedgerSettings) -> Record:
         "version": 1,
         "sg_id": sub.attempt_id,
         "message_id": sub.message_id,
+        "rcpt_tags": sub.rcpt_tags,
         "valid_until": now + s.derive_window if sub.derived else None,
     }
     if sub.lane is not None:
@@ -430,6 +437,7 @@ def _retry(existing: Record, sub: Submission, now: float, s: LedgerSettings) -> 
             phase=None,
             next_attempt_at=now,
             message_id=sub.message_id or existing.message_id,
+            rcpt_tags=existing.rcpt_tags or sub.rcpt_tags,
             lane=sub.lane,
             queue_id=sub.attempt_id,
             expires_at=now + sub.max_age if sub.max_age is not None else None,
@@ -444,6 +452,7 @@ def _retry(existing: Record, sub: Submission, now: float, s: LedgerSettings) -> 
         phase=Phase.BEFORE_DATA,
         next_attempt_at=None,
         message_id=sub.message_id or existing.message_id,
+        rcpt_tags=existing.rcpt_tags or sub.rcpt_tags,
     )
 
 

@@ -9,6 +9,7 @@ the safe side) or case-folded deliberately (suppression: a match is the safe sid
 from __future__ import annotations
 
 import functools
+import hashlib
 import re
 import unicodedata
 from collections.abc import Iterable
@@ -236,3 +237,9 @@ def check_header_from(values: list[str], zone: str, aliases: Iterable[str]) -> F
 
 def _malformed_from(problem: str) -> FromRefused:
     return FromRefused(replies.malformed_message(problem), "rejected:malformed")
+
+
+def recipient_tag(address: str) -> str:
+    """A short, stable hash of a recipient as suppression compares it: enough to tell
+    whether an address was one of a record's recipients, not enough to list them."""
+    return hashlib.sha256(suppression_key(address).encode("utf-8", "surrogatepass")).hexdigest()[:16]
