@@ -363,3 +363,31 @@ async def test_a_certificate_file_with_the_next_sns_certificate_verifies_both(
         stranger = rsa.generate_private_key(public_exponent=65537, key_size=2048)
         by_stranger = ev.ses(keys, ev.ses_message("Bounce", RCPT, mid, q), private=stranger)
         assert (await ev.post(events_port(guard), "ses", by_stranger))[0] == 401
+
+
+async def test_a_mailgun_token_replayed_to_another_instance_is_refused(
+    tmp: Path, upstream: Upstream, keys: ev.Keys
+) -> None:
+    """Two instances on one store (and a reload between): the token is remembered by the
+    store, not by the process that saw it first."""
+    cfg = config(tmp, upstream, keys)
+    async with running_guard(cfg) as first, running_guard(cfg) as second:
+        mid, q = await sent(first, upstream, "invoice:1")
+        signed = good("mailgun", keys, mid, q)
+        assert (await ev.post(events_port(first), "mailgun", signed))[1]["applied"] == 1
+        status, doc = await ev.post(events_port(second), "mailgun", tamper(signed))
+        assert status == 401 and "replay" in doc["error"]
+        # The provider's own retry (same body) is a duplicate, on either instance.
+        assert (await ev.post(events_port(second), "mailgun", signed))[1]["duplicate"] == 1
+    assert await suppressed_in(tmp) == {RCPT}
+
+
+async def suppressed_in(tmp: Path) -> set[str]:
+    from smtpguard.store.sqlite import SQLiteStore
+
+    s = SQLiteStore(f"sqlite:///{tmp / 'state.db'}")
+    await s.open()
+    try:
+        return {e.address for e in await s.suppress_list("acme")}
+    finally:
+        await s.close()

@@ -1311,3 +1311,13 @@ async def test_redis_lists_records_written_before_the_state_sets(redis_server: R
     finally:
         await s.close()
         await plain.aclose()
+
+
+async def test_a_nonce_is_remembered_with_its_digest(store: Store) -> None:
+    until = store.now() + 300
+    assert await store.remember_nonce("mg:tok1", "d1", until)
+    assert await store.remember_nonce("mg:tok1", "d1", until)  # the same request again
+    assert not await store.remember_nonce("mg:tok1", "d2", until)  # another body
+    assert await store.remember_nonce("mg:tok2", "d2", until)
+    results = await asyncio.gather(*(store.remember_nonce("mg:race", f"d{i % 2}", until) for i in range(20)))
+    assert results.count(True) in range(1, 20) and len(set(results)) == 2

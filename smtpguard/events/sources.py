@@ -40,10 +40,19 @@ class Rejected(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class Nonce:
+    name: str
+    digest: str
+    until: float
+
+
+@dataclass(frozen=True, slots=True)
 class Verified:
     events: list[ProviderEvent]
     notice: str | None = None
     """Something the operator must act on (an SNS subscription to confirm by hand)."""
+    nonce: Nonce | None = None
+    """To be remembered by the store before the events apply (Store.remember_nonce)."""
 
 
 class Source(Protocol):
@@ -138,33 +147,10 @@ def _named_headers(items: Any) -> dict[str, str]:
 _MAILGUN_KINDS = {"complained": Kind.COMPLAINT, "unsubscribed": Kind.UNSUBSCRIBE, "delivered": Kind.DELIVERED}
 
 
-class _Tokens:
-    """Mailgun's signature covers its timestamp and token, not the body: a token seen again
-    with another body is a captured request replayed with its events changed. Tokens live
-    as long as their timestamp is within the tolerance (older ones are refused anyway).
-    Per process: a replay to another instance of a fleet is caught only by the event id."""
-
-    def __init__(self, tolerance: float, limit: int = 100_000) -> None:
-        self.tolerance = tolerance
-        self.limit = limit
-        self._seen: dict[str, tuple[bytes, float]] = {}
-
-    def check(self, token: str, body: bytes, timestamp: float) -> bool:
-        digest = hashlib.sha256(body).digest()
-        if len(self._seen) >= self.limit:
-            horizon = timestamp - 2 * self.tolerance
-            self._seen = {t: v for t, v in self._seen.items() if v[1] >= horizon}
-            while len(self._seen) >= self.limit:
-                self._seen.pop(next(iter(self._seen)))
-        seen = self._seen.setdefault(token, (digest, timestamp))
-        return seen[0] == digest
-
-
 @dataclass(frozen=True, slots=True)
 class Mailgun(_Base):
     signing_key: str
     kind: str = "mailgun"
-    tokens: _Tokens = field(default_factory=lambda: _Tokens(300.0))
 
     def verify(self, body: bytes, headers: Mapping[str, str], now: float) -> Verified:
         payload = _json(body)
@@ -182,10 +168,16 @@ class Mailgun(_Base):
             self._fresh(float(timestamp), now)
         except ValueError:
             raise Rejected(401, "signature.timestamp is not a number") from None
-        if not self.tokens.check(token, body, float(timestamp)):
-            raise Rejected(401, "signature.token was used before with another body (a replay)")
         data = _obj(payload.get("event-data"), "event-data")
-        return Verified([self._event(data)])
+        # The signature covers timestamp and token, not the body: the token seen again with
+        # another body is a captured request replayed with its events changed. The store
+        # remembers it fleet-wide for as long as its timestamp is fresh.
+        nonce = Nonce(
+            f"mailgun:{self.name}:{token}",
+            hashlib.sha256(body).hexdigest(),
+            float(timestamp) + self.tolerance,
+        )
+        return Verified([self._event(data)], nonce=nonce)
 
     def _event(self, data: dict[str, Any]) -> ProviderEvent:
         event = _str(data.get("event"))
@@ -568,7 +560,7 @@ def _build(
 
     if isinstance(cfg, MailgunSource):
         signing_key = secret(cfg.signing_key_env, cfg.signing_key_file)
-        return Mailgun(name, cfg.provider, tolerance, signing_key, tokens=_Tokens(tolerance))
+        return Mailgun(name, cfg.provider, tolerance, signing_key)
     if isinstance(cfg, SendgridSource):
         key = signatures.sendgrid_key(secret(cfg.public_key_env, cfg.public_key_file))
         return Sendgrid(name, cfg.provider, tolerance, key)

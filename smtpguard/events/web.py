@@ -94,6 +94,16 @@ class EventsServer:
             log.warning(verified.notice, extra={"source": name})
         counts: dict[str, int] = {o.value: 0 for o in Applied}
         try:
+            nonce = verified.nonce
+            if nonce is not None and not await self.applier.store.remember_nonce(
+                nonce.name, nonce.digest, nonce.until
+            ):
+                self.observe(name, "-", "rejected_401")
+                log.warning(
+                    "provider event refused: a signed nonce replayed with another body",
+                    extra={"source": name},
+                )
+                return _reply(401, "the signature's token was used before with another body (a replay)")
             for event in verified.events:
                 outcome, record = await self.applier.apply(source.provider, event)
                 counts[outcome.value] += 1

@@ -259,6 +259,12 @@ class Store(Protocol):
     async def provider_events(self, zone: str, key: str) -> list[StoredEvent]:
         """The record's provider events, in the order they arrived."""
 
+    async def remember_nonce(self, name: str, digest: str, until: float) -> bool:
+        """Atomically, fleet-wide: remember `name` with `digest` until `until` (epoch) and
+        answer True, or, if `name` is remembered already, answer whether with this same
+        digest. A signature scheme that signs a nonce but not the body (Mailgun) needs it:
+        the nonce reused with another body is a replay."""
+
     # --- the operator's desk (DESIGN.md §14) -------------------------------------------------
     async def list_records(
         self, zone: str, state: str | None, since: float | None, before: float | None, limit: int

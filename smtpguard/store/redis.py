@@ -1308,6 +1308,14 @@ class RedisStore:
         return bool(applied)
 
     @_translated
+    async def remember_nonce(self, name: str, digest: str, until: float) -> bool:
+        key = f"sg:nonce:{name}"
+        ttl = max(1, math.ceil(until - self.now()))
+        if await self._r.set(key, digest, nx=True, ex=ttl):
+            return True
+        return bool(await self._r.get(key) == digest)
+
+    @_translated
     async def provider_events(self, zone: str, key: str) -> list[StoredEvent]:
         items = await self._r.lrange(_zone_key(zone, f"pev:{key}"), 0, -1)
         return [StoredEvent.from_dict(json.loads(item)) for item in items]

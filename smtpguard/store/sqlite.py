@@ -107,6 +107,8 @@ CREATE INDEX IF NOT EXISTS zone_audit_zone_at ON zone_audit (zone, at);
 CREATE TABLE IF NOT EXISTS probes (
     instance TEXT NOT NULL, provider TEXT NOT NULL, ready INTEGER NOT NULL, detail TEXT NOT NULL,
     at REAL NOT NULL, PRIMARY KEY (instance, provider)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS nonces (
+    name TEXT PRIMARY KEY, digest TEXT NOT NULL, until REAL NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS counters (
     zone TEXT NOT NULL, name TEXT NOT NULL, value INTEGER NOT NULL,
     PRIMARY KEY (zone, name)) WITHOUT ROWID;
@@ -503,6 +505,7 @@ class SQLiteStore:
                 _trim(c, zone, now - 2 * HOUR)
             c.execute("DELETE FROM auth_failures WHERE at < ?", (now - 2 * HOUR,))
             c.execute("DELETE FROM provider_events WHERE received_at < ?", (now - retention,))
+            c.execute("DELETE FROM nonces WHERE until < ?", (now,))
             return n
 
         return await self._write(op, heavy=True)
@@ -757,6 +760,18 @@ class SQLiteStore:
                 ).rowcount
                 if listed:
                     _bump_supp_version(c, zone)
+            return True
+
+        return await self._write(op)
+
+    async def remember_nonce(self, name: str, digest: str, until: float) -> bool:
+        def op(c: sqlite3.Connection) -> bool:
+            row = c.execute("SELECT digest, until FROM nonces WHERE name = ?", (name,)).fetchone()
+            if row is not None and row[1] >= time.time():
+                return bool(row[0] == digest)
+            c.execute(
+                "INSERT OR REPLACE INTO nonces (name, digest, until) VALUES (?, ?, ?)", (name, digest, until)
+            )
             return True
 
         return await self._write(op)
