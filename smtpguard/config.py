@@ -541,6 +541,8 @@ class EventsConfig(_Strict):
         for name in v:
             if not _SOURCE_NAME.match(name):
                 raise ValueError(f"source name {name!r} must be letters, digits, . _ - (it is a URL path)")
+            if name == "mailbox":
+                raise ValueError("source name 'mailbox' is the events mailbox's own; choose another")
         return v
 
 

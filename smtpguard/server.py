@@ -580,11 +580,13 @@ class Server:
             self.handler.submitter.route = self.route
             # In-flight sends keep their provider objects; only idle connections are closed.
             await old_route.close()
-        if sources is not None and self.events is not None:
-            # Rotated signing keys apply to the next request; the address is bound at start.
-            self.events.sources = sources
-        if _events_address(new) != _events_address(self.config):
-            log.warning("events.address changes take effect only after a restart")
+        if self.events is not None:
+            # Rotated signing keys apply to the next request; a source removed answers 404.
+            from smtpguard.events.sources import Sources
+
+            self.events.sources = sources if sources is not None else Sources()
+        for what in _events_restart_changes(self.config, new):
+            log.warning(f"{what} changes take effect only after a restart")
         self.handler.submitter.config = new
         if new.dns != self.config.dns or self.handler.recipient_domains is None:
             self.handler.recipient_domains = self._recipient_domains(new)
@@ -606,8 +608,16 @@ def _event_tags(config: Config) -> dict[str, str]:
     return tags
 
 
-def _events_address(config: Config) -> str | None:
-    return config.events.address if config.events is not None else None
+def _events_restart_changes(old: Config, new: Config) -> list[str]:
+    """The events and console settings bound at start that a reload cannot change."""
+    before, after = old.events, new.events
+    changed = []
+    for name in ("address", "max_body", "mailbox"):
+        if getattr(before, name, None) != getattr(after, name, None):
+            changed.append(f"events.{name}")
+    if old.console != new.console:
+        changed.append("console")
+    return changed
 
 
 def _event_sources(config: Config) -> Sources | None:

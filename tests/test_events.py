@@ -312,7 +312,6 @@ async def test_an_event_for_zone_a_never_touches_zone_b(
     assert again.code == 250 and len(upstream.received) == 3
 
 
-@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
 async def test_a_message_id_two_zones_share_is_not_trusted(
     guard: Server, upstream: Upstream, keys: ev.Keys
 ) -> None:
@@ -536,3 +535,15 @@ async def test_a_resend_bounce_of_a_many_recipient_email_suppresses_no_one(
     transient["data"]["bounce"]["type"] = "Transient"
     assert (await ev.post(events_port(guard), "resend", ev.svix(keys, transient)))[1]["applied"] == 1
     assert await suppressed(guard, "acme") == {}
+
+
+async def test_a_message_id_reused_within_one_zone_still_suppresses(
+    guard: Server, upstream: Upstream, keys: ev.Keys, tmp: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shared = "<resent@app.example>"
+    await sent(guard, upstream, "invoice:1", headers={"Message-ID": shared})
+    await sent(guard, upstream, "invoice:1-resend", headers={"Message-ID": shared}, subject="Invoice 1 again")
+    signed = ev.mailgun(keys, ev.mailgun_event("failed", RCPT, shared, severity="permanent"))
+    assert (await ev.post(events_port(guard), "mailgun", signed))[1]["applied"] == 1
+    assert await suppressed(guard, "acme") == {RCPT: "bounce 550 via mailgun"}
+    assert len((await history(tmp, "acme", "invoice:1-resend", capsys))["events"]) == 1

@@ -391,3 +391,44 @@ async def suppressed_in(tmp: Path) -> set[str]:
         return {e.address for e in await s.suppress_list("acme")}
     finally:
         await s.close()
+
+
+async def test_header_checks_come_before_the_body_is_read(
+    tmp: Path, upstream: Upstream, keys: ev.Keys
+) -> None:
+    async with running_guard(config(tmp, upstream, keys, max_body="2KB")) as guard:
+        big = b"x" * 100_000
+        wrong = ev.postmark(keys, {}, password="not-it")
+        assert (await ev.post(events_port(guard), "postmark", wrong, raw=big))[0] == 401
+        unsigned = ev.Signed(big, {"Content-Type": "application/json"})
+        assert (await ev.post(events_port(guard), "sendgrid", unsigned))[0] == 401
+        assert (await ev.post(events_port(guard), "resend", unsigned))[0] == 401
+        # Signed-looking headers get the body read, and its size refused.
+        fake = ev.Signed(big, ev.sendgrid(keys, []).headers)
+        assert (await ev.post(events_port(guard), "sendgrid", fake))[0] == 413
+
+
+async def test_a_reload_that_removes_a_source_makes_it_404_and_warns_of_restart_settings(
+    tmp: Path, upstream: Upstream, keys: ev.Keys, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp / "smtpguard.yaml"
+    cfg = config(tmp, upstream, keys)
+    async with running_guard(cfg, config_path=path) as guard:
+        mid, q = await sent(guard, upstream, "invoice:1")
+        del cfg["events"]["sources"]["sendgrid"]
+        cfg["events"]["max_body"] = "2MB"
+        write_config(path, cfg)
+        caplog.set_level(logging.WARNING, logger="smtpguard.server")
+        await guard.reload()
+        assert (await ev.post(events_port(guard), "sendgrid", good("sendgrid", keys, mid, q)))[0] == 404
+        assert (await ev.post(events_port(guard), "mailgun", good("mailgun", keys, mid, q)))[0] == 200
+        assert any(
+            "events.max_body changes take effect only after a restart" in r.getMessage()
+            for r in caplog.records
+        )
+
+
+def test_a_source_may_not_be_called_mailbox(tmp: Path, keys: ev.Keys) -> None:
+    cfg = base_config(tmp, 2525, events={"sources": {"mailbox": keys.sources()["mailgun"]}})
+    with pytest.raises(ConfigError, match="the events mailbox's own"):
+        loads(json.dumps(cfg))

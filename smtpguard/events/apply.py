@@ -86,8 +86,10 @@ class Applier:
                 for r in await self.store.find_records(field, value)
                 if r.zone in zones and _sent_through(r, provider)
             ]
-            if len({(r.zone, r.key) for r in found}) == 1:
-                return found[0]
+            if len({r.zone for r in found}) == 1:
+                # One zone (an application that reused a Message-ID under a new key): the
+                # suppression is the zone's either way; the history joins the newest record.
+                return max(found, key=lambda r: r.updated_at)
         return None
 
 

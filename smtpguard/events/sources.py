@@ -65,6 +65,10 @@ class Source(Protocol):
     @property
     def kind(self) -> str: ...
 
+    def precheck(self, headers: Mapping[str, str]) -> None:
+        """What can be refused before the body is read (missing signature headers, wrong
+        Basic credentials): raises Rejected."""
+
     def verify(self, body: bytes, headers: Mapping[str, str], now: float) -> Verified: ...
 
 
@@ -73,6 +77,9 @@ class _Base:
     name: str
     provider: str
     tolerance: float
+
+    def precheck(self, headers: Mapping[str, str]) -> None:
+        return None
 
     def _fresh(self, timestamp: float, now: float) -> None:
         if not math.isfinite(timestamp) or abs(now - timestamp) > self.tolerance:
@@ -229,6 +236,10 @@ class Sendgrid(_Base):
     public_key: Any
     kind: str = "sendgrid"
 
+    def precheck(self, headers: Mapping[str, str]) -> None:
+        _header(headers, SIGNATURE_HEADER)
+        _header(headers, TIMESTAMP_HEADER)
+
     def verify(self, body: bytes, headers: Mapping[str, str], now: float) -> Verified:
         signature = _header(headers, SIGNATURE_HEADER)
         timestamp = _header(headers, TIMESTAMP_HEADER)
@@ -285,6 +296,10 @@ _RESEND_KINDS = {
 class Svix(_Base):
     secret: str
     kind: str = "svix"
+
+    def precheck(self, headers: Mapping[str, str]) -> None:
+        for name in ("svix-id", "svix-timestamp", "svix-signature"):
+            _header(headers, name)
 
     def verify(self, body: bytes, headers: Mapping[str, str], now: float) -> Verified:
         msg_id = _header(headers, "svix-id")
@@ -348,9 +363,12 @@ class Postmark(_Base):
     password: str
     kind: str = "postmark"
 
-    def verify(self, body: bytes, headers: Mapping[str, str], now: float) -> Verified:
+    def precheck(self, headers: Mapping[str, str]) -> None:
         if not signatures.basic_auth(_header(headers, "Authorization"), self.username, self.password):
             raise Rejected(401, "HTTP Basic credentials are wrong")
+
+    def verify(self, body: bytes, headers: Mapping[str, str], now: float) -> Verified:
+        self.precheck(headers)
         payload = _json(body)
         if not isinstance(payload, dict):
             raise Rejected(400, "the body is not a JSON object")
@@ -565,7 +583,9 @@ def _build(
         key = signatures.sendgrid_key(secret(cfg.public_key_env, cfg.public_key_file))
         return Sendgrid(name, cfg.provider, tolerance, key)
     if isinstance(cfg, SvixSource):
-        return Svix(name, cfg.provider, tolerance, secret(cfg.secret_env, cfg.secret_file))
+        svix_secret = secret(cfg.secret_env, cfg.secret_file)
+        signatures.svix_key(svix_secret)  # a secret that cannot verify anything is a config error
+        return Svix(name, cfg.provider, tolerance, svix_secret)
     if isinstance(cfg, PostmarkSource):
         password = secret(cfg.password_env, cfg.password_file)
         return Postmark(name, cfg.provider, tolerance, cfg.username, password)

@@ -10,6 +10,7 @@ the provider's retry applies the rest while the applied ones count as duplicates
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -18,10 +19,15 @@ from aiohttp import web
 
 from smtpguard.events.apply import Applied, Applier
 from smtpguard.events.model import Malformed
-from smtpguard.events.sources import Rejected, Sources
+from smtpguard.events.sources import Rejected, Source, Sources
 from smtpguard.store import StoreUnavailable
 
 log = logging.getLogger("smtpguard.events")
+
+MAX_CONCURRENT = 64
+"""Requests read and applied at once; more get 503 and the provider retries. Bounds what
+unauthenticated clients can hold: MAX_CONCURRENT times max_body of memory."""
+READ_TIMEOUT = 30.0
 
 Observe = Callable[[str, str, str], None]
 """(source, type, outcome) → count it."""
@@ -41,6 +47,7 @@ class EventsServer:
         self.clock = clock
         self.observe = observe
         self._runner: web.AppRunner | None = None
+        self._slots = asyncio.Semaphore(MAX_CONCURRENT)
         self.port = 0
         self.app = web.Application(client_max_size=max_body)
         self.app.router.add_post("/events/{name}", self._handle)
@@ -66,10 +73,26 @@ class EventsServer:
         if source is None:
             return _reply(404, f"no event source named {name!r}")
         try:
-            body = await request.read()
+            source.precheck(request.headers)
+        except Rejected as e:
+            self.observe(name, "-", f"rejected_{e.status}")
+            return _reply(e.status, e.reason)
+        if self._slots.locked():
+            self.observe(name, "-", "busy")
+            return _reply(503, "too many requests in progress; retry")
+        async with self._slots:
+            return await self._read_and_apply(request, name, source)
+
+    async def _read_and_apply(self, request: web.Request, name: str, source: Source) -> web.Response:
+        try:
+            async with asyncio.timeout(READ_TIMEOUT):
+                body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             self.observe(name, "-", "too_large")
             return _reply(413, "the body is over events.max_body")
+        except TimeoutError:
+            self.observe(name, "-", "timeout")
+            return _reply(408, "the body did not arrive in time")
         try:
             verified = source.verify(body, request.headers, self.clock())
         except Rejected as e:
