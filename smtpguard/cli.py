@@ -29,14 +29,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from smtpguard import __version__
+from smtpguard import __version__, desk
 from smtpguard.config import DEFAULT_CONFIG, Config, ConfigError, load, read_secret
 from smtpguard.policy import ledger
 from smtpguard.policy.limits import caps_for, month_of
-from smtpguard.policy.queue import queue_due
 from smtpguard.policy.senders import address_problem, normalize_address
 from smtpguard.store import Store, StoreMissing, StoreUnavailable, store_from_url
-from smtpguard.store.base import StoredEvent
+from smtpguard.store.base import IdField, StoredEvent, ZoneAudit
+from smtpguard.units import parse_duration
 
 T = TypeVar("T")
 
@@ -62,6 +62,12 @@ class CLIError(Exception):
     code = EXIT_FAILED
 
 
+class UsageError(CLIError):
+    """The arguments do not say what to do: exit code 2, as argparse's own errors."""
+
+    code = EXIT_USAGE
+
+
 class NotFound(CLIError):
     """No record (or entry) under that name: exit code 3, so a script can tell it from a
     store it could not read."""
@@ -80,8 +86,13 @@ def iso(epoch: float | None) -> str | None:
 
 
 def actor() -> str:
+    """Who a CLI change is audited as (DESIGN.md §14): `cli:USER@HOST`."""
     user = os.environ.get("SUDO_USER") or os.environ.get("USER") or "operator"
-    return f"{user}@{socket.gethostname()}"
+    return f"cli:{user}@{socket.gethostname()}"
+
+
+async def _audit(store: Store, zone: str, action: str, key: str = "", note: str = "") -> None:
+    await store.audit_add(zone, ZoneAudit(store.now(), actor(), action, key, note))
 
 
 def _config_path(args: argparse.Namespace) -> str:
@@ -203,17 +214,35 @@ def history_json(rec: ledger.Record, events: Sequence[StoredEvent] = ()) -> dict
     return doc
 
 
+_LOOKUPS: dict[str, IdField] = {"id": "sg_id", "message_id": "message_id", "upstream_id": "upstream_id"}
+
+
 def cmd_history(args: argparse.Namespace) -> int:
     config = _config(args)
-    zone = _zone(config, args.zone)
+    lookup = [(flag, getattr(args, flag)) for flag in _LOOKUPS if getattr(args, flag) is not None]
+    if len(lookup) > 1 or (lookup and args.zone is not None) or (not lookup and args.key is None):
+        raise UsageError("give ZONE KEY, or one of --id, --message-id, --upstream-id")
 
     async def read(store: Store) -> tuple[ledger.Record | None, list[StoredEvent]]:
-        rec = await store.get(zone, args.key)
-        return rec, (await store.provider_events(zone, args.key) if rec is not None else [])
+        rec: ledger.Record | None
+        if lookup:
+            flag, value = lookup[0]
+            found = [r for r in await store.find_records(_LOOKUPS[flag], value) if r.zone in config.zones]
+            if not found:
+                raise NotFound(f"no record with {flag.replace('_', '-')} {value!r}")
+            if len(found) > 1:
+                names = ", ".join(f"{r.zone} {r.key}" for r in found[:10])
+                raise CLIError(f"{len(found)} records have {flag.replace('_', '-')} {value!r}: {names}")
+            rec = found[0]
+        else:
+            rec = await store.get(_zone(config, args.zone), args.key)
+        if rec is None:
+            return None, []
+        return rec, await store.provider_events(rec.zone, rec.key)
 
     rec, events = asyncio.run(_with_store(config, read, read_only=True))
     if rec is None:
-        raise NotFound(f"no record for zone {zone} key {args.key!r}")
+        raise NotFound(f"no record for zone {args.zone} key {args.key!r}")
     doc = history_json(rec, events)
     if args.json:
         emit(doc)
@@ -248,29 +277,128 @@ def cmd_history(args: argparse.Namespace) -> int:
     return 0
 
 
-def _operator_change(
-    args: argparse.Namespace, change: Callable[[ledger.Record, float], ledger.Record]
-) -> int:
+def _list_json(rec: ledger.Record) -> dict[str, Any]:
+    last = rec.attempts[-1] if rec.attempts else None
+    return {
+        "zone": rec.zone,
+        "key": rec.key,
+        "state": rec.state.value,
+        "created_at": iso(rec.created_at),
+        "updated_at": iso(rec.updated_at),
+        "sg_id": rec.sg_id,
+        "message_id": rec.message_id,
+        "upstream_id": rec.upstream_id,
+        "provider": last.provider if last else None,
+        "reply": rec.reply.to_dict() if rec.reply else None,
+    }
+
+
+async def list_records(
+    store: Store,
+    zones: Sequence[str],
+    states: Sequence[str | None],
+    since: float | None,
+    provider: str | None,
+    limit: int,
+) -> list[ledger.Record]:
+    """Newest first across zones and states: each (zone, state) list is read in pages
+    from its index and the pages merged; a provider filter reads on until it has `limit`."""
+    page = max(limit, 50)
+    found: list[ledger.Record] = []
+    for zone in zones:
+        for state in states:
+            before: float | None = None
+            taken = 0
+            while taken < limit:
+                batch = await store.list_records(zone, state, since, before, page)
+                for rec in batch:
+                    if provider is None or any(a.provider == provider for a in rec.attempts):
+                        found.append(rec)
+                        taken += 1
+                if len(batch) < page:
+                    break
+                before = batch[-1].updated_at
+    found.sort(key=lambda r: r.updated_at, reverse=True)
+    return found[:limit]
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    config = _config(args)
+    zones = [_zone(config, args.zone)] if args.zone else sorted(config.zones)
+    if args.limit < 1:
+        raise UsageError("--limit must be at least 1")
+    since = None
+    if args.since:
+        try:
+            since = time.time() - parse_duration(args.since)
+        except ValueError as e:
+            raise UsageError(f"--since: {e}") from None
+    states: list[str | None] = list(dict.fromkeys(args.state)) if args.state else [None]
+    records = asyncio.run(
+        _with_store(
+            config,
+            lambda s: list_records(s, zones, states, since, args.provider, args.limit),
+            read_only=True,
+        )
+    )
+    if args.json:
+        emit({"records": [_list_json(r) for r in records]})
+        return 0
+    print(f"{'updated':20} {'zone':12} {'state':10} {'provider':10} key")
+    for r in records:
+        doc = _list_json(r)
+        print(f"{doc['updated_at']:20} {r.zone:12} {r.state.value:10} {doc['provider'] or '-':10} {r.key}")
+    return 0
+
+
+def cmd_console(args: argparse.Namespace) -> int:
+    from smtpguard import logs
+
+    config = _config(args)
+    if config.console is None:
+        raise CLIError("the config has no console: section")
+    logs.configure(config.log.format, config.log.level)
+    asyncio.run(_run_console(config))
+    return 0
+
+
+async def _run_console(config: Config) -> None:
+    import signal
+
+    from smtpguard.console.app import Console
+
+    assert config.console is not None
+    password = read_secret(config.store.password_env, config.store.password_file, "store")
+    store = store_from_url(config.store.url, password=password, create=False)
+    await store.open()
+    console = Console(lambda: config, store, config.console)
+    try:
+        await console.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        print(f"console on {config.console.address} (port {console.port})", file=sys.stderr, flush=True)
+        await stop.wait()
+    finally:
+        await console.stop()
+        await store.close()
+
+
+def _operator_change(args: argparse.Namespace, change: desk.Change, action: str) -> int:
+    """resolve, release, queue retry and queue drop: the console's code path (desk.py)."""
     config = _config(args)
     zone = _zone(config, args.zone)
+    if not args.key:
+        raise UsageError("a KEY is needed")
 
     async def run(store: Store) -> ledger.Record:
-        for _ in range(10):
-            rec = await store.get(zone, args.key)
-            if rec is None:
-                raise NotFound(f"no record for zone {zone} key {args.key!r}")
-            try:
-                new = change(rec, store.now())
-            except ledger.OperatorRefused as e:
-                raise CLIError(str(e)) from None
-            if rec.lane is not None:
-                # Store-and-forward: the queue entry moves with the record, atomically.
-                written = await store.requeue(new, rec.version, queue_due(new))
-            else:
-                written = await store.put(new, rec.version)
-            if written is None:
-                return new
-        raise CLIError("the record kept changing; try again")
+        try:
+            return await desk.change_record(store, zone, args.key, change, actor(), action)
+        except desk.NotFound as e:
+            raise NotFound(str(e)) from None
+        except desk.DeskError as e:
+            raise CLIError(str(e)) from None
 
     new = asyncio.run(_with_store(config, run))
     if args.json:
@@ -281,18 +409,19 @@ def _operator_change(
 
 
 def cmd_resolve(args: argparse.Namespace) -> int:
-    return _operator_change(args, lambda r, now: ledger.resolve(r, args.as_, actor(), now, args.force))
+    change = desk.decision_change(args.as_, actor(), args.force)
+    return _operator_change(args, change, f"decide:{args.as_}")
 
 
 def cmd_release(args: argparse.Namespace) -> int:
-    return _operator_change(args, lambda r, now: ledger.release(r, actor(), now, args.force))
+    return _operator_change(args, desk.decision_change("release", actor(), args.force), "decide:release")
 
 
 def cmd_queue(args: argparse.Namespace) -> int:
     if args.action == "retry":
-        return _operator_change(args, lambda r, now: ledger.retry_now(r, actor(), now))
+        return _operator_change(args, lambda r, now: ledger.retry_now(r, actor(), now), "queue:retry")
     if args.action == "drop":
-        return _operator_change(args, lambda r, now: ledger.drop(r, actor(), now))
+        return _operator_change(args, lambda r, now: ledger.drop(r, actor(), now), "queue:drop")
     config = _config(args)
     zone = _zone(config, args.zone) if args.zone else None
     entries = asyncio.run(_with_store(config, lambda s: s.queue_entries(zone), read_only=True))
@@ -325,7 +454,12 @@ def cmd_queue(args: argparse.Namespace) -> int:
 def cmd_pause(args: argparse.Namespace, paused: bool = True) -> int:
     config = _config(args)
     zone = _zone(config, args.zone)
-    asyncio.run(_with_store(config, lambda s: s.set_paused(zone, paused)))
+
+    async def run(store: Store) -> None:
+        await store.set_paused(zone, paused)
+        await _audit(store, zone, "pause" if paused else "resume")
+
+    asyncio.run(_with_store(config, run))
     if args.json:
         emit({"zone": zone, "paused": paused})
         return 0
@@ -351,19 +485,27 @@ def cmd_suppress(args: argparse.Namespace) -> int:
     now = time.time()
     if args.action == "add":
         addr = _address(args.address)
-        added = asyncio.run(
-            _with_store(
-                config,
-                lambda s: s.suppress_add(zone, addr, args.reason or "added by operator", now),
-            )
-        )
+
+        async def add(store: Store) -> bool:
+            added = await store.suppress_add(zone, addr, args.reason or "added by operator", now)
+            await _audit(store, zone, "suppress:add", addr, args.reason or "")
+            return added
+
+        added = asyncio.run(_with_store(config, add))
         if args.json:
             emit({"zone": zone, "address": addr, "added": added})
         else:
             print(f"{addr} {'added to' if added else 'already on'} the {zone} suppression list")
     elif args.action == "remove":
         addr = _address(args.address)
-        removed = asyncio.run(_with_store(config, lambda s: s.suppress_remove(zone, addr)))
+
+        async def remove(store: Store) -> bool:
+            removed = await store.suppress_remove(zone, addr)
+            if removed:
+                await _audit(store, zone, "suppress:remove", addr)
+            return removed
+
+        removed = asyncio.run(_with_store(config, remove))
         if not removed:
             raise NotFound(f"{addr} is not on the {zone} suppression list")
         if args.json:
@@ -377,6 +519,7 @@ def cmd_suppress(args: argparse.Namespace) -> int:
             n = 0
             for addr, reason in rows:
                 n += await store.suppress_add(zone, addr, reason, now)
+            await _audit(store, zone, "suppress:import", "", f"{n} new of {len(rows)} from {args.file}")
             return n
 
         n = asyncio.run(_with_store(config, imp))
@@ -665,11 +808,37 @@ def build_parser() -> argparse.ArgumentParser:
         "history",
         cmd_history,
         "show an event's record and attempts",
-        "Show the ledger record of one event key: state, every attempt (provider, reply, "
-        "upstream id) and the operator audit. Read-only. Exit 3 when there is no record.",
+        "Show the ledger record of one event: state, every attempt (provider, reply, "
+        "upstream id), the operator audit and the provider events. Name it by ZONE KEY, or "
+        "find it by the smtpguard id of a reply ([sg:ID]), its Message-ID or the provider's "
+        "queue id. Read-only. Exit 3 when there is no record.",
     )
-    sp.add_argument("zone", help="the zone the event was submitted in")
-    sp.add_argument("key", help="the event key (X-Event-Key)")
+    sp.add_argument("zone", nargs="?", help="the zone the event was submitted in")
+    sp.add_argument("key", nargs="?", help="the event key (X-Event-Key)")
+    sp.add_argument("--id", help="the smtpguard id in a reply: 250 2.0.0 [sg:ID] …")
+    sp.add_argument("--message-id", dest="message_id", help="the message's Message-ID (with or without <>)")
+    sp.add_argument("--upstream-id", dest="upstream_id", help="the provider's id from its 250 (queued as …)")
+    sp = cmd(
+        "list",
+        cmd_list,
+        "list records, newest first",
+        "List the ledger records of a zone (or of every zone), newest first: by state "
+        "(--state unknown --state failed for the held ones), updated since a time ago, "
+        "relayed through a provider. Read-only.",
+    )
+    sp.add_argument("zone", nargs="?", help="one zone (default: every zone)")
+    sp.add_argument("--state", action="append", choices=[s.value for s in ledger.State], help="repeatable")
+    sp.add_argument("--since", help="only records updated within this long (24h, 30m, 7d)")
+    sp.add_argument("--provider", help="only records with an attempt through this provider")
+    sp.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
+    sp = cmd(
+        "console",
+        cmd_console,
+        "run the operator's console alone",
+        "Run the browser console of the config's `console:` section against its store, "
+        "without the proxy (on another host, say). serve runs it too when configured.",
+        json_=False,
+    )
     sp = cmd(
         "resolve",
         cmd_resolve,
