@@ -246,7 +246,10 @@ class Console:
         try:
             await desk.decide(self.store, zone, key, action, self._actor(request), version)
         except desk.DeskError as e:
-            return self.page("error.html", request, status=e.status, message=str(e), zone=zone, key=key)
+            heading = "Already decided" if isinstance(e, desk.AlreadyDecided) else "Not done"
+            return self.page(
+                "error.html", request, status=e.status, message=str(e), zone=zone, key=key, heading=heading
+            )
         log.warning(
             "console: decision",
             extra={"zone": zone, "event_key": key, "decision": action, "actor": self._actor(request)},
