@@ -1321,3 +1321,29 @@ async def test_a_nonce_is_remembered_with_its_digest(store: Store) -> None:
     assert await store.remember_nonce("mg:tok2", "d2", until)
     results = await asyncio.gather(*(store.remember_nonce("mg:race", f"d{i % 2}", until) for i in range(20)))
     assert results.count(True) in range(1, 20) and len(set(results)) == 2
+
+
+async def test_sqlite_counts_the_records_of_a_file_that_predates_the_counts(tmp_path: Path) -> None:
+    import sqlite3
+
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    s = store_from_url(url)
+    await s.open()
+    await _held_and_delivered(s)
+    await s.close()
+    conn = sqlite3.connect(tmp_path / "state.db")
+    for trigger in ("events_count_insert", "events_count_update", "events_count_delete"):
+        conn.execute(f"DROP TRIGGER {trigger}")
+    conn.execute("DROP TABLE state_counts")
+    conn.commit()
+    conn.close()
+    s = store_from_url(url)
+    await s.open()
+    try:
+        assert await s.state_counts("acme") == {"unknown": 2, "delivered": 4}
+        rec = await s.get("acme", "k0")
+        assert rec is not None
+        assert await s.put(replace(rec, state=State.DELIVERED, version=rec.version + 1), rec.version) is None
+        assert await s.state_counts("acme") == {"unknown": 1, "delivered": 5}
+    finally:
+        await s.close()

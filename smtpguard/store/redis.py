@@ -1383,26 +1383,31 @@ class RedisStore:
         entries = [ZoneAudit(**json.loads(item)) for item in items]
         return [e for e in entries if e.at >= since]
 
-    @_translated
     async def _list_states(self, zone: str) -> None:
+        # A page per round trip, each with its own deadline: a zone of a million records
+        # outlasts any one operation's.
         cursor = 0
-        while True:
-            members: list[tuple[str, float]] = await self._r.zrange(  # type: ignore[assignment]
-                _zone_key(zone, "idx"), cursor, cursor + _PURGE_BATCH - 1, withscores=True
-            )
-            if not members:
-                return
-            async with self._r.pipeline(transaction=False) as pipe:
-                for m, _ in members:
-                    pipe.hget(_record_key(zone, str(m)), "s")
-                states = await pipe.execute()
-            async with self._r.pipeline(transaction=False) as pipe:
-                for (m, score), st in zip(members, states, strict=True):
-                    if st:
-                        # NX: a write since then has put it in its current state's set.
-                        pipe.zadd(_zone_key(zone, f"st:{st}"), {str(m): score}, nx=True)
-                await pipe.execute()
-            cursor += len(members)
+        while (done := await self._list_states_page(zone, cursor)) > 0:
+            cursor += done
+
+    @_translated
+    async def _list_states_page(self, zone: str, cursor: int) -> int:
+        members: list[tuple[str, float]] = await self._r.zrange(  # type: ignore[assignment]
+            _zone_key(zone, "idx"), cursor, cursor + _PURGE_BATCH - 1, withscores=True
+        )
+        if not members:
+            return 0
+        async with self._r.pipeline(transaction=False) as pipe:
+            for m, _ in members:
+                pipe.hget(_record_key(zone, str(m)), "s")
+            states = await pipe.execute()
+        async with self._r.pipeline(transaction=False) as pipe:
+            for (m, score), st in zip(members, states, strict=True):
+                if st:
+                    # NX: a write since then has put it in its current state's set.
+                    pipe.zadd(_zone_key(zone, f"st:{st}"), {str(m): score}, nx=True)
+            await pipe.execute()
+        return len(members)
 
     # --- provider health ---------------------------------------------------------------------
     @_translated
