@@ -1299,6 +1299,8 @@ async def test_redis_lists_records_written_before_the_state_sets(redis_server: R
     await s.open()
     try:
         await _held_and_delivered(s)
+        assert s._fold_task is not None
+        await s._fold_task  # the upgrade started at open is done
         # As an earlier version left them: no per-state sets, no marker.
         for key in await plain.keys("sg:*:st:*"):
             await plain.delete(key)
