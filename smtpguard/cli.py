@@ -20,6 +20,7 @@ import csv
 import getpass
 import io
 import json
+import math
 import os
 import socket
 import sys
@@ -227,7 +228,8 @@ def cmd_history(args: argparse.Namespace) -> int:
         rec: ledger.Record | None
         if lookup:
             flag, value = lookup[0]
-            found = [r for r in await store.find_records(_LOOKUPS[flag], value) if r.zone in config.zones]
+            # Records of zones no longer configured are shown too: history is the receipt.
+            found = await store.find_records(_LOOKUPS[flag], value)
             if not found:
                 raise NotFound(f"no record with {flag.replace('_', '-')} {value!r}")
             if len(found) > 1:
@@ -301,22 +303,29 @@ async def list_records(
     provider: str | None,
     limit: int,
 ) -> list[ledger.Record]:
-    """Newest first across zones and states: each (zone, state) list is read in pages
-    from its index and the pages merged; a provider filter reads on until it has `limit`."""
+    """Newest first across zones and states: each (zone, state) list is read in pages from
+    its index and the pages merged; a provider filter reads on until it has `limit`. A
+    page ends where the next begins, inclusive, so records sharing an updated_at across
+    the boundary are neither skipped nor listed twice."""
     page = max(limit, 50)
     found: list[ledger.Record] = []
     for zone in zones:
         for state in states:
             before: float | None = None
+            seen: set[str] = set()
             taken = 0
             while taken < limit:
-                batch = await store.list_records(zone, state, since, before, page)
+                upper = None if before is None else math.nextafter(before, math.inf)
+                batch = [
+                    r for r in await store.list_records(zone, state, since, upper, page) if r.key not in seen
+                ]
+                if not batch:
+                    break
                 for rec in batch:
+                    seen.add(rec.key)
                     if provider is None or any(a.provider == provider for a in rec.attempts):
                         found.append(rec)
                         taken += 1
-                if len(batch) < page:
-                    break
                 before = batch[-1].updated_at
     found.sort(key=lambda r: r.updated_at, reverse=True)
     return found[:limit]
@@ -327,20 +336,19 @@ def cmd_list(args: argparse.Namespace) -> int:
     zones = [_zone(config, args.zone)] if args.zone else sorted(config.zones)
     if args.limit < 1:
         raise UsageError("--limit must be at least 1")
-    since = None
+    window = None
     if args.since:
         try:
-            since = time.time() - parse_duration(args.since)
+            window = parse_duration(args.since)
         except ValueError as e:
             raise UsageError(f"--since: {e}") from None
     states: list[str | None] = list(dict.fromkeys(args.state)) if args.state else [None]
-    records = asyncio.run(
-        _with_store(
-            config,
-            lambda s: list_records(s, zones, states, since, args.provider, args.limit),
-            read_only=True,
-        )
-    )
+
+    async def run(store: Store) -> list[ledger.Record]:
+        since = store.now() - window if window is not None else None
+        return await list_records(store, zones, states, since, args.provider, args.limit)
+
+    records = asyncio.run(_with_store(config, run, read_only=True))
     if args.json:
         emit({"records": [_list_json(r) for r in records]})
         return 0

@@ -9,6 +9,7 @@ refused by the ledger's own rule (the record is no longer unknown) and says who 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -16,10 +17,12 @@ from datetime import UTC, datetime
 from smtpguard.policy import ledger
 from smtpguard.policy.ledger import AuditEntry, Record
 from smtpguard.policy.queue import queue_due
-from smtpguard.store import Store
+from smtpguard.store import Store, StoreUnavailable
 from smtpguard.store.base import ZoneAudit
 
 Change = Callable[[Record, float], Record]
+_HELD = ("unknown", "failed")
+log = logging.getLogger("smtpguard.desk")
 
 DECISIONS = ("delivered", "retry", "release")
 """What can be decided on a held record: resolve an `unknown` as delivered or as retry,
@@ -95,15 +98,16 @@ async def change_record(
             raise NotFound(f"no record for zone {zone} key {key!r}")
         if expected_version is not None and rec.version != expected_version:
             decided = last_decision(rec)
-            if decided is not None:
+            if decided is not None and rec.state.value not in _HELD:
                 raise AlreadyDecided(decided)
+            # Still held (or never decided): an older decision is not the news; the page is.
             raise Refused(f"the record changed since this page was shown (now {rec.state.value}); reload it")
         now = store.now()
         try:
             new = change(rec, now)
         except ledger.OperatorRefused as e:
             decided = last_decision(rec)
-            if decided is not None and rec.state.value not in ("unknown", "failed"):
+            if decided is not None and rec.state.value not in _HELD:
                 raise AlreadyDecided(decided) from None
             raise Refused(str(e)) from None
         if rec.lane is not None:
@@ -112,7 +116,15 @@ async def change_record(
         else:
             written = await store.put(new, rec.version)
         if written is None:
-            await store.audit_add(zone, ZoneAudit(now, actor, action, key))
+            try:
+                await store.audit_add(zone, ZoneAudit(now, actor, action, key))
+            except StoreUnavailable as e:
+                # The change is made and the record's own audit holds it; only the zone's
+                # list of decisions misses it. Not worth telling the operator it failed.
+                log.warning(
+                    "zone audit not written",
+                    extra={"zone": zone, "event_key": key, "action": action, "error": str(e)},
+                )
             return new
         if expected_version is not None:
             continue  # re-read: the winner's decision is what the refusal names

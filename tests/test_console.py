@@ -13,7 +13,7 @@ import pytest
 from smtpguard.config import ConfigError, loads
 from smtpguard.server import Server
 from tests.console_support import Operator, console_config, console_port, hold
-from tests.support import Upstream, base_config, message, running_guard, send
+from tests.support import Behaviour, Upstream, base_config, message, running_guard, send, write_config
 from tests.utf8_support import store_overrides
 
 
@@ -152,20 +152,21 @@ async def test_every_page_needs_a_login(guard: Server) -> None:
         await anon.close()
 
 
-async def test_session_cookie_flags_and_a_new_session_at_login(guard: Server) -> None:
+async def test_session_cookie_flags_and_a_session_only_after_login(guard: Server) -> None:
     url = f"http://127.0.0.1:{console_port(guard)}"
     async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
         async with http.get(url + "/login") as r:
-            before = r.cookies["sg_console"]
+            assert "sg_console" not in r.cookies
+            form_cookie = r.cookies["sg_login"]
             page = await r.text()
-        assert before["httponly"] and before["samesite"] == "Strict" and not before["secure"]
+        assert form_cookie["httponly"] and form_cookie["samesite"] == "Strict" and not form_cookie["secure"]
         assert r.headers["Content-Security-Policy"].startswith("default-src 'none'")
         csrf = page.split('name="csrf" value="', 1)[1].split('"', 1)[0]
         form = {"csrf": csrf, "username": "alice", "password": "alice-pass-1"}
         async with http.post(url + "/login", data=form, allow_redirects=False) as r:
             assert r.status == 303
-            after = r.cookies["sg_console"]
-        assert after.value != before.value and after["httponly"] and after["samesite"] == "Strict"
+            session = r.cookies["sg_console"]
+        assert session.value != csrf and session["httponly"] and session["samesite"] == "Strict"
 
 
 async def test_login_failures_are_limited_per_ip(
@@ -204,7 +205,7 @@ async def test_pause_resume_and_suppression_are_audited_as_the_console_user(
     assert [(e.actor, e.action, e.key) for e in reversed(log)] == [
         ("console:alice", "pause", ""),
         ("console:alice", "resume", ""),
-        ("console:alice", "suppress:add", "Gone@Example.net"),
+        ("console:alice", "suppress:add", "Gone@example.net"),
         ("console:alice", "suppress:remove", "gone@example.net"),
     ]
     bad = await alice.post("/suppression/acme/add", {"address": "not an address"})
@@ -224,3 +225,142 @@ def test_a_console_off_loopback_needs_tls(tmp: Path) -> None:
 
     with pytest.raises(ConfigError, match=r"console\.tls is required"):
         loads(json.dumps(cfg))
+
+
+async def test_login_pages_keep_no_server_state(guard: Server, alice: Operator) -> None:
+    """Requests for the login form cannot crowd out the sessions of operators logged in."""
+    assert guard.console is not None
+    before = len(guard.console.sessions._by_token)
+    anon = Operator(console_port(guard))
+    try:
+        for _ in range(200):
+            assert (await anon.get("/login")).status == 200
+        assert len(guard.console.sessions._by_token) == before
+        assert (await alice.get("/decisions")).status == 200
+    finally:
+        await anon.close()
+
+
+async def test_a_login_or_logout_without_its_csrf_token_is_403(guard: Server, alice: Operator) -> None:
+    anon = Operator(console_port(guard))
+    try:
+        await anon.get("/login")
+        form = {"username": "alice", "password": "alice-pass-1"}
+        assert (await anon.post("/login", form, csrf=False)).status == 403
+        assert (await anon.post("/login", {**form, "csrf": "guessed"}, csrf=False)).status == 403
+    finally:
+        await anon.close()
+    assert (await alice.post("/logout", {}, csrf=False)).status == 403
+    assert (await alice.get("/decisions")).url.endswith("/decisions")
+
+
+async def test_parallel_guesses_are_limited_too(tmp: Path, upstream: Upstream, store: dict[str, Any]) -> None:
+    import asyncio
+
+    cfg = console_config(tmp, upstream, **store, limits={"auth_failures": 3, "auth_failure_window": "5m"})
+    async with running_guard(cfg) as guard:
+        ops = [Operator(console_port(guard)) for _ in range(8)]
+        try:
+            for op in ops:
+                op.csrf = (await op.get("/login")).csrf
+            results = await asyncio.gather(
+                *(
+                    op.post("/login", {"username": "alice", "password": f"guess-{i}"})
+                    for i, op in enumerate(ops)
+                )
+            )
+            statuses = sorted(r.status for r in results)
+            assert statuses.count(401) == 3 and statuses.count(429) == 5, statuses
+        finally:
+            for op in ops:
+                await op.close()
+
+
+async def test_console_login_failures_never_lock_smtp_clients_out(guard: Server) -> None:
+    anon = Operator(console_port(guard))
+    try:
+        for _ in range(6):
+            assert (await anon.login("alice", "wrong")).status in (401, 429)
+    finally:
+        await anon.close()
+    # The app on the same address still authenticates and sends.
+    assert (await send(guard.ports[0], message("after-typos"))).code == 250
+
+
+async def test_a_stale_page_after_an_earlier_decision_cycle_says_the_record_changed(
+    guard: Server, upstream: Upstream, alice: Operator, bob: Operator
+) -> None:
+    await hold(guard, upstream, "invoice:9", state="failed")
+    assert guard.store is not None
+    first = await guard.store.get("acme", "invoice:9")
+    assert first is not None
+    assert (
+        await alice.post("/decide", decide_form("acme", "invoice:9", first.version, "release"))
+    ).status == 200
+    upstream.handler.script.append(Behaviour(data="554 5.7.1 refused again"))
+    assert (await send(guard.ports[0], message("invoice:9"))).code == 554
+    stale = await bob.post("/decide", decide_form("acme", "invoice:9", first.version, "release"))
+    assert stale.status == 409 and "changed since this page was shown (now failed)" in stale.text
+
+
+async def test_a_viewer_gets_403_on_every_post(guard: Server) -> None:
+    victor = Operator(console_port(guard))
+    try:
+        await victor.login("victor")
+        for path, data in (
+            ("/zones/acme/resume", {}),
+            ("/suppression/acme/remove", {"address": "x@example.com"}),
+            ("/decide", decide_form("acme", "k", 1, "release")),
+        ):
+            assert (await victor.post(path, data)).status == 403, path
+        assert (await victor.post("/logout", {})).url.endswith("/login")
+    finally:
+        await victor.close()
+
+
+async def test_a_reload_that_removes_an_operator_ends_their_session(
+    tmp: Path, upstream: Upstream, store: dict[str, Any]
+) -> None:
+    path = tmp / "smtpguard.yaml"
+    cfg = console_config(tmp, upstream, **store)
+    async with running_guard(cfg, config_path=path) as guard:
+        bob = Operator(console_port(guard))
+        try:
+            await bob.login("bob")
+            assert (await bob.get("/decisions")).url.endswith("/decisions")
+            cfg["console"]["operators"] = [o for o in cfg["console"]["operators"] if o["username"] != "bob"]
+            write_config(path, cfg)
+            await guard.reload()
+            assert (await bob.get("/decisions")).url.endswith("/login")
+            assert (await bob.login("bob")).status == 401
+        finally:
+            await bob.close()
+
+
+async def test_the_history_page_escapes_what_providers_answered(
+    guard: Server, upstream: Upstream, alice: Operator
+) -> None:
+    upstream.handler.script.append(Behaviour(data='554 5.7.1 <img src=x onerror="alert(1)">'))
+    assert (await send(guard.ports[0], message("invoice:x"))).code == 554
+    page = await alice.get("/events/acme/invoice%3Ax")
+    assert "<img src=x" not in page.text and "&lt;img src=x" in page.text
+
+
+async def test_cookies_are_secure_under_tls(tmp: Path, upstream: Upstream) -> None:
+    from tests.hostile_support import make_cert
+
+    cert, key = make_cert(tmp)
+    cfg = console_config(tmp, upstream)
+    cfg["console"]["tls"] = {"cert": str(cert), "key": str(key)}
+    async with running_guard(cfg) as guard:
+        url = f"https://127.0.0.1:{console_port(guard)}"
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
+            async with http.get(url + "/login", ssl=False) as r:
+                assert r.cookies["sg_login"]["secure"]
+                page = await r.text()
+            csrf = page.split('name="csrf" value="', 1)[1].split('"', 1)[0]
+            form = {"csrf": csrf, "username": "alice", "password": "alice-pass-1"}
+            async with http.post(url + "/login", data=form, allow_redirects=False, ssl=False) as r:
+                assert r.status == 303
+                session = r.cookies["sg_console"]
+            assert session["secure"] and session["httponly"] and session["samesite"] == "Strict"

@@ -1305,11 +1305,42 @@ async def test_redis_lists_records_written_before_the_state_sets(redis_server: R
         for key in await plain.keys("sg:*:st:*"):
             await plain.delete(key)
         await plain.delete("sg:states-listed")
+        for key in await plain.keys("sg:*:ev:*"):
+            await plain.hdel(key, "sid")
+        for key in await plain.keys("sg:*:ids"):
+            for field in await plain.hkeys(key):
+                if field.startswith("s:"):
+                    await plain.hdel(key, field)
+        k1 = await s.get("acme", "k1")
+        assert k1 is not None and await s.find_records("sg_id", k1.sg_id) == []
         assert [r.key for r in await s.list_records("acme", "unknown", None, None, 10)] == ["k3", "k0"]
         await s._upgrade()
         assert await plain.exists("sg:states-listed")
         assert await s.state_counts("acme") == {"unknown": 2, "delivered": 4}
         assert [r.key for r in await s.list_records("acme", "unknown", None, None, 10)] == ["k3", "k0"]
+        assert [r.key for r in await s.find_records("sg_id", k1.sg_id)] == ["k1"]
+    finally:
+        await s.close()
+        await plain.aclose()
+
+
+async def test_redis_state_upgrade_pages_through_equal_scores(redis_server: RedisServer) -> None:
+    """More records with one updated_at than a page holds: none is skipped or left out."""
+    plain = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    await plain.flushall()
+    s = RedisStore(redis_server.url)
+    await s.open()
+    try:
+        assert s._fold_task is not None
+        await s._fold_task
+        recs = [replace(fresh(f"t{i:04}", now=NOW), updated_at=NOW) for i in range(1200)]
+        for chunk in range(0, len(recs), 200):
+            await asyncio.gather(*(s.reserve(r, None, None, False) for r in recs[chunk : chunk + 200]))
+        for key in await plain.keys("sg:*:st:*"):
+            await plain.delete(key)
+        await plain.delete("sg:states-listed")
+        await s._upgrade()
+        assert await s.state_counts("acme") == {"in_flight": 1200}
     finally:
         await s.close()
         await plain.aclose()

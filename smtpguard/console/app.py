@@ -8,7 +8,11 @@ same code as the CLI's (smtpguard/desk.py for decisions).
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import logging
+import re
+import secrets
 import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -20,9 +24,9 @@ from aiohttp import web
 from smtpguard import desk
 from smtpguard.config import Config, ConsoleConfig, OperatorConfig
 from smtpguard.console import views
-from smtpguard.console.sessions import COOKIE, Session, Sessions
+from smtpguard.console.sessions import COOKIE, LOGIN_COOKIE, Session, Sessions
 from smtpguard.passwords import Verifier
-from smtpguard.policy.senders import address_problem
+from smtpguard.policy.senders import address_problem, normalize_address
 from smtpguard.store import Store, StoreUnavailable
 from smtpguard.store.base import ZoneAudit
 
@@ -31,6 +35,8 @@ log = logging.getLogger("smtpguard.console")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SESSION = web.RequestKey("session", Session)
 _PUBLIC = ("/login",)
+_BACK = re.compile(r"/events/[A-Za-z0-9._%~-]+/[A-Za-z0-9._%~-]+")
+"""Where a decision may send the browser back to: an event's page, URL-encoded, nothing else."""
 _SECURITY_HEADERS = {
     # Pages need nothing but themselves: no scripts, no frames, forms only back to us.
     "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; "
@@ -50,6 +56,9 @@ class Console:
         self.tls = console.tls is not None
         self.sessions = Sessions(console.session_ttl)
         self.verifier = Verifier()
+        self._login_locks: dict[str, asyncio.Lock] = {}
+        self._verifying = asyncio.Semaphore(4)
+        """argon2 runs in the executor SMTP AUTH uses too: logins never take all of it."""
         self.templates = jinja2.Environment(
             loader=jinja2.PackageLoader("smtpguard.console", "templates"),
             autoescape=True,
@@ -108,11 +117,22 @@ class Console:
             if e.status < 400:
                 raise
             response = self.page("error.html", request, status=e.status, message=e.reason)
+        except Exception:
+            log.exception("console: request failed", extra={"path": request.path})
+            response = self.page(
+                "error.html", request, status=500, message="Something went wrong; see the log."
+            )
         response.headers.update(_SECURITY_HEADERS)
         return response
 
     async def _checked(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         session = self.sessions.get(request.cookies.get(COOKIE))
+        if session is not None and session.username is not None:
+            operator = self._operator(session.username)
+            if operator is None or operator.role != session.role:
+                # Removed or given another role by a reload: that login is over.
+                self.sessions.drop(session.token)
+                session = None
         if session is not None:
             request[SESSION] = session
         if request.path in _PUBLIC:
@@ -153,50 +173,79 @@ class Console:
 
     # --- login -------------------------------------------------------------------------------
     async def login_page(self, request: web.Request) -> web.StreamResponse:
-        session = request.get(SESSION)
-        if session is None:
-            session = self.sessions.new()
-            request[SESSION] = session
-        response = self.page("login.html", request, error=None)
-        self._set_cookie(response, session)
+        # No server-side session before a login succeeds: the form's CSRF token is a random
+        # value in a cookie of its own, echoed by the form (double submit; the cookie is
+        # SameSite=Strict). So requests for the login page cost nothing to keep, and
+        # cannot crowd out the sessions of operators who are logged in.
+        token = request.cookies.get(LOGIN_COOKIE)
+        if not token or len(token) > 64:
+            token = secrets.token_urlsafe(32)
+        response = self.page("login.html", request, error=None, login_csrf=token)
+        response.set_cookie(
+            LOGIN_COOKIE,
+            token,
+            httponly=True,
+            samesite="Strict",
+            secure=self.tls,
+            path="/login",
+            max_age=3600,
+        )
         return response
 
     async def login(self, request: web.Request) -> web.StreamResponse:
-        session = request.get(SESSION)
         form = await request.post()
-        csrf = form.get("csrf")
-        if session is None or not session.csrf_ok(csrf if isinstance(csrf, str) else None):
+        csrf, cookie = form.get("csrf"), request.cookies.get(LOGIN_COOKIE)
+        if not isinstance(csrf, str) or not cookie or not hmac.compare_digest(csrf, cookie):
             raise web.HTTPForbidden(reason="missing or wrong CSRF token; reload the login page")
         ip = request.remote or "?"
+        # Its own count: an operator's typos must not lock the SMTP clients of the same
+        # address (the console is usually on loopback, as they are) out of AUTH.
+        bucket = f"console:{ip}"
         limits = self.config().limits
-        now = self.store.now()
-        if await self.store.auth_failures(ip, now, limits.auth_failure_window) >= limits.auth_failures:
-            log.warning("console: login refused, too many failures", extra={"client_ip": ip})
-            return self.page(
-                "login.html", request, status=429, error="Too many failed logins; wait and try again."
+        # One login per address at a time: a burst of parallel guesses must not all be
+        # verified before the first failure is counted.
+        async with self._login_locks.setdefault(bucket, asyncio.Lock()), self._verifying:
+            now = self.store.now()
+            if (
+                await self.store.auth_failures(bucket, now, limits.auth_failure_window)
+                >= limits.auth_failures
+            ):
+                log.warning("console: login refused, too many failures", extra={"client_ip": ip})
+                return self.page(
+                    "login.html",
+                    request,
+                    status=429,
+                    error="Too many failed logins; wait and try again.",
+                    login_csrf=cookie,
+                )
+            username, password = form.get("username"), form.get("password")
+            operator = self._operator(username if isinstance(username, str) else "")
+            ok = await self.verifier.verify(
+                str(username),
+                operator.password_hash if operator else None,
+                password if isinstance(password, str) else "",
             )
-        username, password = form.get("username"), form.get("password")
-        operator = self._operator(username if isinstance(username, str) else "")
-        ok = await self.verifier.verify(
-            str(username),
-            operator.password_hash if operator else None,
-            password if isinstance(password, str) else "",
-        )
-        if not ok or operator is None:
-            await self.store.auth_failure(ip, now, limits.auth_failure_window)
-            log.warning("console: login failed", extra={"client_ip": ip, "username": str(username)[:64]})
-            return self.page("login.html", request, status=401, error="Wrong username or password.")
-        self.sessions.drop(session.token)
+            if not ok or operator is None:
+                await self.store.auth_failure(bucket, now, limits.auth_failure_window)
+                log.warning("console: login failed", extra={"client_ip": ip, "username": str(username)[:64]})
+                return self.page(
+                    "login.html", request, status=401, error="Wrong username or password.", login_csrf=cookie
+                )
+        if len(self._login_locks) > 10_000:
+            self._login_locks = {k: v for k, v in self._login_locks.items() if v.locked()}
         fresh = self.sessions.new(operator.username, operator.role)
         log.info(
             "console: login", extra={"username": operator.username, "client_ip": ip, "role": operator.role}
         )
         response = web.HTTPSeeOther("/")
         self._set_cookie(response, fresh)
+        response.del_cookie(LOGIN_COOKIE, path="/login")
         raise response
 
     def _operator(self, username: str) -> OperatorConfig | None:
-        for op in self.settings.operators:
+        """The operator as the running config has it (a reload adds, removes, demotes)."""
+        console = self.config().console or self.settings
+        for op in console.operators:
             if op.username == username:
                 return op
         return None
@@ -231,7 +280,13 @@ class Console:
         raise web.HTTPSeeOther("/")
 
     async def decisions(self, request: web.Request) -> web.StreamResponse:
-        return self.page("decisions.html", request, rows=await views.decisions(self.config(), self.store))
+        return self.page(
+            "decisions.html",
+            request,
+            rows=await views.decisions(self.config(), self.store),
+            more=await views.held_counts(self.config(), self.store),
+            shown=views.LIST_LIMIT,
+        )
 
     async def decide(self, request: web.Request) -> web.StreamResponse:
         form = await request.post()
@@ -255,7 +310,7 @@ class Console:
             extra={"zone": zone, "event_key": key, "decision": action, "actor": self._actor(request)},
         )
         back = str(form.get("back", ""))
-        raise web.HTTPSeeOther(back if back.startswith("/events/") else "/decisions")
+        raise web.HTTPSeeOther(back if _BACK.fullmatch(back) else "/decisions")
 
     async def history(self, request: web.Request) -> web.StreamResponse:
         zone = self._zone(request)
@@ -287,18 +342,21 @@ class Console:
         zone = self._zone(request)
         form = await request.post()
         address = str(form.get("address", "")).strip()
-        problem = address_problem(address)
-        if problem:
-            raise web.HTTPBadRequest(reason=f"{address!r}: {problem}")
         action = request.match_info["action"]
+        problem = address_problem(address) if action == "add" else None
+        if problem or not address:
+            raise web.HTTPBadRequest(reason=f"{address!r}: {problem or 'no address'}")
+        address = normalize_address(address)
+        changed = True
         if action == "add":
             reason = str(form.get("reason", "")).strip()[:200] or f"added by {self._actor(request)}"
             await self.store.suppress_add(zone, address, reason, self.store.now())
         else:
-            await self.store.suppress_remove(zone, address)
-        await self.store.audit_add(
-            zone, ZoneAudit(self.store.now(), self._actor(request), f"suppress:{action}", address)
-        )
+            changed = await self.store.suppress_remove(zone, address)
+        if changed:
+            await self.store.audit_add(
+                zone, ZoneAudit(self.store.now(), self._actor(request), f"suppress:{action}", address)
+            )
         raise web.HTTPSeeOther(f"/suppression/{quote(zone)}")
 
     async def queue(self, request: web.Request) -> web.StreamResponse:

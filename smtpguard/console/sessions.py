@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 COOKIE = "sg_console"
+LOGIN_COOKIE = "sg_login"
+"""The login form's CSRF token (double submit): no server-side session before a login."""
 MAX_SESSIONS = 10_000
 
 

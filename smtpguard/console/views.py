@@ -17,6 +17,8 @@ HELD = (State.UNKNOWN.value, State.FAILED.value)
 DECIDED_SHOWN_FOR = 24 * 3600.0
 """A decided record stays on /decisions this long, with who decided it."""
 LIST_LIMIT = 200
+"""Records per state and zone on a page; the page says when there are more."""
+AUDIT_READ = 10_000
 
 
 def iso(epoch: float | None) -> str:
@@ -88,6 +90,17 @@ class HeldRow:
         return f"{r.code} {r.enhanced} {r.text}" if r else ""
 
 
+async def held_counts(config: Config, store: Store) -> dict[str, int]:
+    """Held records per zone, when more than a page shows."""
+    out = {}
+    for zone in sorted(config.zones):
+        counts = await store.state_counts(zone)
+        held = sum(counts.get(st, 0) for st in HELD)
+        if held > LIST_LIMIT:
+            out[zone] = held
+    return out
+
+
 async def decisions(config: Config, store: Store) -> list[HeldRow]:
     """Every held record, and every one decided in the last day, newest first."""
     now = store.now()
@@ -96,7 +109,7 @@ async def decisions(config: Config, store: Store) -> list[HeldRow]:
         for state in HELD:
             for rec in await store.list_records(zone, state, None, None, LIST_LIMIT):
                 seen[(zone, rec.key)] = HeldRow(rec, last_decision(rec))
-        for entry in await store.audit_log(zone, now - DECIDED_SHOWN_FOR):
+        for entry in await store.audit_log(zone, now - DECIDED_SHOWN_FOR, AUDIT_READ):
             if not entry.action.startswith("decide:") or (zone, entry.key) in seen:
                 continue
             decided = await store.get(zone, entry.key)

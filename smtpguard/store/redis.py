@@ -426,6 +426,29 @@ return 1
 
 _PROBES = "sg:{providers}:probes"
 """Hash (instance, provider) → (ready, detail, at): each instance's last probe, for `stats`."""
+# The upgrade of one page of a zone's index (KEYS[1] 'sg:{zone}:idx') into the per-state
+# sets and the smtpguard-id lookups, read and written in one step, so a record written
+# meanwhile is never put in a state it has left.  ARGV: score, offset, count.  Returns
+# {last score, members with that score in the page} or {} when the page is empty.
+_STATES_PAGE = """
+local prefix = string.sub(KEYS[1], 1, -4)
+local page = redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[1], '+inf', 'WITHSCORES', 'LIMIT', ARGV[2], ARGV[3])
+if #page == 0 then return {} end
+local last, same = nil, 0
+for i = 1, #page, 2 do
+  local member, score = page[i], page[i + 1]
+  local fields = redis.call('HMGET', prefix .. 'ev:' .. member, 's', 'sid', 'd')
+  if fields[1] then
+    redis.call('ZADD', prefix .. 'st:' .. fields[1], score, member)
+    local sid = fields[2]
+    if not sid and fields[3] then sid = cjson.decode(fields[3])['sg_id'] end
+    if sid and sid ~= '' then redis.call('HSET', prefix .. 'ids', 's:' .. sid, member) end
+  end
+  if score == last then same = same + 1 else last, same = score, 1 end
+end
+return {last, same}
+"""
+
 _CIRCUITS = "sg:{providers}:circuits"
 """Hash (instance, provider) → (circuit, since): each instance's breakers, for `stats`."""
 
@@ -508,6 +531,7 @@ class RedisStore:
         self._entries: AsyncScript | None = None
         self._lanes_of: AsyncScript | None = None
         self._apply_event: AsyncScript | None = None
+        self._states_page: AsyncScript | None = None
         self._zones_announced: dict[str, float] = {}
         self._queued_swept_at: float | None = None
         self._mono: Callable[[], float] = time.monotonic
@@ -553,6 +577,7 @@ class RedisStore:
         self._entries = client.register_script(_ENTRIES)
         self._lanes_of = client.register_script(_LANES_OF)
         self._apply_event = client.register_script(_APPLY_EVENT)
+        self._states_page = client.register_script(_STATES_PAGE)
         self._client = client
         # Down at start: the local clock until the first sample (see now()).
         with contextlib.suppress(StoreUnavailable):
@@ -1384,30 +1409,24 @@ class RedisStore:
         return [e for e in entries if e.at >= since]
 
     async def _list_states(self, zone: str) -> None:
-        # A page per round trip, each with its own deadline: a zone of a million records
-        # outlasts any one operation's.
-        cursor = 0
-        while (done := await self._list_states_page(zone, cursor)) > 0:
-            cursor += done
+        # By score, a page per round trip (a zone of a million records outlasts any one
+        # operation's deadline): the purge taking old members or writes moving members to
+        # the top never shift the cursor, and a record rewritten meanwhile is met again
+        # at its new score, which is harmless.
+        score, offset = "-inf", 0
+        while True:
+            found = await self._list_states_page(zone, score, offset)
+            if not found:
+                return
+            last, same = found
+            score, offset = (last, offset + same) if last == score else (last, same)
 
     @_translated
-    async def _list_states_page(self, zone: str, cursor: int) -> int:
-        members: list[tuple[str, float]] = await self._r.zrange(  # type: ignore[assignment]
-            _zone_key(zone, "idx"), cursor, cursor + _PURGE_BATCH - 1, withscores=True
-        )
-        if not members:
-            return 0
-        async with self._r.pipeline(transaction=False) as pipe:
-            for m, _ in members:
-                pipe.hget(_record_key(zone, str(m)), "s")
-            states = await pipe.execute()
-        async with self._r.pipeline(transaction=False) as pipe:
-            for (m, score), st in zip(members, states, strict=True):
-                if st:
-                    # NX: a write since then has put it in its current state's set.
-                    pipe.zadd(_zone_key(zone, f"st:{st}"), {str(m): score}, nx=True)
-            await pipe.execute()
-        return len(members)
+    async def _list_states_page(self, zone: str, score: str, offset: int) -> tuple[str, int] | None:
+        reply = await self._eval(self._states_page, [_zone_key(zone, "idx")], [score, offset, _PURGE_BATCH])
+        if not reply:
+            return None
+        return str(reply[0]), int(reply[1])
 
     # --- provider health ---------------------------------------------------------------------
     @_translated

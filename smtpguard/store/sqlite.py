@@ -543,6 +543,7 @@ class SQLiteStore:
             c.execute("DELETE FROM auth_failures WHERE at < ?", (now - 2 * HOUR,))
             c.execute("DELETE FROM provider_events WHERE received_at < ?", (now - retention,))
             c.execute("DELETE FROM nonces WHERE until < ?", (now,))
+            c.execute("DELETE FROM zone_audit WHERE at < ?", (now - retention,))
             return n
 
         return await self._write(op, heavy=True)
