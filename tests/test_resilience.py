@@ -303,7 +303,7 @@ async def test_resolve_and_release_are_audited_and_single_use(
         assert "not failed" in capsys.readouterr().err
         assert await asyncio.to_thread(cli, "resolve", "acme", "o1", "--as", "retry") == 0
         assert await asyncio.to_thread(cli, "resolve", "acme", "o1", "--as", "retry") == 1
-        assert "not unknown" in capsys.readouterr().err
+        assert "already resolved by cli:" in capsys.readouterr().err
         assert await asyncio.to_thread(cli, "release", "acme", "o2") == 0
         assert await asyncio.to_thread(cli, "release", "acme", "o2") == 1
         assert (await send(port, message("o1"))).code == 250
@@ -383,13 +383,18 @@ async def test_a_relay_longer_than_its_lease_keeps_it(tmp: Path, upstream: Upstr
         first = asyncio.create_task(send(port, message("slow1")))
         await upstream.wait_received(1)
         duplicates = []
-        for _ in range(4):
-            await asyncio.sleep(0.4)
-            duplicates.append(await send(port, message("slow1")))
+        # Past the 1 s lease and until the first send ends (how many fit depends on how
+        # busy the machine is): every duplicate answered meanwhile waited, as in_flight.
+        while not first.done():
+            await asyncio.sleep(0.3)
+            reply = await send(port, message("slow1"))
+            if not first.done():
+                duplicates.append(reply)
         assert (await first).code == 250
         assert guard.store is not None
         record = await guard.store.get("acme", "slow1")
-    assert [(r.code, r.text.split(" ", 1)[0]) for r in duplicates] == [(451, "4.7.1")] * 4
+    assert len(duplicates) >= 2
+    assert [(r.code, r.text.split(" ", 1)[0]) for r in duplicates] == [(451, "4.7.1")] * len(duplicates)
     assert record is not None and record.state.value == "delivered"
     assert upstream.handler.transactions == 1
 
