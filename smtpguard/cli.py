@@ -716,7 +716,10 @@ class _Commands(argparse._SubParsersAction):  # type: ignore[type-arg]
         if self.dest is not argparse.SUPPRESS:
             setattr(namespace, self.dest, name)
         try:
-            subns, extra = sub.parse_known_intermixed_args(rest)
+            if "--" in rest:
+                subns, extra = sub.parse_known_args(_positionals_last(sub, rest))
+            else:
+                subns, extra = sub.parse_known_intermixed_args(rest)
         except TypeError:
             # A command with subcommands of its own cannot be parsed intermixed.
             subns, extra = sub.parse_known_args(rest)
@@ -724,6 +727,29 @@ class _Commands(argparse._SubParsersAction):  # type: ignore[type-arg]
             setattr(namespace, key, value)
         if extra:
             sub.error(f"unrecognized arguments: {' '.join(extra)}")
+
+
+def _positionals_last(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
+    """`args` with everything after the first `--` kept as positionals (a key or an address
+    may start with '-'): options before it first, then `--`, then the positionals before it,
+    then those after. (Intermixed parsing ignores `--` on Python 3.11.)"""
+    cut = args.index("--")
+    before, after = args[:cut], args[cut + 1 :]
+    options: list[str] = []
+    positionals: list[str] = []
+    i = 0
+    while i < len(before):
+        token = before[i]
+        i += 1
+        if not token.startswith("-") or token == "-":
+            positionals.append(token)
+            continue
+        options.append(token)
+        action = parser._option_string_actions.get(token)
+        if action is not None and action.nargs != 0 and i < len(before):
+            options.append(before[i])  # the option's value, whatever it looks like
+            i += 1
+    return [*options, "--", *positionals, *after]
 
 
 _EPILOG = (

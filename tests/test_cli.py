@@ -278,3 +278,31 @@ async def test_a_restarted_sink_keeps_every_message(tmp: Path) -> None:
         if line.startswith(b"X-Event-Key:")
     )
     assert keys == [f"r{r}-{i}" for r in range(2) for i in range(3)]
+
+
+async def test_double_dash_ends_the_options_for_keys_and_addresses_starting_with_a_dash(
+    tmp: Path, upstream: Upstream, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = base_config(tmp, upstream.port)
+    path = str(write_config(tmp / "smtpguard.yaml", cfg))
+    async with running_guard(cfg) as guard:
+        for key in ("--json", "-k1"):
+            assert (await send(guard.ports[0], message(key))).code == 250
+    for argv, key in (
+        (["history", "-c", path, "--", "acme", "--json"], "--json"),
+        (["history", "-c", path, "acme", "--", "--json"], "--json"),
+        (["history", "--json", "-c", path, "--", "acme", "-k1"], "-k1"),
+    ):
+        code, out, err = await asyncio.to_thread(run, capsys, *argv)
+        assert code == 0, (argv, err)
+        if argv[1] == "--json":
+            assert document(out)["key"] == key
+        else:
+            assert key in out and not out.lstrip().startswith("{"), out
+    code, _, err = await asyncio.to_thread(
+        run, capsys, "suppress", "add", "-c", path, "--reason", "test", "--", "acme", "-x@example.com"
+    )
+    assert code == 0, err
+    code, out, err = await asyncio.to_thread(run, capsys, "suppress", "list", "acme", "--json", "-c", path)
+    assert code == 0, err
+    assert "-x@example.com" in out
