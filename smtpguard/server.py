@@ -419,9 +419,7 @@ class Server:
             if self.handler is not None:
                 self.metrics.connections.set(self.handler.connections.total)
             try:
-                depth: defaultdict[tuple[str, str], int] = defaultdict(int)
-                for e in await self.store.queue_entries(None):
-                    depth[(e.zone, e.lane)] += 1
+                depth = await self.store.queue_depths()
             except StoreUnavailable:
                 self.metrics.event("store_error:gauges")
             else:

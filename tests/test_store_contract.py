@@ -1321,3 +1321,26 @@ async def test_a_nonce_is_remembered_with_its_digest(store: Store) -> None:
     assert await store.remember_nonce("mg:tok2", "d2", until)
     results = await asyncio.gather(*(store.remember_nonce("mg:race", f"d{i % 2}", until) for i in range(20)))
     assert results.count(True) in range(1, 20) and len(set(results)) == 2
+
+
+async def test_queue_depths_count_entries_per_zone_and_lane(store: Store) -> None:
+    assert await store.queue_depths() == {}
+    await put_queued(
+        store,
+        queued("q1"),
+        queued("q2"),
+        queued("q3", lane="otp"),
+        queued("g1", zone="globex", lane="bulk"),
+    )
+    assert await store.queue_depths() == {
+        ("acme", "transactional"): 2,
+        ("acme", "otp"): 1,
+        ("globex", "bulk"): 1,
+    }
+    # A claimed entry is still on the queue; one taken off it is not counted, nor its empty lane.
+    [claimed] = await store.claim(NOW, [("otp", 5)], LEASE)
+    assert (await store.queue_depths())[("acme", "otp")] == 1
+    assert await store.requeue(settled(claimed.record, NOW + 1), 1, None) is None
+    depths = await store.queue_depths()
+    assert depths == {("acme", "transactional"): 2, ("globex", "bulk"): 1}
+    assert depths == dict(Counter((e.zone, e.lane) for e in await store.queue_entries(None)))

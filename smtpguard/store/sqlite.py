@@ -627,6 +627,12 @@ class SQLiteStore:
 
         return await self._read(op)
 
+    async def queue_depths(self) -> dict[tuple[str, str], int]:
+        rows = await self._read(
+            lambda c: c.execute("SELECT zone, lane, COUNT(*) FROM queue GROUP BY zone, lane").fetchall()
+        )
+        return {(str(zone), str(lane)): int(n) for zone, lane, n in rows}
+
     # --- zones -------------------------------------------------------------------------------
     async def set_paused(self, zone: str, paused: bool) -> None:
         def op(c: sqlite3.Connection) -> None:
