@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import sqlite3
 import threading
 import time
@@ -122,6 +123,38 @@ def path_from_url(url: str) -> Path:
     return Path(url[len("sqlite:///") :])
 
 
+_CREATE = re.compile(r"CREATE (TABLE|INDEX) IF NOT EXISTS (\w+)(?: ON (\w+))?")
+
+
+def _stand_in_for_missing_tables(conn: sqlite3.Connection) -> None:
+    """A store written by an older version lacks the newer tables until `serve` opens it for
+    writing (CREATE IF NOT EXISTS). A read-only opener (the CLI) cannot create them there, so
+    it creates empty TEMP tables of the same names on its own connection: each read of one
+    finds nothing, rather than failing with "no such table"."""
+    present = {str(name) for (name,) in conn.execute("SELECT name FROM sqlite_master")}
+    temp: set[str] = set()
+    schema = "\n".join(line for line in _SCHEMA.splitlines() if not line.startswith("--"))
+    for statement in schema.split(";"):
+        sql = statement.strip()
+        m = _CREATE.match(sql)
+        if m is None or m.group(2) in present:
+            continue
+        kind, name, table = m.groups()
+        if kind == "TABLE":
+            conn.execute(sql.replace("CREATE TABLE", "CREATE TEMP TABLE", 1))
+            temp.add(name)
+        elif table in temp:
+            conn.execute(sql.replace(f"EXISTS {name}", f"EXISTS temp.{name}", 1))
+
+
+def _index_names(conn: sqlite3.Connection) -> set[str]:
+    rows = conn.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'index' "
+        "UNION SELECT name FROM sqlite_temp_master WHERE type = 'index'"
+    )
+    return {str(name) for (name,) in rows}
+
+
 def _connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
     if readonly:
         # mode=ro: a reader never creates the file, whatever the working directory.
@@ -131,6 +164,7 @@ def _connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
         conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
     conn.execute("PRAGMA busy_timeout = 30000")
     if readonly:
+        _stand_in_for_missing_tables(conn)
         conn.execute("PRAGMA query_only = ON")
     else:
         conn.execute("PRAGMA journal_mode = WAL")
@@ -425,6 +459,7 @@ class SQLiteStore:
             conn = getattr(self._local, "conn", None)
             if conn is None:
                 conn = _connect(self.path, readonly=True)
+                self._local.indexes = _index_names(conn)
                 self._local.conn = conn
             return fn(conn)
 
@@ -432,6 +467,12 @@ class SQLiteStore:
             return await asyncio.get_running_loop().run_in_executor(self._readers, run)
         except sqlite3.Error as e:
             raise StoreUnavailable(f"sqlite read failed: {e}") from e
+
+    def _table(self, table: str, index: str) -> str:
+        """`table INDEXED BY index`, or just `table` where the index is not there (a store
+        of an older version, read before `serve` has upgraded it). On a reader thread only."""
+        indexes: set[str] = getattr(self._local, "indexes", set())
+        return f"{table} INDEXED BY {index}" if index in indexes else table
 
     # --- ledger ------------------------------------------------------------------------------
     async def get(self, zone: str, key: str) -> Record | None:
@@ -787,7 +828,7 @@ class SQLiteStore:
             lambda c: c.execute(
                 # Without statistics the planner prefers the primary key's zone prefix: a scan
                 # of every event of the zone.
-                "SELECT data FROM provider_events INDEXED BY provider_events_of_record "
+                f"SELECT data FROM {self._table('provider_events', 'provider_events_of_record')} "
                 "WHERE zone = ? AND key = ? ORDER BY received_at",
                 (zone, key),
             ).fetchall()
@@ -811,12 +852,12 @@ class SQLiteStore:
         if before is not None:
             where.append("updated_at < ?")
             params.append(before)
-        sql = (
-            f"SELECT data FROM events INDEXED BY {index} WHERE {' AND '.join(where)} "
-            "ORDER BY updated_at DESC LIMIT ?"
-        )
 
         def op(c: sqlite3.Connection) -> list[Record]:
+            sql = (
+                f"SELECT data FROM {self._table('events', index)} WHERE {' AND '.join(where)} "
+                "ORDER BY updated_at DESC LIMIT ?"
+            )
             rows = c.execute(sql, (*params, limit)).fetchall()
             return [Record.from_dict(json.loads(row[0])) for row in rows]
 
@@ -825,7 +866,7 @@ class SQLiteStore:
     async def state_counts(self, zone: str) -> dict[str, int]:
         rows = await self._read(
             lambda c: c.execute(
-                "SELECT state, COUNT(*) FROM events INDEXED BY events_zone_state "
+                f"SELECT state, COUNT(*) FROM {self._table('events', 'events_zone_state')} "
                 "WHERE zone = ? GROUP BY state",
                 (zone,),
             ).fetchall()
