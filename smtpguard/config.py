@@ -885,16 +885,18 @@ def _describe(err: Any, root: yaml.Node | None, source: str, schema: type[BaseMo
     elif kind in _BOUNDS:
         ctx = err.get("ctx") or {}
         word, name = _BOUNDS[kind]
-        msg = f"must be {word} {ctx.get(name)}, got {err.get('input')!r}"
+        msg = f"must be {word} {ctx.get(name)}, got {_shown(loc, err.get('input'))}"
     elif kind in ("too_short", "string_too_short"):
         n = (err.get("ctx") or {}).get("min_length")
         msg = "must not be empty" if n == 1 else f"needs at least {n} entries"
     elif kind == "literal_error":
         expected = str((err.get("ctx") or {}).get("expected", "")).replace("'", "")
-        msg = f"{err.get('input')!r} is not one of: {expected.replace(' or ', ', ')}"
+        msg = f"{_shown(loc, err.get('input'))} is not one of: {expected.replace(' or ', ', ')}"
+    elif kind == "is_instance_of" and (err.get("ctx") or {}).get("class") == "Path":
+        msg = f"expected a file path, got {_shown(loc, err.get('input'))}"
     elif kind in _TYPE_NAMES:
         got = err.get("input")
-        msg = f"expected {_TYPE_NAMES[kind]}, got {got!r}"
+        msg = f"expected {_TYPE_NAMES[kind]}, got {_shown(loc, got)}"
         if isinstance(got, str) and _unquoted_would_do(kind, got):
             msg += " (a quoted string: write it without quotes)"
         elif kind == "bool_type" and isinstance(got, str):
@@ -903,6 +905,20 @@ def _describe(err: Any, root: yaml.Node | None, source: str, schema: type[BaseMo
     if line:
         where += f" (line {line})"
     return f"{where}: {msg}"
+
+
+_SECRET_FIELD = re.compile(r"password|secret|key", re.IGNORECASE)
+_SHOWN_MAX = 60
+
+
+def _shown(loc: list[Any], value: object) -> str:
+    """A refused value as an error may echo it: hidden under a field that may hold a secret
+    (password…, …secret…, …key…), cut short when long."""
+    field = next((str(p) for p in reversed(loc) if isinstance(p, str)), "")
+    if _SECRET_FIELD.search(field) and field != "missing_key":
+        return "(a value, not shown)"
+    text = repr(value)
+    return text if len(text) <= _SHOWN_MAX else text[: _SHOWN_MAX - 1] + "…"
 
 
 def _unquoted_would_do(kind: str, text: str) -> bool:

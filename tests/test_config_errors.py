@@ -258,3 +258,20 @@ def test_deeply_nested_yaml_is_one_line_not_a_traceback(
     assert "nested too deeply" in err or "nesting depth" in err
     with pytest.raises(ConfigError):
         loads(text)
+
+
+def test_errors_speak_plainly_hide_secrets_and_cut_long_values(
+    tmp: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = base_config(tmp, 2525)
+    cfg["tls"] = {"cert": 5, "key": str(tmp / "key.pem")}
+    cfg["zones"]["acme"]["users"][0]["password_hash"] = 123456
+    cfg["zones"]["acme"]["plan"] = "x" * 300
+    cfg["zones"]["acme"]["missing_key"] = "rejectt"
+    text = write_config(tmp / "c.yaml", cfg).read_text()
+    err = check(tmp, text, capsys)
+    assert "tls.cert" in err and "expected a file path, got 5" in err
+    assert "instance of" not in err
+    assert "password_hash" in err and "123456" not in err
+    assert "x" * 80 not in err and "…" in err
+    assert "'rejectt' is not one of" in err
