@@ -991,6 +991,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_STORE
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `smtpguard suppress export ZONE | head`: the reader has what it wanted. Nothing to
+        # say, and nothing left to flush at exit either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as e:
         # The path is what an operator needs to fix it: "Permission denied" alone is not.
         where = f"{e.filename}: " if e.filename else ""

@@ -383,3 +383,27 @@ async def test_a_store_of_an_older_version_reads_as_empty_where_its_tables_are_m
             assert "k1" in out
     # Read-only: the file is not upgraded behind serve's back.
     assert {r for (r,) in sqlite3.connect(old).execute("SELECT name FROM sqlite_master")} == before
+
+
+async def test_export_into_a_closed_pipe_exits_quietly(
+    tmp: Path, upstream: Upstream, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import subprocess
+
+    path = str(await filled_store(tmp, upstream))
+    csv_file = tmp / "many.csv"
+    csv_file.write_text("".join(f"user{i}@example.com,bounced\n" for i in range(5000)))
+    code, _, err = await asyncio.to_thread(
+        run, capsys, "suppress", "import", "acme", str(csv_file), "-c", path
+    )
+    assert code == 0, err
+    # `smtpguard suppress export acme | head -1`: the reader goes away after one line.
+    export = ["suppress", "export", "acme", "-c", path]
+    done = await asyncio.to_thread(
+        subprocess.run,
+        ["bash", "-c", 'set -o pipefail; "$@" | head -1', "-", sys.executable, "-m", "smtpguard", *export],
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.stdout == b"address,reason,at\n"
+    assert (done.returncode, done.stderr) == (0, b"")
