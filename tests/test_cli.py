@@ -407,3 +407,26 @@ async def test_export_into_a_closed_pipe_exits_quietly(
     )
     assert done.stdout == b"address,reason,at\n"
     assert (done.returncode, done.stderr) == (0, b"")
+
+
+def test_sink_without_hard_links_writes_new_directly_and_still_never_overwrites(tmp: Path) -> None:
+    # tmp/ on another filesystem than new/: a hard link between them fails (EXDEV), as it
+    # does on a filesystem without hard links.
+    import shutil
+    import tempfile
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp.stat().st_dev:
+        pytest.skip("needs /dev/shm on another filesystem")
+    maildir = tmp / "sink"
+    prepare(maildir)
+    elsewhere = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        (maildir / "tmp").rmdir()
+        (maildir / "tmp").symlink_to(elsewhere)
+        assert deliver(maildir, "one", b"first")
+        assert not deliver(maildir, "one", b"second")
+        assert (maildir / "new" / "one").read_bytes() == b"first"
+        assert list(elsewhere.iterdir()) == []
+    finally:
+        shutil.rmtree(elsewhere)
