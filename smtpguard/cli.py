@@ -761,6 +761,12 @@ _EPILOG = (
         f'with "schema": {JSON_SCHEMA}. See docs/runbook.md.'
     )
 )
+_DOCTOR_EPILOG = (
+    "exit codes:\n"
+    "  0  no check is an error (warnings allowed)\n"
+    "  1  at least one check is an error\n"
+    "  2  bad config, unknown zone or bad usage\n\n" + _EPILOG.split("\n\n", 1)[1]
+)
 _CONFIG_HELP = f"config file (default: $SMTPGUARD_CONFIG, else {DEFAULT_CONFIG})"
 
 
@@ -783,12 +789,13 @@ def build_parser() -> argparse.ArgumentParser:
         description: str,
         config: bool = True,
         json_: bool = True,
+        epilog: str = _EPILOG,
     ) -> argparse.ArgumentParser:
         sp = sub.add_parser(
             name,
             help=help_,
             description=description,
-            epilog=_EPILOG,
+            epilog=epilog,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         if config:
@@ -939,6 +946,7 @@ def build_parser() -> argparse.ArgumentParser:
         "tree, DKIM selectors, DMARC, MX; per provider a probe (connect, EHLO, STARTTLS with "
         "certificate checks, AUTH, QUIT; never MAIL). Exit 0 when no check is an error, 1 "
         "when one is, 2 for a bad config.",
+        epilog=_DOCTOR_EPILOG,
     )
     sp.add_argument("--zone", help="check this zone only")
     sp.add_argument("--no-probe", action="store_true", help="DNS checks only; no provider connection")

@@ -430,3 +430,17 @@ def test_sink_without_hard_links_writes_new_directly_and_still_never_overwrites(
         assert list(elsewhere.iterdir()) == []
     finally:
         shutil.rmtree(elsewhere)
+
+
+def test_doctor_help_gives_the_exit_codes_doctor_uses(tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command")
+    text = commands.choices["doctor"].format_help()  # type: ignore[index]
+    assert "2  bad config, unknown zone or bad usage" in text
+    assert "1  at least one check is an error" in text
+    assert EXIT_CODES[1] not in text
+    # And doctor does what it says: a bad config is 2.
+    bad = tmp / "bad.yaml"
+    bad.write_text("zones: [\n")
+    code, _, err = run(capsys, "doctor", "-c", str(bad), "--no-probe")
+    assert code == 2 and "invalid YAML" in err
