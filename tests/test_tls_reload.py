@@ -9,6 +9,7 @@ import datetime
 import shutil
 import socket
 import ssl
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -148,3 +149,38 @@ async def test_a_reload_from_rsa_to_ecdsa_leaves_no_rsa_certificate(tmp: Path, u
         for port, starttls in zip(guard.ports, (True, False), strict=True):
             with pytest.raises((ssl.SSLError, ConnectionError)):
                 await asyncio.to_thread(served, port, starttls, rsa_only())
+
+
+async def test_reloads_racing_a_renewal_never_leave_a_broken_context(tmp: Path, upstream: Upstream) -> None:
+    """A renewal hook rewriting cert then key, over and over, while reloads run: each reload
+    is applied or refused (never raises), and every handshake after it completes with one
+    of the two whole pairs."""
+    cert, key = make_cert(tmp)
+    cfg = tls_config(tmp, upstream, cert, key)
+    renewed = tmp / "renewed"
+    renewed.mkdir()
+    new_cert, new_key = make_cert(renewed)
+    pairs = [(cert.read_bytes(), key.read_bytes()), (new_cert.read_bytes(), new_key.read_bytes())]
+    served_ok = {der_of(tmp / "cert.pem"), der_of(renewed / "cert.pem")}
+    stop = threading.Event()
+
+    def renew() -> None:
+        i = 0
+        while not stop.is_set():
+            c, k = pairs[i % 2]
+            cert.write_bytes(c)
+            key.write_bytes(k)
+            i += 1
+
+    async with running_guard(cfg, config_path=tmp / "smtpguard.yaml") as guard:
+        writer = threading.Thread(target=renew, daemon=True)
+        writer.start()
+        try:
+            outcomes = []
+            for _ in range(100):
+                outcomes.append(await guard.reload())
+                assert await asyncio.to_thread(served, guard.ports[1], False) in served_ok
+        finally:
+            stop.set()
+            writer.join(5)
+        assert any(outcomes)
