@@ -724,7 +724,10 @@ class _Commands(argparse._SubParsersAction):  # type: ignore[type-arg]
         if self.dest is not argparse.SUPPRESS:
             setattr(namespace, self.dest, name)
         try:
-            subns, extra = sub.parse_known_intermixed_args(rest)
+            if "--" in rest:
+                subns, extra = sub.parse_known_args(_positionals_last(sub, rest))
+            else:
+                subns, extra = sub.parse_known_intermixed_args(rest)
         except TypeError:
             # A command with subcommands of its own cannot be parsed intermixed.
             subns, extra = sub.parse_known_args(rest)
@@ -732,6 +735,29 @@ class _Commands(argparse._SubParsersAction):  # type: ignore[type-arg]
             setattr(namespace, key, value)
         if extra:
             sub.error(f"unrecognized arguments: {' '.join(extra)}")
+
+
+def _positionals_last(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
+    """`args` with everything after the first `--` kept as positionals (a key or an address
+    may start with '-'): options before it first, then `--`, then the positionals before it,
+    then those after. (Intermixed parsing ignores `--` on Python 3.11.)"""
+    cut = args.index("--")
+    before, after = args[:cut], args[cut + 1 :]
+    options: list[str] = []
+    positionals: list[str] = []
+    i = 0
+    while i < len(before):
+        token = before[i]
+        i += 1
+        if not token.startswith("-") or token == "-":
+            positionals.append(token)
+            continue
+        options.append(token)
+        action = parser._option_string_actions.get(token)
+        if action is not None and action.nargs != 0 and i < len(before):
+            options.append(before[i])  # the option's value, whatever it looks like
+            i += 1
+    return [*options, "--", *positionals, *after]
 
 
 _EPILOG = (
@@ -742,6 +768,12 @@ _EPILOG = (
         f"{DEFAULT_CONFIG}; the CLI works on the store named there. --json output is an object "
         f'with "schema": {JSON_SCHEMA}. See docs/runbook.md.'
     )
+)
+_DOCTOR_EPILOG = (
+    "exit codes:\n"
+    "  0  no check is an error (warnings allowed)\n"
+    "  1  at least one check is an error\n"
+    "  2  bad config, unknown zone or bad usage\n\n" + _EPILOG.split("\n\n", 1)[1]
 )
 _CONFIG_HELP = f"config file (default: $SMTPGUARD_CONFIG, else {DEFAULT_CONFIG})"
 
@@ -765,12 +797,13 @@ def build_parser() -> argparse.ArgumentParser:
         description: str,
         config: bool = True,
         json_: bool = True,
+        epilog: str = _EPILOG,
     ) -> argparse.ArgumentParser:
         sp = sub.add_parser(
             name,
             help=help_,
             description=description,
-            epilog=_EPILOG,
+            epilog=epilog,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         if config:
@@ -921,6 +954,7 @@ def build_parser() -> argparse.ArgumentParser:
         "tree, DKIM selectors, DMARC, MX; per provider a probe (connect, EHLO, STARTTLS with "
         "certificate checks, AUTH, QUIT; never MAIL). Exit 0 when no check is an error, 1 "
         "when one is, 2 for a bad config.",
+        epilog=_DOCTOR_EPILOG,
     )
     sp.add_argument("--zone", help="check this zone only")
     sp.add_argument("--no-probe", action="store_true", help="DNS checks only; no provider connection")
@@ -973,6 +1007,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_STORE
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `smtpguard suppress export ZONE | head`: the reader has what it wanted. Nothing to
+        # say, and nothing left to flush at exit either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as e:
         # The path is what an operator needs to fix it: "Permission denied" alone is not.
         where = f"{e.filename}: " if e.filename else ""

@@ -759,6 +759,8 @@ def parse_yaml(text: str, source: str = "<config>") -> tuple[yaml.Node | None, A
     try:
         try:
             node = loader.get_single_node()
+        except RecursionError:
+            raise ConfigError([f"{source}: nested too deeply"]) from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" (line {mark.line + 1})" if mark is not None else ""
@@ -766,7 +768,10 @@ def parse_yaml(text: str, source: str = "<config>") -> tuple[yaml.Node | None, A
             raise ConfigError([f"{source}{where}: invalid YAML: {problem}"]) from None
         if node is None:
             return None, None
-        duplicates = _duplicate_keys(node, "", set())
+        try:
+            duplicates = _duplicate_keys(node)
+        except _TooDeep as e:
+            raise ConfigError([f"{source} (line {e.line}): nested too deeply"]) from None
         if duplicates:
             raise ConfigError([f"{source}: {d}" for d in duplicates])
         try:
@@ -780,15 +785,40 @@ def parse_yaml(text: str, source: str = "<config>") -> tuple[yaml.Node | None, A
         loader.dispose()
 
 
-def _duplicate_keys(node: yaml.Node, path: str, seen: set[int]) -> list[str]:
-    if id(node) in seen:  # an alias: its node was checked where the anchor is
-        return []
-    seen.add(id(node))
+_MAX_DEPTH = 64
+"""No config section nests anywhere near this deep; past it, a document is refused before
+anything walks it recursively."""
+_MERGE = "tag:yaml.org,2002:merge"
+
+
+class _TooDeep(Exception):
+    def __init__(self, line: int) -> None:
+        self.line = line
+
+
+def _duplicate_keys(root: yaml.Node) -> list[str]:
+    """Every key given twice in one mapping, including inside a merge (`<<:`) value; a walk
+    with its own stack, so depth costs no recursion. Raises _TooDeep past _MAX_DEPTH."""
     out: list[str] = []
-    if isinstance(node, yaml.MappingNode):
-        lines: dict[str, int] = {}
-        for k, v in node.value:
-            if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+    seen: set[int] = set()
+    todo: list[tuple[yaml.Node, str, int]] = [(root, "", 0)]
+    while todo:
+        node, path, depth = todo.pop()
+        if id(node) in seen:  # an alias: its node was checked where the anchor is
+            continue
+        seen.add(id(node))
+        if depth > _MAX_DEPTH:
+            raise _TooDeep(node.start_mark.line + 1)
+        children: list[tuple[yaml.Node, str, int]] = []
+        if isinstance(node, yaml.MappingNode):
+            lines: dict[str, int] = {}
+            for k, v in node.value:
+                if not isinstance(k, yaml.ScalarNode):
+                    continue
+                if k.tag == _MERGE:
+                    # The merged mapping (or list of them) is checked as part of this one's path.
+                    children.append((v, path, depth + 1))
+                    continue
                 line = k.start_mark.line + 1
                 here = f"{path}.{k.value}" if path else str(k.value)
                 if k.value in lines:
@@ -798,10 +828,10 @@ def _duplicate_keys(node: yaml.Node, path: str, seen: set[int]) -> list[str]:
                     )
                 else:
                     lines[k.value] = line
-                out += _duplicate_keys(v, here, seen)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            out += _duplicate_keys(item, f"{path}[{i}]", seen)
+                children.append((v, here, depth + 1))
+        elif isinstance(node, yaml.SequenceNode):
+            children = [(item, f"{path}[{i}]", depth + 1) for i, item in enumerate(node.value)]
+        todo.extend(reversed(children))
     return out
 
 
@@ -855,16 +885,18 @@ def _describe(err: Any, root: yaml.Node | None, source: str, schema: type[BaseMo
     elif kind in _BOUNDS:
         ctx = err.get("ctx") or {}
         word, name = _BOUNDS[kind]
-        msg = f"must be {word} {ctx.get(name)}, got {err.get('input')!r}"
+        msg = f"must be {word} {ctx.get(name)}, got {_shown(loc, err.get('input'))}"
     elif kind in ("too_short", "string_too_short"):
         n = (err.get("ctx") or {}).get("min_length")
         msg = "must not be empty" if n == 1 else f"needs at least {n} entries"
     elif kind == "literal_error":
         expected = str((err.get("ctx") or {}).get("expected", "")).replace("'", "")
-        msg = f"{err.get('input')!r} is not one of: {expected.replace(' or ', ', ')}"
+        msg = f"{_shown(loc, err.get('input'))} is not one of: {expected.replace(' or ', ', ')}"
+    elif kind == "is_instance_of" and (err.get("ctx") or {}).get("class") == "Path":
+        msg = f"expected a file path, got {_shown(loc, err.get('input'))}"
     elif kind in _TYPE_NAMES:
         got = err.get("input")
-        msg = f"expected {_TYPE_NAMES[kind]}, got {got!r}"
+        msg = f"expected {_TYPE_NAMES[kind]}, got {_shown(loc, got)}"
         if isinstance(got, str) and _unquoted_would_do(kind, got):
             msg += " (a quoted string: write it without quotes)"
         elif kind == "bool_type" and isinstance(got, str):
@@ -873,6 +905,20 @@ def _describe(err: Any, root: yaml.Node | None, source: str, schema: type[BaseMo
     if line:
         where += f" (line {line})"
     return f"{where}: {msg}"
+
+
+_SECRET_FIELD = re.compile(r"password|secret|key", re.IGNORECASE)
+_SHOWN_MAX = 60
+
+
+def _shown(loc: list[Any], value: object) -> str:
+    """A refused value as an error may echo it: hidden under a field that may hold a secret
+    (password…, …secret…, …key…), cut short when long."""
+    field = next((str(p) for p in reversed(loc) if isinstance(p, str)), "")
+    if _SECRET_FIELD.search(field) and field != "missing_key":
+        return "(a value, not shown)"
+    text = repr(value)
+    return text if len(text) <= _SHOWN_MAX else text[: _SHOWN_MAX - 1] + "…"
 
 
 def _unquoted_would_do(kind: str, text: str) -> bool:
@@ -983,11 +1029,12 @@ def _line_of(node: yaml.Node | None, loc: list[Any]) -> int | None:
     for part in loc:
         if isinstance(node, yaml.MappingNode):
             nxt = None
+            # The last match: after a merge (`<<:`) PyYAML puts the merged pairs first, and
+            # the key that overrides one of them is the one that counts.
             for k, v in node.value:
                 if isinstance(k, yaml.ScalarNode) and k.value == str(part):
                     nxt = v
                     line = k.start_mark.line + 1
-                    break
             if nxt is None:
                 return line
             node = nxt

@@ -45,13 +45,38 @@ class JSONFormatter(logging.Formatter):
         return json.dumps(_fields(record), default=str, separators=(",", ":"))
 
 
+_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _unsafe(c: str) -> bool:
+    return c in ' ="' or not c.isprintable()
+
+
+def logfmt_value(value: object, space_ok: bool = False) -> str:
+    """A value as logfmt writes it: bare when it is one plain word, else in double quotes
+    with backslash escapes, so a client's Message-ID `<x@y> zone=globex` stays one field."""
+    text = str(value)
+    if text and not any(_unsafe(c) and not (space_ok and c == " ") for c in text):
+        return text
+    out = []
+    for c in text:
+        if c in _ESCAPES:
+            out.append(_ESCAPES[c])
+        elif not c.isprintable() and c != " ":
+            out.append(f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+        else:
+            out.append(c)
+    return '"' + "".join(out) + '"'
+
+
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         f = _fields(record)
-        head = f"{f.pop('time')} {str(f.pop('level')).upper():7} {f.pop('msg')}"
+        msg = logfmt_value(f.pop("msg"), space_ok=True)
+        head = f"{f.pop('time')} {str(f.pop('level')).upper():7} {msg}"
         f.pop("logger", None)
         trace = [str(f.pop(k)) for k in ("traceback", "stack") if k in f]
-        line = head + "".join(f" {k}={v}" for k, v in f.items())
+        line = head + "".join(f" {k}={logfmt_value(v)}" for k, v in f.items())
         for block in trace:
             line += "\n" + "\n".join("    " + t for t in block.splitlines())
         return line

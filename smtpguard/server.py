@@ -76,9 +76,14 @@ def stat_name(decision: str) -> str:
 def tls_context(config: Config) -> ssl.SSLContext | None:
     if config.tls is None:
         return None
+    return certificate_context(config.tls)
+
+
+def certificate_context(files: TLSFiles) -> ssl.SSLContext:
+    """A fresh server context holding exactly this certificate and key (one read of each)."""
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    load_certificate(ctx, config.tls)
+    load_certificate(ctx, files)
     return ctx
 
 
@@ -138,8 +143,11 @@ class Server:
         self.unfit_event = asyncio.Event()
         self.prober: Prober | None = None
         self.ssl_ctx: ssl.SSLContext | None = None
-        """The listeners' one TLS context: a reload loads renewed files into it in place, so
-        new handshakes on every listener (STARTTLS and implicit) use the new certificate."""
+        """The listeners' TLS context, never changed after start: its SNI callback moves each
+        new handshake (STARTTLS and implicit) onto `tls_current`."""
+        self.tls_current: ssl.SSLContext | None = None
+        """The context of the certificate served now; a reload replaces it with a fresh one
+        built from one read of the renewed files, so a bad pair leaves it untouched."""
         self.draining = False
 
     def clock(self) -> float:
@@ -156,7 +164,9 @@ class Server:
         config = self.config
         secrets = provider_secrets(config)
         sources = _event_sources(config)
-        ssl_ctx = self.ssl_ctx = tls_context(config)
+        ssl_ctx = self.ssl_ctx = self.tls_current = tls_context(config)
+        if ssl_ctx is not None:
+            ssl_ctx.sni_callback = self._select_certificate
         self._cert_gauge(config)
         password = read_secret(config.store.password_env, config.store.password_file, "store")
         self.store = store_from_url(config.store.url, password=password)
@@ -409,9 +419,7 @@ class Server:
             if self.handler is not None:
                 self.metrics.connections.set(self.handler.connections.total)
             try:
-                depth: defaultdict[tuple[str, str], int] = defaultdict(int)
-                for e in await self.store.queue_entries(None):
-                    depth[(e.zone, e.lane)] += 1
+                depth = await self.store.queue_depths()
             except StoreUnavailable:
                 self.metrics.event("store_error:gauges")
             else:
@@ -486,6 +494,14 @@ class Server:
                 log.warning("purge skipped: store unavailable", extra={"error": str(e)})
             await asyncio.sleep(PURGE_INTERVAL)
 
+    def _select_certificate(
+        self, conn: ssl.SSLObject | ssl.SSLSocket, _name: str | None, ctx: ssl.SSLContext
+    ) -> None:
+        """Called by OpenSSL for every ClientHello, with or without SNI."""
+        current = self.tls_current
+        if current is not None and current is not ctx:
+            conn.context = current
+
     def _cert_gauge(self, config: Config) -> None:
         not_after = certificate_not_after(config.tls.cert) if config.tls is not None else None
         if not_after is not None:
@@ -549,12 +565,25 @@ class Server:
         if self.config_path is None or self.handler is None or self.route is None:
             return False
         try:
+            return await self._reload()
+        except Exception as e:
+            # Whatever went wrong, the running config (and certificate) keeps serving.
+            self.metrics.reloads.labels("refused").inc()
+            log.error(
+                "reload refused; keeping the running config", extra={"error": f"{type(e).__name__}: {e}"}
+            )
+            return False
+
+    async def _reload(self) -> bool:
+        assert self.config_path is not None and self.handler is not None and self.route is not None
+        try:
             new = load(self.config_path)
             rebuild = new.providers != self.config.providers or _event_tags(new) != _event_tags(self.config)
             secrets = provider_secrets(new) if rebuild else None
             # Re-read on every SIGHUP: a key file rewritten in place is a rotation too.
             sources = _event_sources(new)
-            # Loaded into a scratch context first: a bad pair must not half-replace the live one.
+            # One read of the files into a fresh context; the live one is never touched, so a
+            # pair caught mid-renewal (new cert, old key) is refused and the old one serves.
             fresh_tls = tls_context(new) if self.ssl_ctx is not None else None
         except ConfigError as e:
             self.metrics.reloads.labels("refused").inc()
@@ -562,8 +591,8 @@ class Server:
             return False
         if new.listen != self.config.listen or new.store != self.config.store:
             log.warning("listen and store changes take effect only after a restart")
-        if self.ssl_ctx is not None and new.tls is not None and fresh_tls is not None:
-            load_certificate(self.ssl_ctx, new.tls)
+        if fresh_tls is not None:
+            self.tls_current = fresh_tls
             self._cert_gauge(new)
         elif new.tls != self.config.tls:
             log.warning("adding or removing the tls section takes effect only after a restart")
@@ -672,8 +701,10 @@ async def run(config: Config, config_path: Path | None) -> None:
 
     async def reload() -> None:
         notify.reloading()
-        await server.reload()
-        notify.ready(f"serving {len(server.config.zones)} zone(s)")
+        try:
+            await server.reload()
+        finally:
+            notify.ready(f"serving {len(server.config.zones)} zone(s)")
 
     def on_hup() -> None:
         task = asyncio.create_task(reload())

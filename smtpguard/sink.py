@@ -3,7 +3,8 @@
 For demos and staging, where a real provider must never be reached. A message is never
 written over another: names carry the time, the process id and a random part (a restarted
 sink starts its counter again), the file is created exclusively in tmp/, and it is linked
-into new/, which fails on an existing name instead of replacing it the way rename would.
+into new/, which fails on an existing name instead of replacing it the way rename would
+(where hard links are not possible, new/ is written directly, created exclusively).
 """
 
 from __future__ import annotations
@@ -54,6 +55,17 @@ def deliver(maildir: Path, name: str, data: bytes) -> bool:
         os.link(tmp, maildir / "new" / name)
     except FileExistsError:
         return False
+    except OSError:
+        # No hard links here (a filesystem without them, or tmp/ and new/ on two devices):
+        # create the name exclusively in new/ and write it there. Still never over another
+        # message; a reader may see the file before it is complete.
+        try:
+            with open(maildir / "new" / name, "xb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except FileExistsError:
+            return False
     finally:
         tmp.unlink()
     return True

@@ -5,6 +5,7 @@ BOM, OS errors that keep the path, and a sink that never overwrites a message.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -278,3 +279,168 @@ async def test_a_restarted_sink_keeps_every_message(tmp: Path) -> None:
         if line.startswith(b"X-Event-Key:")
     )
     assert keys == [f"r{r}-{i}" for r in range(2) for i in range(3)]
+
+
+async def test_double_dash_ends_the_options_for_keys_and_addresses_starting_with_a_dash(
+    tmp: Path, upstream: Upstream, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = base_config(tmp, upstream.port)
+    path = str(write_config(tmp / "smtpguard.yaml", cfg))
+    async with running_guard(cfg) as guard:
+        for key in ("--json", "-k1"):
+            assert (await send(guard.ports[0], message(key))).code == 250
+    for argv, key in (
+        (["history", "-c", path, "--", "acme", "--json"], "--json"),
+        (["history", "-c", path, "acme", "--", "--json"], "--json"),
+        (["history", "--json", "-c", path, "--", "acme", "-k1"], "-k1"),
+    ):
+        code, out, err = await asyncio.to_thread(run, capsys, *argv)
+        assert code == 0, (argv, err)
+        if argv[1] == "--json":
+            assert document(out)["key"] == key
+        else:
+            assert key in out and not out.lstrip().startswith("{"), out
+    code, _, err = await asyncio.to_thread(
+        run, capsys, "suppress", "add", "-c", path, "--reason", "test", "--", "acme", "-x@example.com"
+    )
+    assert code == 0, err
+    code, out, err = await asyncio.to_thread(run, capsys, "suppress", "list", "acme", "--json", "-c", path)
+    assert code == 0, err
+    assert "-x@example.com" in out
+
+
+# The tables of an earlier version's store (commit 08b576c): no probes, provider_events,
+# zone_audit or nonces, and none of the later indexes on events.
+_OLD_SCHEMA = """
+CREATE TABLE events (
+    zone TEXT NOT NULL, key TEXT NOT NULL, version INTEGER NOT NULL, state TEXT NOT NULL,
+    updated_at REAL NOT NULL, data TEXT NOT NULL, PRIMARY KEY (zone, key)) WITHOUT ROWID;
+CREATE INDEX events_updated ON events (updated_at);
+CREATE TABLE sends (
+    zone TEXT NOT NULL, token TEXT NOT NULL, at REAL NOT NULL, month TEXT NOT NULL,
+    PRIMARY KEY (zone, token)) WITHOUT ROWID;
+CREATE INDEX sends_zone_at ON sends (zone, at);
+CREATE TABLE send_counts (zone TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID;
+CREATE TABLE monthly (
+    zone TEXT NOT NULL, month TEXT NOT NULL, used INTEGER NOT NULL,
+    PRIMARY KEY (zone, month)) WITHOUT ROWID;
+CREATE TABLE paused (zone TEXT PRIMARY KEY);
+CREATE TABLE suppression (
+    zone TEXT NOT NULL, address TEXT NOT NULL, reason TEXT NOT NULL, at REAL NOT NULL,
+    PRIMARY KEY (zone, address)) WITHOUT ROWID;
+CREATE TABLE supp_versions (zone TEXT PRIMARY KEY, v INTEGER NOT NULL) WITHOUT ROWID;
+CREATE TABLE auth_failures (ip TEXT NOT NULL, at REAL NOT NULL);
+CREATE INDEX auth_failures_ip_at ON auth_failures (ip, at);
+CREATE TABLE queue (
+    zone TEXT NOT NULL, key TEXT NOT NULL, lane TEXT NOT NULL, priority INTEGER NOT NULL,
+    due_at REAL NOT NULL, claimed_until REAL, enqueued_at REAL NOT NULL, sender TEXT NOT NULL,
+    recipients TEXT NOT NULL, content BLOB NOT NULL, smtputf8 INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (zone, key)) WITHOUT ROWID;
+CREATE INDEX queue_lane_due ON queue (lane, due_at);
+CREATE TABLE circuits (
+    instance TEXT NOT NULL, provider TEXT NOT NULL, circuit TEXT NOT NULL, at REAL NOT NULL,
+    PRIMARY KEY (instance, provider)) WITHOUT ROWID;
+CREATE TABLE counters (
+    zone TEXT NOT NULL, name TEXT NOT NULL, value INTEGER NOT NULL,
+    PRIMARY KEY (zone, name)) WITHOUT ROWID;
+"""
+
+
+async def test_a_store_of_an_older_version_reads_as_empty_where_its_tables_are_missing(
+    tmp: Path, upstream: Upstream, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sqlite3
+
+    await filled_store(tmp, upstream)
+    current = tmp / "state.db"
+    cfg = base_config(tmp, upstream.port)
+    assert cfg["store"]["url"].endswith(str(current))
+    # The same rows in a file with the earlier version's tables only.
+    old = tmp / "old.db"
+    with contextlib.closing(sqlite3.connect(old)) as conn:
+        conn.executescript(_OLD_SCHEMA)
+        conn.execute("ATTACH DATABASE ? AS cur", (str(current),))
+        for table in ("events", "sends", "send_counts", "monthly", "counters"):
+            conn.execute(f"INSERT INTO {table} SELECT * FROM cur.{table}")
+        conn.commit()
+    cfg["store"] = {"url": f"sqlite:///{old}"}
+    path = write_config(tmp / "old.yaml", cfg)
+    before = {r for (r,) in sqlite3.connect(old).execute("SELECT name FROM sqlite_master")}
+    for argv in (
+        ["stats", "--json"],
+        ["history", "acme", "k1", "--json"],
+        ["list", "acme", "--json"],
+        ["list", "acme", "--state", "delivered", "--json"],
+        ["suppress", "list", "acme", "--json"],
+        ["queue", "list", "--json"],
+    ):
+        code, out, err = await asyncio.to_thread(run, capsys, *argv, "-c", str(path))
+        assert code == 0, (argv, err)
+        doc = document(out)
+        if argv[0] == "history":
+            assert doc["state"] == "delivered" and doc["audit"] == []
+        if argv[0] == "list":
+            assert "k1" in out
+    # Read-only: the file is not upgraded behind serve's back.
+    assert {r for (r,) in sqlite3.connect(old).execute("SELECT name FROM sqlite_master")} == before
+
+
+async def test_export_into_a_closed_pipe_exits_quietly(
+    tmp: Path, upstream: Upstream, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import subprocess
+
+    path = str(await filled_store(tmp, upstream))
+    csv_file = tmp / "many.csv"
+    csv_file.write_text("".join(f"user{i}@example.com,bounced\n" for i in range(5000)))
+    code, _, err = await asyncio.to_thread(
+        run, capsys, "suppress", "import", "acme", str(csv_file), "-c", path
+    )
+    assert code == 0, err
+    # `smtpguard suppress export acme | head -1`: the reader goes away after one line.
+    export = ["suppress", "export", "acme", "-c", path]
+    done = await asyncio.to_thread(
+        subprocess.run,
+        ["bash", "-c", 'set -o pipefail; "$@" | head -1', "-", sys.executable, "-m", "smtpguard", *export],
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.stdout == b"address,reason,at\n"
+    assert (done.returncode, done.stderr) == (0, b"")
+
+
+def test_sink_without_hard_links_writes_new_directly_and_still_never_overwrites(tmp: Path) -> None:
+    # tmp/ on another filesystem than new/: a hard link between them fails (EXDEV), as it
+    # does on a filesystem without hard links.
+    import shutil
+    import tempfile
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp.stat().st_dev:
+        pytest.skip("needs /dev/shm on another filesystem")
+    maildir = tmp / "sink"
+    prepare(maildir)
+    elsewhere = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        (maildir / "tmp").rmdir()
+        (maildir / "tmp").symlink_to(elsewhere)
+        assert deliver(maildir, "one", b"first")
+        assert not deliver(maildir, "one", b"second")
+        assert (maildir / "new" / "one").read_bytes() == b"first"
+        assert list(elsewhere.iterdir()) == []
+    finally:
+        shutil.rmtree(elsewhere)
+
+
+def test_doctor_help_gives_the_exit_codes_doctor_uses(tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command")
+    text = commands.choices["doctor"].format_help()  # type: ignore[index]
+    assert "2  bad config, unknown zone or bad usage" in text
+    assert "1  at least one check is an error" in text
+    assert EXIT_CODES[1] not in text
+    # And doctor does what it says: a bad config is 2.
+    bad = tmp / "bad.yaml"
+    bad.write_text("zones: [\n")
+    code, _, err = run(capsys, "doctor", "-c", str(bad), "--no-probe")
+    assert code == 2 and "invalid YAML" in err

@@ -219,3 +219,59 @@ def test_cross_field_errors_name_the_fields_line(
 def test_the_shipped_config_and_the_documented_example_still_load() -> None:
     root = Path(__file__).resolve().parents[1]
     loads((root / "conf" / "smtpguard.yaml").read_text())
+
+
+def test_a_duplicate_key_inside_a_merge_value_is_refused(
+    tmp: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = base_text(tmp).replace(
+        "    plan: business\n",
+        "    <<: {plan: business, hourly_cap: 5,\n      hourly_cap: 50}\n",
+    )
+    err = check(tmp, text, capsys)
+    a, b = line_of(text, "hourly_cap: 5"), line_of(text, "hourly_cap: 50}")
+    assert f"zones.acme.hourly_cap (lines {a} and {b}): duplicate key" in err
+    # An anchor merged through an alias is checked where the anchor is.
+    text = base_text(tmp).replace(
+        "    plan: business\n", "    plan: business\n    x-defaults: &d {hourly_cap: 5, hourly_cap: 6}\n"
+    )
+    assert "zones.acme.x-defaults.hourly_cap" in check(tmp, text, capsys)
+
+
+def test_an_error_on_a_key_overriding_a_merged_one_names_its_own_line(
+    tmp: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = base_text(tmp).replace(
+        "  globex:\n    plan: solo\n", "  globex:\n    <<: {plan: solo}\n    plan: gold\n"
+    )
+    err = check(tmp, text, capsys)
+    assert f"zones.globex.plan (line {line_of(text, 'plan: gold')})" in err
+
+
+@pytest.mark.parametrize("depth", [998, 1500])
+def test_deeply_nested_yaml_is_one_line_not_a_traceback(
+    tmp: Path, capsys: pytest.CaptureFixture[str], depth: int
+) -> None:
+    text = base_text(tmp) + "x-deep: " + "[" * depth + "]" * depth + "\n"
+    err = check(tmp, text, capsys)
+    assert len(err.strip().splitlines()) == 1, err
+    assert "nested too deeply" in err or "nesting depth" in err
+    with pytest.raises(ConfigError):
+        loads(text)
+
+
+def test_errors_speak_plainly_hide_secrets_and_cut_long_values(
+    tmp: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = base_config(tmp, 2525)
+    cfg["tls"] = {"cert": 5, "key": str(tmp / "key.pem")}
+    cfg["zones"]["acme"]["users"][0]["password_hash"] = 123456
+    cfg["zones"]["acme"]["plan"] = "x" * 300
+    cfg["zones"]["acme"]["missing_key"] = "rejectt"
+    text = write_config(tmp / "c.yaml", cfg).read_text()
+    err = check(tmp, text, capsys)
+    assert "tls.cert" in err and "expected a file path, got 5" in err
+    assert "instance of" not in err
+    assert "password_hash" in err and "123456" not in err
+    assert "x" * 80 not in err and "…" in err
+    assert "'rejectt' is not one of" in err

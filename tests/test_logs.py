@@ -119,3 +119,57 @@ def test_event_key_is_the_one_name_for_the_key_in_every_log_line() -> None:
                 line = source.count("\n", 0, m.start()) + 1
                 offenders.append(f"{path.relative_to(ROOT)}:{line}")
     assert not offenders, offenders
+
+
+_QUOTED = r'"(?:[^"\\]|\\.)*"'
+_HEAD = re.compile(rf"\S+ \S+ +(?:{_QUOTED}|\S+)")
+_PAIR = re.compile(rf' ([a-z_]+)=({_QUOTED}|[^ "]*)')
+
+
+def logfmt_fields(line: str) -> list[tuple[str, str]]:
+    """The fields of one text line, read strictly left to right after the time, level and
+    message, as a logfmt reader would."""
+    head = _HEAD.match(line)
+    assert head is not None, line
+    out, at = [], head.end()
+    while at < len(line):
+        m = _PAIR.match(line, at)
+        assert m is not None, f"not logfmt at {at}: {line}"
+        k, v = m.groups()
+        out.append((k, json.loads(v.replace("\\x", "\\u00")) if v.startswith('"') else v))
+        at = m.end()
+    return out
+
+
+async def test_text_logs_quote_values_so_a_client_cannot_forge_fields(tmp: Path, upstream: Upstream) -> None:
+    port = free_port()
+    cfg = base_config(tmp, upstream.port, log={"format": "text", "level": "info"})
+    cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
+    log_path = tmp / "guard.log"
+    proc = GuardProcess(write_config(tmp / "smtpguard.yaml", cfg), log_path)
+    forged = '<x@y> zone=globex decision=duplicate "q" \\'
+    raw = (
+        message("forge:1")
+        .as_bytes()
+        .replace(b"X-Event-Key:", f"Message-ID: {forged}\r\nX-Event-Key:".encode())
+    )
+    proc.start()
+    try:
+        await proc.wait_port(port)
+        assert (await send(port, raw)).code == 250
+    finally:
+        assert await proc.astop() == 0
+    (line,) = [x for x in log_path.read_text().splitlines() if " decision " in x and "forge:1" in x]
+    fields = logfmt_fields(line)
+    assert [v for k, v in fields if k == "zone"] == ["acme"], line
+    assert [v for k, v in fields if k == "decision"] == ["relayed"], line
+    assert dict(fields)["message_id"] == forged
+
+
+def test_text_logs_escape_control_characters() -> None:
+    logger, out = log_with(TextFormatter())
+    logger.info("a message with zone=x in it", extra={"event_key": "k\nlevel=error\x00\u2028", "empty": ""})
+    (line,) = out.getvalue().splitlines()
+    fields = dict(logfmt_fields(line))
+    assert fields == {"event_key": "k\nlevel=error\x00\u2028", "empty": ""}, line
+    assert '"a message with zone=x in it"' in line

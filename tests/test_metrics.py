@@ -264,3 +264,39 @@ async def test_store_errors_are_counted_where_they_happen(tmp: Path, upstream: U
         _, body = await http_get(guard.health.port, "/metrics")
     assert (refused.code, refused.enhanced) == (451, "4.3.0"), refused
     assert sample(body, "smtpguard_store_errors_total", where="auth") == 1
+
+
+async def test_a_refused_reload_still_tells_systemd_ready(
+    tmp: Path, upstream: Upstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    notify_path = tmp / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(notify_path))
+    sock.setblocking(False)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(notify_path))
+    cfg = base_config(tmp, upstream.port)
+    port = free_port()
+    cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
+    path = write_config(tmp / "smtpguard.yaml", cfg)
+    proc = GuardProcess(path, tmp / "guard.log")
+    loop = asyncio.get_running_loop()
+
+    async def datagram() -> dict[str, str]:
+        data = await asyncio.wait_for(loop.sock_recv(sock, 4096), 15)
+        return dict(line.split("=", 1) for line in data.decode().splitlines())
+
+    proc.start()
+    try:
+        assert (await datagram())["READY"] == "1"
+        assert proc.proc is not None
+        # A file the reload cannot use (here nested far too deep): refused, and systemd is
+        # told READY again, or `systemctl reload` would wait for it until its timeout.
+        path.write_text(path.read_text() + "x-deep: " + "[" * 998 + "]" * 998 + "\n")
+        proc.proc.send_signal(signal.SIGHUP)
+        assert (await datagram())["RELOADING"] == "1"
+        assert (await datagram())["READY"] == "1"
+        assert (await send(port, message("n1"))).code == 250
+    finally:
+        await proc.astop()
+        sock.close()
+    assert "Traceback" not in (tmp / "guard.log").read_text()

@@ -317,3 +317,15 @@ async def test_sink_command_writes_a_maildir(tmp: Path) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 10) == 0
+
+
+async def test_a_reload_of_deeply_nested_yaml_is_refused_and_counted(tmp: Path, upstream: Upstream) -> None:
+    cfg = base_config(tmp, upstream.port, metrics={"address": "127.0.0.1:0"})
+    path = tmp / "smtpguard.yaml"
+    async with running_guard(cfg, config_path=path) as guard:
+        path.write_text(path.read_text() + "x-deep: " + "[" * 998 + "]" * 998 + "\n")
+        assert not await guard.reload()
+        assert (await send(guard.ports[0], message("deep1"))).code == 250
+        assert guard.health is not None
+        _, body = await http_get(guard.health.port, "/metrics")
+    assert sample(body, "smtpguard_config_reloads_total", result="refused") == 1

@@ -1380,3 +1380,26 @@ async def test_sqlite_counts_the_records_of_a_file_that_predates_the_counts(tmp_
         assert await s.state_counts("acme") == {"unknown": 1, "delivered": 5}
     finally:
         await s.close()
+
+
+async def test_queue_depths_count_entries_per_zone_and_lane(store: Store) -> None:
+    assert await store.queue_depths() == {}
+    await put_queued(
+        store,
+        queued("q1"),
+        queued("q2"),
+        queued("q3", lane="otp"),
+        queued("g1", zone="globex", lane="bulk"),
+    )
+    assert await store.queue_depths() == {
+        ("acme", "transactional"): 2,
+        ("acme", "otp"): 1,
+        ("globex", "bulk"): 1,
+    }
+    # A claimed entry is still on the queue; one taken off it is not counted, nor its empty lane.
+    [claimed] = await store.claim(NOW, [("otp", 5)], LEASE)
+    assert (await store.queue_depths())[("acme", "otp")] == 1
+    assert await store.requeue(settled(claimed.record, NOW + 1), 1, None) is None
+    depths = await store.queue_depths()
+    assert depths == {("acme", "transactional"): 2, ("globex", "bulk"): 1}
+    assert depths == dict(Counter((e.zone, e.lane) for e in await store.queue_entries(None)))

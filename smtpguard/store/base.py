@@ -214,6 +214,10 @@ class Store(Protocol):
 
     async def queue_entries(self, zone: str | None) -> list[QueueEntry]: ...
 
+    async def queue_depths(self) -> dict[tuple[str, str], int]:
+        """Entries per (zone, lane), lanes with none left out: a count, cheap enough for a
+        gauge every few seconds (queue_entries reads every entry)."""
+
     async def queue_lanes(self) -> set[str]:
         """The lanes that hold entries now, in any zone (the worker serves lanes no
         configured class names any more)."""

@@ -1128,6 +1128,20 @@ class RedisStore:
         return [entry for _, _, entry in out]
 
     @_translated
+    async def queue_depths(self) -> dict[tuple[str, str], int]:
+        zones = sorted(set(await self._smembers(_QUEUED_ZONES)) | set(await self._smembers(_ZONES)))
+        async with self._r.pipeline(transaction=False) as pipe:
+            for z in zones:
+                pipe.smembers(_zone_key(z, "lanes"))
+            lane_sets: list[set[Any]] = await pipe.execute()
+        pairs = [(z, str(lane)) for z, lanes in zip(zones, lane_sets, strict=True) for lane in sorted(lanes)]
+        async with self._r.pipeline(transaction=False) as pipe:
+            for z, lane in pairs:
+                pipe.zcard(_lane_key(z, lane))
+            counts: list[int] = await pipe.execute()
+        return {pair: int(n) for pair, n in zip(pairs, counts, strict=True) if n}
+
+    @_translated
     async def _zone_entries(self, zone: str) -> list[list[Any]]:
         keys = [_zone_key(zone, "queue"), _zone_key(zone, "claimed")]
         entries: list[list[Any]] = await self._eval(self._entries, keys, [_zone_key(zone, "")])

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import sqlite3
 import threading
 import time
@@ -158,6 +159,38 @@ def path_from_url(url: str) -> Path:
     return Path(url[len("sqlite:///") :])
 
 
+_CREATE = re.compile(r"CREATE (TABLE|INDEX) IF NOT EXISTS (\w+)(?: ON (\w+))?")
+
+
+def _stand_in_for_missing_tables(conn: sqlite3.Connection) -> None:
+    """A store written by an older version lacks the newer tables until `serve` opens it for
+    writing (CREATE IF NOT EXISTS). A read-only opener (the CLI) cannot create them there, so
+    it creates empty TEMP tables of the same names on its own connection: each read of one
+    finds nothing, rather than failing with "no such table"."""
+    present = {str(name) for (name,) in conn.execute("SELECT name FROM sqlite_master")}
+    temp: set[str] = set()
+    schema = "\n".join(line for line in _SCHEMA.splitlines() if not line.startswith("--"))
+    for statement in schema.split(";"):
+        sql = statement.strip()
+        m = _CREATE.match(sql)
+        if m is None or m.group(2) in present:
+            continue
+        kind, name, table = m.groups()
+        if kind == "TABLE":
+            conn.execute(sql.replace("CREATE TABLE", "CREATE TEMP TABLE", 1))
+            temp.add(name)
+        elif table in temp:
+            conn.execute(sql.replace(f"EXISTS {name}", f"EXISTS temp.{name}", 1))
+
+
+def _index_names(conn: sqlite3.Connection) -> set[str]:
+    rows = conn.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'index' "
+        "UNION SELECT name FROM sqlite_temp_master WHERE type = 'index'"
+    )
+    return {str(name) for (name,) in rows}
+
+
 def _connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
     if readonly:
         # mode=ro: a reader never creates the file, whatever the working directory.
@@ -167,6 +200,7 @@ def _connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
         conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
     conn.execute("PRAGMA busy_timeout = 30000")
     if readonly:
+        _stand_in_for_missing_tables(conn)
         conn.execute("PRAGMA query_only = ON")
     else:
         conn.execute("PRAGMA journal_mode = WAL")
@@ -462,6 +496,7 @@ class SQLiteStore:
             conn = getattr(self._local, "conn", None)
             if conn is None:
                 conn = _connect(self.path, readonly=True)
+                self._local.indexes = _index_names(conn)
                 self._local.conn = conn
             return fn(conn)
 
@@ -469,6 +504,12 @@ class SQLiteStore:
             return await asyncio.get_running_loop().run_in_executor(self._readers, run)
         except sqlite3.Error as e:
             raise StoreUnavailable(f"sqlite read failed: {e}") from e
+
+    def _table(self, table: str, index: str) -> str:
+        """`table INDEXED BY index`, or just `table` where the index is not there (a store
+        of an older version, read before `serve` has upgraded it). On a reader thread only."""
+        indexes: set[str] = getattr(self._local, "indexes", set())
+        return f"{table} INDEXED BY {index}" if index in indexes else table
 
     # --- ledger ------------------------------------------------------------------------------
     async def get(self, zone: str, key: str) -> Record | None:
@@ -665,6 +706,12 @@ class SQLiteStore:
 
         return await self._read(op)
 
+    async def queue_depths(self) -> dict[tuple[str, str], int]:
+        rows = await self._read(
+            lambda c: c.execute("SELECT zone, lane, COUNT(*) FROM queue GROUP BY zone, lane").fetchall()
+        )
+        return {(str(zone), str(lane)): int(n) for zone, lane, n in rows}
+
     # --- zones -------------------------------------------------------------------------------
     async def set_paused(self, zone: str, paused: bool) -> None:
         def op(c: sqlite3.Connection) -> None:
@@ -819,7 +866,7 @@ class SQLiteStore:
             lambda c: c.execute(
                 # Without statistics the planner prefers the primary key's zone prefix: a scan
                 # of every event of the zone.
-                "SELECT data FROM provider_events INDEXED BY provider_events_of_record "
+                f"SELECT data FROM {self._table('provider_events', 'provider_events_of_record')} "
                 "WHERE zone = ? AND key = ? ORDER BY received_at",
                 (zone, key),
             ).fetchall()
@@ -843,24 +890,32 @@ class SQLiteStore:
         if before is not None:
             where.append("updated_at < ?")
             params.append(before)
-        sql = (
-            f"SELECT data FROM events INDEXED BY {index} WHERE {' AND '.join(where)} "
-            "ORDER BY updated_at DESC LIMIT ?"
-        )
 
         def op(c: sqlite3.Connection) -> list[Record]:
+            sql = (
+                f"SELECT data FROM {self._table('events', index)} WHERE {' AND '.join(where)} "
+                "ORDER BY updated_at DESC LIMIT ?"
+            )
             rows = c.execute(sql, (*params, limit)).fetchall()
             return [Record.from_dict(json.loads(row[0])) for row in rows]
 
         return await self._read(op)
 
     async def state_counts(self, zone: str) -> dict[str, int]:
-        rows = await self._read(
-            lambda c: c.execute(
-                "SELECT state, n FROM state_counts WHERE zone = ? AND n > 0", (zone,)
-            ).fetchall()
-        )
-        return {str(state): int(n) for state, n in rows}
+        def op(c: sqlite3.Connection) -> list[tuple[str, int]]:
+            try:
+                return c.execute(
+                    "SELECT state, n FROM state_counts WHERE zone = ? AND n > 0", (zone,)
+                ).fetchall()
+            except sqlite3.OperationalError:
+                # A store of an older version, read before serve added the counts.
+                return c.execute(
+                    f"SELECT state, COUNT(*) FROM {self._table('events', 'events_zone_state')} "
+                    "WHERE zone = ? GROUP BY state",
+                    (zone,),
+                ).fetchall()
+
+        return {str(state): int(n) for state, n in await self._read(op)}
 
     async def audit_add(self, zone: str, entry: ZoneAudit) -> None:
         def op(c: sqlite3.Connection) -> None:
