@@ -61,11 +61,14 @@ def judge_spf(tree: SpfTree, provider_spf: str | None) -> tuple[Status, str]:
     counts = f"{tree.terms} querying terms, {tree.voids} void lookups"
     if provider_spf is not None and normalise(provider_spf) not in tree.mechanisms:
         return "error", f"{provider_spf} is not reached through the SPF include tree ({counts})"
+    warnings = list(tree.warnings)
     if tree.all_qualifier in ("+", "?"):
         word = "+all (any host may send as the domain)" if tree.all_qualifier == "+" else "?all (neutral)"
-        return "warning", f"the record ends in {word}; use ~all or -all ({counts})"
+        warnings.insert(0, f"the record ends in {word}; use ~all or -all")
     if provider_spf is None:
-        return "warning", f"no spf configured for the provider, so its mechanism is not looked for ({counts})"
+        warnings.append("no spf configured for the provider, so its mechanism is not looked for")
+    if warnings:
+        return "warning", f"{'; '.join(warnings)} ({counts})"
     return "ok", f"{provider_spf} reached ({counts})"
 
 
