@@ -79,6 +79,13 @@ RECORDS = [
     "resend._domainkey.good IN TXT " + txt(f"p={KEY}"),
     # a record with a lone `+` term: a permerror row, not a crash
     "plusterm IN TXT " + txt("v=spf1 + include:_spf.primary.test -all"),
+    # sender-domain MX and DMARC defects
+    "mixednull IN MX 0 .",
+    "mixednull IN MX 10 mx1.good.test.",
+    "_dmarc.mixednull IN TXT " + txt("v=DMARC1; p=reject"),
+    "_dmarc.mixednull IN TXT " + txt("v=DMARC1; p=none"),
+    "txtonly IN TXT " + txt("v=spf1 -all"),
+    "_dmarc.txtonly IN TXT " + txt("v=DMARC1; rua=mailto:d@txtonly.test"),
 ]
 
 
@@ -200,6 +207,30 @@ async def test_an_invalid_spf_term_is_an_error_row_not_a_crash(tmp: Path, dns_se
     assert code == 1, err
     detail = row(json.loads(out), "spf", "plusterm.test", "primary")
     assert detail["status"] == "error" and "invalid term '+'" in detail["detail"]
+
+
+async def test_sender_domains_that_cannot_take_bounces_and_odd_dmarc(
+    tmp: Path, dns_server: NsdServer
+) -> None:
+    path = one_zone_config(
+        tmp,
+        dns_server,
+        ["@mixednull.test", "@txtonly.test", "@gone.test"],
+        [provider("primary", free_port(), spf="include:_spf.primary.test")],
+    )
+    code, out, err = await doctor(path, "--json", "--no-probe")
+    assert code == 1, err
+    doc = json.loads(out)
+    mixed = row(doc, "mx", "mixednull.test", None)
+    assert mixed["status"] == "warning" and "null MX" in mixed["detail"], mixed
+    txtonly = row(doc, "mx", "txtonly.test", None)
+    assert txtonly["status"] == "error" and "no MX and no A/AAAA" in txtonly["detail"], txtonly
+    gone = row(doc, "mx", "gone.test", None)
+    assert gone["status"] == "error" and "NXDOMAIN" in gone["detail"], gone
+    two = row(doc, "dmarc", "mixednull.test", None)
+    assert two["status"] == "error" and "more than one" in two["detail"], two
+    no_p = row(doc, "dmarc", "txtonly.test", None)
+    assert no_p["status"] == "warning" and "no p= tag" in no_p["detail"], no_p
 
 
 async def test_a_failure_inside_doctor_exits_2_with_one_line_and_json_stays_json(

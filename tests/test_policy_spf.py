@@ -300,12 +300,42 @@ def test_judge_dmarc(own: Lookup, inherited: tuple[str, Lookup] | None, status: 
         (Lookup("ok", ("10 mx1.x.test",), 1), None, "ok"),
         (Lookup("ok", ("10 mx1.x.test", "20 old.y.test"), 1), ["mx1.x.test"], "warning"),
         (Lookup("ok", ("0 .",), 1), None, "error"),
-        (EMPTY, None, "ok"),
+        (Lookup("ok", ("0 .", "10 mx1.x.test"), 1), None, "warning"),
         (Lookup("error", detail="timeout"), None, "error"),
+        (VOID, None, "error"),
     ],
 )
 def test_judge_mx(mx: Lookup, expected: list[str] | None, status: str) -> None:
     assert v.judge_mx(mx, expected)[0] == status
+
+
+ADDR = Lookup("ok", ("192.0.2.1",), 1)
+
+
+@pytest.mark.parametrize(
+    ("a", "aaaa", "status", "words"),
+    [
+        (ADDR, EMPTY, "ok", "A/AAAA"),
+        (EMPTY, Lookup("ok", ("2001:db8::1",), 1), "ok", "A/AAAA"),
+        (EMPTY, EMPTY, "error", "no MX and no A/AAAA"),
+        (Lookup("error", detail="SERVFAIL"), EMPTY, "error", "SERVFAIL"),
+    ],
+)
+def test_judge_mx_without_mx_reads_the_addresses(a: Lookup, aaaa: Lookup, status: str, words: str) -> None:
+    got, detail = v.judge_mx(EMPTY, None, a, aaaa)
+    assert got == status and words in detail
+
+
+@pytest.mark.parametrize(
+    ("own", "status", "words"),
+    [
+        (Lookup("ok", ("v=DMARC1; rua=mailto:d@x.test",), 1), "warning", "no p= tag"),
+        (Lookup("ok", ("v=DMARC1; p=reject", "v=DMARC1; p=none"), 1), "error", "more than one"),
+    ],
+)
+def test_judge_dmarc_without_p_and_with_two_records(own: Lookup, status: str, words: str) -> None:
+    got, detail = v.judge_dmarc(own, None)
+    assert got == status and words in detail
 
 
 DAY = 86400.0
