@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Callable
 
@@ -19,6 +20,13 @@ from smtpguard.readiness.probe import probe_smtp
 log = logging.getLogger("smtpguard.readiness")
 
 OnChange = Callable[[str, bool, str], None]
+JITTER = 0.1
+"""Each wait is the interval ±10%, at random: instances started together (a deploy, a
+restart of every machine) do not keep logging in to the provider at the same moment."""
+
+
+def jittered(interval: float, rng: random.Random | None = None) -> float:
+    return interval * (1 + (rng or random).uniform(-JITTER, JITTER))
 
 
 class Prober:
@@ -55,7 +63,7 @@ class Prober:
                 result = await probe_smtp(cfg, self._secrets.get(cfg.name), self._helo)
             except Exception as e:  # a defect in the probe must not end the loop
                 log.error("provider probe raised", exc_info=e, extra={"provider": cfg.name})
-                await asyncio.sleep(cfg.probe_interval)
+                await asyncio.sleep(jittered(cfg.probe_interval))
                 continue
             self.probes += 1
             self.probed.set()
@@ -76,7 +84,7 @@ class Prober:
             if status == "warning" and not warned_expiry:
                 log.warning("provider certificate: %s", detail, extra={"provider": cfg.name})
             warned_expiry = status == "warning"
-            await asyncio.sleep(cfg.probe_interval)
+            await asyncio.sleep(jittered(cfg.probe_interval))
 
     async def stop(self) -> None:
         for task in self._tasks:
