@@ -309,7 +309,10 @@ class Server:
         """Only when a zone checks recipient domains: otherwise RCPT pays nothing for it."""
         if not any(z.recipient_domains == "check" for z in config.zones.values()):
             return None
-        return RecipientDomains(DnsClient(config.dns))
+        dns = DnsClient(config.dns)
+        if dns.problem:
+            log.warning("recipient_domains: every recipient is accepted unchecked: %s", dns.problem)
+        return RecipientDomains(dns)
 
     def _start_prober(self, config: Config, secrets: dict[str, str | None]) -> None:
         """Probe every provider with a probe_interval (DESIGN.md §12); the route, the gauge

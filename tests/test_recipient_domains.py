@@ -223,6 +223,19 @@ async def test_one_deadline_for_the_whole_verdict(dns_server: NsdServer) -> None
         assert resolver.queries >= 2  # the A/AAAA lookups were asked
 
 
+@pytest.mark.parametrize("resolv_conf", ["missing", "empty"])
+async def test_without_a_system_resolver_recipients_are_accepted_and_the_lookup_says_why(
+    tmp: Path, resolv_conf: str
+) -> None:
+    path = tmp / "resolv.conf"
+    if resolv_conf == "empty":
+        path.write_text("# nothing here\n")
+    client = DnsClient(DnsConfig(), resolv_conf=str(path))
+    lookup = await client.lookup("MX", "nullmx.test")
+    assert lookup.status == "error" and "set dns.nameservers" in lookup.detail, lookup
+    assert await RecipientDomains(client, FakeClock()).refusal("a@nullmx.test") is None
+
+
 # --- IDNA ------------------------------------------------------------------------------------
 async def test_internationalised_domains_are_looked_up_by_idna_2008(
     dns_server: NsdServer, monkeypatch: pytest.MonkeyPatch

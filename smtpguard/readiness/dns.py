@@ -21,13 +21,20 @@ from smtpguard.policy.dnsdata import Lookup
 
 
 class DnsClient:
-    def __init__(self, cfg: DnsConfig) -> None:
+    def __init__(self, cfg: DnsConfig, resolv_conf: str = "/etc/resolv.conf") -> None:
         servers = cfg.servers()
+        self.problem = ""
+        """Why no lookup can be made (no resolver configured); every lookup is then an
+        error, which RCPT accepts and doctor reports, rather than serve failing to start."""
         if servers:
             resolver = dns.asyncresolver.Resolver(configure=False)
             resolver.nameservers = [dns.nameserver.Do53Nameserver(host, port) for host, port in servers]
         else:
-            resolver = dns.asyncresolver.Resolver()
+            try:
+                resolver = dns.asyncresolver.Resolver(filename=resolv_conf)
+            except dns.resolver.NoResolverConfiguration as e:
+                resolver = dns.asyncresolver.Resolver(configure=False)
+                self.problem = f"no resolver: {resolv_conf} gives no nameserver ({e}); set dns.nameservers"
         # `lifetime` bounds the whole lookup (every server, every retry): what a RCPT waits at
         # most. Each try gets half of its server's share, so a UDP answer lost once is asked
         # again within the lifetime instead of ending the lookup as a timeout.
@@ -46,6 +53,8 @@ class DnsClient:
         return dns.name.from_text(name, idna_codec=dns.name.IDNA_2008_Practical)
 
     async def lookup(self, rdtype: str, name: str) -> Lookup:
+        if self.problem:
+            return Lookup("error", detail=self.problem)
         try:
             qname = self.encode(name)
         except (dns.exception.DNSException, UnicodeError, ValueError) as e:
