@@ -71,8 +71,12 @@ async def test_rcpt_answers_by_the_recipient_domain(
     async with running_guard(checking_config(tmp, upstream, dns_server.nameserver)) as guard:
         reply = await send(guard.ports[0], message(to=recipient), recipients=[recipient])
         assert reply.code == code, reply
+        assert guard.store is not None
+        now = time.time()
         if code == 250:
             assert len(upstream.received) == 1
+            assert await guard.store.get("acme", "invoice:acme:1") is not None
+            assert (await guard.store.cap_usage("acme", now, month_of(now))).hour == 1
         else:
             assert reply.text.startswith(enhanced), reply
             assert upstream.received == [] and upstream.handler.transactions == 0
@@ -96,6 +100,11 @@ async def test_refused_recipient_leaves_the_others_accepted(
         assert reply.code == 556, reply
         await upstream.wait_received(1)
         assert upstream.received[0].rcpt_tos == ["a@good.test", "d@aonly.test"]
+        # One event, one record and one cap unit: the refused recipients spent nothing.
+        assert guard.store is not None
+        assert await guard.store.get("acme", "invoice:acme:1") is not None
+        now = time.time()
+        assert (await guard.store.cap_usage("acme", now, month_of(now))).hour == 1
 
 
 async def test_zone_without_the_check_accepts_a_null_mx_domain(
