@@ -48,6 +48,8 @@ class Prober:
         """Certificates expire on the calendar, whatever clock the store keeps."""
         self._tasks: list[asyncio.Task[None]] = []
         self.ready: dict[str, bool] = {}
+        self.detail: dict[str, str] = {}
+        """The last probe's detail per provider."""
         self.probes = 0
         self.probed = asyncio.Event()
         """Set after each probe (tests wait on it instead of polling)."""
@@ -70,8 +72,12 @@ class Prober:
             status, detail = judge_probe(result, self._wall_clock())
             ready = status != "error"
             before = self.ready.get(cfg.name)
+            reason_before = self.detail.get(cfg.name)
             self.ready[cfg.name] = ready
-            if before is not ready:
+            self.detail[cfg.name] = detail
+            # Published on a change of readiness, and of the reason while not ready (AUTH
+            # refused, then connect refused: `stats` must show the current one).
+            if before is not ready or (not ready and detail != reason_before):
                 if not ready:
                     log.warning(
                         "provider not ready: %s",
