@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -271,3 +272,20 @@ async def test_a_new_failure_reason_is_published(tmp: Path) -> None:
         await up.stop()
     assert changes[1][0] is False and changes[1][1].startswith("connect"), changes
     assert len(changes) == 2, changes
+
+
+async def test_stop_right_after_a_reload_does_not_wait_for_the_probe_interval(
+    tmp: Path, upstream: Upstream, standby: Upstream
+) -> None:
+    """The reload's new prober is mid-probe when serve stops: the stop is prompt, not held
+    for `probe_interval` (1h here) by a probe that swallowed its cancellation."""
+    path = tmp / "smtpguard.yaml"
+    cfg = share_config(tmp, upstream, standby, 0.2)
+    async with asyncio.timeout(20):
+        async with running_guard(cfg, config_path=path) as guard:
+            assert await until_probed(guard, "standby") is True
+            cfg["providers"][1]["helo_name"] = "other.test"
+            write_config(path, cfg)
+            assert await guard.reload()
+            started = time.monotonic()
+    assert time.monotonic() - started < 5

@@ -52,6 +52,7 @@ class Prober:
         """The last probe's detail per provider."""
         self.probes = 0
         self.probed = asyncio.Event()
+        self._stopping = asyncio.Event()
         """Set after each probe (tests wait on it instead of polling)."""
 
     def start(self) -> None:
@@ -60,13 +61,17 @@ class Prober:
     async def _loop(self, cfg: SmtpProviderConfig) -> None:
         assert cfg.probe_interval is not None
         warned_expiry = False
-        while True:
+        while not self._stopping.is_set():
             try:
                 result = await probe_smtp(cfg, self._secrets.get(cfg.name), self._helo)
             except Exception as e:  # a defect in the probe must not end the loop
                 log.error("provider probe raised", exc_info=e, extra={"provider": cfg.name})
-                await asyncio.sleep(jittered(cfg.probe_interval))
+                await self._pause(cfg.probe_interval)
                 continue
+            if self._stopping.is_set():
+                # The SMTP client can swallow the cancellation of a probe under way, which
+                # then finishes: a stopped prober (replaced by a reload) reports nothing.
+                return
             self.probes += 1
             self.probed.set()
             status, detail = judge_probe(result, self._wall_clock())
@@ -90,9 +95,15 @@ class Prober:
             if status == "warning" and not warned_expiry:
                 log.warning("provider certificate: %s", detail, extra={"provider": cfg.name})
             warned_expiry = status == "warning"
-            await asyncio.sleep(jittered(cfg.probe_interval))
+            await self._pause(cfg.probe_interval)
+
+    async def _pause(self, interval: float) -> None:
+        """Until the next probe, or until stop(), whichever comes first."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), jittered(interval))
 
     async def stop(self) -> None:
+        self._stopping.set()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
