@@ -57,6 +57,8 @@ class RecipientDomains:
             # up (aiosmtpd cancels its session) cancels only its own wait, through the
             # shield, never the lookup the other sessions for this domain are waiting on.
             pending = asyncio.get_running_loop().create_task(self._settle(domain))
+            # Retrieved even when every waiter went away, so a failure is never "unretrieved".
+            pending.add_done_callback(lambda t: t.cancelled() or t.exception())
             self._asking[domain] = pending
         return await asyncio.shield(pending)
 
