@@ -687,7 +687,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(f"smtpguard: unknown zone {args.zone!r} (configured: {known})", file=sys.stderr)
         return 2
     helo = config.hostname or socket.getfqdn()
-    findings = asyncio.run(doctor.run(config, args.zone, probes=not args.no_probe, helo=helo))
+    try:
+        findings = asyncio.run(doctor.run(config, args.zone, probes=not args.no_probe, helo=helo))
+    except Exception as e:
+        # A check that breaks is a bug to report, not a traceback for the operator.
+        what = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        print(f"smtpguard: doctor could not finish: {what}", file=sys.stderr)
+        if args.json:
+            emit({"ok": False, "error": f"doctor could not finish: {what}", "checks": []})
+        return 2
     ok = all(f.status != "error" for f in findings)
     if args.json:
         emit({"ok": ok, "checks": [f.to_dict() for f in findings]})

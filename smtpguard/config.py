@@ -50,6 +50,8 @@ def _path(value: object) -> object:
 
 FilePath = Annotated[Path, BeforeValidator(_path)]
 _ZONE_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+MIN_PROBE_INTERVAL = 10.0
+"""Seconds: a shorter probe_interval would log in to the provider many times a minute."""
 _DNS_LABELS = re.compile(r"[A-Za-z0-9_-]{1,63}(\.[A-Za-z0-9_-]{1,63})*")
 
 
@@ -275,7 +277,7 @@ class SmtpProviderConfig(_Strict):
     Absent: the sender domain's own record."""
     dkim_selectors: list[str] = Field(default_factory=list)
     """SELECTOR._domainkey.DOMAIN must publish a key for every sender domain."""
-    probe_interval: Duration | None = Field(None, gt=0)
+    probe_interval: Duration | None = Field(None, ge=MIN_PROBE_INTERVAL)
     """serve probes the provider this often (connect, EHLO, STARTTLS, AUTH, QUIT; never
     MAIL); off when absent."""
     share: float = Field(0.0, ge=0.0, le=1.0)
@@ -288,6 +290,12 @@ class SmtpProviderConfig(_Strict):
         for sel in v:
             if not _DNS_LABELS.fullmatch(sel):
                 raise ValueError(f"dkim selector {sel!r} is not a DNS label")
+            if "_domainkey" in sel.lower().split("."):
+                # doctor looks up SELECTOR._domainkey.DOMAIN itself
+                alone = sel.lower().split("._domainkey", 1)[0]
+                raise ValueError(
+                    f"dkim selector {sel!r} includes ._domainkey: give the selector alone ({alone!r})"
+                )
         return v
 
     @field_validator("spf_subdomain")
@@ -399,8 +407,15 @@ class UserConfig(_Strict):
 
 
 def _check_or_off(value: object) -> object:
-    # YAML 1.1 reads a bare `off` (and `false`, `no`) as False.
-    return "off" if value is False else value
+    # The loader reads YAML 1.2 booleans: `false` is False (off, as documented), `true` is
+    # True (a flag the setting does not take); `on`, `yes` and `no` stay strings.
+    if value is False:
+        return "off"
+    if value is True:
+        raise ValueError("recipient_domains is true: write check (or off)")
+    if value not in ("check", "off"):
+        raise ValueError(f"recipient_domains is {value!r}: write check or off")
+    return value
 
 
 def _host_name(value: str) -> str:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from smtpguard import replies
 from smtpguard.policy import recipients
-from smtpguard.policy.recipients import DomainVerdict
+from smtpguard.policy.recipients import TROUBLE_TTL, DomainVerdict
 from smtpguard.readiness.dns import DnsClient
 from smtpguard.replies import Reply
 
@@ -29,7 +29,8 @@ class RecipientDomains:
         self.dns = dns
         self.clock = clock
         self._known: OrderedDict[str, tuple[DomainVerdict, float]] = OrderedDict()
-        self._asking: dict[str, asyncio.Future[DomainVerdict]] = {}
+        self._asking: dict[str, asyncio.Task[DomainVerdict]] = {}
+        """The lookup under way per domain; the dict holds the task's only strong reference."""
         self.lookups = 0
         """Domains looked up (not served from the cache): for tests and the bench."""
 
@@ -51,27 +52,38 @@ class RecipientDomains:
         if known is not None and known[1] > now:
             return known[0]
         pending = self._asking.get(domain)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        future: asyncio.Future[DomainVerdict] = asyncio.get_running_loop().create_future()
-        self._asking[domain] = future
+        if pending is None:
+            # The lookup is the shared task's, not the first caller's: a client that hangs
+            # up (aiosmtpd cancels its session) cancels only its own wait, through the
+            # shield, never the lookup the other sessions for this domain are waiting on.
+            pending = asyncio.get_running_loop().create_task(self._settle(domain))
+            # Retrieved even when every waiter went away, so a failure is never "unretrieved".
+            pending.add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._asking[domain] = pending
+        return await asyncio.shield(pending)
+
+    async def _settle(self, domain: str) -> DomainVerdict:
         try:
-            verdict = await self._look_up(domain)
-        except BaseException as e:
-            future.set_exception(e)
-            future.exception()  # retrieved here: waiters, if any, get it too
-            raise
+            verdict = await self._bounded_look_up(domain)
         finally:
             del self._asking[domain]
-        future.set_result(verdict)
         self._known[domain] = (verdict, self.clock() + verdict.ttl)
         self._known.move_to_end(domain)
         while len(self._known) > MAX_ENTRIES:
             self._known.popitem(last=False)
         return verdict
 
-    async def _look_up(self, domain: str) -> DomainVerdict:
+    async def _bounded_look_up(self, domain: str) -> DomainVerdict:
+        """One deadline, `dns.timeout`, for the whole verdict (MX, then A/AAAA): a RCPT
+        never waits longer than that; past it the recipient is accepted."""
         self.lookups += 1
+        try:
+            async with asyncio.timeout(self.dns.timeout):
+                return await self._look_up(domain)
+        except TimeoutError:
+            return DomainVerdict("accept", TROUBLE_TTL, "lookup timed out")
+
+    async def _look_up(self, domain: str) -> DomainVerdict:
         mx = await self.dns.lookup("MX", domain)
         if not recipients.needs_address_lookup(mx):
             return recipients.judge(mx)

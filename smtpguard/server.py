@@ -44,6 +44,8 @@ decisions = logging.getLogger("smtpguard.decision")
 STATS_FLUSH_INTERVAL = 1.0
 PURGE_INTERVAL = 3600.0
 GAUGE_INTERVAL = 5.0
+PUBLISH_PROBE_RETRIES = (1.0, 5.0, 30.0)
+"""Seconds between tries of a probe result's write to the store while it is unavailable."""
 RECORD_COUNT_INTERVAL = 60.0
 
 
@@ -138,6 +140,9 @@ class Server:
         self.console: Console | None = None
         self.event_applier: Applier | None = None
         self._background: set[asyncio.Future[None]] = set()
+        self._publishing: set[asyncio.Future[None]] = set()
+        """Probe results on their way to the store (retried while it is unavailable)."""
+        self._probe_generation: dict[str, int] = {}
         self.unfit: list[str] = []
         """Why the store turned out unfit after start (checked once it answered)."""
         self.unfit_event = asyncio.Event()
@@ -319,7 +324,10 @@ class Server:
         """Only when a zone checks recipient domains: otherwise RCPT pays nothing for it."""
         if not any(z.recipient_domains == "check" for z in config.zones.values()):
             return None
-        return RecipientDomains(DnsClient(config.dns))
+        dns = DnsClient(config.dns)
+        if dns.problem:
+            log.warning("recipient_domains: every recipient is accepted unchecked: %s", dns.problem)
+        return RecipientDomains(dns)
 
     def _start_prober(self, config: Config, secrets: dict[str, str | None]) -> None:
         """Probe every provider with a probe_interval (DESIGN.md §12); the route, the gauge
@@ -335,15 +343,25 @@ class Server:
         self.metrics.provider_ready.labels(provider).set(1 if ready else 0)
         if self.store is not None:
             task = asyncio.ensure_future(self._publish_probe(provider, ready, detail))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._publishing.add(task)
+            task.add_done_callback(self._publishing.discard)
 
     async def _publish_probe(self, provider: str, ready: bool, detail: str) -> None:
+        """To the store, for `stats`; retried while the store is unavailable, until a newer
+        result for the provider supersedes this one."""
         assert self.store is not None
-        try:
-            await self.store.set_probe(self.instance, provider, ready, detail, self.clock())
-        except StoreUnavailable:
-            log.warning("could not publish probe result", extra={"provider": provider})
+        generation = self._probe_generation[provider] = self._probe_generation.get(provider, 0) + 1
+        for wait in (0.0, *PUBLISH_PROBE_RETRIES):
+            if wait:
+                await asyncio.sleep(wait)
+                if self._probe_generation.get(provider) != generation:
+                    return  # a newer result is being published
+            try:
+                await self.store.set_probe(self.instance, provider, ready, detail, self.clock())
+                return
+            except StoreUnavailable:
+                pass
+        log.warning("could not publish probe result", extra={"provider": provider})
 
     def _factory(self, tls: str, ssl_ctx: ssl.SSLContext | None) -> Callable[[], GuardSMTP]:
         handler = self.handler
@@ -535,6 +553,11 @@ class Server:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self._publishing:
+            # A write under way finishes; one waiting to retry is given up.
+            await asyncio.wait(self._publishing, timeout=2)
+            for publishing in self._publishing:
+                publishing.cancel()
         if self._background:
             await asyncio.wait(self._background, timeout=2)
         if self.health is not None:
@@ -603,9 +626,16 @@ class Server:
             for name, breaker in old_route.breakers.items():
                 if name in self.route.breakers:
                     self.route.breakers[name] = breaker
-            self.route.ready.update(
-                {name: ready for name, ready in old_route.ready.items() if name in self.route.breakers}
-            )
+            # A provider's readiness survives only when its config did not change: a new
+            # host, port or password has not been probed yet, so it is not known to be ready.
+            unchanged = {
+                p.name for p in new.providers if p in self.config.providers and p.name in self.route.breakers
+            }
+            self.route.ready.update({n: r for n, r in old_route.ready.items() if n in unchanged})
+            for name in {p.name for p in self.config.providers} - unchanged:
+                # Gone or changed: no stale 1 in smtpguard_provider_ready until it is probed.
+                with contextlib.suppress(KeyError):
+                    self.metrics.provider_ready.remove(name)
             self.handler.submitter.route = self.route
             # In-flight sends keep their provider objects; only idle connections are closed.
             await old_route.close()

@@ -19,7 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import dns.message
+import dns.query
 import dns.rcode
+import dns.rdatatype
 import dns.resolver
 
 from tests.support import free_port
@@ -176,6 +178,66 @@ class BadResolver:
         self._stop.set()
         self._thread.join(2)
         self.sock.close()
+
+
+class SlowResolver:
+    """A UDP resolver on a free loopback port that forwards each query to `upstream` (a
+    real server, e.g. NSD) and answers after `delays[TYPE]` seconds (default `delay`); a
+    type mapped to None is read and never answered. `queries` counts what arrived."""
+
+    def __init__(self, upstream: NsdServer, delay: float, delays: dict[str, float | None] | None = None):
+        self.upstream = upstream
+        self.delay = delay
+        self.delays = delays or {}
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.port: int = self.sock.getsockname()[1]
+        self.queries = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    @property
+    def nameserver(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data, peer = self.sock.recvfrom(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.queries += 1
+            with contextlib.suppress(Exception):
+                query = dns.message.from_wire(data)
+                rdtype = dns.rdatatype.to_text(query.question[0].rdtype)
+                delay = self.delays.get(rdtype, self.delay)
+                if delay is not None:
+                    threading.Timer(delay, self._answer, (query, peer)).start()
+
+    def _answer(self, query: dns.message.Message, peer: tuple[str, int]) -> None:
+        with contextlib.suppress(Exception):
+            response = dns.query.udp(query, "127.0.0.1", timeout=2, port=self.upstream.port)
+            self.sock.sendto(response.to_wire(), peer)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.sock.close()
+
+
+@contextlib.contextmanager
+def slow_resolver(
+    upstream: NsdServer, delay: float, delays: dict[str, float | None] | None = None
+) -> Iterator[SlowResolver]:
+    server = SlowResolver(upstream, delay, delays)
+    server._thread.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @contextlib.contextmanager

@@ -120,6 +120,34 @@ def test_yaml_merge_keys_are_not_duplicates(tmp: Path) -> None:
             "plan: gold",
             "'gold' is not one of: free, solo, starter, business, agency, unlimited",
         ),
+        (
+            "    plan: business\n",
+            "    plan: business\n    recipient_domains: on\n",
+            "zones.acme.recipient_domains",
+            "recipient_domains",
+            "recipient_domains is 'on': write check or off",
+        ),
+        (
+            "    plan: business\n",
+            "    plan: business\n    recipient_domains: true\n",
+            "zones.acme.recipient_domains",
+            "recipient_domains",
+            "recipient_domains is true: write check (or off)",
+        ),
+        (
+            "  pool_size: 8\n",
+            "  pool_size: 8\n  dkim_selectors: [pic._domainkey]\n",
+            "providers[0].dkim_selectors",
+            "dkim_selectors",
+            "dkim selector 'pic._domainkey' includes ._domainkey: give the selector alone ('pic')",
+        ),
+        (
+            "  pool_size: 8\n",
+            "  pool_size: 8\n  probe_interval: 5s\n",
+            "providers[0].probe_interval",
+            "probe_interval",
+            "must be at least 10.0, got '5s'",
+        ),
     ],
 )
 def test_strict_types_and_suggestions(
@@ -275,3 +303,14 @@ def test_errors_speak_plainly_hide_secrets_and_cut_long_values(
     assert "password_hash" in err and "123456" not in err
     assert "x" * 80 not in err and "…" in err
     assert "'rejectt' is not one of" in err
+
+
+def test_probe_waits_are_jittered_within_ten_percent() -> None:
+    import random
+
+    from smtpguard.readiness.prober import jittered
+
+    rng = random.Random(14)
+    waits = [jittered(300.0, rng) for _ in range(200)]
+    assert all(270.0 <= w <= 330.0 for w in waits)
+    assert len({round(w) for w in waits}) > 20  # not one fixed offset shared by every instance

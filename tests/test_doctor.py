@@ -77,6 +77,15 @@ RECORDS = [
     "send.good IN TXT " + txt("v=spf1 include:amazonses.test ~all"),
     "send.good IN MX 10 feedback-smtp.amazonses.test.",
     "resend._domainkey.good IN TXT " + txt(f"p={KEY}"),
+    # a record with a lone `+` term: a permerror row, not a crash
+    "plusterm IN TXT " + txt("v=spf1 + include:_spf.primary.test -all"),
+    # sender-domain MX and DMARC defects
+    "mixednull IN MX 0 .",
+    "mixednull IN MX 10 mx1.good.test.",
+    "_dmarc.mixednull IN TXT " + txt("v=DMARC1; p=reject"),
+    "_dmarc.mixednull IN TXT " + txt("v=DMARC1; p=none"),
+    "txtonly IN TXT " + txt("v=spf1 -all"),
+    "_dmarc.txtonly IN TXT " + txt("v=DMARC1; rua=mailto:d@txtonly.test"),
 ]
 
 
@@ -174,6 +183,77 @@ async def counting_upstreams() -> AsyncIterator[list[Upstream]]:
     yield ups
     for up in ups:
         await up.stop()
+
+
+def one_zone_config(
+    tmp: Path, dns_server: NsdServer, senders: list[str], providers: list[dict[str, Any]]
+) -> Path:
+    cfg = base_config(tmp, None)
+    cfg["providers"] = providers
+    cfg["dns"] = {"nameservers": [dns_server.nameserver], "timeout": "2s"}
+    base = cfg["zones"]["acme"]
+    cfg["zones"] = {"odd": {**base, "senders": senders}}
+    return write_config(tmp / "smtpguard.yaml", cfg)
+
+
+async def test_an_invalid_spf_term_is_an_error_row_not_a_crash(tmp: Path, dns_server: NsdServer) -> None:
+    path = one_zone_config(
+        tmp,
+        dns_server,
+        ["@plusterm.test"],
+        [provider("primary", free_port(), spf="include:_spf.primary.test")],
+    )
+    code, out, err = await doctor(path, "--json", "--no-probe")
+    assert code == 1, err
+    detail = row(json.loads(out), "spf", "plusterm.test", "primary")
+    assert detail["status"] == "error" and "invalid term '+'" in detail["detail"]
+
+
+async def test_sender_domains_that_cannot_take_bounces_and_odd_dmarc(
+    tmp: Path, dns_server: NsdServer
+) -> None:
+    path = one_zone_config(
+        tmp,
+        dns_server,
+        ["@mixednull.test", "@txtonly.test", "@gone.test"],
+        [provider("primary", free_port(), spf="include:_spf.primary.test")],
+    )
+    code, out, err = await doctor(path, "--json", "--no-probe")
+    assert code == 1, err
+    doc = json.loads(out)
+    mixed = row(doc, "mx", "mixednull.test", None)
+    assert mixed["status"] == "warning" and "null MX" in mixed["detail"], mixed
+    txtonly = row(doc, "mx", "txtonly.test", None)
+    assert txtonly["status"] == "error" and "no MX and no A/AAAA" in txtonly["detail"], txtonly
+    gone = row(doc, "mx", "gone.test", None)
+    assert gone["status"] == "error" and "NXDOMAIN" in gone["detail"], gone
+    two = row(doc, "dmarc", "mixednull.test", None)
+    assert two["status"] == "error" and "more than one" in two["detail"], two
+    no_p = row(doc, "dmarc", "txtonly.test", None)
+    assert no_p["status"] == "warning" and "no p= tag" in no_p["detail"], no_p
+
+
+async def test_a_failure_inside_doctor_exits_2_with_one_line_and_json_stays_json(
+    tmp: Path, dns_server: NsdServer
+) -> None:
+    """A check that breaks (here: a password file that is not UTF-8, which the probe reads)
+    ends doctor with exit 2 and one line, never a traceback; --json still prints JSON."""
+    secret = tmp / "password"
+    secret.write_bytes(b"\xff\xfe not utf-8\n")
+    path = one_zone_config(
+        tmp,
+        dns_server,
+        ["@good.test"],
+        [provider("primary", free_port(), username="u", password_file=str(secret))],
+    )
+    code, out, err = await doctor(path)
+    assert code == 2, (out, err)
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("smtpguard: doctor could not finish: UnicodeDecodeError")
+    code, out, err = await doctor(path, "--json")
+    assert code == 2 and "Traceback" not in err, err
+    doc = json.loads(out)
+    assert doc["ok"] is False and "UnicodeDecodeError" in doc["error"]
 
 
 # --- the DNS checks, row by row --------------------------------------------------------------

@@ -86,6 +86,7 @@ def test_an_empty_answer_is_a_void_lookup_too() -> None:
         ("MX", "a.test"): EMPTY,
         ("MX", "b.test"): EMPTY,
         ("MX", "c.test"): Lookup("ok", ("10 mx.c.test",), 300),
+        ("A", "mx.c.test"): Lookup("ok", ("192.0.2.1",), 300),
     }
     assert run("x.test", dns).voids == 2 and run("x.test", dns).errors == ()
 
@@ -140,6 +141,93 @@ def test_an_include_without_spf_and_a_failed_lookup_are_errors() -> None:
 def test_v_spf10_is_not_spf() -> None:
     tree = run("x.test", {("TXT", "x.test"): spf("v=spf10 include:p.test")})
     assert any("no v=spf1 record" in e for e in tree.errors)
+
+
+@pytest.mark.parametrize(
+    ("record", "error"),
+    [
+        ("v=spf1 + -all", "invalid term '+'"),
+        ("v=spf1 . -all", "invalid term '.'"),
+        ("v=spf1 -all +", "invalid term '+'"),  # parsed whole, even after all
+        ("v=spf1 include: -all", "empty domain-spec"),
+        ("v=spf1 a: -all", "empty domain-spec"),
+        ("v=spf1 mx:/24 -all", "empty domain-spec"),
+        ("v=spf1 include -all", "needs ':' and a domain"),
+        ("v=spf1 ip4 -all", "needs an address"),
+        ("v=spf1 foo:bar.test -all", "unknown mechanism 'foo:bar.test'"),
+        ("v=spf1 redirect=a.test redirect=b.test", "more than one redirect="),
+        ("v=spf1 redirect=", "redirect= without a domain"),
+    ],
+)
+def test_invalid_records_are_a_permerror(record: str, error: str) -> None:
+    tree = run("x.test", {("TXT", "x.test"): spf(record), **P})
+    assert any(error in e for e in tree.errors), tree.errors
+    assert v.judge_spf(tree, "include:p.test")[0] == "error"
+
+
+def test_an_invalid_included_record_names_the_include() -> None:
+    tree = run(
+        "x.test", {("TXT", "x.test"): spf("v=spf1 include:p.test -all"), ("TXT", "p.test"): spf("v=spf1 +")}
+    )
+    assert tree.errors == ("include p.test: invalid term '+' (RFC 7208 §4.6.1: permerror)",)
+
+
+def test_terms_after_all_are_neither_counted_nor_reached() -> None:
+    tree = run("x.test", {("TXT", "x.test"): spf("v=spf1 -all include:p.test a mx redirect=r.test"), **P})
+    assert tree.terms == 0 and tree.voids == 0 and tree.errors == ()
+    assert "include:p.test" not in tree.mechanisms
+    assert v.judge_spf(tree, "include:p.test")[0] == "error"
+    # Eleven querying terms after all: not over the limit.
+    tree = tree_of("v=spf1 ~all " + " ".join(f"a:h{i}.test" for i in range(11)))
+    assert tree.terms == 0 and tree.errors == ()
+
+
+@pytest.mark.parametrize(
+    ("qualifier", "status"), [("", "ok"), ("+", "ok"), ("-", "error"), ("~", "error"), ("?", "error")]
+)
+def test_a_provider_under_a_non_pass_include_is_not_reached(qualifier: str, status: str) -> None:
+    extra = {**P, ("TXT", "mid.test"): spf("v=spf1 include:p.test -all")}
+    tree = tree_of(f"v=spf1 {qualifier}include:mid.test -all", extra)
+    assert tree.errors == () and tree.terms == 2  # still counted either way
+    got, detail = v.judge_spf(tree, "include:p.test")
+    assert got == status, detail
+
+
+def mx_answer(n: int) -> Lookup:
+    return Lookup("ok", tuple(f"10 mx{i}.x.test" for i in range(n)), 300)
+
+
+def addresses(n: int) -> dict[Query, Lookup]:
+    return {("A", f"mx{i}.x.test"): Lookup("ok", ("192.0.2.1",), 300) for i in range(n)}
+
+
+def test_mx_with_more_than_ten_records_is_a_permerror() -> None:
+    ten = tree_of("v=spf1 mx -all", {("MX", "x.test"): mx_answer(10), **addresses(10)})
+    assert ten.errors == () and ten.voids == 0
+    eleven = tree_of("v=spf1 mx -all", {("MX", "x.test"): mx_answer(11), **addresses(11)})
+    assert any("mx:x.test: 11 MX records, more than 10" in e for e in eleven.errors), eleven.errors
+
+
+def test_mx_hosts_without_addresses_are_void_lookups() -> None:
+    tree = tree_of(
+        "v=spf1 mx -all",
+        {("MX", "x.test"): mx_answer(3), ("A", "mx0.x.test"): Lookup("ok", ("192.0.2.1",), 1)},
+    )
+    assert tree.voids == 2 and tree.errors == ()
+    tree = tree_of("v=spf1 mx -all", {("MX", "x.test"): mx_answer(3)})
+    assert tree.voids == 3 and any("3 void lookups" in e for e in tree.errors)
+
+
+def test_ptr_is_a_warning() -> None:
+    status, detail = v.judge_spf(tree_of("v=spf1 ptr include:p.test -all", P), "include:p.test")
+    assert status == "warning" and "ptr" in detail
+
+
+def test_a_macro_in_redirect_is_counted_not_followed() -> None:
+    known: dict[Query, Lookup] = {("TXT", "x.test"): spf("v=spf1 redirect=%{d}.r.test")}
+    tree = walk("x.test", known)
+    assert isinstance(tree, SpfTree), tree
+    assert tree.terms == 1 and tree.errors == ()
 
 
 # --- the verdicts ----------------------------------------------------------------------------
@@ -212,12 +300,42 @@ def test_judge_dmarc(own: Lookup, inherited: tuple[str, Lookup] | None, status: 
         (Lookup("ok", ("10 mx1.x.test",), 1), None, "ok"),
         (Lookup("ok", ("10 mx1.x.test", "20 old.y.test"), 1), ["mx1.x.test"], "warning"),
         (Lookup("ok", ("0 .",), 1), None, "error"),
-        (EMPTY, None, "ok"),
+        (Lookup("ok", ("0 .", "10 mx1.x.test"), 1), None, "warning"),
         (Lookup("error", detail="timeout"), None, "error"),
+        (VOID, None, "error"),
     ],
 )
 def test_judge_mx(mx: Lookup, expected: list[str] | None, status: str) -> None:
     assert v.judge_mx(mx, expected)[0] == status
+
+
+ADDR = Lookup("ok", ("192.0.2.1",), 1)
+
+
+@pytest.mark.parametrize(
+    ("a", "aaaa", "status", "words"),
+    [
+        (ADDR, EMPTY, "ok", "A/AAAA"),
+        (EMPTY, Lookup("ok", ("2001:db8::1",), 1), "ok", "A/AAAA"),
+        (EMPTY, EMPTY, "error", "no MX and no A/AAAA"),
+        (Lookup("error", detail="SERVFAIL"), EMPTY, "error", "SERVFAIL"),
+    ],
+)
+def test_judge_mx_without_mx_reads_the_addresses(a: Lookup, aaaa: Lookup, status: str, words: str) -> None:
+    got, detail = v.judge_mx(EMPTY, None, a, aaaa)
+    assert got == status and words in detail
+
+
+@pytest.mark.parametrize(
+    ("own", "status", "words"),
+    [
+        (Lookup("ok", ("v=DMARC1; rua=mailto:d@x.test",), 1), "warning", "no p= tag"),
+        (Lookup("ok", ("v=DMARC1; p=reject", "v=DMARC1; p=none"), 1), "error", "more than one"),
+    ],
+)
+def test_judge_dmarc_without_p_and_with_two_records(own: Lookup, status: str, words: str) -> None:
+    got, detail = v.judge_dmarc(own, None)
+    assert got == status and words in detail
 
 
 DAY = 86400.0

@@ -9,17 +9,29 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from smtpguard.config import MaildirProviderConfig
+from smtpguard.config import MaildirProviderConfig, loads
 from smtpguard.policy.breaker import Breaker
 from smtpguard.policy.share import Candidate, shared_provider, slot
+from smtpguard.readiness.prober import Prober
 from smtpguard.relay import Envelope, MaildirProvider, Route
 from smtpguard.server import Server
-from tests.support import Behaviour, FakeClock, Upstream, base_config, message, running_guard, send
+from tests.support import (
+    Behaviour,
+    FakeClock,
+    Upstream,
+    base_config,
+    message,
+    running_guard,
+    send,
+    write_config,
+)
 
 
 # --- the pure choice -------------------------------------------------------------------------
@@ -190,3 +202,90 @@ def test_share_needs_probe_interval_and_a_standby(tmp: Path) -> None:
     cfg["providers"][0].update(share=0.02, probe_interval="5m")
     with pytest.raises(ConfigError, match="primary"):
         loads(yaml.safe_dump(cfg))
+
+
+def provider_gauges(guard: Server) -> str:
+    return "\n".join(
+        line
+        for line in guard.metrics.render().decode().splitlines()
+        if line.startswith("smtpguard_provider_ready{")
+    )
+
+
+async def test_a_reload_forgets_a_changed_providers_readiness_and_a_gone_providers_gauge(
+    tmp: Path, upstream: Upstream, standby: Upstream
+) -> None:
+    path = tmp / "smtpguard.yaml"
+    cfg = share_config(tmp, upstream, standby, 0.2)
+    async with running_guard(cfg, config_path=path) as guard:
+        assert await until_probed(guard, "standby") is True
+        assert guard.route is not None and guard.route.ready["standby"] is True
+        # Unchanged: the readiness survives the reload.
+        cfg["zones"]["acme"]["hourly_cap"] = 99_999
+        write_config(path, cfg)
+        assert await guard.reload()
+        assert guard.route.ready.get("standby") is True
+        # Changed (another HELO name): not known to be ready until its next probe passes.
+        cfg["providers"][1]["helo_name"] = "other.test"
+        write_config(path, cfg)
+        assert await guard.reload()
+        assert guard.route.ready.get("standby") is None
+        assert 'provider="standby"' not in provider_gauges(guard)
+        assert await until_probed(guard, "standby") is True
+        assert guard.route.ready["standby"] is True
+        # Gone: its gauge goes with it.
+        del cfg["providers"][1]
+        write_config(path, cfg)
+        assert await guard.reload()
+        assert 'provider="standby"' not in provider_gauges(guard)
+
+
+async def test_a_new_failure_reason_is_published(tmp: Path) -> None:
+    """Not ready for one reason, then another: the change is reported (the store and
+    `stats` show the current reason), not only the change of readiness."""
+    up = Upstream()
+    await up.start()
+    cfg = base_config(tmp, up.port)
+    cfg["providers"][0].update(username="relay", password_env="SHARE_REASON_PASSWORD", probe_interval="10s")
+    config = loads(yaml.safe_dump(cfg))
+    fast = config.providers[0].model_copy(update={"probe_interval": 0.1})  # below the 10s floor
+    config = config.model_copy(update={"providers": [fast]})
+    changes: list[tuple[bool, str]] = []
+    changed = asyncio.Event()
+
+    def on_change(_provider: str, ready: bool, detail: str) -> None:
+        changes.append((ready, detail))
+        changed.set()
+
+    prober = Prober(config, {"primary": "pw"}, "guard.test", on_change)
+    prober.start()
+    try:
+        async with asyncio.timeout(10):
+            await changed.wait()
+            assert changes[0][0] is False and changes[0][1].startswith("AUTH"), changes
+            changed.clear()
+            await up.stop()  # now refused at connect
+            await changed.wait()
+        await asyncio.sleep(0.5)  # several more probes with the same reason
+    finally:
+        await prober.stop()
+        await up.stop()
+    assert changes[1][0] is False and changes[1][1].startswith("connect"), changes
+    assert len(changes) == 2, changes
+
+
+async def test_stop_right_after_a_reload_does_not_wait_for_the_probe_interval(
+    tmp: Path, upstream: Upstream, standby: Upstream
+) -> None:
+    """The reload's new prober is mid-probe when serve stops: the stop is prompt, not held
+    for `probe_interval` (1h here) by a probe that swallowed its cancellation."""
+    path = tmp / "smtpguard.yaml"
+    cfg = share_config(tmp, upstream, standby, 0.2)
+    async with asyncio.timeout(20):
+        async with running_guard(cfg, config_path=path) as guard:
+            assert await until_probed(guard, "standby") is True
+            cfg["providers"][1]["helo_name"] = "other.test"
+            write_config(path, cfg)
+            assert await guard.reload()
+            started = time.monotonic()
+    assert time.monotonic() - started < 5

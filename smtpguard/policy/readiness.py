@@ -61,11 +61,14 @@ def judge_spf(tree: SpfTree, provider_spf: str | None) -> tuple[Status, str]:
     counts = f"{tree.terms} querying terms, {tree.voids} void lookups"
     if provider_spf is not None and normalise(provider_spf) not in tree.mechanisms:
         return "error", f"{provider_spf} is not reached through the SPF include tree ({counts})"
+    warnings = list(tree.warnings)
     if tree.all_qualifier in ("+", "?"):
         word = "+all (any host may send as the domain)" if tree.all_qualifier == "+" else "?all (neutral)"
-        return "warning", f"the record ends in {word}; use ~all or -all ({counts})"
+        warnings.insert(0, f"the record ends in {word}; use ~all or -all")
     if provider_spf is None:
-        return "warning", f"no spf configured for the provider, so its mechanism is not looked for ({counts})"
+        warnings.append("no spf configured for the provider, so its mechanism is not looked for")
+    if warnings:
+        return "warning", f"{'; '.join(warnings)} ({counts})"
     return "ok", f"{provider_spf} reached ({counts})"
 
 
@@ -99,43 +102,66 @@ def judge_dkim(selectors: Sequence[tuple[str, Lookup]]) -> tuple[Status, str]:
     return "ok", "; ".join(present)
 
 
+def dmarc_records(lookup: Lookup) -> list[dict[str, str]]:
+    """The `v=DMARC1` records of a _dmarc TXT answer, as tags."""
+    return [tags for tags in map(_tags, lookup.records) if tags.get("v", "").upper() == "DMARC1"]
+
+
 def dmarc_record(lookup: Lookup) -> dict[str, str] | None:
-    for record in lookup.records:
-        tags = _tags(record)
-        if tags.get("v", "").upper() == "DMARC1":
-            return tags
-    return None
+    found = dmarc_records(lookup)
+    return found[0] if found else None
 
 
 def judge_dmarc(own: Lookup, inherited: tuple[str, Lookup] | None) -> tuple[Status, str]:
     """`own`: the TXT answer of _dmarc.DOMAIN; `inherited`: (organisational domain, its
     _dmarc answer) when the domain is a subdomain (RFC 7489 §6.6.3 falls back to it)."""
-    tags = dmarc_record(own)
+    found = dmarc_records(own)
     where = "_dmarc record"
-    if tags is None and inherited is not None:
-        tags = dmarc_record(inherited[1])
+    if not found and inherited is not None:
+        found = dmarc_records(inherited[1])
         where = f"_dmarc record of {inherited[0]}"
-        if tags is not None and tags.get("sp"):
-            tags = {**tags, "p": tags["sp"]}
-    if tags is None:
+        if len(found) == 1 and found[0].get("sp"):
+            found = [{**found[0], "p": found[0]["sp"]}]
+    if len(found) > 1:
+        # RFC 7489 §6.6.3: with more than one record, receivers apply no DMARC policy.
+        return "error", f"more than one {where} ({len(found)}): receivers apply no policy; keep one"
+    if not found:
         failed = own.status == "error" or (inherited is not None and inherited[1].status == "error")
         why = "could not be looked up" if failed else "no _dmarc record"
         return "warning", f"{why}: receivers apply no policy to mail that fails SPF and DKIM"
-    policy = tags.get("p", "").lower()
+    policy = found[0].get("p", "").lower()
+    if not policy:
+        return "warning", f"{where} has no p= tag: receivers treat it as p=none or ignore it"
     if policy == "none":
         return "warning", f"{where} has p=none: monitoring only, nothing is enforced"
-    return "ok", f"{where} has p={policy or '?'}"
+    return "ok", f"{where} has p={policy}"
 
 
-def judge_mx(lookup: Lookup, expected: Sequence[str] | None) -> tuple[Status, str]:
+def judge_mx(
+    lookup: Lookup, expected: Sequence[str] | None, a: Lookup | None = None, aaaa: Lookup | None = None
+) -> tuple[Status, str]:
+    """`a`, `aaaa`: the sender domain's address answers, needed when it has no MX."""
     if lookup.status == "error":
         return "error", f"MX lookup failed ({lookup.detail})"
+    if lookup.status == "nxdomain":
+        return "error", "the sender domain does not exist (NXDOMAIN): bounces and replies cannot be delivered"
     if lookup.void:
-        return "ok", "no MX records (bounces go to the domain's A/AAAA)"
+        if a is None or aaaa is None:
+            raise ValueError("no MX: the A and AAAA answers are needed")
+        if a.status == "ok" or aaaa.status == "ok":
+            return "ok", "no MX records (bounces go to the domain's A/AAAA)"
+        if a.status == "error" or aaaa.status == "error":
+            return "error", f"no MX records, and the A/AAAA lookup failed ({a.detail or aaaa.detail})"
+        return "error", "no MX and no A/AAAA: bounces and replies to this sender domain cannot be delivered"
     records = mx_records(lookup)
     if is_null_mx(records):
         return "error", "null MX (RFC 7505): bounces and replies to this sender domain cannot be delivered"
-    hosts = sorted({r.exchange for r in records})
+    hosts = sorted({r.exchange for r in records if r.exchange != "."})
+    if len(hosts) < len({r.exchange for r in records}):
+        return (
+            "warning",
+            f'a null MX (".") among other MX records (RFC 7505 §3): remove it; MX {", ".join(hosts)}',
+        )
     if expected is not None:
         leftover = [h for h in hosts if h not in expected]
         if leftover:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dns.asyncresolver
 import dns.exception
 import dns.message
+import dns.name
 import dns.nameserver
 import dns.rcode
 import dns.rdatatype
@@ -20,13 +21,20 @@ from smtpguard.policy.dnsdata import Lookup
 
 
 class DnsClient:
-    def __init__(self, cfg: DnsConfig) -> None:
+    def __init__(self, cfg: DnsConfig, resolv_conf: str = "/etc/resolv.conf") -> None:
         servers = cfg.servers()
+        self.problem = ""
+        """Why no lookup can be made (no resolver configured); every lookup is then an
+        error, which RCPT accepts and doctor reports, rather than serve failing to start."""
         if servers:
             resolver = dns.asyncresolver.Resolver(configure=False)
             resolver.nameservers = [dns.nameserver.Do53Nameserver(host, port) for host, port in servers]
         else:
-            resolver = dns.asyncresolver.Resolver()
+            try:
+                resolver = dns.asyncresolver.Resolver(filename=resolv_conf)
+            except dns.resolver.NoResolverConfiguration as e:
+                resolver = dns.asyncresolver.Resolver(configure=False)
+                self.problem = f"no resolver: {resolv_conf} gives no nameserver ({e}); set dns.nameservers"
         # `lifetime` bounds the whole lookup (every server, every retry): what a RCPT waits at
         # most. Each try gets half of its server's share, so a UDP answer lost once is asked
         # again within the lifetime instead of ending the lookup as a timeout.
@@ -34,10 +42,27 @@ class DnsClient:
         resolver.timeout = cfg.timeout / (2 * max(len(servers), 1))
         resolver.cache = None  # callers keep what they need for the TTL they are given
         self._resolver = resolver
+        self.timeout = cfg.timeout
+
+    @staticmethod
+    def encode(name: str) -> dns.name.Name:
+        """`name` as DNS labels, by IDNA 2008 (UTS 46 mapping, non-transitional:
+        `straße.de` stays `xn--strae-oqa.de`). Passed explicitly: dnspython's default is
+        IDNA 2003 (`strasse.de`, another domain) unless the `idna` package happens to be
+        importable."""
+        return dns.name.from_text(name, idna_codec=dns.name.IDNA_2008_Practical)
 
     async def lookup(self, rdtype: str, name: str) -> Lookup:
+        if self.problem:
+            return Lookup("error", detail=self.problem)
         try:
-            answer = await self._resolver.resolve(name, rdtype, raise_on_no_answer=False, search=False)
+            qname = self.encode(name)
+        except (dns.exception.DNSException, UnicodeError, ValueError) as e:
+            # A name IDNA 2008 cannot encode: "error", so the callers accept (DNS trouble
+            # never blocks mail) rather than refuse a domain that was never looked up.
+            return Lookup("error", detail=f"{name!r} cannot be encoded (IDNA 2008): {e}"[:200])
+        try:
+            answer = await self._resolver.resolve(qname, rdtype, raise_on_no_answer=False, search=False)
         except dns.resolver.NXDOMAIN as e:
             return Lookup("nxdomain", ttl=_negative_ttl(_first_response(e)))
         except dns.resolver.LifetimeTimeout:

@@ -74,7 +74,12 @@ async def check_domain(
         inherited = (org, await lookups.get("TXT", f"_dmarc.{org}"))
     status, detail = verdicts.judge_dmarc(own, inherited)
     out.append(Finding("dmarc", zone, domain, None, status, detail))
-    status, detail = verdicts.judge_mx(await lookups.get("MX", domain), config.zones[zone].mx)
+    mx = await lookups.get("MX", domain)
+    a = aaaa = None
+    if mx.status == "nodata":
+        await lookups.fetch([("A", domain), ("AAAA", domain)])
+        a, aaaa = lookups.known[("A", domain)], lookups.known[("AAAA", domain)]
+    status, detail = verdicts.judge_mx(mx, config.zones[zone].mx, a, aaaa)
     out.append(Finding("mx", zone, domain, None, status, detail))
     return out
 
