@@ -115,8 +115,10 @@ class StoreConfig(_Strict):
     @field_validator("url")
     @classmethod
     def _scheme(cls, v: str) -> str:
-        if not v.startswith(("sqlite:///", "redis://", "rediss://")):
-            raise ValueError("store url must start with sqlite:///, redis:// or rediss://")
+        if not v.startswith(("sqlite:///", "redis://", "rediss://", "postgresql://", "postgres://")):
+            raise ValueError(
+                "store url must start with sqlite:///, redis://, rediss://, postgresql:// or postgres://"
+            )
         return v
 
 

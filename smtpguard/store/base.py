@@ -249,6 +249,8 @@ BACKENDS: dict[str, str] = {
     "sqlite": "smtpguard.store.sqlite:SQLiteStore",
     "redis": "smtpguard.store.redis:RedisStore",
     "rediss": "smtpguard.store.redis:RedisStore",
+    "postgresql": "smtpguard.store.postgres:PostgresStore",
+    "postgres": "smtpguard.store.postgres:PostgresStore",
 }
 
 

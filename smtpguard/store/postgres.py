@@ -1,0 +1,858 @@
+"""PostgreSQL backend: the store for a fleet, one that survives a failover (DESIGN.md §15).
+
+`postgresql://user@host1,host2/db?target_session_attrs=read-write` is handed to libpq as it
+is (psycopg 3 speaks libpq), so multi-host URLs, `target_session_attrs` and every other
+connection parameter mean what PostgreSQL's own documentation says. A pool keeps the
+connections; one that dies with its server is dropped, and the next one libpq makes finds
+the read-write server among the hosts: after a failover new sessions reach the new primary
+without a restart.
+
+Atomicity is the server's: the reservation is one transaction that starts with
+`INSERT … ON CONFLICT DO NOTHING RETURNING` (or `UPDATE … WHERE version = … RETURNING`)
+on `UNIQUE (zone, key)`; caps are counted by `UPDATE … RETURNING` on a counter row, whose
+row lock orders the zone's concurrent counts; queue claims take rows with
+`FOR UPDATE SKIP LOCKED`. A refusal (paused, a cap reached) rolls the whole transaction
+back. Every write is committed before the call returns, as durable as the server's
+`synchronous_commit` makes it: with a synchronous standby, a failover loses no write whose
+call returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+import psycopg
+from psycopg import AsyncConnection
+from psycopg.conninfo import conninfo_to_dict
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+from smtpguard.events.model import bare_message_id
+from smtpguard.policy.ledger import Record, State
+from smtpguard.policy.limits import HOUR, CapCheck, CapReached
+from smtpguard.policy.senders import suppression_key
+from smtpguard.store.base import (
+    HELD,
+    CapUsage,
+    CircuitState,
+    Claimed,
+    Conflict,
+    IdField,
+    Paused,
+    QueuedMessage,
+    QueueEntry,
+    Reserved,
+    ReserveResult,
+    StoredEvent,
+    StoreUnavailable,
+    Suppression,
+)
+
+P = ParamSpec("P")
+T = TypeVar("T")
+Conn = AsyncConnection[tuple[Any, ...]]
+log = logging.getLogger("smtpguard.store")
+
+_TIMEOUT = 2.0
+"""Deadline of one store operation, of taking a connection from the pool, and of a connect."""
+_POOL_MAX = 16
+_CLOCK_SAMPLE_EVERY = 10.0
+_WINDOW_KEEP = 2 * HOUR
+_SETTLED_EXCLUDED = (State.IN_FLIGHT.value, State.QUEUED.value)
+
+# Each migration runs once, in order, in one transaction with the version it brings; an
+# advisory lock keeps instances starting together from running one twice. Add, never edit.
+_MIGRATIONS: list[str] = [
+    """
+CREATE TABLE events (
+    zone text NOT NULL, key text NOT NULL, version bigint NOT NULL, state text NOT NULL,
+    updated_at double precision NOT NULL, data text NOT NULL,
+    mid text, uid text, PRIMARY KEY (zone, key));
+CREATE INDEX events_updated ON events (updated_at);
+CREATE INDEX events_mid ON events (mid) WHERE mid IS NOT NULL;
+CREATE INDEX events_uid ON events (uid) WHERE uid IS NOT NULL;
+CREATE TABLE sends (
+    zone text NOT NULL, token text NOT NULL, at double precision NOT NULL, month text NOT NULL,
+    PRIMARY KEY (zone, token));
+CREATE INDEX sends_zone_at ON sends (zone, at);
+CREATE TABLE send_counts (zone text PRIMARY KEY, n bigint NOT NULL);
+CREATE TABLE monthly (
+    zone text NOT NULL, month text NOT NULL, used bigint NOT NULL, PRIMARY KEY (zone, month));
+CREATE TABLE paused (zone text PRIMARY KEY);
+CREATE TABLE suppression (
+    zone text NOT NULL, address text NOT NULL, reason text NOT NULL, at double precision NOT NULL,
+    PRIMARY KEY (zone, address));
+CREATE TABLE supp_versions (zone text PRIMARY KEY, v bigint NOT NULL);
+CREATE TABLE auth_failures (ip text NOT NULL, at double precision NOT NULL);
+CREATE INDEX auth_failures_ip_at ON auth_failures (ip, at);
+CREATE TABLE queue (
+    zone text NOT NULL, key text NOT NULL, lane text NOT NULL, priority integer NOT NULL,
+    due_at double precision NOT NULL, claimed_until double precision,
+    enqueued_at double precision NOT NULL, sender text NOT NULL, recipients text NOT NULL,
+    content bytea NOT NULL, smtputf8 boolean NOT NULL DEFAULT false, PRIMARY KEY (zone, key));
+CREATE INDEX queue_lane_due ON queue (lane, due_at);
+CREATE TABLE circuits (
+    instance text NOT NULL, provider text NOT NULL, circuit text NOT NULL,
+    at double precision NOT NULL, PRIMARY KEY (instance, provider));
+CREATE TABLE provider_events (
+    zone text NOT NULL, source text NOT NULL, event_id text NOT NULL, key text NOT NULL,
+    received_at double precision NOT NULL, seq bigserial, data text NOT NULL,
+    PRIMARY KEY (zone, source, event_id));
+CREATE INDEX provider_events_record ON provider_events (zone, key);
+CREATE INDEX provider_events_received ON provider_events (received_at);
+CREATE TABLE counters (
+    zone text NOT NULL, name text NOT NULL, value bigint NOT NULL, PRIMARY KEY (zone, name));
+""",
+]
+_MIGRATION_LOCK = 0x736D7470  # 'smtp': pg_advisory_xact_lock key for the migrations
+
+
+class _Refused(Exception):
+    """Raised inside a transaction to roll it back and answer `result`."""
+
+    def __init__(self, result: Any) -> None:
+        self.result = result
+
+
+def _translated(
+    fn: Callable[Concatenate[PostgresStore, P], Awaitable[T]],
+) -> Callable[Concatenate[PostgresStore, P], Coroutine[Any, Any, T]]:
+    """The one place a driver error becomes StoreUnavailable (451 4.3.0, nothing relayed),
+    and where an operation gets its deadline."""
+
+    async def wrapper(self: PostgresStore, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            async with asyncio.timeout(_TIMEOUT):
+                return await fn(self, *args, **kwargs)
+        except _Refused as r:
+            result: T = r.result
+            return result
+        except (psycopg.Error, PoolTimeout, OSError) as e:  # OSError includes TimeoutError
+            if isinstance(e, psycopg.OperationalError | OSError):
+                self._connection_trouble()
+            raise StoreUnavailable(f"postgresql: {type(e).__name__}: {e}".strip()) from e
+
+    functools.update_wrapper(wrapper, fn)
+    return wrapper
+
+
+def _dump(r: Record) -> str:
+    return json.dumps(r.to_dict(), separators=(",", ":"))
+
+
+def _load(data: str | None) -> Record | None:
+    return Record.from_dict(json.loads(data)) if data else None
+
+
+def _ids(r: Record) -> tuple[str | None, str | None]:
+    return (bare_message_id(r.message_id) if r.message_id else None, r.upstream_id or None)
+
+
+class PostgresStore:
+    def __init__(self, url: str, password: str | None = None) -> None:
+        self.url = url
+        self._password = password
+        self._pool: AsyncConnectionPool[Conn] | None = None
+        self._mono: Callable[[], float] = time.monotonic
+        self._offset: float | None = None
+        """The server's clock minus this process's monotonic clock, from the last sample."""
+        self._last_now = 0.0
+        self._clock_task: asyncio.Task[None] | None = None
+        self._check_task: asyncio.Task[None] | None = None
+        self._migrated = False
+
+    # --- plumbing ----------------------------------------------------------------------------
+    async def open(self) -> None:
+        """Build the pool and apply the schema migrations. Connections are made on use, so
+        an instance started while no read-write server answers starts anyway, answers 451,
+        migrates and recovers once one does."""
+        if self._pool is not None:
+            return
+        params = conninfo_to_dict(self.url)
+        kwargs: dict[str, Any] = {"autocommit": True}
+        if "connect_timeout" not in params:
+            kwargs["connect_timeout"] = int(_TIMEOUT)
+        if self._password is not None:
+            kwargs["password"] = self._password
+        pool: AsyncConnectionPool[Conn] = AsyncConnectionPool(
+            self.url,
+            min_size=1,
+            max_size=_POOL_MAX,
+            kwargs=kwargs,
+            open=False,
+            timeout=_TIMEOUT,
+            name="smtpguard",
+        )
+        await pool.open(wait=False)
+        self._pool = pool
+        with contextlib.suppress(StoreUnavailable):
+            await self._migrate()
+            await self.sync_clock()
+        self._clock_task = asyncio.create_task(self._track_clock())
+
+    async def close(self) -> None:
+        for task in (self._clock_task, self._check_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._clock_task = self._check_task = None
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.close()
+
+    @contextlib.asynccontextmanager
+    async def _conn(self) -> AsyncIterator[Conn]:
+        if self._pool is None:
+            raise StoreUnavailable("store is not open")
+        if not self._migrated:
+            await self._migrate_now()
+        async with self._pool.connection() as conn:
+            yield conn
+
+    @contextlib.asynccontextmanager
+    async def _tx(self) -> AsyncIterator[Conn]:
+        """A connection inside a transaction: committed on leaving, rolled back on any
+        exception (a _Refused answer included)."""
+        async with self._conn() as conn, conn.transaction():
+            yield conn
+
+    def _connection_trouble(self) -> None:
+        """A connection failed: check the idle ones in the background, so the pool drops
+        every connection to a server that is gone (a failover) rather than handing each to
+        one more session."""
+        if self._pool is None or (self._check_task is not None and not self._check_task.done()):
+            return
+        self._check_task = asyncio.create_task(self._pool.check())
+
+    @_translated
+    async def _migrate(self) -> None:
+        await self._migrate_now()
+
+    async def _migrate_now(self) -> None:
+        assert self._pool is not None
+        async with self._pool.connection() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+            await conn.execute("CREATE TABLE IF NOT EXISTS smtpguard_schema (version integer NOT NULL)")
+            row = await (await conn.execute("SELECT max(version) FROM smtpguard_schema")).fetchone()
+            done = int(row[0]) if row and row[0] is not None else 0
+            for version, sql in enumerate(_MIGRATIONS[done:], start=done + 1):
+                await conn.execute(sql)
+                await conn.execute("INSERT INTO smtpguard_schema (version) VALUES (%s)", (version,))
+        self._migrated = True
+
+    # --- the store's clock (DESIGN.md §11.5) --------------------------------------------------
+    def now(self) -> float:
+        """The server's clock, tracked between samples on this process's monotonic clock
+        (as the Redis backend tracks TIME): every instance measures leases on one clock.
+        Never moves backwards, even when a failover brings a server whose clock differs."""
+        if self._offset is None:
+            return time.time()
+        t = self._mono() + self._offset
+        if t < self._last_now:
+            return self._last_now
+        self._last_now = t
+        return t
+
+    @_translated
+    async def sync_clock(self) -> None:
+        async with self._conn() as conn:
+            before = self._mono()
+            row = await (
+                await conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8")
+            ).fetchone()
+            after = self._mono()
+        assert row is not None
+        self._offset = float(row[0]) - (before + after) / 2
+
+    async def _track_clock(self) -> None:
+        while True:
+            await asyncio.sleep(_CLOCK_SAMPLE_EVERY if self._offset is not None else 0.2)
+            with contextlib.suppress(StoreUnavailable):
+                await self.sync_clock()
+
+    @_translated
+    async def durability_problems(self) -> list[str]:
+        """Settings under which the server may forget a committed reservation (a duplicate
+        send after a crash or a failover)."""
+        async with self._conn() as conn:
+            cur = await conn.execute(
+                "SELECT name, setting FROM pg_settings WHERE name IN "
+                "('fsync', 'synchronous_commit', 'full_page_writes', 'synchronous_standby_names')"
+            )
+            got = {str(name): str(value) for name, value in await cur.fetchall()}
+        problems = []
+        if got.get("fsync") != "on":
+            problems.append(f"postgresql fsync is {got.get('fsync')!r}, not 'on': a crash forgets events")
+        if got.get("full_page_writes") != "on":
+            problems.append(
+                f"postgresql full_page_writes is {got.get('full_page_writes')!r}, not 'on': "
+                "a crash can corrupt the ledger"
+            )
+        sync = got.get("synchronous_commit")
+        if sync == "off":
+            problems.append(
+                "postgresql synchronous_commit is 'off': a crash loses the last acknowledged writes"
+            )
+        elif sync == "local" and got.get("synchronous_standby_names"):
+            problems.append(
+                "postgresql synchronous_commit is 'local' while synchronous_standby_names is set: "
+                "a failover loses the writes the standby had not received"
+            )
+        return problems
+
+    async def ping(self) -> bool:
+        try:
+            return await self._ping()
+        except StoreUnavailable:
+            return False
+
+    @_translated
+    async def _ping(self) -> bool:
+        async with self._conn() as conn:
+            await conn.execute("SELECT 1")
+        return True
+
+    # --- ledger ------------------------------------------------------------------------------
+    @_translated
+    async def get(self, zone: str, key: str) -> Record | None:
+        async with self._conn() as conn:
+            return await _fetch(conn, zone, key)
+
+    @_translated
+    async def reserve(
+        self, record: Record, expected_version: int | None, cap: CapCheck | None, paused: bool
+    ) -> ReserveResult:
+        async with self._tx() as conn:
+            swapped = await _swap(conn, record, expected_version)
+            if isinstance(swapped, Conflict):
+                return swapped
+            if swapped is _OWN:
+                return Reserved()
+            # Written; a refusal now rolls the write back with everything else.
+            if paused or await _one(conn, "SELECT 1 FROM paused WHERE zone = %s", (record.zone,)):
+                raise _Refused(Paused())
+            if cap is not None:
+                reached = await _consume(conn, cap)
+                if reached is not None:
+                    raise _Refused(reached)
+            return Reserved()
+
+    @_translated
+    async def put(self, record: Record, expected_version: int | None) -> Conflict | None:
+        async with self._conn() as conn:
+            swapped = await _swap(conn, record, expected_version)
+        return swapped if isinstance(swapped, Conflict) else None
+
+    @_translated
+    async def refund(self, zone: str, token: str, month: str) -> None:
+        async with self._tx() as conn:
+            row = await _one(conn, "SELECT month FROM sends WHERE zone = %s AND token = %s", (zone, token))
+            if row is None:
+                return
+            counted = row[0] or month
+            # The locks in the order _consume takes them (month, then the zone's count),
+            # so a refund and a count never wait on each other in a circle.
+            await conn.execute(
+                "SELECT 1 FROM monthly WHERE zone = %s AND month = %s FOR UPDATE", (zone, counted)
+            )
+            await conn.execute("SELECT 1 FROM send_counts WHERE zone = %s FOR UPDATE", (zone,))
+            gone = await _one(
+                conn, "DELETE FROM sends WHERE zone = %s AND token = %s RETURNING 1", (zone, token)
+            )
+            if gone is None:
+                return  # a concurrent refund of the same token took it first
+            await conn.execute(
+                "UPDATE monthly SET used = GREATEST(used - 1, 0) WHERE zone = %s AND month = %s",
+                (zone, counted),
+            )
+            await conn.execute("UPDATE send_counts SET n = GREATEST(n - 1, 0) WHERE zone = %s", (zone,))
+
+    async def purge(self, now: float, retention: float) -> int:
+        # Not one deadline for the whole purge: each step below has its own.
+        deleted = await self._purge_events(now - retention)
+        await self._purge_windows(now, retention)
+        return deleted
+
+    @_translated
+    async def _purge_events(self, cutoff: float) -> int:
+        async with self._tx() as conn:
+            cur = await conn.execute(
+                "DELETE FROM events WHERE updated_at < %s AND state <> ALL(%s)",
+                (cutoff, list(_SETTLED_EXCLUDED)),
+            )
+            n = cur.rowcount
+            # Store-and-forward entries kept for an operator (unknown, failed) go with their record.
+            await conn.execute(
+                "DELETE FROM queue q WHERE NOT EXISTS "
+                "(SELECT 1 FROM events e WHERE e.zone = q.zone AND e.key = q.key)"
+            )
+        return int(n)
+
+    @_translated
+    async def _purge_windows(self, now: float, retention: float) -> None:
+        async with self._tx() as conn:
+            # The zones' count rows first: the order _consume locks in (it holds a count row
+            # while it trims that zone's window).
+            await conn.execute("SELECT 1 FROM send_counts ORDER BY zone FOR UPDATE")
+            await conn.execute(
+                "WITH gone AS (DELETE FROM sends WHERE at < %s RETURNING zone), "
+                "per AS (SELECT zone, count(*) AS c FROM gone GROUP BY zone) "
+                "UPDATE send_counts s SET n = GREATEST(s.n - per.c, 0) FROM per WHERE s.zone = per.zone",
+                (now - _WINDOW_KEEP,),
+            )
+            await conn.execute("DELETE FROM auth_failures WHERE at < %s", (now - _WINDOW_KEEP,))
+            await conn.execute("DELETE FROM provider_events WHERE received_at < %s", (now - retention,))
+
+    @_translated
+    async def consume_cap(self, cap: CapCheck) -> CapReached | None:
+        async with self._tx() as conn:
+            reached = await _consume(conn, cap)
+            if reached is not None:
+                raise _Refused(reached)
+            return None
+
+    # --- store-and-forward queue -------------------------------------------------------------
+    @_translated
+    async def enqueue(
+        self, record: Record, expected_version: int | None, message: QueuedMessage
+    ) -> Conflict | None:
+        async with self._tx() as conn:
+            swapped = await _swap(conn, record, expected_version)
+            if isinstance(swapped, Conflict):
+                return swapped
+            await conn.execute(
+                "INSERT INTO queue (zone, key, lane, priority, due_at, claimed_until, enqueued_at, "
+                "sender, recipients, content, smtputf8) "
+                "VALUES (%s, %s, %s, %s, %s, NULL, %s, %s, %s, %s, %s) "
+                "ON CONFLICT (zone, key) DO UPDATE SET lane = excluded.lane, priority = excluded.priority, "
+                "due_at = excluded.due_at, claimed_until = NULL, enqueued_at = excluded.enqueued_at, "
+                "sender = excluded.sender, recipients = excluded.recipients, content = excluded.content, "
+                "smtputf8 = excluded.smtputf8",
+                (
+                    record.zone,
+                    record.key,
+                    record.lane or "",
+                    message.priority,
+                    record.next_attempt_at if record.next_attempt_at is not None else record.updated_at,
+                    record.updated_at,
+                    message.sender,
+                    json.dumps(list(message.recipients)),
+                    message.content,
+                    message.smtputf8,
+                ),
+            )
+            return None
+
+    @_translated
+    async def claim(self, now: float, quotas: list[tuple[str, int]], lease: float) -> list[Claimed]:
+        """Each lane's quota of the oldest due entries, then the rest of the total from the
+        lanes in order; rows another claim holds are skipped (SKIP LOCKED), never waited on."""
+        total = sum(max(n, 0) for _, n in quotas)
+        if total <= 0:
+            return []
+        sql = (
+            "SELECT zone, key FROM queue WHERE lane = %s AND due_at <= %s "
+            "AND (claimed_until IS NULL OR claimed_until < %s) "
+            "AND NOT EXISTS (SELECT 1 FROM unnest(%s::text[], %s::text[]) AS p(zone, key) "
+            "WHERE p.zone = queue.zone AND p.key = queue.key) "
+            "ORDER BY due_at, zone, key LIMIT %s FOR UPDATE SKIP LOCKED"
+        )
+        async with self._tx() as conn:
+            picked: list[tuple[str, str]] = []
+
+            async def take(lane: str, n: int) -> None:
+                if n <= 0:
+                    return
+                zones, keys = [z for z, _ in picked], [k for _, k in picked]
+                cur = await conn.execute(sql, (lane, now, now, zones, keys, n))
+                picked.extend((str(z), str(k)) for z, k in await cur.fetchall())
+
+            for lane, n in quotas:
+                await take(lane, n)
+            for lane, _ in quotas:
+                await take(lane, total - len(picked))
+            if not picked:
+                return []
+            zones = [z for z, _ in picked]
+            keys = [k for _, k in picked]
+            cur = await conn.execute(
+                "UPDATE queue q SET claimed_until = %s FROM unnest(%s::text[], %s::text[]) AS p(zone, key) "
+                "WHERE q.zone = p.zone AND q.key = p.key "
+                "RETURNING q.zone, q.key, q.sender, q.recipients, q.content, q.priority, q.smtputf8, "
+                "(SELECT e.data FROM events e WHERE e.zone = q.zone AND e.key = q.key)",
+                (now + lease, zones, keys),
+            )
+            rows = {(str(r[0]), str(r[1])): r for r in await cur.fetchall()}
+            out: list[Claimed] = []
+            gone: list[tuple[str, str]] = []
+            for zk in picked:
+                row = rows.get(zk)
+                if row is None:
+                    continue
+                rec = _load(row[7])
+                if rec is None:
+                    gone.append(zk)  # its record was purged: dropped, not handed out
+                    continue
+                msg = QueuedMessage(
+                    str(row[2]), tuple(json.loads(row[3])), bytes(row[4]), int(row[5]), bool(row[6])
+                )
+                out.append(Claimed(rec, msg))
+            for zone, key in gone:
+                await conn.execute("DELETE FROM queue WHERE zone = %s AND key = %s", (zone, key))
+            return out
+
+    @_translated
+    async def requeue(self, record: Record, expected_version: int, due: float | None) -> Conflict | None:
+        async with self._tx() as conn:
+            swapped = await _swap(conn, record, expected_version)
+            if isinstance(swapped, Conflict):
+                return swapped
+            if due is None:
+                await conn.execute(
+                    "DELETE FROM queue WHERE zone = %s AND key = %s", (record.zone, record.key)
+                )
+            else:
+                await conn.execute(
+                    "UPDATE queue SET due_at = %s, claimed_until = NULL WHERE zone = %s AND key = %s",
+                    (due, record.zone, record.key),
+                )
+            return None
+
+    @_translated
+    async def queue_entries(self, zone: str | None) -> list[QueueEntry]:
+        async with self._conn() as conn:
+            cur = await conn.execute(
+                "SELECT q.zone, q.key, q.lane, e.state, q.due_at, q.claimed_until, q.enqueued_at, "
+                "length(q.content) FROM queue q LEFT JOIN events e ON e.zone = q.zone AND e.key = q.key "
+                "WHERE (%s::text IS NULL OR q.zone = %s) ORDER BY q.priority, q.due_at, q.zone, q.key",
+                (zone, zone),
+            )
+            rows = await cur.fetchall()
+        now = self.now()
+        return [
+            QueueEntry(
+                str(z),
+                str(k),
+                str(lane),
+                str(state) if state else "?",
+                None if due >= HELD else float(due),
+                claimed is not None and claimed > now,
+                float(enq),
+                int(size),
+            )
+            for z, k, lane, state, due, claimed, enq, size in rows
+        ]
+
+    @_translated
+    async def queue_lanes(self) -> set[str]:
+        async with self._conn() as conn:
+            cur = await conn.execute("SELECT DISTINCT lane FROM queue")
+            return {str(lane) for (lane,) in await cur.fetchall()}
+
+    # --- zones -------------------------------------------------------------------------------
+    @_translated
+    async def set_paused(self, zone: str, paused: bool) -> None:
+        async with self._conn() as conn:
+            if paused:
+                await conn.execute("INSERT INTO paused (zone) VALUES (%s) ON CONFLICT DO NOTHING", (zone,))
+            else:
+                await conn.execute("DELETE FROM paused WHERE zone = %s", (zone,))
+
+    @_translated
+    async def is_paused(self, zone: str) -> bool:
+        async with self._conn() as conn:
+            return await _one(conn, "SELECT 1 FROM paused WHERE zone = %s", (zone,)) is not None
+
+    @_translated
+    async def cap_usage(self, zone: str, now: float, month: str) -> CapUsage:
+        async with self._conn() as conn:
+            row = await _one(
+                conn,
+                "SELECT (SELECT count(*) FROM sends WHERE zone = %s AND at >= %s), "
+                "(SELECT used FROM monthly WHERE zone = %s AND month = %s)",
+                (zone, now - HOUR, zone, month),
+            )
+        assert row is not None
+        return CapUsage(hour=int(row[0]), month=int(row[1] or 0))
+
+    @_translated
+    async def add_counts(self, zone: str, counts: dict[str, int]) -> None:
+        if not counts:
+            return
+        async with self._conn() as conn:
+            # One statement: the names sorted, so two concurrent calls lock rows in one order.
+            names = sorted(counts)
+            await conn.execute(
+                "INSERT INTO counters (zone, name, value) "
+                "SELECT %s, n, v FROM unnest(%s::text[], %s::bigint[]) AS c(n, v) "
+                "ON CONFLICT (zone, name) DO UPDATE SET value = counters.value + excluded.value",
+                (zone, names, [counts[n] for n in names]),
+            )
+
+    @_translated
+    async def counts(self, zone: str) -> dict[str, int]:
+        async with self._conn() as conn:
+            cur = await conn.execute("SELECT name, value FROM counters WHERE zone = %s", (zone,))
+            return {str(name): int(value) for name, value in await cur.fetchall()}
+
+    # --- suppression -------------------------------------------------------------------------
+    @_translated
+    async def suppressed(self, zone: str, address: str) -> str | None:
+        async with self._conn() as conn:
+            row = await _one(
+                conn,
+                "SELECT zone FROM suppression WHERE address = %s AND zone IN (%s, 'global') "
+                "ORDER BY zone = 'global' LIMIT 1",
+                (suppression_key(address), zone),
+            )
+        return str(row[0]) if row else None
+
+    @_translated
+    async def suppress_add(self, zone: str, address: str, reason: str, now: float) -> bool:
+        async with self._tx() as conn:
+            return await _list(conn, zone, suppression_key(address), reason, now)
+
+    @_translated
+    async def suppress_remove(self, zone: str, address: str) -> bool:
+        async with self._tx() as conn:
+            gone = await _one(
+                conn,
+                "DELETE FROM suppression WHERE zone = %s AND address = %s RETURNING 1",
+                (zone, suppression_key(address)),
+            )
+            if gone is not None:
+                await _bump_supp_version(conn, zone)
+            return gone is not None
+
+    @_translated
+    async def suppress_list(self, zone: str) -> list[Suppression]:
+        async with self._conn() as conn:
+            cur = await conn.execute(
+                "SELECT zone, address, reason, at FROM suppression WHERE zone = %s "
+                'ORDER BY address COLLATE "C"',
+                (zone,),
+            )
+            return [Suppression(str(z), str(a), str(r), float(t)) for z, a, r, t in await cur.fetchall()]
+
+    @_translated
+    async def suppression_versions(self, zone: str) -> tuple[int, int]:
+        async with self._conn() as conn:
+            cur = await conn.execute(
+                "SELECT zone, v FROM supp_versions WHERE zone IN (%s, 'global')", (zone,)
+            )
+            rows = {str(z): int(v) for z, v in await cur.fetchall()}
+        return rows.get(zone, 0), rows.get("global", 0)
+
+    # --- provider events ---------------------------------------------------------------------
+    @_translated
+    async def find_records(self, field: IdField, value: str) -> list[Record]:
+        if field == "message_id":
+            sql, wanted = "SELECT data FROM events WHERE mid = %s LIMIT 100", bare_message_id(value)
+        else:
+            sql, wanted = "SELECT data FROM events WHERE uid = %s LIMIT 100", value.strip()
+        async with self._conn() as conn:
+            cur = await conn.execute(sql, (wanted,))
+            return [Record.from_dict(json.loads(data)) for (data,) in await cur.fetchall()]
+
+    @_translated
+    async def apply_event(self, zone: str, key: str, event: StoredEvent, suppress_reason: str | None) -> bool:
+        async with self._tx() as conn:
+            added = await _one(
+                conn,
+                "INSERT INTO provider_events (zone, source, event_id, key, received_at, data) "
+                "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING 1",
+                (
+                    zone,
+                    event.source,
+                    event.id,
+                    key,
+                    event.received_at,
+                    json.dumps(event.to_dict(), separators=(",", ":")),
+                ),
+            )
+            if added is None:
+                return False
+            if suppress_reason is not None and event.recipient is not None:
+                await _list(conn, zone, suppression_key(event.recipient), suppress_reason, event.received_at)
+            return True
+
+    @_translated
+    async def provider_events(self, zone: str, key: str) -> list[StoredEvent]:
+        async with self._conn() as conn:
+            cur = await conn.execute(
+                "SELECT data FROM provider_events WHERE zone = %s AND key = %s ORDER BY received_at, seq",
+                (zone, key),
+            )
+            return [StoredEvent.from_dict(json.loads(data)) for (data,) in await cur.fetchall()]
+
+    # --- provider health ---------------------------------------------------------------------
+    @_translated
+    async def set_circuit(self, instance: str, provider: str, circuit: str, now: float) -> None:
+        async with self._conn() as conn:
+            await conn.execute(
+                "INSERT INTO circuits (instance, provider, circuit, at) VALUES (%s, %s, %s, %s) "
+                "ON CONFLICT (instance, provider) DO UPDATE SET circuit = excluded.circuit, at = excluded.at",
+                (instance, provider, circuit, now),
+            )
+
+    @_translated
+    async def circuits(self) -> list[CircuitState]:
+        async with self._conn() as conn:
+            cur = await conn.execute(
+                "SELECT instance, provider, circuit, at FROM circuits "
+                'ORDER BY provider COLLATE "C", instance COLLATE "C"'
+            )
+            return [CircuitState(str(i), str(p), str(s), float(t)) for i, p, s, t in await cur.fetchall()]
+
+    # --- AUTH brute force --------------------------------------------------------------------
+    @_translated
+    async def auth_failure(self, ip: str, now: float, window: float) -> int:
+        async with self._tx() as conn:
+            # One address's failures are counted one at a time: each sees every earlier one.
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"auth:{ip}",))
+            await conn.execute("INSERT INTO auth_failures (ip, at) VALUES (%s, %s)", (ip, now))
+            row = await _one(
+                conn, "SELECT count(*) FROM auth_failures WHERE ip = %s AND at > %s", (ip, now - window)
+            )
+        assert row is not None
+        return int(row[0])
+
+    @_translated
+    async def auth_failures(self, ip: str, now: float, window: float) -> int:
+        async with self._conn() as conn:
+            row = await _one(
+                conn, "SELECT count(*) FROM auth_failures WHERE ip = %s AND at > %s", (ip, now - window)
+            )
+        assert row is not None
+        return int(row[0])
+
+
+# --- statements shared by the operations --------------------------------------------------------
+async def _one(conn: Conn, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    cur = await conn.execute(sql, params)
+    return await cur.fetchone()
+
+
+async def _fetch(conn: Conn, zone: str, key: str) -> Record | None:
+    row = await _one(conn, "SELECT data FROM events WHERE zone = %s AND key = %s", (zone, key))
+    return _load(row[0]) if row else None
+
+
+class _Own:
+    pass
+
+
+_OWN = _Own()
+"""_swap's answer when the record already equals the one being written: a retried write
+whose first run landed (DESIGN.md §11.4)."""
+
+
+async def _swap(conn: Conn, r: Record, expected_version: int | None) -> Conflict | _Own | None:
+    """Write `r` over exactly `expected_version` (None: only if absent) in one statement;
+    the current record is read only when that fails. None: written; _OWN: it was already
+    there, byte for byte; else the Conflict with the current record."""
+    data = _dump(r)
+    mid, uid = _ids(r)
+    if expected_version is None:
+        written = await _one(
+            conn,
+            "INSERT INTO events (zone, key, version, state, updated_at, data, mid, uid) "
+            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (zone, key) DO NOTHING RETURNING 1",
+            (r.zone, r.key, r.version, r.state.value, r.updated_at, data, mid, uid),
+        )
+    else:
+        written = await _one(
+            conn,
+            "UPDATE events SET version = %s, state = %s, updated_at = %s, data = %s, mid = %s, uid = %s "
+            "WHERE zone = %s AND key = %s AND version = %s RETURNING 1",
+            (r.version, r.state.value, r.updated_at, data, mid, uid, r.zone, r.key, expected_version),
+        )
+    if written is not None:
+        return None
+    row = await _one(conn, "SELECT version, data FROM events WHERE zone = %s AND key = %s", (r.zone, r.key))
+    if row is None:
+        return Conflict(None)
+    if int(row[0]) == r.version and row[1] == data:
+        return _OWN
+    return Conflict(_load(row[1]))
+
+
+async def _consume(conn: Conn, cap: CapCheck) -> CapReached | None:
+    """Count one unit against both caps, or answer which cap refuses (the caller rolls the
+    transaction back, so a refusal counts nothing).
+
+    The token first: one counted already is a retried call (DESIGN.md §11.4). Then the
+    month's count and the zone's count of window rows are each raised by one
+    `UPDATE … RETURNING` (an upsert): the row locks order the zone's concurrent counts, and
+    the totals they return decide. Rows that left the hour are dropped only when the count
+    reaches the cap (and by the purge), so a send within the cap scans nothing."""
+    zone = cap.zone
+    new = await _one(
+        conn,
+        "INSERT INTO sends (zone, token, at, month) VALUES (%s, %s, %s, %s) "
+        "ON CONFLICT (zone, token) DO NOTHING RETURNING 1",
+        (zone, cap.token, cap.now, cap.month),
+    )
+    if new is None:
+        return None
+    row = await _one(
+        conn,
+        "INSERT INTO monthly (zone, month, used) VALUES (%s, %s, 1) "
+        "ON CONFLICT (zone, month) DO UPDATE SET used = monthly.used + 1 RETURNING used",
+        (zone, cap.month),
+    )
+    assert row is not None
+    if int(row[0]) > cap.caps.monthly:
+        return CapReached("month", cap.caps.monthly)
+    row = await _one(
+        conn,
+        "INSERT INTO send_counts (zone, n) VALUES (%s, 1) "
+        "ON CONFLICT (zone) DO UPDATE SET n = send_counts.n + 1 RETURNING n",
+        (zone,),
+    )
+    assert row is not None
+    if int(row[0]) <= cap.caps.hourly:
+        return None
+    row = await _one(
+        conn,
+        "WITH gone AS (DELETE FROM sends WHERE zone = %s AND at < %s RETURNING 1) "
+        "UPDATE send_counts SET n = n - (SELECT count(*) FROM gone) WHERE zone = %s RETURNING n",
+        (zone, cap.hour_start, zone),
+    )
+    assert row is not None
+    if int(row[0]) <= cap.caps.hourly:
+        return None
+    oldest = await _one(
+        conn,
+        "SELECT min(at) FROM sends WHERE zone = %s AND at >= %s AND token <> %s",
+        (zone, cap.hour_start, cap.token),
+    )
+    first = oldest[0] if oldest is not None and oldest[0] is not None else cap.now
+    return CapReached("hour", cap.caps.hourly, float(first) + HOUR)
+
+
+async def _list(conn: Conn, zone: str, address: str, reason: str, at: float) -> bool:
+    added = await _one(
+        conn,
+        "INSERT INTO suppression (zone, address, reason, at) VALUES (%s, %s, %s, %s) "
+        "ON CONFLICT DO NOTHING RETURNING 1",
+        (zone, address, reason, at),
+    )
+    if added is not None:
+        await _bump_supp_version(conn, zone)
+    return added is not None
+
+
+async def _bump_supp_version(conn: Conn, zone: str) -> None:
+    await conn.execute(
+        "INSERT INTO supp_versions (zone, v) VALUES (%s, 1) "
+        "ON CONFLICT (zone) DO UPDATE SET v = supp_versions.v + 1",
+        (zone,),
+    )
