@@ -187,6 +187,11 @@ class PostgresStore:
             kwargs=kwargs,
             open=False,
             timeout=_TIMEOUT,
+            # A failed connect is retried for this long, then given up; the next caller that
+            # waits for a connection starts a new attempt at once. Without it the pool's
+            # back-off (1, 2, 4, 8 s …) kept new sessions on 451 for seconds after a new
+            # primary was up.
+            reconnect_timeout=_TIMEOUT,
             name="smtpguard",
         )
         await pool.open(wait=False)
