@@ -128,7 +128,10 @@ class Server:
         sources = _event_sources(config)
         ssl_ctx = tls_context(config)
         password = read_secret(config.store.password_env, config.store.password_file, "store")
-        self.store = store_from_url(config.store.url, password=password)
+        wait = config.store.wait
+        self.store = store_from_url(
+            config.store.url, password=password, wait=(wait.replicas, wait.timeout) if wait else None
+        )
         await self.store.open()
         try:
             problems = await self.store.durability_problems()

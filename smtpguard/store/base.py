@@ -1,11 +1,11 @@
-"""The state store: one interface, two backends (DESIGN.md §7).
+"""The state store: one interface, three backends (DESIGN.md §7, §15).
 
 Promises every backend keeps (the contract suite in tests/test_store_contract.py checks
-each one against SQLite and a real redis-server):
+each one against SQLite, a real redis-server and a real PostgreSQL):
 
 - **Durable before answer.** When a write coroutine returns, the write survives a crash of
   this process (SQLite: committed with synchronous=FULL; Redis: as durable as the server's
-  `appendfsync`, see docs/redis.md).
+  `appendfsync`, see docs/redis.md; PostgreSQL: committed, as `synchronous_commit` says).
 - **reserve is atomic across instances.** Version check, pause flag, cap count and the
   record write happen as one indivisible step: of N concurrent reservations of one key with
   the same expected version, exactly one gets `Reserved`; the others get `Conflict` with
@@ -249,17 +249,19 @@ BACKENDS: dict[str, str] = {
     "sqlite": "smtpguard.store.sqlite:SQLiteStore",
     "redis": "smtpguard.store.redis:RedisStore",
     "rediss": "smtpguard.store.redis:RedisStore",
+    "redis+sentinel": "smtpguard.store.redis:RedisStore",
     "postgresql": "smtpguard.store.postgres:PostgresStore",
     "postgres": "smtpguard.store.postgres:PostgresStore",
 }
 
 
-def store_from_url(url: str, password: str | None = None) -> Store:
+def store_from_url(url: str, password: str | None = None, wait: tuple[int, float] | None = None) -> Store:
+    """`wait`: (replicas, timeout in seconds) for Redis's WAIT after each ledger write."""
     scheme = url.split(":", 1)[0]
     target = BACKENDS.get(scheme)
     if target is None:
         raise ValueError(f"unknown store scheme {scheme!r}")
     module, cls = target.split(":")
     factory = getattr(importlib.import_module(module), cls)
-    store: Store = factory(url, password=password)
+    store: Store = factory(url, password=password, **({"wait": wait} if wait is not None else {}))
     return store

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import json
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -64,6 +65,9 @@ _TIMEOUT = 2.0
 _POOL_MAX = 16
 _CLOCK_SAMPLE_EVERY = 10.0
 _WINDOW_KEEP = 2 * HOUR
+_SLOTS = 16
+"""Cap count slots per zone: how many of a zone's reservations may commit at once while its
+caps are far (see _consume)."""
 _SETTLED_EXCLUDED = (State.IN_FLIGHT.value, State.QUEUED.value)
 
 # Each migration runs once, in order, in one transaction with the version it brings; an
@@ -79,11 +83,14 @@ CREATE INDEX events_mid ON events (mid) WHERE mid IS NOT NULL;
 CREATE INDEX events_uid ON events (uid) WHERE uid IS NOT NULL;
 CREATE TABLE sends (
     zone text NOT NULL, token text NOT NULL, at double precision NOT NULL, month text NOT NULL,
-    PRIMARY KEY (zone, token));
+    slot integer NOT NULL, PRIMARY KEY (zone, token));
 CREATE INDEX sends_zone_at ON sends (zone, at);
-CREATE TABLE send_counts (zone text PRIMARY KEY, n bigint NOT NULL);
+-- A zone's cap counts are spread over slots (see _consume): one lock row per slot, and the
+-- month's count kept per slot.
+CREATE TABLE cap_slots (zone text NOT NULL, slot integer NOT NULL, PRIMARY KEY (zone, slot));
 CREATE TABLE monthly (
-    zone text NOT NULL, month text NOT NULL, used bigint NOT NULL, PRIMARY KEY (zone, month));
+    zone text NOT NULL, month text NOT NULL, slot integer NOT NULL, used bigint NOT NULL,
+    PRIMARY KEY (zone, month, slot));
 CREATE TABLE paused (zone text PRIMARY KEY);
 CREATE TABLE suppression (
     zone text NOT NULL, address text NOT NULL, reason text NOT NULL, at double precision NOT NULL,
@@ -358,26 +365,16 @@ class PostgresStore:
     @_translated
     async def refund(self, zone: str, token: str, month: str) -> None:
         async with self._tx() as conn:
-            row = await _one(conn, "SELECT month FROM sends WHERE zone = %s AND token = %s", (zone, token))
-            if row is None:
-                return
-            counted = row[0] or month
-            # The locks in the order _consume takes them (month, then the zone's count),
-            # so a refund and a count never wait on each other in a circle.
-            await conn.execute(
-                "SELECT 1 FROM monthly WHERE zone = %s AND month = %s FOR UPDATE", (zone, counted)
-            )
-            await conn.execute("SELECT 1 FROM send_counts WHERE zone = %s FOR UPDATE", (zone,))
+            # The month the unit was counted in is kept with it; `month` is the caller's guess.
             gone = await _one(
-                conn, "DELETE FROM sends WHERE zone = %s AND token = %s RETURNING 1", (zone, token)
+                conn, "DELETE FROM sends WHERE zone = %s AND token = %s RETURNING month, slot", (zone, token)
             )
-            if gone is None:
-                return  # a concurrent refund of the same token took it first
-            await conn.execute(
-                "UPDATE monthly SET used = GREATEST(used - 1, 0) WHERE zone = %s AND month = %s",
-                (zone, counted),
-            )
-            await conn.execute("UPDATE send_counts SET n = GREATEST(n - 1, 0) WHERE zone = %s", (zone,))
+            if gone is not None:
+                await conn.execute(
+                    "UPDATE monthly SET used = GREATEST(used - 1, 0) "
+                    "WHERE zone = %s AND month = %s AND slot = %s",
+                    (zone, gone[0] or month, gone[1]),
+                )
 
     async def purge(self, now: float, retention: float) -> int:
         # Not one deadline for the whole purge: each step below has its own.
@@ -403,15 +400,7 @@ class PostgresStore:
     @_translated
     async def _purge_windows(self, now: float, retention: float) -> None:
         async with self._tx() as conn:
-            # The zones' count rows first: the order _consume locks in (it holds a count row
-            # while it trims that zone's window).
-            await conn.execute("SELECT 1 FROM send_counts ORDER BY zone FOR UPDATE")
-            await conn.execute(
-                "WITH gone AS (DELETE FROM sends WHERE at < %s RETURNING zone), "
-                "per AS (SELECT zone, count(*) AS c FROM gone GROUP BY zone) "
-                "UPDATE send_counts s SET n = GREATEST(s.n - per.c, 0) FROM per WHERE s.zone = per.zone",
-                (now - _WINDOW_KEEP,),
-            )
+            await conn.execute("DELETE FROM sends WHERE at < %s", (now - _WINDOW_KEEP,))
             await conn.execute("DELETE FROM auth_failures WHERE at < %s", (now - _WINDOW_KEEP,))
             await conn.execute("DELETE FROM provider_events WHERE received_at < %s", (now - retention,))
 
@@ -581,7 +570,7 @@ class PostgresStore:
             row = await _one(
                 conn,
                 "SELECT (SELECT count(*) FROM sends WHERE zone = %s AND at >= %s), "
-                "(SELECT used FROM monthly WHERE zone = %s AND month = %s)",
+                "(SELECT sum(used) FROM monthly WHERE zone = %s AND month = %s)",
                 (zone, now - HOUR, zone, month),
             )
         assert row is not None
@@ -793,54 +782,76 @@ async def _consume(conn: Conn, cap: CapCheck) -> CapReached | None:
     """Count one unit against both caps, or answer which cap refuses (the caller rolls the
     transaction back, so a refusal counts nothing).
 
-    The token first: one counted already is a retried call (DESIGN.md §11.4). Then the
-    month's count and the zone's count of window rows are each raised by one
-    `UPDATE … RETURNING` (an upsert): the row locks order the zone's concurrent counts, and
-    the totals they return decide. Rows that left the hour are dropped only when the count
-    reaches the cap (and by the purge), so a send within the cap scans nothing."""
+    The token first: one counted already is a retried call (DESIGN.md §11.4). A lock held
+    until COMMIT (and COMMIT waits for the WAL flush, and for a synchronous standby) on one
+    counter row per zone would let one reservation of the zone commit at a time; so the
+    zone's count is spread over _SLOTS slots, each a lock row and a month count. A unit
+    locks one slot and reads the zone's totals: other slots' counts not yet committed are
+    invisible, but each holds its slot's lock, so at most _SLOTS - 1 are missing. Within
+    that margin of both caps the unit is counted at once; nearer, it takes every slot of
+    the zone (in order) and counts exactly. Either way no cap is ever exceeded."""
     zone = cap.zone
+    slot = secrets.randbelow(_SLOTS)
     new = await _one(
         conn,
-        "INSERT INTO sends (zone, token, at, month) VALUES (%s, %s, %s, %s) "
+        "INSERT INTO sends (zone, token, at, month, slot) VALUES (%s, %s, %s, %s, %s) "
         "ON CONFLICT (zone, token) DO NOTHING RETURNING 1",
-        (zone, cap.token, cap.now, cap.month),
+        (zone, cap.token, cap.now, cap.month, slot),
     )
     if new is None:
         return None
-    row = await _one(
-        conn,
-        "INSERT INTO monthly (zone, month, used) VALUES (%s, %s, 1) "
-        "ON CONFLICT (zone, month) DO UPDATE SET used = monthly.used + 1 RETURNING used",
-        (zone, cap.month),
+    await conn.execute("SAVEPOINT smtpguard_cap")
+    await conn.execute(
+        "INSERT INTO cap_slots (zone, slot) VALUES (%s, %s) "
+        "ON CONFLICT (zone, slot) DO UPDATE SET slot = excluded.slot",
+        (zone, slot),
     )
-    assert row is not None
-    if int(row[0]) > cap.caps.monthly:
+    await conn.execute(
+        "INSERT INTO monthly (zone, month, slot, used) VALUES (%s, %s, %s, 1) "
+        "ON CONFLICT (zone, month, slot) DO UPDATE SET used = monthly.used + 1",
+        (zone, cap.month, slot),
+    )
+    month, hour = await _totals(conn, cap)
+    margin = _SLOTS - 1
+    if month + margin <= cap.caps.monthly and hour + margin <= cap.caps.hourly:
+        return None
+    # Near a cap: every slot of the zone, then exact totals.
+    await conn.execute("ROLLBACK TO SAVEPOINT smtpguard_cap")
+    await conn.execute(
+        "INSERT INTO cap_slots (zone, slot) SELECT %s, generate_series(0, %s) ON CONFLICT DO NOTHING",
+        (zone, _SLOTS - 1),
+    )
+    await conn.execute("SELECT 1 FROM cap_slots WHERE zone = %s ORDER BY slot FOR UPDATE", (zone,))
+    month, hour = await _totals(conn, cap)
+    if month + 1 > cap.caps.monthly:
         return CapReached("month", cap.caps.monthly)
+    if hour > cap.caps.hourly:
+        oldest = await _one(
+            conn,
+            "SELECT min(at) FROM sends WHERE zone = %s AND at >= %s AND token <> %s",
+            (zone, cap.hour_start, cap.token),
+        )
+        first = oldest[0] if oldest is not None and oldest[0] is not None else cap.now
+        return CapReached("hour", cap.caps.hourly, float(first) + HOUR)
+    await conn.execute(
+        "INSERT INTO monthly (zone, month, slot, used) VALUES (%s, %s, %s, 1) "
+        "ON CONFLICT (zone, month, slot) DO UPDATE SET used = monthly.used + 1",
+        (zone, cap.month, slot),
+    )
+    return None
+
+
+async def _totals(conn: Conn, cap: CapCheck) -> tuple[int, int]:
+    """The zone's units this month and in the sliding hour, as this transaction sees them
+    (its own unit's window row included)."""
     row = await _one(
         conn,
-        "INSERT INTO send_counts (zone, n) VALUES (%s, 1) "
-        "ON CONFLICT (zone) DO UPDATE SET n = send_counts.n + 1 RETURNING n",
-        (zone,),
+        "SELECT (SELECT coalesce(sum(used), 0) FROM monthly WHERE zone = %s AND month = %s), "
+        "(SELECT count(*) FROM sends WHERE zone = %s AND at >= %s)",
+        (cap.zone, cap.month, cap.zone, cap.hour_start),
     )
     assert row is not None
-    if int(row[0]) <= cap.caps.hourly:
-        return None
-    row = await _one(
-        conn,
-        "WITH gone AS (DELETE FROM sends WHERE zone = %s AND at < %s RETURNING 1) "
-        "UPDATE send_counts SET n = n - (SELECT count(*) FROM gone) WHERE zone = %s RETURNING n",
-        (zone, cap.hour_start, zone),
-    )
-    assert row is not None
-    if int(row[0]) <= cap.caps.hourly:
-        return None
-    oldest = await _one(
-        conn,
-        "SELECT min(at) FROM sends WHERE zone = %s AND at >= %s AND token <> %s",
-        (zone, cap.hour_start, cap.token),
-    )
-    first = oldest[0] if oldest is not None and oldest[0] is not None else cap.now
-    return CapReached("hour", cap.caps.hourly, float(first) + HOUR)
+    return int(row[0]), int(row[1])
 
 
 async def _list(conn: Conn, zone: str, address: str, reason: str, at: float) -> bool:
