@@ -60,6 +60,7 @@ from smtpguard.server import Server
 from smtpguard.store import QueueEntry, Store, store_from_url
 from smtpguard.submission import Principal, Result, Submitter
 from tests.hypothesis_profiles import stateful_settings
+from tests.postgres_support import PostgresServer, reset
 from tests.stateful_support import (
     BEHAVIOURS,
     Clock,
@@ -298,7 +299,29 @@ class RedisBackend:
         return None
 
 
-Backend = SqliteBackend | RedisBackend
+class PostgresBackend:
+    name = "postgres"
+    fault_modes = ("before", "after")
+
+    def __init__(self, server: PostgresServer) -> None:
+        self.url = server.url
+
+    async def begin(self) -> None:
+        store = store_from_url(self.url)
+        await store.open()  # the schema, so that there are tables to empty
+        await store.close()
+        await asyncio.to_thread(reset, self.url)
+
+    async def open(self, wired: bool) -> tuple[Store, WireFaults | None]:
+        store = store_from_url(self.url)
+        await store.open()
+        return store, None
+
+    def end(self) -> None:
+        return None
+
+
+Backend = SqliteBackend | RedisBackend | PostgresBackend
 
 
 class Harness:
@@ -1054,3 +1077,7 @@ def test_ledger_invariants_sqlite(tmp_path: Path) -> None:
 
 def test_ledger_invariants_redis(redis_server: RedisServer) -> None:
     _run(RedisBackend(redis_server))
+
+
+def test_ledger_invariants_postgres(postgres_server: PostgresServer) -> None:
+    _run(PostgresBackend(postgres_server))
