@@ -347,8 +347,9 @@ class PostgresStore:
                 return swapped
             if swapped is _OWN:
                 return Reserved()
-            # Written; a refusal now rolls the write back with everything else.
-            if paused or await _one(conn, "SELECT 1 FROM paused WHERE zone = %s", (record.zone,)):
+            # Written (its statement also read the zone's pause switch); a refusal now rolls
+            # the write back with everything else.
+            if paused or swapped:
                 raise _Refused(Paused())
             if cap is not None:
                 reached = await _consume(conn, cap)
@@ -748,28 +749,31 @@ _OWN = _Own()
 whose first run landed (DESIGN.md §11.4)."""
 
 
-async def _swap(conn: Conn, r: Record, expected_version: int | None) -> Conflict | _Own | None:
+async def _swap(conn: Conn, r: Record, expected_version: int | None) -> Conflict | _Own | bool:
     """Write `r` over exactly `expected_version` (None: only if absent) in one statement;
-    the current record is read only when that fails. None: written; _OWN: it was already
-    there, byte for byte; else the Conflict with the current record."""
+    the current record is read only when that fails. A bool: written, and whether the zone
+    is paused (read by the same statement, for reserve); _OWN: it was already there, byte
+    for byte; else the Conflict with the current record."""
     data = _dump(r)
     mid, uid = _ids(r)
     if expected_version is None:
         written = await _one(
             conn,
             "INSERT INTO events (zone, key, version, state, updated_at, data, mid, uid) "
-            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (zone, key) DO NOTHING RETURNING 1",
+            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (zone, key) DO NOTHING "
+            "RETURNING EXISTS (SELECT 1 FROM paused p WHERE p.zone = events.zone)",
             (r.zone, r.key, r.version, r.state.value, r.updated_at, data, mid, uid),
         )
     else:
         written = await _one(
             conn,
             "UPDATE events SET version = %s, state = %s, updated_at = %s, data = %s, mid = %s, uid = %s "
-            "WHERE zone = %s AND key = %s AND version = %s RETURNING 1",
+            "WHERE zone = %s AND key = %s AND version = %s "
+            "RETURNING EXISTS (SELECT 1 FROM paused p WHERE p.zone = events.zone)",
             (r.version, r.state.value, r.updated_at, data, mid, uid, r.zone, r.key, expected_version),
         )
     if written is not None:
-        return None
+        return bool(written[0])
     row = await _one(conn, "SELECT version, data FROM events WHERE zone = %s AND key = %s", (r.zone, r.key))
     if row is None:
         return Conflict(None)
@@ -792,36 +796,42 @@ async def _consume(conn: Conn, cap: CapCheck) -> CapReached | None:
     the zone (in order) and counts exactly. Either way no cap is ever exceeded."""
     zone = cap.zone
     slot = secrets.randbelow(_SLOTS)
-    new = await _one(
-        conn,
-        "INSERT INTO sends (zone, token, at, month, slot) VALUES (%s, %s, %s, %s, %s) "
-        "ON CONFLICT (zone, token) DO NOTHING RETURNING 1",
-        (zone, cap.token, cap.now, cap.month, slot),
-    )
-    if new is None:
-        return None
     await conn.execute("SAVEPOINT smtpguard_cap")
-    await conn.execute(
-        "INSERT INTO cap_slots (zone, slot) VALUES (%s, %s) "
-        "ON CONFLICT (zone, slot) DO UPDATE SET slot = excluded.slot",
-        (zone, slot),
+    # One statement: the unit's window row, its slot's lock, the slot's month count (in the
+    # order every count takes them: the slot lock before any month row).
+    row = await _one(
+        conn,
+        "WITH tok AS (INSERT INTO sends (zone, token, at, month, slot) VALUES (%s, %s, %s, %s, %s) "
+        "ON CONFLICT (zone, token) DO NOTHING RETURNING slot), "
+        "lk AS (INSERT INTO cap_slots (zone, slot) SELECT %s, slot FROM tok "
+        "ON CONFLICT (zone, slot) DO UPDATE SET slot = excluded.slot RETURNING 1), "
+        "m AS (INSERT INTO monthly (zone, month, slot, used) SELECT %s, %s, slot, 1 FROM tok "
+        "ON CONFLICT (zone, month, slot) DO UPDATE SET used = monthly.used + 1 RETURNING 1) "
+        "SELECT (SELECT count(*) FROM tok), (SELECT count(*) FROM lk), (SELECT count(*) FROM m)",
+        (zone, cap.token, cap.now, cap.month, slot, zone, zone, cap.month),
     )
-    await conn.execute(
-        "INSERT INTO monthly (zone, month, slot, used) VALUES (%s, %s, %s, 1) "
-        "ON CONFLICT (zone, month, slot) DO UPDATE SET used = monthly.used + 1",
-        (zone, cap.month, slot),
-    )
+    if row is None or not row[0]:
+        return None  # the token was counted before: a retried call (DESIGN.md §11.4)
     month, hour = await _totals(conn, cap)
     margin = _SLOTS - 1
     if month + margin <= cap.caps.monthly and hour + margin <= cap.caps.hourly:
         return None
-    # Near a cap: every slot of the zone, then exact totals.
+    # Near a cap: every slot of the zone (its own given back first, so that all are taken
+    # in order), then exact totals.
     await conn.execute("ROLLBACK TO SAVEPOINT smtpguard_cap")
     await conn.execute(
         "INSERT INTO cap_slots (zone, slot) SELECT %s, generate_series(0, %s) ON CONFLICT DO NOTHING",
         (zone, _SLOTS - 1),
     )
     await conn.execute("SELECT 1 FROM cap_slots WHERE zone = %s ORDER BY slot FOR UPDATE", (zone,))
+    again = await _one(
+        conn,
+        "INSERT INTO sends (zone, token, at, month, slot) VALUES (%s, %s, %s, %s, %s) "
+        "ON CONFLICT (zone, token) DO NOTHING RETURNING 1",
+        (zone, cap.token, cap.now, cap.month, slot),
+    )
+    if again is None:
+        return None
     month, hour = await _totals(conn, cap)
     if month + 1 > cap.caps.monthly:
         return CapReached("month", cap.caps.monthly)
