@@ -85,9 +85,10 @@ CREATE TABLE sends (
     zone text NOT NULL, token text NOT NULL, at double precision NOT NULL, month text NOT NULL,
     slot integer NOT NULL, PRIMARY KEY (zone, token));
 CREATE INDEX sends_zone_at ON sends (zone, at);
--- A zone's cap counts are spread over slots (see _consume): one lock row per slot, and the
--- month's count kept per slot.
-CREATE TABLE cap_slots (zone text NOT NULL, slot integer NOT NULL, PRIMARY KEY (zone, slot));
+-- A zone's cap counts are spread over slots (see _consume): one lock row per slot with the
+-- number of its window rows (sends) kept, and the month's count kept per slot.
+CREATE TABLE cap_slots (
+    zone text NOT NULL, slot integer NOT NULL, n bigint NOT NULL DEFAULT 0, PRIMARY KEY (zone, slot));
 CREATE TABLE monthly (
     zone text NOT NULL, month text NOT NULL, slot integer NOT NULL, used bigint NOT NULL,
     PRIMARY KEY (zone, month, slot));
@@ -371,6 +372,11 @@ class PostgresStore:
                 conn, "DELETE FROM sends WHERE zone = %s AND token = %s RETURNING month, slot", (zone, token)
             )
             if gone is not None:
+                # The slot's row before its month row: the order every count locks them in.
+                await conn.execute(
+                    "UPDATE cap_slots SET n = GREATEST(n - 1, 0) WHERE zone = %s AND slot = %s",
+                    (zone, gone[1]),
+                )
                 await conn.execute(
                     "UPDATE monthly SET used = GREATEST(used - 1, 0) "
                     "WHERE zone = %s AND month = %s AND slot = %s",
@@ -401,7 +407,15 @@ class PostgresStore:
     @_translated
     async def _purge_windows(self, now: float, retention: float) -> None:
         async with self._tx() as conn:
-            await conn.execute("DELETE FROM sends WHERE at < %s", (now - _WINDOW_KEEP,))
+            # Every slot row first: a count near its cap holds its zone's while it trims.
+            await conn.execute("SELECT 1 FROM cap_slots ORDER BY zone, slot FOR UPDATE")
+            await conn.execute(
+                "WITH gone AS (DELETE FROM sends WHERE at < %s RETURNING zone, slot), "
+                "per AS (SELECT zone, slot, count(*) AS c FROM gone GROUP BY zone, slot) "
+                "UPDATE cap_slots s SET n = GREATEST(s.n - per.c, 0) FROM per "
+                "WHERE s.zone = per.zone AND s.slot = per.slot",
+                (now - _WINDOW_KEEP,),
+            )
             await conn.execute("DELETE FROM auth_failures WHERE at < %s", (now - _WINDOW_KEEP,))
             await conn.execute("DELETE FROM provider_events WHERE received_at < %s", (now - retention,))
 
@@ -791,9 +805,11 @@ async def _consume(conn: Conn, cap: CapCheck) -> CapReached | None:
     counter row per zone would let one reservation of the zone commit at a time; so the
     zone's count is spread over _SLOTS slots, each a lock row and a month count. A unit
     locks one slot and reads the zone's totals: other slots' counts not yet committed are
-    invisible, but each holds its slot's lock, so at most _SLOTS - 1 are missing. Within
-    that margin of both caps the unit is counted at once; nearer, it takes every slot of
-    the zone (in order) and counts exactly. Either way no cap is ever exceeded."""
+    invisible, but each holds its slot's lock, so at most _SLOTS - 1 are missing. The hour
+    is bounded from above by the window rows kept (the slots' `n`), so nothing is scanned.
+    Within that margin of both caps the unit is counted at once; nearer, it takes every
+    slot of the zone (in order), drops the rows that left the hour and counts the window
+    exactly. Either way no cap is ever exceeded."""
     zone = cap.zone
     slot = secrets.randbelow(_SLOTS)
     await conn.execute("SAVEPOINT smtpguard_cap")
@@ -803,8 +819,8 @@ async def _consume(conn: Conn, cap: CapCheck) -> CapReached | None:
         conn,
         "WITH tok AS (INSERT INTO sends (zone, token, at, month, slot) VALUES (%s, %s, %s, %s, %s) "
         "ON CONFLICT (zone, token) DO NOTHING RETURNING slot), "
-        "lk AS (INSERT INTO cap_slots (zone, slot) SELECT %s, slot FROM tok "
-        "ON CONFLICT (zone, slot) DO UPDATE SET slot = excluded.slot RETURNING 1), "
+        "lk AS (INSERT INTO cap_slots (zone, slot, n) SELECT %s, slot, 1 FROM tok "
+        "ON CONFLICT (zone, slot) DO UPDATE SET n = cap_slots.n + 1 RETURNING 1), "
         "m AS (INSERT INTO monthly (zone, month, slot, used) SELECT %s, %s, slot, 1 FROM tok "
         "ON CONFLICT (zone, month, slot) DO UPDATE SET used = monthly.used + 1 RETURNING 1) "
         "SELECT (SELECT count(*) FROM tok), (SELECT count(*) FROM lk), (SELECT count(*) FROM m)",
@@ -812,10 +828,22 @@ async def _consume(conn: Conn, cap: CapCheck) -> CapReached | None:
     )
     if row is None or not row[0]:
         return None  # the token was counted before: a retried call (DESIGN.md §11.4)
-    month, hour = await _totals(conn, cap)
+    row = await _one(
+        conn,
+        "SELECT (SELECT coalesce(sum(used), 0) FROM monthly WHERE zone = %s AND month = %s), "
+        "(SELECT coalesce(sum(n), 0) FROM cap_slots WHERE zone = %s)",
+        (zone, cap.month, zone),
+    )
+    assert row is not None
+    month, kept = int(row[0]), int(row[1])
     margin = _SLOTS - 1
-    if month + margin <= cap.caps.monthly and hour + margin <= cap.caps.hourly:
+    if month + margin <= cap.caps.monthly and kept + margin <= cap.caps.hourly:
         return None
+    return await _consume_exactly(conn, cap, slot)
+
+
+async def _consume_exactly(conn: Conn, cap: CapCheck, slot: int) -> CapReached | None:
+    zone = cap.zone
     # Near a cap: every slot of the zone (its own given back first, so that all are taken
     # in order), then exact totals.
     await conn.execute("ROLLBACK TO SAVEPOINT smtpguard_cap")
@@ -824,6 +852,13 @@ async def _consume(conn: Conn, cap: CapCheck) -> CapReached | None:
         (zone, _SLOTS - 1),
     )
     await conn.execute("SELECT 1 FROM cap_slots WHERE zone = %s ORDER BY slot FOR UPDATE", (zone,))
+    await conn.execute(
+        "WITH gone AS (DELETE FROM sends WHERE zone = %s AND at < %s RETURNING slot), "
+        "per AS (SELECT slot, count(*) AS c FROM gone GROUP BY slot) "
+        "UPDATE cap_slots s SET n = GREATEST(s.n - per.c, 0) FROM per "
+        "WHERE s.zone = %s AND s.slot = per.slot",
+        (zone, cap.hour_start, zone),
+    )
     again = await _one(
         conn,
         "INSERT INTO sends (zone, token, at, month, slot) VALUES (%s, %s, %s, %s, %s) "
@@ -843,6 +878,7 @@ async def _consume(conn: Conn, cap: CapCheck) -> CapReached | None:
         )
         first = oldest[0] if oldest is not None and oldest[0] is not None else cap.now
         return CapReached("hour", cap.caps.hourly, float(first) + HOUR)
+    await conn.execute("UPDATE cap_slots SET n = n + 1 WHERE zone = %s AND slot = %s", (zone, slot))
     await conn.execute(
         "INSERT INTO monthly (zone, month, slot, used) VALUES (%s, %s, %s, 1) "
         "ON CONFLICT (zone, month, slot) DO UPDATE SET used = monthly.used + 1",
