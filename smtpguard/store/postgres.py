@@ -62,7 +62,7 @@ log = logging.getLogger("smtpguard.store")
 
 _TIMEOUT = 2.0
 """Deadline of one store operation, of taking a connection from the pool, and of a connect."""
-_POOL_MAX = 16
+_POOL_MAX = 32
 _CLOCK_SAMPLE_EVERY = 10.0
 _WINDOW_KEEP = 2 * HOUR
 _SLOTS = 16
@@ -116,6 +116,92 @@ CREATE INDEX provider_events_record ON provider_events (zone, key);
 CREATE INDEX provider_events_received ON provider_events (received_at);
 CREATE TABLE counters (
     zone text NOT NULL, name text NOT NULL, value bigint NOT NULL, PRIMARY KEY (zone, name));
+-- One unit under a zone's caps, or an error naming the cap that refuses (the statement, and
+-- its transaction, then leave nothing behind). See _consume in postgres.py for the slots.
+CREATE FUNCTION smtpguard_count_unit(
+    p_zone text, p_token text, p_now double precision, p_month text, p_slot integer,
+    p_hour_start double precision, p_hourly bigint, p_monthly bigint, p_slots integer)
+RETURNS void LANGUAGE plpgsql AS $fn$
+DECLARE
+    m bigint; kept bigint; h bigint; oldest double precision;
+BEGIN
+    INSERT INTO sends (zone, token, at, month, slot) VALUES (p_zone, p_token, p_now, p_month, p_slot)
+        ON CONFLICT (zone, token) DO NOTHING;
+    IF NOT FOUND THEN
+        RETURN;  -- counted by an earlier run of this call (DESIGN.md §11.4)
+    END IF;
+    BEGIN
+        INSERT INTO cap_slots (zone, slot, n) VALUES (p_zone, p_slot, 1)
+            ON CONFLICT (zone, slot) DO UPDATE SET n = cap_slots.n + 1;
+        INSERT INTO monthly (zone, month, slot, used) VALUES (p_zone, p_month, p_slot, 1)
+            ON CONFLICT (zone, month, slot) DO UPDATE SET used = monthly.used + 1;
+        SELECT coalesce(sum(used), 0) INTO m FROM monthly WHERE zone = p_zone AND month = p_month;
+        SELECT coalesce(sum(n), 0) INTO kept FROM cap_slots WHERE zone = p_zone;
+        IF m + p_slots - 1 > p_monthly OR kept + p_slots - 1 > p_hourly THEN
+            RAISE EXCEPTION 'near a cap' USING ERRCODE = 'SGN01';
+        END IF;
+    EXCEPTION WHEN SQLSTATE 'SGN01' THEN
+        -- Near a cap: the slot given back (this block rolled back), every slot of the zone
+        -- taken in order, the rows that left the hour dropped, the window counted exactly.
+        INSERT INTO cap_slots (zone, slot) SELECT p_zone, generate_series(0, p_slots - 1)
+            ON CONFLICT DO NOTHING;
+        PERFORM 1 FROM cap_slots WHERE zone = p_zone ORDER BY slot FOR UPDATE;
+        WITH gone AS (DELETE FROM sends WHERE zone = p_zone AND at < p_hour_start RETURNING slot),
+             per AS (SELECT slot, count(*) AS c FROM gone GROUP BY slot)
+        UPDATE cap_slots s SET n = greatest(s.n - per.c, 0) FROM per
+            WHERE s.zone = p_zone AND s.slot = per.slot;
+        SELECT coalesce(sum(used), 0) INTO m FROM monthly WHERE zone = p_zone AND month = p_month;
+        IF m + 1 > p_monthly THEN
+            RAISE EXCEPTION 'monthly cap' USING ERRCODE = 'SGM01';
+        END IF;
+        SELECT count(*) INTO h FROM sends WHERE zone = p_zone AND at >= p_hour_start;
+        IF h > p_hourly THEN
+            SELECT min(at) INTO oldest FROM sends
+                WHERE zone = p_zone AND at >= p_hour_start AND token <> p_token;
+            RAISE EXCEPTION '%', coalesce(oldest, p_now)::text USING ERRCODE = 'SGH01';
+        END IF;
+        UPDATE cap_slots SET n = n + 1 WHERE zone = p_zone AND slot = p_slot;
+        INSERT INTO monthly (zone, month, slot, used) VALUES (p_zone, p_month, p_slot, 1)
+            ON CONFLICT (zone, month, slot) DO UPDATE SET used = monthly.used + 1;
+    END;
+END
+$fn$;
+-- The reservation in one statement, so one round trip: the compare-and-swap on the
+-- version, then the pause switch, then the cap unit. Returns 'written' or the current
+-- version and data (the caller tells its own earlier write from a rival); a refusal is an
+-- error (SGP01 paused, SGM01/SGH01 a cap), which rolls the write back.
+CREATE FUNCTION smtpguard_reserve(
+    p_zone text, p_key text, p_expected bigint, p_version bigint, p_state text,
+    p_updated double precision, p_data text, p_mid text, p_uid text, p_paused boolean,
+    p_has_cap boolean, p_cap_zone text, p_token text, p_now double precision, p_month text,
+    p_slot integer, p_hour_start double precision, p_hourly bigint, p_monthly bigint,
+    p_slots integer)
+RETURNS TABLE (written boolean, version bigint, data text) LANGUAGE plpgsql AS $fn$
+BEGIN
+    IF p_expected IS NULL THEN
+        INSERT INTO events (zone, key, version, state, updated_at, data, mid, uid)
+            VALUES (p_zone, p_key, p_version, p_state, p_updated, p_data, p_mid, p_uid)
+            ON CONFLICT (zone, key) DO NOTHING;
+    ELSE
+        UPDATE events e SET version = p_version, state = p_state, updated_at = p_updated,
+            data = p_data, mid = p_mid, uid = p_uid
+            WHERE e.zone = p_zone AND e.key = p_key AND e.version = p_expected;
+    END IF;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT false, e.version, e.data FROM events e
+            WHERE e.zone = p_zone AND e.key = p_key;
+        RETURN;
+    END IF;
+    IF p_paused OR EXISTS (SELECT 1 FROM paused WHERE zone = p_zone) THEN
+        RAISE EXCEPTION 'paused' USING ERRCODE = 'SGP01';
+    END IF;
+    IF p_has_cap THEN
+        PERFORM smtpguard_count_unit(p_cap_zone, p_token, p_now, p_month, p_slot, p_hour_start,
+            p_hourly, p_monthly, p_slots);
+    END IF;
+    RETURN QUERY SELECT true, NULL::bigint, NULL::text;
+END
+$fn$;
 """,
 ]
 _MIGRATION_LOCK = 0x736D7470  # 'smtp': pg_advisory_xact_lock key for the migrations
@@ -342,21 +428,32 @@ class PostgresStore:
     async def reserve(
         self, record: Record, expected_version: int | None, cap: CapCheck | None, paused: bool
     ) -> ReserveResult:
-        async with self._tx() as conn:
-            swapped = await _swap(conn, record, expected_version)
-            if isinstance(swapped, Conflict):
-                return swapped
-            if swapped is _OWN:
-                return Reserved()
-            # Written (its statement also read the zone's pause switch); a refusal now rolls
-            # the write back with everything else.
-            if paused or swapped:
-                raise _Refused(Paused())
-            if cap is not None:
-                reached = await _consume(conn, cap)
-                if reached is not None:
-                    raise _Refused(reached)
+        data = _dump(record)
+        mid, uid = _ids(record)
+        async with self._conn() as conn:
+            try:
+                cur = await conn.execute(
+                    "SELECT * FROM smtpguard_reserve(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, "
+                    "%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                    (
+                        record.zone, record.key, expected_version, record.version, record.state.value,
+                        record.updated_at, data, mid, uid, paused, cap is not None,
+                        *_cap_args(cap, record.zone),
+                    ),
+                )  # fmt: skip
+            except psycopg.Error as e:
+                reached = _refusal(e, cap)
+                if reached is None:
+                    raise
+                return reached
+            row = await cur.fetchone()
+        if row is None:
+            return Conflict(None)
+        if row[0]:
             return Reserved()
+        if int(row[1]) == record.version and row[2] == data:
+            return Reserved()  # our own write, its reply lost (DESIGN.md §11.4)
+        return Conflict(_load(row[2]))
 
     @_translated
     async def put(self, record: Record, expected_version: int | None) -> Conflict | None:
@@ -421,11 +518,18 @@ class PostgresStore:
 
     @_translated
     async def consume_cap(self, cap: CapCheck) -> CapReached | None:
-        async with self._tx() as conn:
-            reached = await _consume(conn, cap)
-            if reached is not None:
-                raise _Refused(reached)
-            return None
+        async with self._conn() as conn:
+            try:
+                await conn.execute(
+                    "SELECT smtpguard_count_unit(%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                    _cap_args(cap, cap.zone),
+                )
+            except psycopg.Error as e:
+                reached = _refusal(e, cap)
+                if not isinstance(reached, CapReached):
+                    raise
+                return reached
+        return None
 
     # --- store-and-forward queue -------------------------------------------------------------
     @_translated
@@ -796,108 +900,34 @@ async def _swap(conn: Conn, r: Record, expected_version: int | None) -> Conflict
     return Conflict(_load(row[1]))
 
 
-async def _consume(conn: Conn, cap: CapCheck) -> CapReached | None:
-    """Count one unit against both caps, or answer which cap refuses (the caller rolls the
-    transaction back, so a refusal counts nothing).
+def _cap_args(cap: CapCheck | None, zone: str) -> tuple[Any, ...]:
+    """smtpguard_count_unit's arguments (see the migration). A zone's count is spread over
+    _SLOTS slots: one cap counter row, locked until COMMIT (and COMMIT waits for the WAL
+    flush, and for a synchronous standby), would let one reservation of the zone commit at
+    a time. A unit locks one slot and reads the zone's totals: counts of other slots not yet
+    committed are invisible, but each holds its slot's lock, so at most _SLOTS - 1 are
+    missing; the hour is bounded from above by the window rows each slot keeps (nothing is
+    scanned). Within that margin of both caps the unit is counted at once; nearer, it takes
+    every slot of the zone in order and counts exactly. No cap is ever exceeded."""
+    if cap is None:
+        return (zone, "", 0.0, "", 0, 0.0, 0, 0, _SLOTS)
+    return (
+        cap.zone, cap.token, cap.now, cap.month, secrets.randbelow(_SLOTS), cap.hour_start,
+        cap.caps.hourly, cap.caps.monthly, _SLOTS,
+    )  # fmt: skip
 
-    The token first: one counted already is a retried call (DESIGN.md §11.4). A lock held
-    until COMMIT (and COMMIT waits for the WAL flush, and for a synchronous standby) on one
-    counter row per zone would let one reservation of the zone commit at a time; so the
-    zone's count is spread over _SLOTS slots, each a lock row and a month count. A unit
-    locks one slot and reads the zone's totals: other slots' counts not yet committed are
-    invisible, but each holds its slot's lock, so at most _SLOTS - 1 are missing. The hour
-    is bounded from above by the window rows kept (the slots' `n`), so nothing is scanned.
-    Within that margin of both caps the unit is counted at once; nearer, it takes every
-    slot of the zone (in order), drops the rows that left the hour and counts the window
-    exactly. Either way no cap is ever exceeded."""
-    zone = cap.zone
-    slot = secrets.randbelow(_SLOTS)
-    await conn.execute("SAVEPOINT smtpguard_cap")
-    # One statement: the unit's window row, its slot's lock, the slot's month count (in the
-    # order every count takes them: the slot lock before any month row).
-    row = await _one(
-        conn,
-        "WITH tok AS (INSERT INTO sends (zone, token, at, month, slot) VALUES (%s, %s, %s, %s, %s) "
-        "ON CONFLICT (zone, token) DO NOTHING RETURNING slot), "
-        "lk AS (INSERT INTO cap_slots (zone, slot, n) SELECT %s, slot, 1 FROM tok "
-        "ON CONFLICT (zone, slot) DO UPDATE SET n = cap_slots.n + 1 RETURNING 1), "
-        "m AS (INSERT INTO monthly (zone, month, slot, used) SELECT %s, %s, slot, 1 FROM tok "
-        "ON CONFLICT (zone, month, slot) DO UPDATE SET used = monthly.used + 1 RETURNING 1) "
-        "SELECT (SELECT count(*) FROM tok), (SELECT count(*) FROM lk), (SELECT count(*) FROM m)",
-        (zone, cap.token, cap.now, cap.month, slot, zone, zone, cap.month),
-    )
-    if row is None or not row[0]:
-        return None  # the token was counted before: a retried call (DESIGN.md §11.4)
-    row = await _one(
-        conn,
-        "SELECT (SELECT coalesce(sum(used), 0) FROM monthly WHERE zone = %s AND month = %s), "
-        "(SELECT coalesce(sum(n), 0) FROM cap_slots WHERE zone = %s)",
-        (zone, cap.month, zone),
-    )
-    assert row is not None
-    month, kept = int(row[0]), int(row[1])
-    margin = _SLOTS - 1
-    if month + margin <= cap.caps.monthly and kept + margin <= cap.caps.hourly:
+
+def _refusal(e: psycopg.Error, cap: CapCheck | None) -> ReserveResult | None:
+    """What an error raised by the reservation's functions answers, if it is a refusal."""
+    if e.sqlstate == "SGP01":
+        return Paused()
+    if cap is None:
         return None
-    return await _consume_exactly(conn, cap, slot)
-
-
-async def _consume_exactly(conn: Conn, cap: CapCheck, slot: int) -> CapReached | None:
-    zone = cap.zone
-    # Near a cap: every slot of the zone (its own given back first, so that all are taken
-    # in order), then exact totals.
-    await conn.execute("ROLLBACK TO SAVEPOINT smtpguard_cap")
-    await conn.execute(
-        "INSERT INTO cap_slots (zone, slot) SELECT %s, generate_series(0, %s) ON CONFLICT DO NOTHING",
-        (zone, _SLOTS - 1),
-    )
-    await conn.execute("SELECT 1 FROM cap_slots WHERE zone = %s ORDER BY slot FOR UPDATE", (zone,))
-    await conn.execute(
-        "WITH gone AS (DELETE FROM sends WHERE zone = %s AND at < %s RETURNING slot), "
-        "per AS (SELECT slot, count(*) AS c FROM gone GROUP BY slot) "
-        "UPDATE cap_slots s SET n = GREATEST(s.n - per.c, 0) FROM per "
-        "WHERE s.zone = %s AND s.slot = per.slot",
-        (zone, cap.hour_start, zone),
-    )
-    again = await _one(
-        conn,
-        "INSERT INTO sends (zone, token, at, month, slot) VALUES (%s, %s, %s, %s, %s) "
-        "ON CONFLICT (zone, token) DO NOTHING RETURNING 1",
-        (zone, cap.token, cap.now, cap.month, slot),
-    )
-    if again is None:
-        return None
-    month, hour = await _totals(conn, cap)
-    if month + 1 > cap.caps.monthly:
+    if e.sqlstate == "SGM01":
         return CapReached("month", cap.caps.monthly)
-    if hour > cap.caps.hourly:
-        oldest = await _one(
-            conn,
-            "SELECT min(at) FROM sends WHERE zone = %s AND at >= %s AND token <> %s",
-            (zone, cap.hour_start, cap.token),
-        )
-        first = oldest[0] if oldest is not None and oldest[0] is not None else cap.now
-        return CapReached("hour", cap.caps.hourly, float(first) + HOUR)
-    await conn.execute("UPDATE cap_slots SET n = n + 1 WHERE zone = %s AND slot = %s", (zone, slot))
-    await conn.execute(
-        "INSERT INTO monthly (zone, month, slot, used) VALUES (%s, %s, %s, 1) "
-        "ON CONFLICT (zone, month, slot) DO UPDATE SET used = monthly.used + 1",
-        (zone, cap.month, slot),
-    )
+    if e.sqlstate == "SGH01":
+        return CapReached("hour", cap.caps.hourly, float(e.diag.message_primary or cap.now) + HOUR)
     return None
-
-
-async def _totals(conn: Conn, cap: CapCheck) -> tuple[int, int]:
-    """The zone's units this month and in the sliding hour, as this transaction sees them
-    (its own unit's window row included)."""
-    row = await _one(
-        conn,
-        "SELECT (SELECT coalesce(sum(used), 0) FROM monthly WHERE zone = %s AND month = %s), "
-        "(SELECT count(*) FROM sends WHERE zone = %s AND at >= %s)",
-        (cap.zone, cap.month, cap.zone, cap.hour_start),
-    )
-    assert row is not None
-    return int(row[0]), int(row[1])
 
 
 async def _list(conn: Conn, zone: str, address: str, reason: str, at: float) -> bool:
