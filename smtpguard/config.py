@@ -119,9 +119,10 @@ class StoreConfig(_Strict):
     password_env: str | None = None
     password_file: Path | None = None
     unsafe: bool = False
-    """Serve on a Redis that may forget acknowledged writes (no `appendonly yes` with
-    `appendfsync always`, or an evicting `maxmemory-policy`): a forgotten reservation is a
-    duplicate, so `serve` refuses such a Redis unless this is set (docs/redis.md)."""
+    """Serve on a store that may forget acknowledged writes (Redis without `appendonly yes`
+    and `appendfsync always`, or with an evicting `maxmemory-policy`; PostgreSQL with
+    `fsync` or `synchronous_commit` off): a forgotten reservation is a duplicate, so `serve`
+    refuses such a store unless this is set (docs/stores.md)."""
 
     wait: StoreWait | None = None
 

@@ -219,7 +219,7 @@ class Server:
             for p in problems:
                 log.warning("store may forget acknowledged writes (store.unsafe)", extra={"problem": p})
             return
-        refused = [f"store: {p}; fix it or set store.unsafe: true (see docs/redis.md)" for p in problems]
+        refused = [f"store: {p}; fix it or set store.unsafe: true (see docs/stores.md)" for p in problems]
         if at_start:
             assert self.store is not None
             await self.store.close()
