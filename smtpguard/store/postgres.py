@@ -304,7 +304,7 @@ class PostgresStore:
         self._clock_task = self._check_task = None
         if self._pool is not None:
             pool, self._pool = self._pool, None
-            await pool.close()
+            await pool.close(timeout=1.0)
 
     @contextlib.asynccontextmanager
     async def _conn(self) -> AsyncIterator[Conn]:
