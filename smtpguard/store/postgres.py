@@ -7,12 +7,13 @@ connections; one that dies with its server is dropped, and the next one libpq ma
 the read-write server among the hosts: after a failover new sessions reach the new primary
 without a restart.
 
-Atomicity is the server's: the reservation is one transaction that starts with
-`INSERT … ON CONFLICT DO NOTHING RETURNING` (or `UPDATE … WHERE version = … RETURNING`)
-on `UNIQUE (zone, key)`; caps are counted by `UPDATE … RETURNING` on a counter row, whose
-row lock orders the zone's concurrent counts; queue claims take rows with
-`FOR UPDATE SKIP LOCKED`. A refusal (paused, a cap reached) rolls the whole transaction
-back. Every write is committed before the call returns, as durable as the server's
+Atomicity is the server's. The reservation is one statement, a function the migration
+creates (`smtpguard_reserve`): `INSERT … ON CONFLICT DO NOTHING` (or `UPDATE … WHERE
+version = …`) on the primary key (zone, key), then the pause switch, then the cap unit,
+counted by upserts `… RETURNING` on one of the zone's slot rows (see _cap_args); a refusal
+(paused, a cap reached) is an error that rolls the whole statement back. Every other
+record write is one compare-and-swap statement; queue claims take rows with `FOR UPDATE
+SKIP LOCKED`. Every write is committed before the call returns, as durable as the server's
 `synchronous_commit` makes it: with a synchronous standby, a failover loses no write whose
 call returned.
 """
@@ -23,7 +24,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -58,7 +58,6 @@ from smtpguard.store.base import (
 P = ParamSpec("P")
 T = TypeVar("T")
 Conn = AsyncConnection[tuple[Any, ...]]
-log = logging.getLogger("smtpguard.store")
 
 _TIMEOUT = 2.0
 """Deadline of one store operation, of taking a connection from the pool, and of a connect."""
@@ -207,13 +206,6 @@ $fn$;
 _MIGRATION_LOCK = 0x736D7470  # 'smtp': pg_advisory_xact_lock key for the migrations
 
 
-class _Refused(Exception):
-    """Raised inside a transaction to roll it back and answer `result`."""
-
-    def __init__(self, result: Any) -> None:
-        self.result = result
-
-
 def _translated(
     fn: Callable[Concatenate[PostgresStore, P], Awaitable[T]],
 ) -> Callable[Concatenate[PostgresStore, P], Coroutine[Any, Any, T]]:
@@ -224,9 +216,6 @@ def _translated(
         try:
             async with asyncio.timeout(_TIMEOUT):
                 return await fn(self, *args, **kwargs)
-        except _Refused as r:
-            result: T = r.result
-            return result
         except (psycopg.Error, PoolTimeout, OSError) as e:  # OSError includes TimeoutError
             if isinstance(e, psycopg.OperationalError | OSError):
                 self._connection_trouble()
@@ -318,7 +307,7 @@ class PostgresStore:
     @contextlib.asynccontextmanager
     async def _tx(self) -> AsyncIterator[Conn]:
         """A connection inside a transaction: committed on leaving, rolled back on any
-        exception (a _Refused answer included)."""
+        exception."""
         async with self._conn() as conn, conn.transaction():
             yield conn
 
