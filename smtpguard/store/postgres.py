@@ -165,6 +165,45 @@ BEGIN
     END;
 END
 $fn$;
+-- A claim in one statement: each lane's quota of the oldest due, unclaimed entries, then
+-- the rest of the total from the lanes in order; rows another claim holds are skipped
+-- (SKIP LOCKED), never waited on. An entry whose record was purged is dropped. Returns the
+-- entries claimed, in the order picked.
+CREATE FUNCTION smtpguard_claim(
+    p_now double precision, p_lanes text[], p_counts integer[], p_until double precision)
+RETURNS TABLE (o_n bigint, o_zone text, o_key text, o_sender text, o_recipients text,
+    o_content bytea, o_priority integer, o_smtputf8 boolean, o_data text)
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    zs text[] := '{}'; ks text[] := '{}'; total integer; room integer; i integer; r record;
+BEGIN
+    SELECT coalesce(sum(greatest(c, 0)), 0) INTO total FROM unnest(p_counts) AS c;
+    FOR pass IN 1 .. 2 LOOP
+        FOR i IN 1 .. coalesce(array_length(p_lanes, 1), 0) LOOP
+            room := CASE WHEN pass = 1 THEN p_counts[i] ELSE total - coalesce(array_length(zs, 1), 0) END;
+            CONTINUE WHEN room <= 0;
+            FOR r IN
+                SELECT q.zone, q.key FROM queue q
+                WHERE q.lane = p_lanes[i] AND q.due_at <= p_now
+                  AND (q.claimed_until IS NULL OR q.claimed_until < p_now)
+                  AND NOT EXISTS (SELECT 1 FROM unnest(zs, ks) AS p(z, k) WHERE p.z = q.zone AND p.k = q.key)
+                ORDER BY q.due_at, q.zone, q.key LIMIT room FOR UPDATE SKIP LOCKED
+            LOOP
+                zs := zs || r.zone;
+                ks := ks || r.key;
+            END LOOP;
+        END LOOP;
+    END LOOP;
+    DELETE FROM queue q USING unnest(zs, ks) AS p(z, k)
+        WHERE q.zone = p.z AND q.key = p.k
+          AND NOT EXISTS (SELECT 1 FROM events e WHERE e.zone = q.zone AND e.key = q.key);
+    RETURN QUERY
+        UPDATE queue q SET claimed_until = p_until
+        FROM unnest(zs, ks) WITH ORDINALITY AS p(z, k, n), events e
+        WHERE q.zone = p.z AND q.key = p.k AND e.zone = q.zone AND e.key = q.key
+        RETURNING p.n, q.zone, q.key, q.sender, q.recipients, q.content, q.priority, q.smtputf8, e.data;
+END
+$fn$;
 -- The reservation in one statement, so one round trip: the compare-and-swap on the
 -- version, then the pause switch, then the cap unit. Returns 'written' or the current
 -- version and data (the caller tells its own earlier write from a rival); a refusal is an
@@ -554,61 +593,23 @@ class PostgresStore:
 
     @_translated
     async def claim(self, now: float, quotas: list[tuple[str, int]], lease: float) -> list[Claimed]:
-        """Each lane's quota of the oldest due entries, then the rest of the total from the
-        lanes in order; rows another claim holds are skipped (SKIP LOCKED), never waited on."""
-        total = sum(max(n, 0) for _, n in quotas)
-        if total <= 0:
+        """One statement (smtpguard_claim): a worker polling an almost empty queue costs
+        one round trip a poll."""
+        if sum(max(n, 0) for _, n in quotas) <= 0:
             return []
-        sql = (
-            "SELECT zone, key FROM queue WHERE lane = %s AND due_at <= %s "
-            "AND (claimed_until IS NULL OR claimed_until < %s) "
-            "AND NOT EXISTS (SELECT 1 FROM unnest(%s::text[], %s::text[]) AS p(zone, key) "
-            "WHERE p.zone = queue.zone AND p.key = queue.key) "
-            "ORDER BY due_at, zone, key LIMIT %s FOR UPDATE SKIP LOCKED"
-        )
-        async with self._tx() as conn:
-            picked: list[tuple[str, str]] = []
-
-            async def take(lane: str, n: int) -> None:
-                if n <= 0:
-                    return
-                zones, keys = [z for z, _ in picked], [k for _, k in picked]
-                cur = await conn.execute(sql, (lane, now, now, zones, keys, n))
-                picked.extend((str(z), str(k)) for z, k in await cur.fetchall())
-
-            for lane, n in quotas:
-                await take(lane, n)
-            for lane, _ in quotas:
-                await take(lane, total - len(picked))
-            if not picked:
-                return []
-            zones = [z for z, _ in picked]
-            keys = [k for _, k in picked]
+        async with self._conn() as conn:
             cur = await conn.execute(
-                "UPDATE queue q SET claimed_until = %s FROM unnest(%s::text[], %s::text[]) AS p(zone, key) "
-                "WHERE q.zone = p.zone AND q.key = p.key "
-                "RETURNING q.zone, q.key, q.sender, q.recipients, q.content, q.priority, q.smtputf8, "
-                "(SELECT e.data FROM events e WHERE e.zone = q.zone AND e.key = q.key)",
-                (now + lease, zones, keys),
+                "SELECT * FROM smtpguard_claim(%s, %s::text[], %s::integer[], %s)",
+                (now, [lane for lane, _ in quotas], [n for _, n in quotas], now + lease),
             )
-            rows = {(str(r[0]), str(r[1])): r for r in await cur.fetchall()}
-            out: list[Claimed] = []
-            gone: list[tuple[str, str]] = []
-            for zk in picked:
-                row = rows.get(zk)
-                if row is None:
-                    continue
-                rec = _load(row[7])
-                if rec is None:
-                    gone.append(zk)  # its record was purged: dropped, not handed out
-                    continue
-                msg = QueuedMessage(
-                    str(row[2]), tuple(json.loads(row[3])), bytes(row[4]), int(row[5]), bool(row[6])
-                )
-                out.append(Claimed(rec, msg))
-            for zone, key in gone:
-                await conn.execute("DELETE FROM queue WHERE zone = %s AND key = %s", (zone, key))
-            return out
+            rows = sorted(await cur.fetchall(), key=lambda row: int(row[0]))
+        return [
+            Claimed(
+                Record.from_dict(json.loads(data)),
+                QueuedMessage(str(sender), tuple(json.loads(rcpts)), bytes(body), int(prio), bool(utf8)),
+            )
+            for _, _, _, sender, rcpts, body, prio, utf8, data in rows
+        ]
 
     @_translated
     async def requeue(self, record: Record, expected_version: int, due: float | None) -> Conflict | None:
