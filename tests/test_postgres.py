@@ -219,3 +219,47 @@ def test_postgres_urls_are_accepted_by_the_config(tmp: Path) -> None:
     ):
         cfg = base_config(tmp, 2525, store__url=url)
         assert loads(yaml.safe_dump(cfg)).store.url == url
+
+
+@pytest.mark.slow
+async def test_store_and_forward_across_two_instances_on_postgres_delivers_each_event_once(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer
+) -> None:
+    """Both instances accept into one PostgreSQL queue and both workers claim from it
+    (SKIP LOCKED): every event reaches the upstream once, whoever accepted or delivered it."""
+    upstream.handler.default = Behaviour(hang_after_dot=0.05)
+    url = database(postgres_server)
+    overrides: dict[str, Any] = {
+        "zones__acme__delivery": "queue",
+        "zones__acme__hourly_cap": 100_000,
+        "zones__acme__monthly_cap": 1_000_000,
+        "event_key__lease": "2s",
+        "queue": {"backoff": {"base": "200ms", "max": "1s"}, "workers": 4, "poll_interval": "100ms"},
+    }
+    n = 40
+    async with two_instances(tmp, upstream, url, **overrides) as ports:
+        accepted = await asyncio.gather(*(send(ports[i % 2], message(f"pg:q:{i}")) for i in range(n)))
+        # Each event again, to the other instance: answered from the ledger, never queued twice.
+        dups = await asyncio.gather(*(send(ports[(i + 1) % 2], message(f"pg:q:{i}")) for i in range(n)))
+        await upstream.wait_received(n, timeout=30)
+        store = PostgresStore(url)
+        await store.open()
+        try:
+            deadline = time.monotonic() + 30
+            while await store.queue_entries(None):
+                assert time.monotonic() < deadline, await store.queue_entries(None)
+                await asyncio.sleep(0.1)
+            states = Counter(
+                rec.state.value if rec else "missing"
+                for rec in [await store.get("acme", f"pg:q:{i}") for i in range(n)]
+            )
+        finally:
+            await store.close()
+    print(
+        f"postgres two instances, queue: {n} accepted → {len(upstream.received)} upstream, "
+        f"{len(set(upstream.event_keys()))} distinct; states {dict(states)}"
+    )
+    assert [r.code for r in accepted] == [250] * n
+    assert all(r.code == 250 and "duplicate" in r.text for r in dups), [str(r) for r in dups]
+    assert Counter(upstream.event_keys()) == Counter(f"pg:q:{i}" for i in range(n))
+    assert states == Counter({"delivered": n})
