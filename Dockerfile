@@ -21,7 +21,7 @@ WORKDIR /src
 # Every runtime dependency ships manylinux wheels: no compiler, no apt-get.
 COPY pyproject.toml README.md ./
 COPY smtpguard ./smtpguard
-RUN /opt/smtpguard/bin/pip install --no-cache-dir ".[fast,events]" \
+RUN /opt/smtpguard/bin/pip install --no-cache-dir ".[fast,events,postgres]" \
     && /opt/smtpguard/bin/smtpguard --version
 
 # --- runtime ---------------------------------------------------------------------------------

@@ -418,4 +418,6 @@ def test_build_context_builds_the_package(tmp: Path) -> None:
     with zipfile.ZipFile(wheel) as zf:
         (entry_points,) = [n for n in zf.namelist() if n.endswith(".dist-info/entry_points.txt")]
         text = zf.read(entry_points).decode()
+        # The PostgreSQL store reads its schema from these at open.
+        assert "smtpguard/store/postgres/migrations/0001_schema.sql" in zf.namelist()
     assert f"{console_script()} = smtpguard.cli:main" in text
