@@ -22,7 +22,7 @@ WORKDIR /src
 # Every runtime dependency ships manylinux wheels: no compiler, no apt-get.
 COPY pyproject.toml README.md LICENSE ./
 COPY smtpguard ./smtpguard
-RUN /opt/smtpguard/bin/pip install --no-cache-dir ".[fast,redis,events,console]" \
+RUN /opt/smtpguard/bin/pip install --no-cache-dir ".[fast,redis,events,console,postgres]" \
     && /opt/smtpguard/bin/smtpguard --version
 
 # --- runtime ---------------------------------------------------------------------------------

@@ -334,6 +334,61 @@ class Redis:
         self.proc.stop()
 
 
+# --- PostgreSQL ------------------------------------------------------------------------------
+class Postgres:
+    """A private PostgreSQL (initdb in the bench's folder, a loopback port) with the settings
+    a deployment keeps: fsync and synchronous_commit on. The server refuses to run as root,
+    so as root it runs as the `postgres` user (else `nobody`), which owns its folder."""
+
+    def __init__(self, tmp: Path) -> None:
+        import pwd
+
+        bins = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"), reverse=True)
+        if not bins:
+            raise RuntimeError("PostgreSQL is not installed")
+        self.bin = bins[0].parent
+        self.port = free_port()
+        self.user: str | None = None
+        if os.geteuid() == 0:
+            for name in ("postgres", "nobody"):
+                with contextlib.suppress(KeyError):
+                    pwd.getpwnam(name)
+                    self.user = name
+                    break
+        # The bench's folder may be private to root: one of its own under /tmp.
+        self.dir = Path(tempfile.mkdtemp(prefix="smtpguard-bench-pg-"))
+        self.dir.chmod(0o755)
+        if self.user is not None:
+            entry = pwd.getpwnam(self.user)
+            os.chown(self.dir, entry.pw_uid, entry.pw_gid)
+        self.data = self.dir / "data"
+        self._run("initdb", "-D", str(self.data), "-U", "postgres", "-A", "trust", "-E", "UTF8",
+                  "--locale=C", "--no-sync")  # fmt: skip
+        with open(self.data / "postgresql.conf", "a") as f:
+            f.write(
+                f"port = {self.port}\nlisten_addresses = '127.0.0.1'\n"
+                f"unix_socket_directories = '{self.dir}'\nmax_connections = 200\n"
+                "shared_buffers = 128MB\n"
+            )
+        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.dir / "server.log"), "-w", "start")
+        wait_port(self.port, 20)
+
+    def _run(self, tool: str, *args: str) -> None:
+        argv = [str(self.bin / tool), *args]
+        if self.user is not None:
+            argv = ["runuser", "-u", self.user, "--", *argv]
+        subprocess.run(argv, check=True, capture_output=True, timeout=60, cwd=self.dir)
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 # --- a private Postfix relay -----------------------------------------------------------------
 _MASTER_CF = """\
 {port} inet n - n - - smtpd

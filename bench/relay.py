@@ -12,8 +12,9 @@ Scenarios, all in front of the same upstream sink (Postfix's smtp-sink when inst
   guard-sqlite-asyncio  the same on asyncio's own event loop (event_loop: asyncio), as
                 smtpguard runs without the `fast` extra (uvloop)
   guard-redis   the same with a private redis-server (appendonly no, no snapshots)
-  guard-sqlite-queue, guard-redis-queue
-                the same two with the zone in store-and-forward mode (`delivery: queue`):
+  guard-postgres  the same with a private PostgreSQL (fsync and synchronous_commit on)
+  guard-sqlite-queue, guard-redis-queue, guard-postgres-queue
+                the same three with the zone in store-and-forward mode (`delivery: queue`):
                 the client's latency is the `250 queued as ID`; the sink's counters give the
                 sustained delivery rate (delivered/s), measured until everything accepted has
                 reached the sink (bounded wait). `unique` and `paced` modes only.
@@ -52,6 +53,7 @@ from bench.common import (
     ROOT,
     Guard,
     Postfix,
+    Postgres,
     Proc,
     Redis,
     Sink,
@@ -71,10 +73,14 @@ from bench.common import (
 
 ALL_SCENARIOS = [
     "direct", "null", "naive", "guard-sqlite", "guard-sqlite-asyncio", "guard-sqlite-queue", "guard-redis",
-    "guard-redis-queue", "postfix",
+    "guard-redis-queue", "guard-postgres", "guard-postgres-queue", "postfix",
 ]  # fmt: skip
 BASELINES = ["direct", "null", "naive"]
-QUEUE_SCENARIOS = {"guard-sqlite-queue": "guard-sqlite", "guard-redis-queue": "guard-redis"}
+QUEUE_SCENARIOS = {
+    "guard-sqlite-queue": "guard-sqlite",
+    "guard-redis-queue": "guard-redis",
+    "guard-postgres-queue": "guard-postgres",
+}
 """queue scenario -> the relay scenario with the same store (its msgs/s is the delivery target)."""
 QUEUE_MODES = ("unique", "paced")
 """`paced` (10 sessions, 50 msgs/s) shows the acceptance service time without queueing."""
@@ -185,6 +191,15 @@ def start_target(
         t = Target(port, [guard.pid], [redis, guard])
         t.redis = redis
         return t
+    if scenario == "guard-postgres":
+        pg = Postgres(tmp)
+        try:
+            port = free_port()
+            guard = Guard(tmp, row_id, guard_config(port, sink.port, pg.url, pool_size, queue=queue))
+        except BaseException:
+            pg.stop()
+            raise
+        return Target(port, [guard.pid], [pg, guard])
     if scenario == "postfix":
         pf = Postfix(tmp / row_id, sink.port)
         t = Target(pf.port, [], [pf], auth=False)
@@ -200,6 +215,13 @@ def scenario_available(scenario: str) -> str | None:
             return "smtpguard/store/redis.py does not exist yet"
         if shutil.which("redis-server") is None:
             return "redis-server is not installed"
+    if scenario in ("guard-postgres", "guard-postgres-queue"):
+        if not list(Path("/usr/lib/postgresql").glob("*/bin/initdb")):
+            return "PostgreSQL is not installed"
+        try:
+            import psycopg_pool  # noqa: F401
+        except ImportError:
+            return "the postgres extra (psycopg, psycopg-pool) is not installed"
     if scenario == "postfix" and shutil.which("postfix") is None and not Path("/usr/sbin/postfix").exists():
         return "postfix is not installed"
     return None
@@ -486,10 +508,24 @@ def targets(rows: list[Row], idle: dict[str, Any] | None = None) -> list[str]:
         0.8,
     )
     line("guard-redis  / naive @50 unique", ratio("guard-redis", "unique", 50, "naive"), 0.8)
+    line("guard-postgres / naive @50 unique", ratio("guard-postgres", "unique", 50, "naive"), 0.8)
+    # The stores side by side (no target: what the choice of store costs, docs/stores.md).
+    for mode in ("unique", "dup"):
+        for other in ("guard-sqlite", "guard-redis"):
+            x = ratio("guard-postgres", mode, 50, other)
+            if x is not None:
+                out.append(f"  guard-postgres / {other} @50 {mode}: {x:.2f}x")
+    for q in ("guard-sqlite-queue", "guard-redis-queue"):
+        a, b = index.get(("guard-postgres-queue", "unique", 50)), index.get((q, "unique", 50))
+        if a and b and a.delivered_s and b.delivered_s:
+            out.append(
+                f"  guard-postgres-queue / {q} delivered/s @50 unique: {a.delivered_s / b.delivered_s:.2f}x"
+            )
     line("guard-sqlite / postfix @50 unique", ratio("guard-sqlite", "unique", 50, "postfix"), 1.0)
     line("guard-redis  / postfix @50 unique", ratio("guard-redis", "unique", 50, "postfix"), 1.0)
     line("guard-sqlite dup / null dup @50", ratio("guard-sqlite", "dup", 50, "null"), 0.8)
     line("guard-redis  dup / null dup @50", ratio("guard-redis", "dup", 50, "null"), 0.8)
+    line("guard-postgres dup / null dup @50", ratio("guard-postgres", "dup", 50, "null"), 0.8)
     for q, relay in QUEUE_SCENARIOS.items():
         for n in sorted({r.sessions for r in rows if r.scenario == q}):
             r = index.get((q, "unique", n))
@@ -519,7 +555,7 @@ def targets(rows: list[Row], idle: dict[str, Any] | None = None) -> list[str]:
             )
     for mode in ("unique", "paced"):
         d = index.get(("direct", mode, 10))
-        for g in ("guard-sqlite", "guard-redis"):
+        for g in ("guard-sqlite", "guard-redis", "guard-postgres"):
             r = index.get((g, mode, 10))
             if d and r:
                 added = r.p99_ms - d.p99_ms

@@ -134,21 +134,41 @@ class TLSFiles(_Strict):
     key: FilePath
 
 
+STORE_SCHEMES = ("sqlite:///", "redis://", "rediss://", "redis+sentinel://", "postgresql://", "postgres://")
+
+
+class StoreWait(_Strict):
+    """Redis only (DESIGN.md §15): every ledger write waits for `replicas` replicas (WAIT)
+    before any upstream byte; fewer within `timeout` answer 451 4.3.0 and send nothing."""
+
+    replicas: int = Field(ge=1)
+    timeout: Duration = Field(0.2, gt=0)
+
+
 class StoreConfig(_Strict):
     url: str = "sqlite:///var/smtpguard.db"
     password_env: str | None = None
     password_file: FilePath | None = None
     unsafe: bool = False
-    """Serve on a Redis that may forget acknowledged writes (no `appendonly yes` with
-    `appendfsync always`, or an evicting `maxmemory-policy`): a forgotten reservation is a
-    duplicate, so `serve` refuses such a Redis unless this is set (docs/redis.md)."""
+    """Serve on a store that may forget acknowledged writes (Redis without `appendonly yes`
+    and `appendfsync always`, or with an evicting `maxmemory-policy`; PostgreSQL with
+    `fsync` or `synchronous_commit` off): a forgotten reservation is a duplicate, so `serve`
+    refuses such a store unless this is set (docs/stores.md)."""
+
+    wait: StoreWait | None = None
 
     @field_validator("url")
     @classmethod
     def _scheme(cls, v: str) -> str:
-        if not v.startswith(("sqlite:///", "redis://", "rediss://")):
-            raise ValueError("store url must start with sqlite:///, redis:// or rediss://")
+        if not v.startswith(STORE_SCHEMES):
+            raise ValueError("store url must start with " + ", ".join(STORE_SCHEMES))
         return v
+
+    @model_validator(mode="after")
+    def _wait_is_for_redis(self) -> StoreConfig:
+        if self.wait is not None and not self.url.startswith(("redis://", "rediss://", "redis+sentinel://")):
+            raise ValueError("store.wait is for Redis (WAIT); PostgreSQL waits as synchronous_commit says")
+        return self
 
 
 class EventKeyConfig(_Strict):

@@ -174,7 +174,10 @@ class Server:
             ssl_ctx.sni_callback = self._select_certificate
         self._cert_gauge(config)
         password = read_secret(config.store.password_env, config.store.password_file, "store")
-        self.store = store_from_url(config.store.url, password=password)
+        wait = config.store.wait
+        self.store = store_from_url(
+            config.store.url, password=password, wait=(wait.replicas, wait.timeout) if wait else None
+        )
         await self.store.open()
         try:
             problems = await self.store.durability_problems()
@@ -287,7 +290,7 @@ class Server:
             for p in problems:
                 log.warning("store may forget acknowledged writes (store.unsafe)", extra={"problem": p})
             return
-        refused = [f"store: {p}; fix it or set store.unsafe: true (see docs/redis.md)" for p in problems]
+        refused = [f"store: {p}; fix it or set store.unsafe: true (see docs/stores.md)" for p in problems]
         if at_start:
             assert self.store is not None
             await self.store.close()

@@ -9,6 +9,7 @@ import pytest
 import uvloop
 
 from tests.hostile_support import assert_no_tracebacks
+from tests.postgres_support import PostgresServer
 from tests.support import RedisServer, Upstream
 
 # smtpguard runs on uvloop by default (event_loop: auto) and on asyncio's loop without the
@@ -41,6 +42,17 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """One real PostgreSQL for the session, run as an unprivileged user on a loopback port;
+    tests empty its tables (tests/postgres_support.reset) or use their own zones."""
+    server = PostgresServer()
+    server.init()
+    server.start()
+    yield server
+    server.remove()
 
 
 @pytest.fixture

@@ -406,6 +406,8 @@ def test_build_context_builds_the_package(tmp: Path) -> None:
         text = zf.read(entry_points).decode()
         (license_file,) = [n for n in zf.namelist() if n.endswith("/LICENSE") and ".dist-info/" in n]
         assert zf.read(license_file) == (ROOT / "LICENSE").read_bytes()
+        # The PostgreSQL store reads its schema from these at open.
+        assert "smtpguard/store/postgres/migrations/0001_schema.sql" in zf.namelist()
     assert f"{console_script()} = smtpguard.cli:main" in text
 
 

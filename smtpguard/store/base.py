@@ -1,11 +1,11 @@
-"""The state store: one interface, two backends (DESIGN.md §7).
+"""The state store: one interface, three backends (DESIGN.md §7, §15).
 
 Promises every backend keeps (the contract suite in tests/test_store_contract.py checks
-each one against SQLite and a real redis-server):
+each one against SQLite, a real redis-server and a real PostgreSQL):
 
 - **Durable before answer.** When a write coroutine returns, the write survives a crash of
   this process (SQLite: committed with synchronous=FULL; Redis: as durable as the server's
-  `appendfsync`, see docs/redis.md).
+  `appendfsync`, see docs/redis.md; PostgreSQL: committed, as `synchronous_commit` says).
 - **reserve is atomic across instances.** Version check, pause flag, cap count and the
   record write happen as one indivisible step: of N concurrent reservations of one key with
   the same expected version, exactly one gets `Reserved`; the others get `Conflict` with
@@ -308,16 +308,25 @@ BACKENDS: dict[str, str] = {
     "sqlite": "smtpguard.store.sqlite:SQLiteStore",
     "redis": "smtpguard.store.redis:RedisStore",
     "rediss": "smtpguard.store.redis:RedisStore",
+    "redis+sentinel": "smtpguard.store.redis:RedisStore",
+    "postgresql": "smtpguard.store.postgres:PostgresStore",
+    "postgres": "smtpguard.store.postgres:PostgresStore",
 }
 
 
 def store_from_url(
-    url: str, password: str | None = None, *, read_only: bool = False, create: bool = True
+    url: str,
+    password: str | None = None,
+    *,
+    read_only: bool = False,
+    create: bool = True,
+    wait: tuple[int, float] | None = None,
 ) -> Store:
     """The backend for `url`. `read_only`: the caller only reads (history, stats, lists) and
     the backend may open itself so; `create=False`: a store that does not exist yet is
     StoreMissing rather than created empty (every CLI command). A backend with nothing to
-    create (a server) ignores both."""
+    create (a server) ignores both. `wait`: (replicas, timeout in seconds) for Redis's WAIT
+    after each ledger write."""
     scheme = url.split(":", 1)[0]
     target = BACKENDS.get(scheme)
     if target is None:
@@ -326,10 +335,12 @@ def store_from_url(
     try:
         imported = importlib.import_module(module)
     except ImportError as e:
-        # redis-py is the `redis` extra: a SQLite-only install does not carry it.
+        # redis-py and psycopg are extras: a SQLite-only install carries neither.
+        extra = "postgres" if scheme.startswith("postgres") else "redis"
         raise StoreUnavailable(
-            f"the {scheme} store needs the {e.name} package: pip install 'smtpguard[redis]'"
+            f"the {scheme} store needs the {e.name} package: pip install 'smtpguard[{extra}]'"
         ) from None
     factory = getattr(imported, cls)
-    store: Store = factory(url, password=password, read_only=read_only, create=create)
+    extra_args = {"wait": wait} if wait is not None else {}
+    store: Store = factory(url, password=password, read_only=read_only, create=create, **extra_args)
     return store

@@ -6,11 +6,16 @@ duplicate). Run `appendonly yes` with `appendfsync always`, so the AOF is fsynce
 reply. With `everysec` a crash of the Redis process loses nothing, but a kernel crash or
 power loss loses the last ~1-2 s of acknowledged writes. Use `maxmemory-policy noeviction`:
 records have no TTL, and an evicted record is a forgotten event. Replication is
-asynchronous, so a failover can lose the writes a replica had not received; this backend
-does not issue WAIT: prefer no automatic failover, or bound the window with
-`min-replicas-to-write`.
+asynchronous, so a failover can lose the writes a replica had not received. With
+`store.wait: {replicas: N, timeout: …}` every ledger write (the reservation and the
+data_sent note among them) is followed by `WAIT N timeout` on the same connection, before
+any upstream byte: fewer acknowledgements answer 451 4.3.0 and nothing is sent. WAIT is not
+consensus: Sentinel may still promote the replica that missed a write (docs/redis.md).
 
-Every key of a zone carries the hash tag `{zone}`, so each script touches one Cluster slot.
+`redis+sentinel://h1:26379,h2:26379/MASTER/DB` finds the master through Sentinel (redis-py's
+Sentinel client) and follows it across a failover. One master holds the whole store: Redis
+Cluster is not supported (the keys' `{zone}` hash tags are not enough; a claim and the zone
+set span slots).
 """
 
 from __future__ import annotations
@@ -24,11 +29,13 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, TypeVar
+from urllib.parse import unquote
 
 import hiredis
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.connection import parse_url
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -511,13 +518,47 @@ _ID_PREFIX: dict[str, tuple[str, int]] = {
 }
 
 
+SENTINEL_SCHEME = "redis+sentinel://"
+
+
+def parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, int, str | None]:
+    """`redis+sentinel://[:password@]h1:26379,h2:26379/MASTER[/DB]` → the sentinels, the
+    master's name, the database and the master's password (the sentinels take none)."""
+    rest = url.removeprefix(SENTINEL_SCHEME)
+    password: str | None = None
+    if "@" in rest.split("/", 1)[0]:
+        auth, rest = rest.split("@", 1)
+        password = unquote(auth.split(":", 1)[1] if ":" in auth else auth) or None
+    hosts, _, path = rest.partition("/")
+    parts = [p for p in path.split("/") if p]
+    if not parts:
+        raise ValueError(f"no master name in {url.split('@')[-1]!r} (redis+sentinel://HOSTS/MASTER/DB)")
+    sentinels = []
+    for host in hosts.split(","):
+        name, _, port = host.rpartition(":") if ":" in host else (host, "", "26379")
+        sentinels.append((name.strip("[]"), int(port or 26379)))
+    return sentinels, unquote(parts[0]), int(parts[1]) if len(parts) > 1 else 0, password
+
+
 class RedisStore:
     def __init__(
-        self, url: str, password: str | None = None, read_only: bool = False, create: bool = True
+        self,
+        url: str,
+        password: str | None = None,
+        read_only: bool = False,
+        create: bool = True,
+        wait: tuple[int, float] | None = None,
     ) -> None:
         # read_only and create concern a store file; a Redis server has none to create.
         self.url = url
         self._password = password
+        self._wait = b""
+        """WAIT numreplicas timeout-ms, packed: sent after every ledger write (store.wait)."""
+        self._wait_replicas = 0
+        if wait is not None and wait[0] > 0:
+            self._wait_replicas = wait[0]
+            command: tuple[Any, ...] = ("WAIT", wait[0], max(1, round(wait[1] * 1000)))
+            self._wait = hiredis.pack_command(command)
         self._client: Redis | None = None
         self._reserve: AsyncScript | None = None
         self._put: AsyncScript | None = None
@@ -561,10 +602,13 @@ class RedisStore:
             # timeout: a timed-out script may have run, and running it twice counts twice.
             "retry": Retry(ExponentialBackoff(cap=0.2, base=0.05), 1, (RedisConnectionError,)),
         }
-        options.update(parse_url(self.url))
-        if self._password is not None:
-            options["password"] = self._password
-        client = Redis.from_pool(BlockingConnectionPool(**options))
+        if self.url.startswith(SENTINEL_SCHEME):
+            client = self._sentinel_client(options)
+        else:
+            options.update(parse_url(self.url))
+            if self._password is not None:
+                options["password"] = self._password
+            client = Redis.from_pool(BlockingConnectionPool(**options))
         self._reserve = client.register_script(_RESERVE)
         self._put = client.register_script(_PUT)
         self._refund = client.register_script(_REFUND)
@@ -595,6 +639,28 @@ class RedisStore:
         if self._client is not None:
             client, self._client = self._client, None
             await client.aclose()
+
+    def _sentinel_client(self, options: dict[str, Any]) -> Redis:
+        """The master named in the URL, found through its sentinels; a connection asks them
+        again whenever it (re)connects, so a failover is followed without a restart."""
+        sentinels, service, db, password = parse_sentinel_url(self.url)
+        options = {k: v for k, v in options.items() if k not in ("max_connections", "timeout")}
+        if self._password is not None:
+            password = self._password
+        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+            sentinels,
+            socket_timeout=_TIMEOUT,
+            socket_connect_timeout=_TIMEOUT,
+            sentinel_kwargs={"socket_timeout": _TIMEOUT, "socket_connect_timeout": _TIMEOUT},
+        )
+        client: Redis = sentinel.master_for(
+            service,
+            db=db,
+            password=password,
+            max_connections=_MAX_CONNECTIONS,
+            **options,
+        )
+        return client
 
     # --- the store's clock (DESIGN.md §11.5) --------------------------------------------------
     def now(self) -> float:
@@ -733,7 +799,7 @@ class RedisStore:
             record.key,
             *_ids(record),
         ]
-        reply = await self._eval(self._reserve, keys, args)
+        reply = await self._eval(self._reserve, keys, args, replicated=True)
         verdict = reply[0]
         if verdict == "ok":
             return Reserved()
@@ -761,7 +827,7 @@ class RedisStore:
             record.key,
             *_ids(record),
         ]
-        reply = await self._eval(self._put, keys, args)
+        reply = await self._eval(self._put, keys, args, replicated=True)
         if reply[0] == "ok":
             return None
         return Conflict(_load(reply[1]))
@@ -882,7 +948,7 @@ class RedisStore:
             "1" if message.smtputf8 else "0",
             *_ids(record),
         ]
-        reply = await self._eval(self._enqueue, keys, args)
+        reply = await self._eval(self._enqueue, keys, args, replicated=True)
         if reply[0] == "ok":
             return None
         return Conflict(_load(reply[1]))
@@ -912,7 +978,7 @@ class RedisStore:
             "" if due is None else due,
             *_ids(record),
         ]
-        reply = await self._eval(self._requeue, keys, args)
+        reply = await self._eval(self._requeue, keys, args, replicated=True)
         if reply[0] == "ok":
             return None
         return Conflict(_load(reply[1]))
@@ -1044,19 +1110,26 @@ class RedisStore:
         return int(size), out
 
     async def _eval(
-        self, script: AsyncScript | None, keys: list[str], args: list[Any], raw: bool = False
+        self,
+        script: AsyncScript | None,
+        keys: list[str],
+        args: list[Any],
+        raw: bool = False,
+        replicated: bool = False,
     ) -> Any:
-        """EVALSHA, loading the script if Redis lost it; `raw` leaves the reply as bytes."""
+        """EVALSHA, loading the script if Redis lost it; `raw` leaves the reply as bytes.
+        `replicated`: a ledger write, followed by store.wait's WAIT when that is set."""
         loaded = self._script(script)
         packed = hiredis.pack_command(("EVALSHA", loaded.sha, len(keys), *keys, *args))
+        wait = self._wait if replicated else b""
         try:
-            return await self._command(packed, raw)
+            return await self._command(packed, raw, wait)
         except NoScriptError:
             # Redis restarted or was flushed: load the script and run it (it has not run).
             await self._r.script_load(loaded.script)
-            return await self._command(packed, raw)
+            return await self._command(packed, raw, wait)
 
-    async def _command(self, packed: bytes, raw: bool) -> Any:
+    async def _command(self, packed: bytes, raw: bool, wait: bytes = b"") -> Any:
         """One command, packed by hiredis, on a pooled connection.
 
         What Redis.execute_command does, without its per-call layers (Python packing, the
@@ -1068,9 +1141,22 @@ class RedisStore:
         for attempt in (1, 2):
             conn = await pool.get_connection()  # type: ignore[no-untyped-call]
             try:
-                await conn.send_packed_command(packed)
-                return await conn.read_response(disable_decoding=raw)
-            except ResponseError:
+                if not wait:
+                    await conn.send_packed_command(packed)
+                    return await conn.read_response(disable_decoding=raw)
+                # WAIT on the same connection, pipelined: it waits for this connection's
+                # writes, the script's among them.
+                await conn.send_packed_command(packed + wait)
+                try:
+                    reply = await conn.read_response(disable_decoding=raw)
+                finally:
+                    acked = await conn.read_response()
+                if int(acked) < self._wait_replicas:
+                    raise StoreUnavailable(
+                        f"redis: WAIT: {acked} of {self._wait_replicas} replicas acknowledged the write"
+                    )
+                return reply
+            except (ResponseError, StoreUnavailable):
                 raise
             except RedisConnectionError:
                 await conn.disconnect(nowait=True)

@@ -1,0 +1,776 @@
+"""PostgreSQL backend: the store for a fleet, one that survives a failover (DESIGN.md §15).
+
+`postgresql://user@host1,host2/db?target_session_attrs=read-write` is handed to libpq as it
+is (psycopg 3 speaks libpq), so multi-host URLs, `target_session_attrs` and every other
+connection parameter mean what PostgreSQL's own documentation says. A pool keeps the
+connections; one that dies with its server is dropped, and the next one libpq makes finds
+the read-write server among the hosts: after a failover new sessions reach the new primary
+without a restart.
+
+Atomicity is the server's. The reservation is one statement, a function the migration
+creates (`smtpguard_reserve`): `INSERT … ON CONFLICT DO NOTHING` (or `UPDATE … WHERE
+version = …`) on the primary key (zone, key), then the pause switch, then the cap unit,
+counted by upserts `… RETURNING` on one of the zone's slot rows (see _cap_args); a refusal
+(paused, a cap reached) is an error that rolls the whole statement back. Every other
+record write is one compare-and-swap statement; queue claims take rows with `FOR UPDATE
+SKIP LOCKED`. Every write is committed before the call returns, as durable as the server's
+`synchronous_commit` makes it: with a synchronous standby, a failover loses no write whose
+call returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from importlib import resources
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+import psycopg
+from psycopg import AsyncConnection
+from psycopg.conninfo import conninfo_to_dict
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+from smtpguard.events.model import bare_message_id
+from smtpguard.policy.ledger import Record, State
+from smtpguard.policy.limits import HOUR, CapCheck, CapReached
+from smtpguard.policy.senders import suppression_key
+from smtpguard.store.base import (
+    HELD,
+    CapUsage,
+    CircuitState,
+    Claimed,
+    Conflict,
+    IdField,
+    Paused,
+    QueuedMessage,
+    QueueEntry,
+    Reserved,
+    ReserveResult,
+    StoredEvent,
+    StoreUnavailable,
+    Suppression,
+)
+
+P = ParamSpec("P")
+T = TypeVar("T")
+Conn = AsyncConnection[tuple[Any, ...]]
+
+_TIMEOUT = 2.0
+"""Deadline of one store operation, of taking a connection from the pool, and of a connect."""
+_POOL_MAX = 32
+_CLOCK_SAMPLE_EVERY = 10.0
+_WINDOW_KEEP = 2 * HOUR
+_SLOTS = 16
+"""Cap count slots per zone: how many of a zone's reservations may commit at once while its
+caps are far (see _consume)."""
+_SETTLED_EXCLUDED = (State.IN_FLIGHT.value, State.QUEUED.value)
+
+# Each migration runs once, in order, in one transaction with the version it brings; an
+# advisory lock keeps instances starting together from running one twice. The SQL lives in
+# migrations/NNNN_*.sql beside this module: add a file, never edit one that has shipped.
+_MIGRATIONS: list[str] = [
+    f.read_text()
+    for f in sorted(resources.files(__name__).joinpath("migrations").iterdir(), key=lambda f: f.name)
+    if f.name.endswith(".sql")
+]
+_MIGRATION_LOCK = 0x736D7470  # 'smtp': pg_advisory_xact_lock key for the migrations
+
+
+def _translated(
+    fn: Callable[Concatenate[PostgresStore, P], Awaitable[T]],
+) -> Callable[Concatenate[PostgresStore, P], Coroutine[Any, Any, T]]:
+    """The one place a driver error becomes StoreUnavailable (451 4.3.0, nothing relayed),
+    and where an operation gets its deadline."""
+
+    async def wrapper(self: PostgresStore, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            async with asyncio.timeout(_TIMEOUT):
+                return await fn(self, *args, **kwargs)
+        except (psycopg.Error, PoolTimeout, OSError) as e:  # OSError includes TimeoutError
+            if isinstance(e, psycopg.OperationalError | OSError):
+                self._connection_trouble()
+            raise StoreUnavailable(f"postgresql: {type(e).__name__}: {e}".strip()) from e
+
+    functools.update_wrapper(wrapper, fn)
+    return wrapper
+
+
+def _dump(r: Record) -> str:
+    return json.dumps(r.to_dict(), separators=(",", ":"))
+
+
+def _load(data: str | None) -> Record | None:
+    return Record.from_dict(json.loads(data)) if data else None
+
+
+def _ids(r: Record) -> tuple[str | None, str | None]:
+    return (bare_message_id(r.message_id) if r.message_id else None, r.upstream_id or None)
+
+
+class PostgresStore:
+    def __init__(self, url: str, password: str | None = None) -> None:
+        self.url = url
+        self._password = password
+        self._pool: AsyncConnectionPool[Conn] | None = None
+        self._mono: Callable[[], float] = time.monotonic
+        self._offset: float | None = None
+        """The server's clock minus this process's monotonic clock, from the last sample."""
+        self._last_now = 0.0
+        self._clock_task: asyncio.Task[None] | None = None
+        self._check_task: asyncio.Task[None] | None = None
+        self._migrated = False
+
+    # --- plumbing ----------------------------------------------------------------------------
+    async def open(self) -> None:
+        """Build the pool and apply the schema migrations. Connections are made on use, so
+        an instance started while no read-write server answers starts anyway, answers 451,
+        migrates and recovers once one does."""
+        if self._pool is not None:
+            return
+        params = conninfo_to_dict(self.url)
+        kwargs: dict[str, Any] = {"autocommit": True}
+        if "connect_timeout" not in params:
+            kwargs["connect_timeout"] = int(_TIMEOUT)
+        if self._password is not None:
+            kwargs["password"] = self._password
+        pool: AsyncConnectionPool[Conn] = AsyncConnectionPool(
+            self.url,
+            min_size=1,
+            max_size=_POOL_MAX,
+            kwargs=kwargs,
+            open=False,
+            timeout=_TIMEOUT,
+            # A failed connect is retried for this long, then given up; the next caller that
+            # waits for a connection starts a new attempt at once. Without it the pool's
+            # back-off (1, 2, 4, 8 s …) kept new sessions on 451 for seconds after a new
+            # primary was up.
+            reconnect_timeout=_TIMEOUT,
+            name="smtpguard",
+        )
+        await pool.open(wait=False)
+        self._pool = pool
+        with contextlib.suppress(StoreUnavailable):
+            await self._migrate()
+            await self.sync_clock()
+        self._clock_task = asyncio.create_task(self._track_clock())
+
+    async def close(self) -> None:
+        for task in (self._clock_task, self._check_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._clock_task = self._check_task = None
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.close(timeout=1.0)
+
+    @contextlib.asynccontextmanager
+    async def _conn(self) -> AsyncIterator[Conn]:
+        if self._pool is None:
+            raise StoreUnavailable("store is not open")
+        if not self._migrated:
+            await self._migrate_now()
+        async with self._pool.connection() as conn:
+            yield conn
+
+    @contextlib.asynccontextmanager
+    async def _tx(self) -> AsyncIterator[Conn]:
+        """A connection inside a transaction: committed on leaving, rolled back on any
+        exception."""
+        async with self._conn() as conn, conn.transaction():
+            yield conn
+
+    def _connection_trouble(self) -> None:
+        """A connection failed: check the idle ones in the background, so the pool drops
+        every connection to a server that is gone (a failover) rather than handing each to
+        one more session."""
+        if self._pool is None or (self._check_task is not None and not self._check_task.done()):
+            return
+        self._check_task = asyncio.create_task(self._pool.check())
+
+    @_translated
+    async def _migrate(self) -> None:
+        await self._migrate_now()
+
+    async def _migrate_now(self) -> None:
+        assert self._pool is not None
+        async with self._pool.connection() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+            await conn.execute("CREATE TABLE IF NOT EXISTS smtpguard_schema (version integer NOT NULL)")
+            row = await (await conn.execute("SELECT max(version) FROM smtpguard_schema")).fetchone()
+            done = int(row[0]) if row and row[0] is not None else 0
+            for version, sql in enumerate(_MIGRATIONS[done:], start=done + 1):
+                await conn.execute(sql)
+                await conn.execute("INSERT INTO smtpguard_schema (version) VALUES (%s)", (version,))
+        self._migrated = True
+
+    # --- the store's clock (DESIGN.md §11.5) --------------------------------------------------
+    def now(self) -> float:
+        """The server's clock, tracked between samples on this process's monotonic clock
+        (as the Redis backend tracks TIME): every instance measures leases on one clock.
+        Never moves backwards, even when a failover brings a server whose clock differs."""
+        if self._offset is None:
+            return time.time()
+        t = self._mono() + self._offset
+        if t < self._last_now:
+            return self._last_now
+        self._last_now = t
+        return t
+
+    @_translated
+    async def sync_clock(self) -> None:
+        async with self._conn() as conn:
+            before = self._mono()
+            row = await (
+                await conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8")
+            ).fetchone()
+            after = self._mono()
+        assert row is not None
+        self._offset = float(row[0]) - (before + after) / 2
+
+    async def _track_clock(self) -> None:
+        while True:
+            await asyncio.sleep(_CLOCK_SAMPLE_EVERY if self._offset is not None else 0.2)
+            with contextlib.suppress(StoreUnavailable):
+                await self.sync_clock()
+
+    @_translated
+    async def durability_problems(self) -> list[str]:
+        """Settings under which the server may forget a committed reservation (a duplicate
+        send after a crash or a failover)."""
+        async with self._conn() as conn:
+            cur = await conn.execute(
+                "SELECT name, setting FROM pg_settings WHERE name IN "
+                "('fsync', 'synchronous_commit', 'full_page_writes', 'synchronous_standby_names')"
+            )
+            got = {str(name): str(value) for name, value in await cur.fetchall()}
+        problems = []
+        if got.get("fsync") != "on":
+            problems.append(f"postgresql fsync is {got.get('fsync')!r}, not 'on': a crash forgets events")
+        if got.get("full_page_writes") != "on":
+            problems.append(
+                f"postgresql full_page_writes is {got.get('full_page_writes')!r}, not 'on': "
+                "a crash can corrupt the ledger"
+            )
+        sync = got.get("synchronous_commit")
+        if sync == "off":
+            problems.append(
+                "postgresql synchronous_commit is 'off': a crash loses the last acknowledged writes"
+            )
+        elif sync == "local" and got.get("synchronous_standby_names"):
+            problems.append(
+                "postgresql synchronous_commit is 'local' while synchronous_standby_names is set: "
+                "a failover loses the writes the standby had not received"
+            )
+        return problems
+
+    async def ping(self) -> bool:
+        try:
+            return await self._ping()
+        except StoreUnavailable:
+            return False
+
+    @_translated
+    async def _ping(self) -> bool:
+        async with self._conn() as conn:
+            await conn.execute("SELECT 1")
+        return True
+
+    # --- ledger ------------------------------------------------------------------------------
+    @_translated
+    async def get(self, zone: str, key: str) -> Record | None:
+        async with self._conn() as conn:
+            return await _fetch(conn, zone, key)
+
+    @_translated
+    async def reserve(
+        self, record: Record, expected_version: int | None, cap: CapCheck | None, paused: bool
+    ) -> ReserveResult:
+        data = _dump(record)
+        mid, uid = _ids(record)
+        async with self._conn() as conn:
+            try:
+                cur = await conn.execute(
+                    "SELECT * FROM smtpguard_reserve(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, "
+                    "%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                    (
+                        record.zone, record.key, expected_version, record.version, record.state.value,
+                        record.updated_at, data, mid, uid, paused, cap is not None,
+                        *_cap_args(cap, record.zone),
+                    ),
+                )  # fmt: skip
+            except psycopg.Error as e:
+                reached = _refusal(e, cap)
+                if reached is None:
+                    raise
+                return reached
+            row = await cur.fetchone()
+        if row is None:
+            return Conflict(None)
+        if row[0]:
+            return Reserved()
+        if int(row[1]) == record.version and row[2] == data:
+            return Reserved()  # our own write, its reply lost (DESIGN.md §11.4)
+        return Conflict(_load(row[2]))
+
+    @_translated
+    async def put(self, record: Record, expected_version: int | None) -> Conflict | None:
+        async with self._conn() as conn:
+            swapped = await _swap(conn, record, expected_version)
+        return swapped if isinstance(swapped, Conflict) else None
+
+    @_translated
+    async def refund(self, zone: str, token: str, month: str) -> None:
+        async with self._tx() as conn:
+            # The month the unit was counted in is kept with it; `month` is the caller's guess.
+            gone = await _one(
+                conn, "DELETE FROM sends WHERE zone = %s AND token = %s RETURNING month, slot", (zone, token)
+            )
+            if gone is not None:
+                # The slot's row before its month row: the order every count locks them in.
+                await conn.execute(
+                    "UPDATE cap_slots SET n = GREATEST(n - 1, 0) WHERE zone = %s AND slot = %s",
+                    (zone, gone[1]),
+                )
+                await conn.execute(
+                    "UPDATE monthly SET used = GREATEST(used - 1, 0) "
+                    "WHERE zone = %s AND month = %s AND slot = %s",
+                    (zone, gone[0] or month, gone[1]),
+                )
+
+    async def purge(self, now: float, retention: float) -> int:
+        # Not one deadline for the whole purge: each step below has its own.
+        deleted = await self._purge_events(now - retention)
+        await self._purge_windows(now, retention)
+        return deleted
+
+    @_translated
+    async def _purge_events(self, cutoff: float) -> int:
+        async with self._tx() as conn:
+            cur = await conn.execute(
+                "DELETE FROM events WHERE updated_at < %s AND state <> ALL(%s)",
+                (cutoff, list(_SETTLED_EXCLUDED)),
+            )
+            n = cur.rowcount
+            # Store-and-forward entries kept for an operator (unknown, failed) go with their record.
+            await conn.execute(
+                "DELETE FROM queue q WHERE NOT EXISTS "
+                "(SELECT 1 FROM events e WHERE e.zone = q.zone AND e.key = q.key)"
+            )
+        return int(n)
+
+    @_translated
+    async def _purge_windows(self, now: float, retention: float) -> None:
+        async with self._tx() as conn:
+            # Every slot row first: a count near its cap holds its zone's while it trims.
+            await conn.execute("SELECT 1 FROM cap_slots ORDER BY zone, slot FOR UPDATE")
+            await conn.execute(
+                "WITH gone AS (DELETE FROM sends WHERE at < %s RETURNING zone, slot), "
+                "per AS (SELECT zone, slot, count(*) AS c FROM gone GROUP BY zone, slot) "
+                "UPDATE cap_slots s SET n = GREATEST(s.n - per.c, 0) FROM per "
+                "WHERE s.zone = per.zone AND s.slot = per.slot",
+                (now - _WINDOW_KEEP,),
+            )
+            await conn.execute("DELETE FROM auth_failures WHERE at < %s", (now - _WINDOW_KEEP,))
+            await conn.execute("DELETE FROM provider_events WHERE received_at < %s", (now - retention,))
+
+    @_translated
+    async def consume_cap(self, cap: CapCheck) -> CapReached | None:
+        async with self._conn() as conn:
+            try:
+                await conn.execute(
+                    "SELECT smtpguard_count_unit(%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                    _cap_args(cap, cap.zone),
+                )
+            except psycopg.Error as e:
+                reached = _refusal(e, cap)
+                if not isinstance(reached, CapReached):
+                    raise
+                return reached
+        return None
+
+    # --- store-and-forward queue -------------------------------------------------------------
+    @_translated
+    async def enqueue(
+        self, record: Record, expected_version: int | None, message: QueuedMessage
+    ) -> Conflict | None:
+        async with self._tx() as conn:
+            swapped = await _swap(conn, record, expected_version)
+            if isinstance(swapped, Conflict):
+                return swapped
+            await conn.execute(
+                "INSERT INTO queue (zone, key, lane, priority, due_at, claimed_until, enqueued_at, "
+                "sender, recipients, content, smtputf8) "
+                "VALUES (%s, %s, %s, %s, %s, NULL, %s, %s, %s, %s, %s) "
+                "ON CONFLICT (zone, key) DO UPDATE SET lane = excluded.lane, priority = excluded.priority, "
+                "due_at = excluded.due_at, claimed_until = NULL, enqueued_at = excluded.enqueued_at, "
+                "sender = excluded.sender, recipients = excluded.recipients, content = excluded.content, "
+                "smtputf8 = excluded.smtputf8",
+                (
+                    record.zone,
+                    record.key,
+                    record.lane or "",
+                    message.priority,
+                    record.next_attempt_at if record.next_attempt_at is not None else record.updated_at,
+                    record.updated_at,
+                    message.sender,
+                    json.dumps(list(message.recipients)),
+                    message.content,
+                    message.smtputf8,
+                ),
+            )
+            return None
+
+    @_translated
+    async def claim(self, now: float, quotas: list[tuple[str, int]], lease: float) -> list[Claimed]:
+        """One statement (smtpguard_claim): a worker polling an almost empty queue costs
+        one round trip a poll."""
+        if sum(max(n, 0) for _, n in quotas) <= 0:
+            return []
+        async with self._conn() as conn:
+            cur = await conn.execute(
+                "SELECT * FROM smtpguard_claim(%s, %s::text[], %s::integer[], %s)",
+                (now, [lane for lane, _ in quotas], [n for _, n in quotas], now + lease),
+            )
+            rows = sorted(await cur.fetchall(), key=lambda row: int(row[0]))
+        return [
+            Claimed(
+                Record.from_dict(json.loads(data)),
+                QueuedMessage(str(sender), tuple(json.loads(rcpts)), bytes(body), int(prio), bool(utf8)),
+            )
+            for _, _, _, sender, rcpts, body, prio, utf8, data in rows
+        ]
+
+    @_translated
+    async def requeue(self, record: Record, expected_version: int, due: float | None) -> Conflict | None:
+        async with self._tx() as conn:
+            swapped = await _swap(conn, record, expected_version)
+            if isinstance(swapped, Conflict):
+                return swapped
+            if due is None:
+                await conn.execute(
+                    "DELETE FROM queue WHERE zone = %s AND key = %s", (record.zone, record.key)
+                )
+            else:
+                await conn.execute(
+                    "UPDATE queue SET due_at = %s, claimed_until = NULL WHERE zone = %s AND key = %s",
+                    (due, record.zone, record.key),
+                )
+            return None
+
+    @_translated
+    async def queue_entries(self, zone: str | None) -> list[QueueEntry]:
+        async with self._conn() as conn:
+            cur = await conn.execute(
+                "SELECT q.zone, q.key, q.lane, e.state, q.due_at, q.claimed_until, q.enqueued_at, "
+                "length(q.content) FROM queue q LEFT JOIN events e ON e.zone = q.zone AND e.key = q.key "
+                "WHERE (%s::text IS NULL OR q.zone = %s) ORDER BY q.priority, q.due_at, q.zone, q.key",
+                (zone, zone),
+            )
+            rows = await cur.fetchall()
+        now = self.now()
+        return [
+            QueueEntry(
+                str(z),
+                str(k),
+                str(lane),
+                str(state) if state else "?",
+                None if due >= HELD else float(due),
+                claimed is not None and claimed > now,
+                float(enq),
+                int(size),
+            )
+            for z, k, lane, state, due, claimed, enq, size in rows
+        ]
+
+    @_translated
+    async def queue_lanes(self) -> set[str]:
+        async with self._conn() as conn:
+            cur = await conn.execute("SELECT DISTINCT lane FROM queue")
+            return {str(lane) for (lane,) in await cur.fetchall()}
+
+    # --- zones -------------------------------------------------------------------------------
+    @_translated
+    async def set_paused(self, zone: str, paused: bool) -> None:
+        async with self._conn() as conn:
+            if paused:
+                await conn.execute("INSERT INTO paused (zone) VALUES (%s) ON CONFLICT DO NOTHING", (zone,))
+            else:
+                await conn.execute("DELETE FROM paused WHERE zone = %s", (zone,))
+
+    @_translated
+    async def is_paused(self, zone: str) -> bool:
+        async with self._conn() as conn:
+            return await _one(conn, "SELECT 1 FROM paused WHERE zone = %s", (zone,)) is not None
+
+    @_translated
+    async def cap_usage(self, zone: str, now: float, month: str) -> CapUsage:
+        async with self._conn() as conn:
+            row = await _one(
+                conn,
+                "SELECT (SELECT count(*) FROM sends WHERE zone = %s AND at >= %s), "
+                "(SELECT sum(used) FROM monthly WHERE zone = %s AND month = %s)",
+                (zone, now - HOUR, zone, month),
+            )
+        assert row is not None
+        return CapUsage(hour=int(row[0]), month=int(row[1] or 0))
+
+    @_translated
+    async def add_counts(self, zone: str, counts: dict[str, int]) -> None:
+        if not counts:
+            return
+        async with self._conn() as conn:
+            # One statement: the names sorted, so two concurrent calls lock rows in one order.
+            names = sorted(counts)
+            await conn.execute(
+                "INSERT INTO counters (zone, name, value) "
+                "SELECT %s, n, v FROM unnest(%s::text[], %s::bigint[]) AS c(n, v) "
+                "ON CONFLICT (zone, name) DO UPDATE SET value = counters.value + excluded.value",
+                (zone, names, [counts[n] for n in names]),
+            )
+
+    @_translated
+    async def counts(self, zone: str) -> dict[str, int]:
+        async with self._conn() as conn:
+            cur = await conn.execute("SELECT name, value FROM counters WHERE zone = %s", (zone,))
+            return {str(name): int(value) for name, value in await cur.fetchall()}
+
+    # --- suppression -------------------------------------------------------------------------
+    @_translated
+    async def suppressed(self, zone: str, address: str) -> str | None:
+        async with self._conn() as conn:
+            row = await _one(
+                conn,
+                "SELECT zone FROM suppression WHERE address = %s AND zone IN (%s, 'global') "
+                "ORDER BY zone = 'global' LIMIT 1",
+                (suppression_key(address), zone),
+            )
+        return str(row[0]) if row else None
+
+    @_translated
+    async def suppress_add(self, zone: str, address: str, reason: str, now: float) -> bool:
+        async with self._tx() as conn:
+            return await _list(conn, zone, suppression_key(address), reason, now)
+
+    @_translated
+    async def suppress_remove(self, zone: str, address: str) -> bool:
+        async with self._tx() as conn:
+            gone = await _one(
+                conn,
+                "DELETE FROM suppression WHERE zone = %s AND address = %s RETURNING 1",
+                (zone, suppression_key(address)),
+            )
+            if gone is not None:
+                await _bump_supp_version(conn, zone)
+            return gone is not None
+
+    @_translated
+    async def suppress_list(self, zone: str) -> list[Suppression]:
+        async with self._conn() as conn:
+            cur = await conn.execute(
+                "SELECT zone, address, reason, at FROM suppression WHERE zone = %s "
+                'ORDER BY address COLLATE "C"',
+                (zone,),
+            )
+            return [Suppression(str(z), str(a), str(r), float(t)) for z, a, r, t in await cur.fetchall()]
+
+    @_translated
+    async def suppression_versions(self, zone: str) -> tuple[int, int]:
+        async with self._conn() as conn:
+            cur = await conn.execute(
+                "SELECT zone, v FROM supp_versions WHERE zone IN (%s, 'global')", (zone,)
+            )
+            rows = {str(z): int(v) for z, v in await cur.fetchall()}
+        return rows.get(zone, 0), rows.get("global", 0)
+
+    # --- provider events ---------------------------------------------------------------------
+    @_translated
+    async def find_records(self, field: IdField, value: str) -> list[Record]:
+        if field == "message_id":
+            sql, wanted = "SELECT data FROM events WHERE mid = %s LIMIT 100", bare_message_id(value)
+        else:
+            sql, wanted = "SELECT data FROM events WHERE uid = %s LIMIT 100", value.strip()
+        async with self._conn() as conn:
+            cur = await conn.execute(sql, (wanted,))
+            return [Record.from_dict(json.loads(data)) for (data,) in await cur.fetchall()]
+
+    @_translated
+    async def apply_event(self, zone: str, key: str, event: StoredEvent, suppress_reason: str | None) -> bool:
+        async with self._tx() as conn:
+            added = await _one(
+                conn,
+                "INSERT INTO provider_events (zone, source, event_id, key, received_at, data) "
+                "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING 1",
+                (
+                    zone,
+                    event.source,
+                    event.id,
+                    key,
+                    event.received_at,
+                    json.dumps(event.to_dict(), separators=(",", ":")),
+                ),
+            )
+            if added is None:
+                return False
+            if suppress_reason is not None and event.recipient is not None:
+                await _list(conn, zone, suppression_key(event.recipient), suppress_reason, event.received_at)
+            return True
+
+    @_translated
+    async def provider_events(self, zone: str, key: str) -> list[StoredEvent]:
+        async with self._conn() as conn:
+            cur = await conn.execute(
+                "SELECT data FROM provider_events WHERE zone = %s AND key = %s ORDER BY received_at, seq",
+                (zone, key),
+            )
+            return [StoredEvent.from_dict(json.loads(data)) for (data,) in await cur.fetchall()]
+
+    # --- provider health ---------------------------------------------------------------------
+    @_translated
+    async def set_circuit(self, instance: str, provider: str, circuit: str, now: float) -> None:
+        async with self._conn() as conn:
+            await conn.execute(
+                "INSERT INTO circuits (instance, provider, circuit, at) VALUES (%s, %s, %s, %s) "
+                "ON CONFLICT (instance, provider) DO UPDATE SET circuit = excluded.circuit, at = excluded.at",
+                (instance, provider, circuit, now),
+            )
+
+    @_translated
+    async def circuits(self) -> list[CircuitState]:
+        async with self._conn() as conn:
+            cur = await conn.execute(
+                "SELECT instance, provider, circuit, at FROM circuits "
+                'ORDER BY provider COLLATE "C", instance COLLATE "C"'
+            )
+            return [CircuitState(str(i), str(p), str(s), float(t)) for i, p, s, t in await cur.fetchall()]
+
+    # --- AUTH brute force --------------------------------------------------------------------
+    @_translated
+    async def auth_failure(self, ip: str, now: float, window: float) -> int:
+        async with self._tx() as conn:
+            # One address's failures are counted one at a time: each sees every earlier one.
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"auth:{ip}",))
+            await conn.execute("INSERT INTO auth_failures (ip, at) VALUES (%s, %s)", (ip, now))
+            row = await _one(
+                conn, "SELECT count(*) FROM auth_failures WHERE ip = %s AND at > %s", (ip, now - window)
+            )
+        assert row is not None
+        return int(row[0])
+
+    @_translated
+    async def auth_failures(self, ip: str, now: float, window: float) -> int:
+        async with self._conn() as conn:
+            row = await _one(
+                conn, "SELECT count(*) FROM auth_failures WHERE ip = %s AND at > %s", (ip, now - window)
+            )
+        assert row is not None
+        return int(row[0])
+
+
+# --- statements shared by the operations --------------------------------------------------------
+async def _one(conn: Conn, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    cur = await conn.execute(sql, params)
+    return await cur.fetchone()
+
+
+async def _fetch(conn: Conn, zone: str, key: str) -> Record | None:
+    row = await _one(conn, "SELECT data FROM events WHERE zone = %s AND key = %s", (zone, key))
+    return _load(row[0]) if row else None
+
+
+class _Own:
+    pass
+
+
+_OWN = _Own()
+"""_swap's answer when the record already equals the one being written: a retried write
+whose first run landed (DESIGN.md §11.4)."""
+
+
+async def _swap(conn: Conn, r: Record, expected_version: int | None) -> Conflict | _Own | bool:
+    """Write `r` over exactly `expected_version` (None: only if absent) in one statement;
+    the current record is read only when that fails. A bool: written, and whether the zone
+    is paused (read by the same statement, for reserve); _OWN: it was already there, byte
+    for byte; else the Conflict with the current record."""
+    data = _dump(r)
+    mid, uid = _ids(r)
+    if expected_version is None:
+        written = await _one(
+            conn,
+            "INSERT INTO events (zone, key, version, state, updated_at, data, mid, uid) "
+            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (zone, key) DO NOTHING "
+            "RETURNING EXISTS (SELECT 1 FROM paused p WHERE p.zone = events.zone)",
+            (r.zone, r.key, r.version, r.state.value, r.updated_at, data, mid, uid),
+        )
+    else:
+        written = await _one(
+            conn,
+            "UPDATE events SET version = %s, state = %s, updated_at = %s, data = %s, mid = %s, uid = %s "
+            "WHERE zone = %s AND key = %s AND version = %s "
+            "RETURNING EXISTS (SELECT 1 FROM paused p WHERE p.zone = events.zone)",
+            (r.version, r.state.value, r.updated_at, data, mid, uid, r.zone, r.key, expected_version),
+        )
+    if written is not None:
+        return bool(written[0])
+    row = await _one(conn, "SELECT version, data FROM events WHERE zone = %s AND key = %s", (r.zone, r.key))
+    if row is None:
+        return Conflict(None)
+    if int(row[0]) == r.version and row[1] == data:
+        return _OWN
+    return Conflict(_load(row[1]))
+
+
+def _cap_args(cap: CapCheck | None, zone: str) -> tuple[Any, ...]:
+    """smtpguard_count_unit's arguments (see the migration). A zone's count is spread over
+    _SLOTS slots: one cap counter row, locked until COMMIT (and COMMIT waits for the WAL
+    flush, and for a synchronous standby), would let one reservation of the zone commit at
+    a time. A unit locks one slot and reads the zone's totals: counts of other slots not yet
+    committed are invisible, but each holds its slot's lock, so at most _SLOTS - 1 are
+    missing; the hour is bounded from above by the window rows each slot keeps (nothing is
+    scanned). Within that margin of both caps the unit is counted at once; nearer, it takes
+    every slot of the zone in order and counts exactly. No cap is ever exceeded."""
+    if cap is None:
+        return (zone, "", 0.0, "", 0, 0.0, 0, 0, _SLOTS)
+    return (
+        cap.zone, cap.token, cap.now, cap.month, secrets.randbelow(_SLOTS), cap.hour_start,
+        cap.caps.hourly, cap.caps.monthly, _SLOTS,
+    )  # fmt: skip
+
+
+def _refusal(e: psycopg.Error, cap: CapCheck | None) -> ReserveResult | None:
+    """What an error raised by the reservation's functions answers, if it is a refusal."""
+    if e.sqlstate == "SGP01":
+        return Paused()
+    if cap is None:
+        return None
+    if e.sqlstate == "SGM01":
+        return CapReached("month", cap.caps.monthly)
+    if e.sqlstate == "SGH01":
+        return CapReached("hour", cap.caps.hourly, float(e.diag.message_primary or cap.now) + HOUR)
+    return None
+
+
+async def _list(conn: Conn, zone: str, address: str, reason: str, at: float) -> bool:
+    added = await _one(
+        conn,
+        "INSERT INTO suppression (zone, address, reason, at) VALUES (%s, %s, %s, %s) "
+        "ON CONFLICT DO NOTHING RETURNING 1",
+        (zone, address, reason, at),
+    )
+    if added is not None:
+        await _bump_supp_version(conn, zone)
+    return added is not None
+
+
+async def _bump_supp_version(conn: Conn, zone: str) -> None:
+    await conn.execute(
+        "INSERT INTO supp_versions (zone, v) VALUES (%s, 1) "
+        "ON CONFLICT (zone) DO UPDATE SET v = supp_versions.v + 1",
+        (zone,),
+    )
