@@ -47,6 +47,7 @@ from smtpguard.store.base import (
     Conflict,
     IdField,
     Paused,
+    ProbeState,
     QueuedMessage,
     QueueEntry,
     Reserved,
@@ -54,6 +55,7 @@ from smtpguard.store.base import (
     StoredEvent,
     StoreUnavailable,
     Suppression,
+    ZoneAudit,
 )
 
 P = ParamSpec("P")
@@ -113,7 +115,10 @@ def _ids(r: Record) -> tuple[str | None, str | None]:
 
 
 class PostgresStore:
-    def __init__(self, url: str, password: str | None = None) -> None:
+    def __init__(
+        self, url: str, password: str | None = None, read_only: bool = False, create: bool = True
+    ) -> None:
+        # read_only and create concern a store file; a PostgreSQL server has none to create.
         self.url = url
         self._password = password
         self._pool: AsyncConnectionPool[Conn] | None = None
@@ -379,6 +384,8 @@ class PostgresStore:
             )
             await conn.execute("DELETE FROM auth_failures WHERE at < %s", (now - _WINDOW_KEEP,))
             await conn.execute("DELETE FROM provider_events WHERE received_at < %s", (now - retention,))
+            await conn.execute("DELETE FROM nonces WHERE until < %s", (now,))
+            await conn.execute("DELETE FROM zone_audit WHERE at < %s", (now - retention,))
 
     @_translated
     async def consume_cap(self, cap: CapCheck) -> CapReached | None:
@@ -594,6 +601,9 @@ class PostgresStore:
     async def find_records(self, field: IdField, value: str) -> list[Record]:
         if field == "message_id":
             sql, wanted = "SELECT data FROM events WHERE mid = %s LIMIT 100", bare_message_id(value)
+        elif field == "sg_id":
+            sql = "SELECT data FROM events WHERE ((data::jsonb) ->> 'sg_id') = %s LIMIT 100"
+            wanted = value.strip()
         else:
             sql, wanted = "SELECT data FROM events WHERE uid = %s LIMIT 100", value.strip()
         async with self._conn() as conn:
@@ -630,6 +640,94 @@ class PostgresStore:
                 (zone, key),
             )
             return [StoredEvent.from_dict(json.loads(data)) for (data,) in await cur.fetchall()]
+
+    @_translated
+    async def remember_nonce(self, name: str, digest: str, until: float) -> bool:
+        async with self._tx() as conn:
+            # An expired nonce is free again; a live one answers by its digest.
+            row = await _one(
+                conn,
+                "INSERT INTO nonces (name, digest, until) VALUES (%s, %s, %s) "
+                "ON CONFLICT (name) DO UPDATE SET digest = excluded.digest, until = excluded.until "
+                "WHERE nonces.until < %s RETURNING digest",
+                (name, digest, until, self.now()),
+            )
+            if row is not None:
+                return True
+            current = await _one(conn, "SELECT digest FROM nonces WHERE name = %s", (name,))
+            return current is not None and current[0] == digest
+
+    # --- the operator's desk ------------------------------------------------------------------
+    @_translated
+    async def list_records(
+        self, zone: str, state: str | None, since: float | None, before: float | None, limit: int
+    ) -> list[Record]:
+        where: list[str] = ["zone = %s"]
+        params: list[str | float] = [zone]
+        if state is not None:
+            where.append("state = %s")
+            params.append(state)
+        if since is not None:
+            where.append("updated_at >= %s")
+            params.append(since)
+        if before is not None:
+            where.append("updated_at < %s")
+            params.append(before)
+        sql = f"SELECT data FROM events WHERE {' AND '.join(where)} ORDER BY updated_at DESC LIMIT %s"
+        async with self._conn() as conn:
+            cur = await conn.execute(sql, (*params, limit))
+            return [Record.from_dict(json.loads(data)) for (data,) in await cur.fetchall()]
+
+    @_translated
+    async def state_counts(self, zone: str) -> dict[str, int]:
+        async with self._conn() as conn:
+            cur = await conn.execute(
+                "SELECT state, count(*) FROM events WHERE zone = %s GROUP BY state", (zone,)
+            )
+            return {str(state): int(n) for state, n in await cur.fetchall()}
+
+    @_translated
+    async def audit_add(self, zone: str, entry: ZoneAudit) -> None:
+        async with self._conn() as conn:
+            await conn.execute(
+                "INSERT INTO zone_audit (zone, at, actor, action, key, note) VALUES (%s, %s, %s, %s, %s, %s)",
+                (zone, entry.at, entry.actor, entry.action, entry.key, entry.note),
+            )
+
+    @_translated
+    async def audit_log(self, zone: str, since: float, limit: int = 1000) -> list[ZoneAudit]:
+        async with self._conn() as conn:
+            cur = await conn.execute(
+                "SELECT at, actor, action, key, note FROM zone_audit WHERE zone = %s AND at >= %s "
+                "ORDER BY at DESC, seq DESC LIMIT %s",
+                (zone, since, limit),
+            )
+            return [ZoneAudit(float(at), a, act, k, n) for at, a, act, k, n in await cur.fetchall()]
+
+    @_translated
+    async def queue_depths(self) -> dict[tuple[str, str], int]:
+        async with self._conn() as conn:
+            cur = await conn.execute("SELECT zone, lane, count(*) FROM queue GROUP BY zone, lane")
+            return {(str(z), str(lane)): int(n) for z, lane, n in await cur.fetchall()}
+
+    # --- provider probes (DESIGN.md §12) ------------------------------------------------------
+    @_translated
+    async def set_probe(self, instance: str, provider: str, ready: bool, detail: str, now: float) -> None:
+        async with self._conn() as conn:
+            await conn.execute(
+                "INSERT INTO probes (instance, provider, ready, detail, at) VALUES (%s, %s, %s, %s, %s) "
+                "ON CONFLICT (instance, provider) DO UPDATE SET ready = excluded.ready, "
+                "detail = excluded.detail, at = excluded.at",
+                (instance, provider, ready, detail, now),
+            )
+
+    @_translated
+    async def probes(self) -> list[ProbeState]:
+        async with self._conn() as conn:
+            cur = await conn.execute(
+                "SELECT instance, provider, ready, detail, at FROM probes ORDER BY provider, instance"
+            )
+            return [ProbeState(i, p, bool(r), d, float(t)) for i, p, r, d, t in await cur.fetchall()]
 
     # --- provider health ---------------------------------------------------------------------
     @_translated
