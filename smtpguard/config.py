@@ -162,6 +162,13 @@ class StoreConfig(_Strict):
     def _scheme(cls, v: str) -> str:
         if not v.startswith(STORE_SCHEMES):
             raise ValueError("store url must start with " + ", ".join(STORE_SCHEMES))
+        if v.startswith(("postgresql://", "postgres://")):
+            hosts = v.split("://", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1]
+            if "," in hosts and not re.search(r"[?&]target_session_attrs=(read-write|primary)\b", v):
+                raise ValueError(
+                    "a store url naming several PostgreSQL hosts needs target_session_attrs=read-write "
+                    "(else a connection may land on a standby, which refuses every write)"
+                )
         return v
 
     @model_validator(mode="after")

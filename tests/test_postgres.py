@@ -263,3 +263,16 @@ async def test_store_and_forward_across_two_instances_on_postgres_delivers_each_
     assert all(r.code == 250 and "duplicate" in r.text for r in dups), [str(r) for r in dups]
     assert Counter(upstream.event_keys()) == Counter(f"pg:q:{i}" for i in range(n))
     assert states == Counter({"delivered": n})
+
+
+def test_a_multi_host_url_needs_read_write_sessions() -> None:
+    import json
+
+    from smtpguard.config import ConfigError, loads
+    from tests.support import base_config
+
+    cfg = base_config(Path("/tmp"), 2525, store__url="postgresql://a:5432,b:5432/sg")
+    with pytest.raises(ConfigError, match="target_session_attrs=read-write"):
+        loads(json.dumps(cfg))
+    cfg["store"]["url"] += "?target_session_attrs=read-write"
+    loads(json.dumps(cfg))

@@ -128,7 +128,12 @@ _RESERVE = (
     """
 local cur = redis.call('HMGET', KEYS[1], 'v', 'd', 's')
 -- This very record is there already: our own write, re-run after its reply was lost.
-if cur[1] == ARGV[11] and cur[2] == ARGV[13] then return {'ok'} end
+if cur[1] == ARGV[11] and cur[2] == ARGV[13] then
+  -- Rewritten as it is: a write the replicas receive, so that a WAIT on this connection
+  -- (store.wait) waits for the record, not for nothing.
+  redis.call('HSET', KEYS[1], 'v', cur[1])
+  return {'ok'}
+end
 if ARGV[1] == '' then
   if cur[1] then return {'conflict', cur[2]} end
 elseif cur[1] ~= ARGV[1] then
@@ -176,6 +181,9 @@ if cur[1] ~= ARGV[2] or cur[2] ~= ARGV[4] then
 """
     + _INDEXES.replace("IDX", "2").replace("MEMBER", "6").replace("STATE", "3").replace("SCORE", "5")
     + """
+else
+  -- Our own write, re-run: rewritten as it is, so that store.wait's WAIT covers it.
+  redis.call('HSET', KEYS[1], 'v', cur[1])
 end
 """
 )

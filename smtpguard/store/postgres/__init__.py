@@ -111,7 +111,15 @@ def _load(data: str | None) -> Record | None:
 
 
 def _ids(r: Record) -> tuple[str | None, str | None]:
-    return (bare_message_id(r.message_id) if r.message_id else None, r.upstream_id or None)
+    return (_text(bare_message_id(r.message_id)) if r.message_id else None, _text(r.upstream_id) or None)
+
+
+def _text(value: str | None) -> str | None:
+    """As PostgreSQL can store it: a reply decoded with surrogateescape (an upstream that
+    answered in Latin-1) has lone surrogates, which UTF-8 cannot carry."""
+    if value is None or value.isascii():
+        return value
+    return value.encode("utf-8", "replace").decode("utf-8").replace("\x00", "")
 
 
 class PostgresStore:
@@ -334,11 +342,18 @@ class PostgresStore:
     async def refund(self, zone: str, token: str, month: str) -> None:
         async with self._tx() as conn:
             # The month the unit was counted in is kept with it; `month` is the caller's guess.
+            # The slot's row is locked before its sends row: the order the counts and the
+            # purge lock them in (the other order deadlocks against them).
+            row = await _one(conn, "SELECT slot FROM sends WHERE zone = %s AND token = %s", (zone, token))
+            if row is None:
+                return
+            await conn.execute(
+                "SELECT 1 FROM cap_slots WHERE zone = %s AND slot = %s FOR UPDATE", (zone, row[0])
+            )
             gone = await _one(
                 conn, "DELETE FROM sends WHERE zone = %s AND token = %s RETURNING month, slot", (zone, token)
             )
             if gone is not None:
-                # The slot's row before its month row: the order every count locks them in.
                 await conn.execute(
                     "UPDATE cap_slots SET n = GREATEST(n - 1, 0) WHERE zone = %s AND slot = %s",
                     (zone, gone[1]),
@@ -355,11 +370,20 @@ class PostgresStore:
         await self._purge_windows(now, retention)
         return deleted
 
-    @_translated
     async def _purge_events(self, cutoff: float) -> int:
+        # In batches, each its own transaction and deadline: a busy ledger's first expiry
+        # outlasts any one statement's deadline.
+        total = 0
+        while (n := await self._purge_batch(cutoff)) > 0:
+            total += n
+        return total
+
+    @_translated
+    async def _purge_batch(self, cutoff: float) -> int:
         async with self._tx() as conn:
             cur = await conn.execute(
-                "DELETE FROM events WHERE updated_at < %s AND state <> ALL(%s)",
+                "DELETE FROM events WHERE ctid IN (SELECT ctid FROM events WHERE updated_at < %s "
+                "AND state <> ALL(%s) LIMIT 2000)",
                 (cutoff, list(_SETTLED_EXCLUDED)),
             )
             n = cur.rowcount
@@ -602,7 +626,7 @@ class PostgresStore:
         if field == "message_id":
             sql, wanted = "SELECT data FROM events WHERE mid = %s LIMIT 100", bare_message_id(value)
         elif field == "sg_id":
-            sql = "SELECT data FROM events WHERE ((data::jsonb) ->> 'sg_id') = %s LIMIT 100"
+            sql = 'SELECT data FROM events WHERE substring(data from \'"sg_id":"([^"]*)"\') = %s LIMIT 100'
             wanted = value.strip()
         else:
             sql, wanted = "SELECT data FROM events WHERE uid = %s LIMIT 100", value.strip()

@@ -1,7 +1,8 @@
 -- Version 2: the operator's desk (DESIGN.md §14), fleet-wide nonces (§13) and provider
 -- probes (§12).
--- The id in smtpguard's replies, for `history --id`.
-CREATE INDEX events_sid ON events (((data::jsonb) ->> 'sg_id'));
+-- The id in smtpguard's replies, for `history --id`: read from the record's text, not as
+-- jsonb (jsonb refuses what JSON text may hold: \u0000, a lone surrogate).
+CREATE INDEX events_sid ON events ((substring(data from '"sg_id":"([^"]*)"')));
 -- A zone's records by state, newest first, and all of them newest first.
 CREATE INDEX events_zone_state ON events (zone, state, updated_at);
 CREATE INDEX events_zone_updated ON events (zone, updated_at);
