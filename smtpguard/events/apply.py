@@ -9,6 +9,7 @@ way is tried. An event that finds no record changes nothing.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection
 from enum import StrEnum
 
@@ -17,6 +18,8 @@ from smtpguard.policy.ledger import Record
 from smtpguard.policy.senders import recipient_tag
 from smtpguard.store import Store
 from smtpguard.store.base import IdField
+
+log = logging.getLogger("smtpguard.events")
 
 
 class Applied(StrEnum):
@@ -91,6 +94,23 @@ class Applier:
                 # suppression is the zone's either way; the history joins the newest record.
                 return max(found, key=lambda r: r.updated_at)
         return None
+
+
+def log_applied(source: str, event: ProviderEvent, outcome: Applied, record: Record | None) -> None:
+    """The one log line of an event the webhook listener or the mailbox has applied."""
+    log.info(
+        "provider event",
+        extra={
+            "source": source,
+            "type": event.kind.value,
+            "provider_type": event.provider_type,
+            "event_id": event.event_id,
+            "outcome": outcome.value,
+            "zone": record.zone if record else None,
+            "event_key": record.key if record else None,
+            "status": event.status,
+        },
+    )
 
 
 def _was_recipient(record: Record, address: str) -> bool:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
 from smtpguard.config import MailboxConfig
-from smtpguard.events.apply import Applier
+from smtpguard.events.apply import Applier, log_applied
 from smtpguard.events.reports import NotAReport, read_report
 from smtpguard.policy.senders import suppression_key
 from smtpguard.store import StoreUnavailable
@@ -57,19 +57,7 @@ class ReportHandler:
             for event in events:
                 outcome, record = await self.applier.apply(self.cfg.provider, event)
                 self.observe(SOURCE, event.kind.value, outcome.value)
-                log.info(
-                    "provider event",
-                    extra={
-                        "source": SOURCE,
-                        "type": event.kind.value,
-                        "provider_type": event.provider_type,
-                        "event_id": event.event_id,
-                        "outcome": outcome.value,
-                        "zone": record.zone if record else None,
-                        "event_key": record.key if record else None,
-                        "status": event.status,
-                    },
-                )
+                log_applied(SOURCE, event, outcome, record)
         except StoreUnavailable as e:
             log.error("report not applied: store unavailable", extra={"error": str(e)})
             return "451 4.3.0 store unavailable, try again later"

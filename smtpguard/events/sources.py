@@ -95,6 +95,13 @@ def _json(body: bytes) -> Any:
         raise Rejected(400, f"the body is not JSON: {type(e).__name__}") from None
 
 
+def _json_object(body: bytes) -> dict[str, Any]:
+    payload = _json(body)
+    if not isinstance(payload, dict):
+        raise Rejected(400, "the body is not a JSON object")
+    return payload
+
+
 def _obj(value: Any, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise Malformed(f"{what} is not an object")
@@ -160,9 +167,7 @@ class Mailgun(_Base):
     kind: str = "mailgun"
 
     def verify(self, body: bytes, headers: Mapping[str, str], now: float) -> Verified:
-        payload = _json(body)
-        if not isinstance(payload, dict):
-            raise Rejected(400, "the body is not a JSON object")
+        payload = _json_object(body)
         sig = payload.get("signature")
         if not isinstance(sig, dict) or not all(
             isinstance(sig.get(k), str | int) for k in ("timestamp", "token", "signature")
@@ -310,9 +315,7 @@ class Svix(_Base):
             self._fresh(float(timestamp), now)
         except ValueError:
             raise Rejected(401, "svix-timestamp is not a number") from None
-        payload = _json(body)
-        if not isinstance(payload, dict):
-            raise Rejected(400, "the body is not a JSON object")
+        payload = _json_object(body)
         return Verified(self._events(payload, msg_id))
 
     def _events(self, payload: dict[str, Any], msg_id: str) -> list[ProviderEvent]:
@@ -369,9 +372,7 @@ class Postmark(_Base):
 
     def verify(self, body: bytes, headers: Mapping[str, str], now: float) -> Verified:
         self.precheck(headers)
-        payload = _json(body)
-        if not isinstance(payload, dict):
-            raise Rejected(400, "the body is not a JSON object")
+        payload = _json_object(body)
         return Verified([self._event(payload)])
 
     def _event(self, p: dict[str, Any]) -> ProviderEvent:
@@ -456,9 +457,7 @@ class Ses(_Base):
     kind: str = "ses"
 
     def verify(self, body: bytes, headers: Mapping[str, str], now: float) -> Verified:
-        envelope = _json(body)
-        if not isinstance(envelope, dict):
-            raise Rejected(400, "the body is not a JSON object")
+        envelope = _json_object(body)
         kind = envelope.get("Type")
         if kind not in _SNS_SIGNED:
             raise Rejected(400, f"SNS message Type {kind!r} is not one SNS sends")

@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from smtpguard.events.apply import Applied, Applier
+from smtpguard.events.apply import Applied, Applier, log_applied
 from smtpguard.events.model import Malformed
 from smtpguard.events.sources import Rejected, Source, Sources
 from smtpguard.store import StoreUnavailable
@@ -131,19 +131,7 @@ class EventsServer:
                 outcome, record = await self.applier.apply(source.provider, event)
                 counts[outcome.value] += 1
                 self.observe(name, event.kind.value, outcome.value)
-                log.info(
-                    "provider event",
-                    extra={
-                        "source": name,
-                        "type": event.kind.value,
-                        "provider_type": event.provider_type,
-                        "event_id": event.event_id,
-                        "outcome": outcome.value,
-                        "zone": record.zone if record else None,
-                        "event_key": record.key if record else None,
-                        "status": event.status,
-                    },
-                )
+                log_applied(name, event, outcome, record)
         except StoreUnavailable as e:
             log.error(
                 "provider event not applied: store unavailable", extra={"source": name, "error": str(e)}
