@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -358,7 +359,15 @@ class GuardProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
+            # A group of its own: a prefix such as faketime forks serve as its child, and a
+            # signal to the prefix alone would leave serve running after the test.
+            start_new_session=True,
         )
+
+    def _signal(self, sig: int) -> None:
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
 
     async def wait_port(self, port: int, timeout: float = 15) -> None:
         deadline = time.monotonic() + timeout
@@ -376,7 +385,7 @@ class GuardProcess:
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:
-            self.proc.kill()
+            self._signal(signal.SIGKILL)
             self.proc.wait()
         with contextlib.suppress(Exception):
             self._log.close()
@@ -388,11 +397,11 @@ class GuardProcess:
     def stop(self, timeout: float = 10) -> int:
         rc = -1
         if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
+            self._signal(signal.SIGTERM)
             try:
                 rc = self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self._signal(signal.SIGKILL)
                 rc = self.proc.wait()
         elif self.proc:
             rc = self.proc.returncode
