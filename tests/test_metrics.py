@@ -65,8 +65,15 @@ def exposed_names(body: str) -> set[str]:
     return names
 
 
-_NOT_METRICS = {"smtpguard_key"}
-"""Names of the same shape that are not metrics (the provider variable of docs/events*.md)."""
+_NOT_METRICS = {
+    "smtpguard_key",
+    "smtpguard_reserve",
+    "smtpguard_count_unit",
+    "smtpguard_claim",
+    "smtpguard_schema",
+}
+"""Names of the same shape that are not metrics: the provider variable of docs/events*.md,
+the PostgreSQL store's functions and schema table of docs/stores.md."""
 
 
 def documented_names() -> dict[str, list[str]]:
