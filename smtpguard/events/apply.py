@@ -13,9 +13,8 @@ import logging
 from collections.abc import Callable, Collection
 from enum import StrEnum
 
-from smtpguard.events.model import Match, ProviderEvent, StoredEvent, suppression_reason
+from smtpguard.events.model import Match, ProviderEvent, StoredEvent, effect_of
 from smtpguard.policy.ledger import Record
-from smtpguard.policy.senders import recipient_tag
 from smtpguard.store import Store
 from smtpguard.store.base import IdField
 
@@ -47,11 +46,7 @@ class Applier:
         record = await self.find(provider, event.match)
         if record is None:
             return Applied.UNMATCHED, None
-        reason = suppression_reason(event)
-        effect = "suppressed" if reason else "history"
-        if reason and event.recipient is not None and not _was_recipient(record, event.recipient):
-            # Signed or not, an event suppresses only an address the message was sent to.
-            reason, effect = None, "not_a_recipient"
+        reason, effect = effect_of(event, record.rcpt_tags)
         stored = StoredEvent(
             at=event.at,
             source=event.source,
@@ -111,11 +106,6 @@ def log_applied(source: str, event: ProviderEvent, outcome: Applied, record: Rec
             "status": event.status,
         },
     )
-
-
-def _was_recipient(record: Record, address: str) -> bool:
-    # Records written before recipients were tagged carry none: the event is trusted.
-    return not record.rcpt_tags or recipient_tag(address) in record.rcpt_tags
 
 
 def _sent_through(record: Record, provider: str) -> bool:

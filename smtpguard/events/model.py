@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from smtpguard.policy.senders import recipient_tag
+
 KEY_FIELD = "smtpguard_key"
 """The custom variable (Mailgun user-variables, SendGrid unique_args, Postmark metadata)
 that carries the zone-qualified event key back."""
@@ -112,6 +114,18 @@ def suppression_reason(event: ProviderEvent) -> str | None:
         status = f" {event.status}" if event.status else ""
         return f"bounce{status} via {event.source}"
     return f"{event.kind.value} via {event.source}"
+
+
+def effect_of(event: ProviderEvent, rcpt_tags: tuple[str, ...]) -> tuple[str | None, str]:
+    """(the suppression reason or None, the effect kept in the history). Signed or not, an
+    event suppresses only an address the message was sent to; records written before
+    recipients were tagged carry no tags, and their events are trusted."""
+    reason = suppression_reason(event)
+    if reason is None:
+        return None, "history"
+    if event.recipient is not None and rcpt_tags and recipient_tag(event.recipient) not in rcpt_tags:
+        return None, "not_a_recipient"
+    return reason, "suppressed"
 
 
 def content_id(payload: Any) -> str:
