@@ -178,8 +178,16 @@ class StoreConfig(_Strict):
         return self
 
 
+_HEADER_NAME = re.compile(r"[\x21-\x39\x3b-\x7e]+")
+
+
 class EventKeyConfig(_Strict):
-    header: str = "X-Event-Key"
+    header: str | list[str] = "X-Event-Key"
+    """One header, or aliases in order of preference (`[X-Event-Key, Idempotency-Key]`):
+    the first present wins; two present with different values are refused (550 5.6.0)."""
+    strip: bool = True
+    """Remove every `header` from the message before relay (a provider with an
+    `idempotency_header` still gets `NAME: ZONE:KEY`); false: the headers travel as sent."""
     retention: Duration = 30 * 86400.0
     inflight_wait: Duration = 10.0
     min_retry_interval: Duration = 60.0
@@ -200,6 +208,24 @@ class EventKeyConfig(_Strict):
         if v < 1:
             raise ValueError("lease must be at least 1s")
         return v
+
+    @field_validator("header")
+    @classmethod
+    def _header(cls, v: str | list[str]) -> str | list[str]:
+        names = [v] if isinstance(v, str) else v
+        if not names:
+            raise ValueError("header needs at least one header name")
+        for name in names:
+            if not _HEADER_NAME.fullmatch(name):
+                raise ValueError(f"header {name!r} is not a header field name (printable ASCII, no colon)")
+        if len({n.lower() for n in names}) != len(names):
+            raise ValueError("header names the same header twice (names are case-insensitive)")
+        return v
+
+    @property
+    def headers(self) -> tuple[str, ...]:
+        """Every configured key header, in order of preference."""
+        return (self.header,) if isinstance(self.header, str) else tuple(self.header)
 
 
 class LimitsConfig(_Strict):
@@ -425,12 +451,36 @@ def _argon2_hash(v: str) -> str:
 
 class UserConfig(_Strict):
     username: str = Field(min_length=1, max_length=128)
-    password_hash: str
+    password_hash: str | None = None
+    password_hashes: list[str] | None = Field(None, min_length=1)
+    """During a rotation, `[new, old]`: AUTH succeeds with any; give this or password_hash."""
 
     @field_validator("password_hash")
     @classmethod
-    def _hash(cls, v: str) -> str:
-        return _argon2_hash(v)
+    def _hash(cls, v: str | None) -> str | None:
+        return None if v is None else _argon2_hash(v)
+
+    @field_validator("password_hashes")
+    @classmethod
+    def _hashes(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None:
+            for h in v:
+                _argon2_hash(h)
+        return v
+
+    @model_validator(mode="after")
+    def _one_form(self) -> UserConfig:
+        if (self.password_hash is None) == (self.password_hashes is None):
+            raise ValueError("give exactly one of password_hash or password_hashes (a list, in a rotation)")
+        return self
+
+    @property
+    def hashes(self) -> tuple[str, ...]:
+        """Every hash AUTH may match, in the order given (the new one first)."""
+        if self.password_hashes is not None:
+            return tuple(self.password_hashes)
+        assert self.password_hash is not None
+        return (self.password_hash,)
 
 
 def _check_or_off(value: object) -> object:

@@ -504,9 +504,9 @@ class Handler:
                 # No hash-password output can match bytes that are not UTF-8; still pay the
                 # full verification so the reply time says nothing.
                 secret = None
-            ok = await self.verifier.verify(
+            ok = await self.verifier.verify_any(
                 username,
-                found[1].password_hash if found and secret is not None else None,
+                found[1].hashes if found and secret is not None else (),
                 secret or "",
             )
             if ok and found and secret is not None:

@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import secrets
 import time
+from collections.abc import Sequence
 
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
@@ -39,6 +40,17 @@ def _verify_blocking(password_hash: str | None, password: str) -> bool:
         return False
 
 
+def _verify_any_blocking(password_hashes: Sequence[str], password: str) -> str | None:
+    """The first hash the password matches; None (and a dummy's cost) when there is none."""
+    if not password_hashes:
+        _verify_blocking(None, password)
+        return None
+    for h in password_hashes:
+        if _verify_blocking(h, password):
+            return h
+    return None
+
+
 class Verifier:
     def __init__(self, cache_ttl: float = 300.0) -> None:
         self._key = secrets.token_bytes(32)
@@ -61,3 +73,22 @@ class Verifier:
                 self._cache.clear()
             self._cache[(username, password_hash)] = (tag, now + self._ttl)
         return ok
+
+    async def verify_any(self, username: str, password_hashes: Sequence[str], password: str) -> bool:
+        """A user holding several hashes during a rotation (`password_hashes: [new, old]`):
+        at most one argon2 verification per hash, all in one trip off the event loop; no
+        hashes (unknown user) costs one, as `verify` does."""
+        if len(password_hashes) == 1:
+            return await self.verify(username, password_hashes[0], password)
+        now = time.monotonic()
+        tag = self._tag(username, password)
+        for h in password_hashes:
+            cached = self._cache.get((username, h))
+            if cached and cached[1] > now and hmac.compare_digest(cached[0], tag):
+                return True
+        matched = await asyncio.to_thread(_verify_any_blocking, tuple(password_hashes), password)
+        if matched is not None:
+            if len(self._cache) > 10_000:
+                self._cache.clear()
+            self._cache[(username, matched)] = (tag, now + self._ttl)
+        return matched is not None

@@ -25,7 +25,7 @@ from typing import Literal, Protocol
 import aiosmtplib
 
 from smtpguard import replies
-from smtpguard.config import MaildirProviderConfig, SmtpProviderConfig
+from smtpguard.config import ConfigError, MaildirProviderConfig, SmtpProviderConfig, read_secret
 from smtpguard.events.tags import tagged
 from smtpguard.policy.breaker import Breaker, Circuit
 from smtpguard.policy.eventkey import qualified_key
@@ -176,10 +176,20 @@ class SmtpProvider:
                 if result is not None:
                     return self._finish(conn, keep, result)
                 # The cached connection had gone away before MAIL was answered: safe to redo.
+            used = self._password
             try:
                 conn = await self._connect()
             except aiosmtplib.SMTPAuthenticationError as e:
-                return self._auth_failed(e)
+                if not (e.code == 535 and self._reread_password(used)):
+                    return self._auth_failed(e)
+                # Rotated under us: the new secret gets one fresh connection. AUTH comes
+                # before MAIL, so nothing of the message has been sent either way.
+                try:
+                    conn = await self._connect()
+                except aiosmtplib.SMTPAuthenticationError as again:
+                    return self._auth_failed(again)
+                except (aiosmtplib.SMTPException, OSError, ssl.SSLError, TimeoutError) as again:
+                    return _unavailable(self.name, f"connect: {_describe(again)}")
             except (aiosmtplib.SMTPException, OSError, ssl.SSLError, TimeoutError) as e:
                 return _unavailable(self.name, f"connect: {_describe(e)}")
             except Exception as e:
@@ -198,6 +208,33 @@ class SmtpProvider:
         else:
             conn.close()
         return result
+
+    def rotate_password(self, password: str | None) -> bool:
+        """The secret as read again (SIGHUP); True if it changed. The next connection
+        authenticates with it; pooled connections, authenticated already, carry on."""
+        changed = password != self._password
+        self._password = password
+        return changed
+
+    def _reread_password(self, used: str | None) -> bool:
+        """After a 535 to `used`: read `password_file` again; True when it holds another
+        secret (now in use). Compared with the one refused, not the current one, so that
+        concurrent connections refused together each get their retry. A password from the
+        environment cannot change under a running process."""
+        if self.cfg.password_file is None:
+            return False
+        try:
+            fresh = read_secret(None, self.cfg.password_file, f"provider {self.name}")
+        except ConfigError:
+            return False
+        if fresh is None or fresh == used:
+            return False
+        log.warning(
+            "upstream refused the password; password_file holds a new one, retrying with it",
+            extra={"provider": self.name},
+        )
+        self._password = fresh
+        return True
 
     def _auth_failed(self, e: aiosmtplib.SMTPAuthenticationError) -> Attempted:
         if e.code != 535:

@@ -27,7 +27,7 @@ from smtpguard.policy.limits import caps_for, month_of
 from smtpguard.readiness.dns import DnsClient
 from smtpguard.readiness.prober import Prober
 from smtpguard.recipient_domains import RecipientDomains
-from smtpguard.relay import Route, build_providers
+from smtpguard.relay import Route, SmtpProvider, build_providers
 from smtpguard.store import Store, StoreUnavailable, store_from_url
 from smtpguard.submission import Principal, Result, Submitter
 
@@ -605,7 +605,9 @@ class Server:
         try:
             new = load(self.config_path)
             rebuild = new.providers != self.config.providers or _event_tags(new) != _event_tags(self.config)
-            secrets = provider_secrets(new) if rebuild else None
+            # Read on every SIGHUP: a password_file rewritten in place is a rotation.
+            fresh_secrets = provider_secrets(new)
+            secrets = fresh_secrets if rebuild else None
             # Re-read on every SIGHUP: a key file rewritten in place is a rotation too.
             sources = _event_sources(new)
             # One read of the files into a fresh context; the live one is never touched, so a
@@ -642,6 +644,17 @@ class Server:
             self.handler.submitter.route = self.route
             # In-flight sends keep their provider objects; only idle connections are closed.
             await old_route.close()
+        else:
+            rotated = [
+                p.name
+                for p in self.route.providers
+                if isinstance(p, SmtpProvider) and p.rotate_password(fresh_secrets.get(p.name))
+            ]
+            if rotated:
+                log.info("provider password re-read", extra={"providers": rotated})
+                # The prober authenticates too: with the old secret it would call a good
+                # provider not ready.
+                self._start_prober(new, fresh_secrets)
         if self.events is not None:
             # Rotated signing keys apply to the next request; a source removed answers 404.
             from smtpguard.events.sources import Sources

@@ -29,6 +29,7 @@ from smtpguard.policy.message import HeaderLimits, Message, parse, smuggling_che
 from smtpguard.policy.outcome import Kind, Outcome, client_reply, is_recipient_unknown
 from smtpguard.policy.queue import queue_due
 from smtpguard.policy.senders import check_header_from, recipient_tag
+from smtpguard.policy.strip import without_headers
 from smtpguard.relay import Envelope, Route
 from smtpguard.replies import Reply
 from smtpguard.store import (
@@ -229,8 +230,8 @@ class Submitter:
             return Result(refused.reply, refused.decision)
 
         fp = fingerprint(mail_from, rcpt_tos, parsed)
-        header = self.config.event_key.header
-        found = event_key(parsed, header, zone.missing_key, fp)
+        ek = self.config.event_key
+        found = event_key(parsed, ek.headers, zone.missing_key, fp)
         if isinstance(found, Reply):
             return Result(found, "rejected:key")
         now = self.clock()
@@ -242,6 +243,9 @@ class Submitter:
         message_id = _first(parsed.get_all("Message-ID"))
         # Joined to the message only once it is sent or queued, not for a duplicate.
         added_header = b""
+        # The key headers stop here (a provider's idempotency_header carries the key on):
+        # they are smtpguard's business, not the recipient's. Queued mail is stored so.
+        content = without_headers(raw, ek.headers) if ek.strip else raw
         if message_id is None:
             message_id = message_id_for(principal.zone, key, self.hostname)
             added_header = f"Message-ID: {message_id}\r\n".encode()
@@ -276,7 +280,7 @@ class Submitter:
                 queued = QueuedMessage(
                     mail_from,
                     tuple(rcpt_tos),
-                    added_header + raw,
+                    added_header + content,
                     self.config.queue.classes[lane].priority,
                     smtputf8,
                 )
@@ -285,7 +289,7 @@ class Submitter:
             if isinstance(reserved, Result):
                 return ids(reserved)
             env = Envelope(
-                principal.zone, key, attempt_id, mail_from, tuple(rcpt_tos), added_header + raw, smtputf8
+                principal.zone, key, attempt_id, mail_from, tuple(rcpt_tos), added_header + content, smtputf8
             )
             return ids(await self.relay(reserved, env, sub, settings))
         except StoreUnavailable as e:

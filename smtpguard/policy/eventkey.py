@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,19 +33,35 @@ def key_problem(value: str) -> str | None:
 
 
 def event_key(
-    message: Message, header: str, mode: MissingKeyMode, fingerprint: str
+    message: Message, header: str | Sequence[str], mode: MissingKeyMode, fingerprint: str
 ) -> EventKey | Reply | None:
-    """The submission's key; None when the zone allows keyless mail; a Reply to refuse it."""
-    values = message.get_all(header)
-    if len(values) > 1:
-        return replies.malformed_key(header, "the header appears more than once")
-    if values:
-        problem = key_problem(values[0])
-        if problem:
-            return replies.malformed_key(header, problem)
-        return EventKey(values[0], derived=False)
+    """The submission's key; None when the zone allows keyless mail; a Reply to refuse it.
+
+    `header` may name several headers (aliases, e.g. an app moving from an HTTP API that
+    already sends `Idempotency-Key`): the first present in that order wins. Two of them
+    present with different values cannot be one event and are refused; the same value is
+    the same key said twice and is taken."""
+    names = (header,) if isinstance(header, str) else tuple(header)
+    found: list[tuple[str, str]] = []
+    for name in names:
+        values = message.get_all(name)
+        if len(values) > 1:
+            return replies.malformed_key(name, "the header appears more than once")
+        if values:
+            problem = key_problem(values[0])
+            if problem:
+                return replies.malformed_key(name, problem)
+            found.append((name, values[0]))
+    if found:
+        first_name, first = found[0]
+        for other_name, other in found[1:]:
+            if other != first:
+                return replies.malformed_key(
+                    f"{first_name} and {other_name}", "the two headers carry different keys"
+                )
+        return EventKey(first, derived=False)
     if mode == "reject":
-        return replies.missing_key(header)
+        return replies.missing_key(" or ".join(names))
     if mode == "derive":
         return EventKey("auto:" + fingerprint, derived=True)
     return None
