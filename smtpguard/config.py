@@ -515,6 +515,19 @@ class ZoneConfig(_Strict):
     receive mail (550 5.1.2); DNS trouble accepts (DESIGN.md §3, §12)."""
     mx: list[Annotated[str, BeforeValidator(_host_name)]] | None = None
     """The MX hosts the zone's sender domains should have; doctor warns about any other."""
+    alert_at: list[float] = Field(default_factory=list)
+    """Shares of a cap (0 < x <= 1, ascending) whose crossing logs one warning per window
+    (clock hour for the hourly cap, month for the monthly): `[0.8, 0.95]`."""
+
+    @field_validator("alert_at")
+    @classmethod
+    def _alert_at(cls, v: list[float]) -> list[float]:
+        for x in v:
+            if not 0 < x <= 1:
+                raise ValueError(f"alert_at {x} is not a share of the cap: each must be > 0 and <= 1")
+        if v != sorted(set(v)):
+            raise ValueError("alert_at must be ascending with no repeats, e.g. [0.8, 0.95]")
+        return v
 
     @field_validator("senders")
     @classmethod

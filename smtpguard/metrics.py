@@ -96,6 +96,12 @@ class Metrics:
             ["zone", "window"],
             registry=r,
         )
+        self.cap_used_ratio = Gauge(
+            "smtpguard_cap_used_ratio",
+            "Share of the zone's cap used (0..1), by the whole fleet: window hour or month",
+            ["zone", "window"],
+            registry=r,
+        )
         self.provider_events = Counter(
             "smtpguard_provider_events",
             "Provider events (webhooks, DSNs) by source, type and outcome",

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from smtpguard import notify
+from smtpguard.cap_alerts import CapAlerts
 from smtpguard.config import Config, ConfigError, TLSFiles, load, provider_secrets, read_secret
 from smtpguard.delivery import DeliveryWorker
 from smtpguard.listener import GuardSMTP, Handler
@@ -147,6 +148,7 @@ class Server:
         """Why the store turned out unfit after start (checked once it answered)."""
         self.unfit_event = asyncio.Event()
         self.prober: Prober | None = None
+        self.cap_alerts: CapAlerts | None = None
         self.ssl_ctx: ssl.SSLContext | None = None
         """The listeners' TLS context, never changed after start: its SNI callback moves each
         new handshake (STARTTLS and implicit) onto `tls_current`."""
@@ -188,6 +190,7 @@ class Server:
         else:
             await self._judge_durability(problems, at_start=True)
         self.route = self._route(config, secrets)
+        self.cap_alerts = CapAlerts(lambda: self.config, self.store, self.metrics, self.clock)
         submitter = Submitter(config, self.store, self.route, self.instance, self.hostname, self.clock)
         self.submitter = submitter
         self._ensure_worker()
@@ -456,6 +459,8 @@ class Server:
                     break
                 self.metrics.cap_remaining.labels(zname, "hour").set(max(caps.hourly - usage.hour, 0))
                 self.metrics.cap_remaining.labels(zname, "month").set(max(caps.monthly - usage.month, 0))
+                if self.cap_alerts is not None:
+                    self.cap_alerts.observe(zname, usage, now)
             await asyncio.sleep(GAUGE_INTERVAL)
 
     async def _count_records(self) -> None:
@@ -475,6 +480,9 @@ class Server:
         zone = principal.zone if principal else "-"
         self.stats.bump(zone, stat_name(result.decision))
         self.metrics.submission(zone, result.decision, latency)
+        if principal is not None and self.cap_alerts is not None:
+            # Whether a unit was consumed is the store's to say: read its counters again soon.
+            self.cap_alerts.consumed(zone)
         if result.decision == "store_unavailable":
             self.metrics.event("store_error:submission")
         if decisions.isEnabledFor(logging.INFO):
@@ -551,6 +559,8 @@ class Server:
             )
         if self.prober is not None:
             await self.prober.stop()
+        if self.cap_alerts is not None:
+            await self.cap_alerts.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

@@ -212,7 +212,9 @@ def base_config(tmp: Path, upstream_port: int | None, **overrides: Any) -> dict[
     cfg: dict[str, Any] = {
         "listen": [{"address": "127.0.0.1:0", "tls": "none"}],
         "store": {"url": f"sqlite:///{tmp / 'state.db'}"},
-        "event_key": {"inflight_wait": "5s", "min_retry_interval": "60s", "lease": "30s"},
+        # The upstream's X-Event-Key is how tests count deliveries per event, so it travels
+        # (strip: false); tests of event_key.strip turn stripping back on.
+        "event_key": {"inflight_wait": "5s", "min_retry_interval": "60s", "lease": "30s", "strip": False},
         "providers": providers,
         "hostname": "guard.test",
         "log": {"format": "json", "level": "info"},

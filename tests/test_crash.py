@@ -42,7 +42,7 @@ async def test_kill_9_loop_loses_nothing_and_sends_nothing_twice(tmp: Path, upst
     port = free_port()
     cfg = base_config(tmp, upstream.port)
     cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
-    cfg["event_key"] = {"inflight_wait": "200ms", "min_retry_interval": "60s", "lease": "1s"}
+    cfg["event_key"] = {"inflight_wait": "200ms", "min_retry_interval": "60s", "lease": "1s", "strip": False}
     cfg["providers"][0]["timeouts"]["data"] = "10s"
     proc = GuardProcess(write_config(tmp / "c.yaml", cfg), tmp / "guard.log")
 

@@ -203,7 +203,7 @@ async def test_crash_matrix(tmp: Path, upstream: Upstream, store: str, start_mod
     if redis is not None:
         cfg["store"] = {"url": redis.url}
     cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
-    cfg["event_key"] = {"inflight_wait": "200ms", "min_retry_interval": "60s", "lease": "1s"}
+    cfg["event_key"] = {"inflight_wait": "200ms", "min_retry_interval": "60s", "lease": "1s", "strip": False}
     cfg["providers"][0]["timeouts"]["data"] = "10s"
     cfg["queue"] = {"backoff": {"base": "100ms", "max": "500ms"}, "workers": 4, "poll_interval": "100ms"}
     cfg["breaker"] = {"failure_threshold": 50, "cooldown": "1s"}

@@ -41,7 +41,7 @@ async def test_queue_mode_kill_9_loop(tmp: Path, upstream: Upstream) -> None:
         zones__acme__monthly_cap=1_000_000,
     )
     cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
-    cfg["event_key"] = {"inflight_wait": "200ms", "min_retry_interval": "60s", "lease": "1s"}
+    cfg["event_key"] = {"inflight_wait": "200ms", "min_retry_interval": "60s", "lease": "1s", "strip": False}
     cfg["queue"] = {"backoff": {"base": "100ms", "max": "500ms"}, "workers": 4, "poll_interval": "100ms"}
     cfg["breaker"] = {"failure_threshold": 50, "cooldown": "1s"}
     path = write_config(tmp / "c.yaml", cfg)

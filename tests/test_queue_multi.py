@@ -42,7 +42,7 @@ async def test_instance_b_delivers_what_killed_instance_a_accepted(tmp: Path, up
             cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
             cfg["store"] = {"url": redis.url}
             cfg["instance"] = name
-            cfg["event_key"] = {"inflight_wait": "200ms", "lease": "1s"}
+            cfg["event_key"] = {"inflight_wait": "200ms", "lease": "1s", "strip": False}
             cfg["queue"] = {
                 "backoff": {"base": "100ms", "max": "500ms"},
                 "workers": 2,

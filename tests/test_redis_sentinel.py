@@ -110,7 +110,7 @@ async def test_master_killed_mid_storm_sentinel_promotes_a_replica(
         if wait:
             cfg["store"]["wait"] = {"replicas": 1, "timeout": "500ms"}
         cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
-        cfg["event_key"] = {"inflight_wait": "1s", "min_retry_interval": "1s", "lease": "4s"}
+        cfg["event_key"] = {"inflight_wait": "1s", "min_retry_interval": "1s", "lease": "4s", "strip": False}
         cfg["zones"]["acme"].update(plan="unlimited", hourly_cap=1_000_000, monthly_cap=1_000_000)
         path = write_config(tmp / "a.yaml", cfg)
         assert loads(path.read_text()).store.url == url

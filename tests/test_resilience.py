@@ -340,7 +340,7 @@ async def test_temporary_refusal_of_one_recipient_defers_the_whole_event(
     tmp: Path, upstream: Upstream
 ) -> None:
     upstream.handler.script = [Behaviour(rcpt={"later@example.com": "452 4.2.2 mailbox full"})]
-    cfg = base_config(tmp, upstream.port, event_key={"min_retry_interval": "1s"})
+    cfg = base_config(tmp, upstream.port, event_key={"min_retry_interval": "1s", "strip": False})
     async with running_guard(cfg) as guard:
         first = await send(guard.ports[0], message("t1"), recipients=["ok@example.com", "later@example.com"])
         assert first.code == 452 and first.text.startswith("4.2.2")
@@ -359,7 +359,7 @@ async def test_deferred_event_suppresses_nobody_so_its_retry_is_the_same_message
             rcpt={"gone@example.com": "550 5.1.1 no such user", "later@example.com": "452 4.2.2 mailbox full"}
         )
     ]
-    cfg = base_config(tmp, upstream.port, event_key={"min_retry_interval": "1s"})
+    cfg = base_config(tmp, upstream.port, event_key={"min_retry_interval": "1s", "strip": False})
     rcpts = ["gone@example.com", "later@example.com"]
     async with running_guard(cfg) as guard:
         first = await send(guard.ports[0], message("m1"), recipients=rcpts)

@@ -1,0 +1,150 @@
+"""Key header aliases and stripping (DESIGN.md §16): `event_key.header` as a list, the first
+present wins, two different values 550 5.6.0; `event_key.strip` removes every key header
+before relay, byte-exactly, and a provider's idempotency_header still carries ZONE:KEY.
+Counted at a real recording upstream, submitted by a real SMTP client."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from smtpguard.policy.strip import without_headers
+from tests.support import Upstream, base_config, free_port, running_guard, send, settled_records
+from tests.test_queue import queue_config
+
+ALIASES = ["X-Event-Key", "Idempotency-Key"]
+
+
+def raw(*head: str, body: bytes = b"Your invoice.\r\nX-Event-Key: a body line, not a header\r\n") -> bytes:
+    lines = ["From: billing@acme.example", "To: customer@example.com", "Subject: Invoice 1", *head]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def stripping(cfg: dict[str, Any], **event_key: Any) -> dict[str, Any]:
+    # tests/support turns stripping off so that other tests can count by header: back on.
+    cfg["event_key"].pop("strip")
+    cfg["event_key"].update(event_key)
+    return cfg
+
+
+def heads(content: bytes) -> bytes:
+    return content.split(b"\r\n\r\n", 1)[0]
+
+
+# --- the pure cut ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        pytest.param(
+            b"A: 1\r\nX-Event-Key: k\r\nB: 2\r\n\r\nbody\r\n", b"A: 1\r\nB: 2\r\n\r\nbody\r\n", id="middle"
+        ),
+        pytest.param(b"x-event-key: k\r\nB: 2\r\n\r\nb\r\n", b"B: 2\r\n\r\nb\r\n", id="first-any-case"),
+        pytest.param(
+            b"A: 1\r\nX-Event-Key:\r\n folded\r\n\tmore\r\nB: 2\r\n folded b\r\n\r\nx\r\n",
+            b"A: 1\r\nB: 2\r\n folded b\r\n\r\nx\r\n",
+            id="folded-continuations-go-with-it",
+        ),
+        pytest.param(b"A: 1\r\nX-Event-Key: k\r\n", b"A: 1\r\n", id="no-body"),
+        pytest.param(
+            b"A: 1\r\nX-Event-Keys: k\r\nX-Event-Key-2: k\r\n\r\nX-Event-Key: in body\r\n",
+            b"A: 1\r\nX-Event-Keys: k\r\nX-Event-Key-2: k\r\n\r\nX-Event-Key: in body\r\n",
+            id="longer-names-and-body-kept",
+        ),
+        pytest.param(
+            b"A: 1\r\nIdempotency-Key: i\r\nX-Event-Key: k\r\n\r\n\r\n\r\nbody\r\n",
+            b"A: 1\r\n\r\n\r\n\r\nbody\r\n",
+            id="both-aliases-blank-body-lines-kept",
+        ),
+    ],
+)
+def test_without_headers_cuts_whole_fields_only(data: bytes, expected: bytes) -> None:
+    assert without_headers(data, ALIASES) == expected
+
+
+def test_without_headers_leaves_a_message_without_them_untouched() -> None:
+    data = b"A: 1\r\nB: 2\r\n\r\nX-Event-Key: body\r\n"
+    assert without_headers(data, ALIASES) is data
+
+
+# --- end to end ------------------------------------------------------------------------------
+@pytest.mark.parametrize("delivery", ["relay", "queue"])
+async def test_key_header_is_stripped_before_relay_byte_exactly(
+    tmp: Path, upstream: Upstream, delivery: str
+) -> None:
+    cfg = base_config(tmp, upstream.port) if delivery == "relay" else queue_config(tmp, upstream.port)
+    stripping(cfg)
+    sent = raw("X-Event-Key:\r\n strip:1", "Message-ID: <m1@acme.example>", "X-Trace: a\r\n\tb")
+    async with running_guard(cfg) as guard:
+        reply = await send(guard.ports[0], sent)
+        assert reply.code == 250, reply
+        await upstream.wait_received(1)
+        if delivery == "queue":
+            records = await settled_records(cfg["store"]["url"], "acme", ["strip:1"])
+            assert records["strip:1"].state.value == "delivered"
+    assert len(upstream.received) == 1
+    got = upstream.received[0].content
+    assert b"x-event-key" not in heads(got).lower() and b" strip:1" not in got
+    # Everything else as sent, byte for byte (the body's look-alike line included).
+    expected = raw("Message-ID: <m1@acme.example>", "X-Trace: a\r\n\tb")
+    assert got == expected
+
+
+async def test_the_queue_stores_the_message_already_stripped(tmp: Path) -> None:
+    # Nothing listens upstream: the message waits in the store (a real SQLite file), where
+    # it must already be without the key header.
+    cfg = stripping(queue_config(tmp, free_port()))
+    async with running_guard(cfg) as guard:
+        reply = await send(guard.ports[0], raw("X-Event-Key: stored:1", "Message-ID: <s1@acme.example>"))
+        assert reply.code == 250 and "queued" in reply.text, reply
+        assert guard.store is not None
+        assert len(await guard.store.queue_entries("acme")) == 1
+    with sqlite3.connect(tmp / "state.db") as db:
+        contents = [bytes(row[0]) for row in db.execute("SELECT content FROM queue")]
+    assert len(contents) == 1
+    assert b"<s1@acme.example>" in contents[0] and b"X-Event-Key" not in heads(contents[0])
+
+
+async def test_idempotency_header_still_carries_zone_and_key(tmp: Path, upstream: Upstream) -> None:
+    cfg = stripping(base_config(tmp, upstream.port), header=ALIASES)
+    cfg["providers"][0]["idempotency_header"] = "X-Provider-Idempotency"
+    async with running_guard(cfg) as guard:
+        first = await send(guard.ports[0], raw("Idempotency-Key: order-7"))
+    assert first.code == 250, first
+    assert len(upstream.received) == 1
+    got = upstream.received[0]
+    assert got.header("X-Provider-Idempotency") == "acme:order-7"
+    assert got.header("Idempotency-Key") is None and got.header("X-Event-Key") is None
+
+
+async def test_strip_false_lets_the_key_header_travel(tmp: Path, upstream: Upstream) -> None:
+    cfg = stripping(base_config(tmp, upstream.port), strip=False)
+    sent = raw("X-Event-Key: keep:1", "Message-ID: <k1@acme.example>")
+    async with running_guard(cfg) as guard:
+        assert (await send(guard.ports[0], sent)).code == 250
+    assert [r.content for r in upstream.received] == [sent]
+
+
+async def test_alias_header_alone_works_and_dedupes_against_the_first(tmp: Path, upstream: Upstream) -> None:
+    cfg = stripping(base_config(tmp, upstream.port), header=ALIASES)
+    async with running_guard(cfg) as guard:
+        port = guard.ports[0]
+        alone = await send(port, raw("Idempotency-Key: pay:42"))
+        # The same event later keyed by the first header: a duplicate, nothing sent.
+        later = await send(port, raw("X-Event-Key: pay:42"))
+        both_same = await send(port, raw("X-Event-Key: pay:42", "Idempotency-Key: pay:42"))
+        differ = await send(port, raw("X-Event-Key: pay:43", "Idempotency-Key: pay:44"))
+        twice = await send(port, raw("Idempotency-Key: pay:45", "Idempotency-Key: pay:45"))
+        neither = await send(port, raw())
+    assert alone.code == 250 and "duplicate" not in alone.text, alone
+    assert later.code == 250 and "duplicate" in later.text, later
+    assert both_same.code == 250 and "duplicate" in both_same.text, both_same
+    assert differ.code == 550 and differ.text.startswith("5.6.0"), differ
+    assert "X-Event-Key" in differ.text and "Idempotency-Key" in differ.text
+    assert twice.code == 550 and twice.text.startswith("5.6.0") and "Idempotency-Key" in twice.text, twice
+    assert neither.code == 550 and neither.text.startswith("5.7.0"), neither
+    assert "X-Event-Key or Idempotency-Key" in neither.text
+    # One event reached the upstream, once; the refused ones not at all.
+    assert len(upstream.received) == 1 and upstream.handler.transactions == 1
