@@ -24,7 +24,7 @@ from typing import Any
 
 import aiosmtplib
 import yaml
-from aiosmtpd.smtp import SMTP, Envelope, Session
+from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session
 
 from smtpguard.config import loads
 from smtpguard.passwords import hash_password
@@ -142,6 +142,7 @@ class RecordingHandler:
         if b.data:
             return b.data
         self.received.append(Received(envelope.mail_from or "", list(envelope.rcpt_tos), content))
+        session.served = True  # type: ignore[attr-defined]
         queue_id = f"Q{len(self.received)}"
         self.arrived.set()
         if b.drop_after_dot:
@@ -154,12 +155,52 @@ class RecordingHandler:
 
 
 class Upstream:
-    """An aiosmtpd server recording every accepted message."""
+    """An aiosmtpd server recording every accepted message.
 
-    def __init__(self, port: int | None = None) -> None:
+    With `password`, it requires AUTH (PLAIN/LOGIN, user UPSTREAM_USER; in clear, on
+    loopback) with that password, which `rotate` changes while it runs, as a provider does
+    when its API key is rolled."""
+
+    def __init__(self, port: int | None = None, password: str | None = None) -> None:
         self.port = port or free_port()
         self.handler = RecordingHandler()
         self._server: asyncio.Server | None = None
+        self.password = password
+        self.auth_ok = 0
+        self.auth_refused = 0
+        """AUTH commands refused (a client may try PLAIN, then LOGIN, on one connection)."""
+        self.refused_connections: set[int] = set()
+        self._live: set[SMTP] = set()
+
+    def _authenticate(
+        self, server: SMTP, session: Session, envelope: Envelope, mechanism: str, auth_data: Any
+    ) -> AuthResult:
+        good = (
+            isinstance(auth_data, LoginPassword)
+            and auth_data.login == UPSTREAM_USER.encode()
+            and self.password is not None
+            and auth_data.password == self.password.encode()
+        )
+        if good:
+            self.auth_ok += 1
+            return AuthResult(success=True)
+        self.auth_refused += 1
+        self.refused_connections.add(id(session))
+        return AuthResult(success=False, handled=False)
+
+    def rotate(self, password: str, then: Callable[[], None] | None = None) -> None:
+        """Accept only `password` from now on and close every idle authenticated connection
+        (no transaction under way: closing it loses nothing), so the next message needs a
+        fresh AUTH. `then` runs before any AUTH is answered again (nothing here awaits)."""
+        self.password = password
+        for conn in list(self._live):
+            # Only between transactions of a connection that has carried one already: one
+            # just past AUTH is about to send MAIL on a connection its client thinks fresh.
+            idle = conn.envelope is None or conn.envelope.mail_from is None
+            if conn.transport is not None and getattr(conn.session, "served", False) and idle:
+                conn.transport.close()
+        if then is not None:
+            then()
 
     @property
     def received(self) -> list[Received]:
@@ -177,8 +218,23 @@ class Upstream:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+
+        def make() -> SMTP:
+            if self.password is None:
+                return SMTP(self.handler, hostname="upstream", ident="recording-upstream")
+            conn = _TrackedSMTP(
+                self.handler,
+                hostname="upstream",
+                ident="recording-upstream",
+                authenticator=self._authenticate,
+                auth_required=True,
+                auth_require_tls=False,
+            )
+            conn.live = self._live
+            return conn
+
         self._server = await loop.create_server(
-            lambda: SMTP(self.handler, hostname="upstream", ident="recording-upstream"),
+            make,
             "127.0.0.1",
             self.port,
             reuse_address=True,
@@ -190,6 +246,21 @@ class Upstream:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2)
             self._server = None
+
+
+UPSTREAM_USER = "relay-user"
+
+
+class _TrackedSMTP(SMTP):
+    live: set[SMTP]
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.live.add(self)
+
+    def connection_lost(self, error: Exception | None) -> None:
+        self.live.discard(self)
+        super().connection_lost(error)
 
 
 # --- configs ---------------------------------------------------------------------------------

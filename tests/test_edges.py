@@ -363,7 +363,12 @@ async def test_an_instance_whose_clock_is_behind_never_calls_a_live_lease_dead(
         for name, port, prefix in (("a", ports[0], ("faketime", "-f", "-90s")), ("b", ports[1], ())):
             cfg = base_config(tmp, upstream.port, instance=name, store__url=redis.url)
             cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
-            cfg["event_key"] = {"inflight_wait": "8s", "lease": "3s", "min_retry_interval": "60s", "strip": False}
+            cfg["event_key"] = {
+                "inflight_wait": "8s",
+                "lease": "3s",
+                "min_retry_interval": "60s",
+                "strip": False,
+            }
             cfg["providers"][0]["timeouts"]["data"] = "10s"
             g = GuardProcess(write_config(tmp / f"{name}.yaml", cfg), tmp / f"{name}.log", prefix)
             g.start()

@@ -76,7 +76,12 @@ async def test_primary_killed_mid_storm_standby_promoted_nothing_twice_nothing_l
         port = free_port()
         cfg = base_config(tmp, upstream.port, instance="a", store__url=url)
         cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
-        cfg["event_key"] = {"inflight_wait": "1s", "min_retry_interval": "1s", "lease": f"{LEASE:g}s", "strip": False}
+        cfg["event_key"] = {
+            "inflight_wait": "1s",
+            "min_retry_interval": "1s",
+            "lease": f"{LEASE:g}s",
+            "strip": False,
+        }
         cfg["zones"]["acme"]["plan"] = "unlimited"
         cfg["zones"]["acme"]["hourly_cap"] = 1_000_000
         cfg["zones"]["acme"]["monthly_cap"] = 1_000_000

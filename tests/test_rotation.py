@@ -1,0 +1,197 @@
+"""Credential rotation loses nothing (DESIGN.md §16).
+
+Downstream: a user holding `password_hashes: [new, old]` authenticates with either, and
+with nothing else. Upstream: smtpguard's password for a provider comes from a
+`password_file`, re-read on SIGHUP and once after a 535. The upstream here is a real
+aiosmtpd server requiring AUTH; its password is rotated while a client keeps sending, and
+every send must get its 250 and reach the upstream exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from smtpguard.config import ConfigError, loads
+from tests.support import (
+    PASSWORD,
+    UPSTREAM_USER,
+    GuardProcess,
+    Reply,
+    Upstream,
+    base_config,
+    free_port,
+    message,
+    password_hash,
+    running_guard,
+    send,
+    write_config,
+)
+
+OLD, NEW = "upstream-old-secret", "upstream-new-secret"
+SENDERS = 3
+PER_SENDER = 20
+
+
+# --- downstream: password_hashes -------------------------------------------------------------
+async def test_both_hashes_of_a_rotation_are_accepted_and_a_third_refused(
+    tmp: Path, upstream: Upstream
+) -> None:
+    cfg = base_config(tmp, upstream.port)
+    cfg["zones"]["acme"]["users"] = [
+        {"username": "acme-app", "password_hashes": [password_hash("new-pass"), password_hash(PASSWORD)]}
+    ]
+    async with running_guard(cfg) as guard:
+        port = guard.ports[0]
+        new = await send(port, message("rot:new"), password="new-pass")
+        old = await send(port, message("rot:old"), password=PASSWORD)
+        third = await send(port, message("rot:third"), password="neither-of-them")
+    assert new.code == 250 and old.code == 250, (new, old)
+    assert third.code == 535 and third.text.startswith("5.7.8"), third
+    assert sorted(k or "" for k in upstream.event_keys()) == ["rot:new", "rot:old"]
+
+
+@pytest.mark.parametrize(
+    ("user", "problem"),
+    [
+        pytest.param({"password_hash": "H", "password_hashes": ["H"]}, "exactly one", id="both-forms"),
+        pytest.param({}, "exactly one", id="neither"),
+        pytest.param({"password_hashes": []}, "must not be empty", id="empty-list"),
+        pytest.param({"password_hashes": ["H", "plaintext"]}, "argon2", id="not-a-hash"),
+    ],
+)
+def test_password_hashes_config_errors(tmp: Path, user: dict[str, Any], problem: str) -> None:
+    h = password_hash(PASSWORD)
+
+    def real(v: object) -> object:
+        # "H" stands for a real argon2 hash, anything else is taken as written.
+        return [real(x) for x in v] if isinstance(v, list) else (h if v == "H" else v)
+
+    cfg = base_config(tmp, 2525)
+    cfg["zones"]["acme"]["users"] = [{"username": "acme-app", **{k: real(v) for k, v in user.items()}}]
+    with pytest.raises(ConfigError) as e:
+        loads(yaml.safe_dump(cfg))
+    text = "\n".join(e.value.problems)
+    assert "zones.acme.users[0]" in text and problem in text, text
+
+
+# --- upstream: password_file -----------------------------------------------------------------
+def rotating_config(tmp: Path, upstream: Upstream, **extra: Any) -> tuple[dict[str, Any], Path]:
+    secret = tmp / "upstream.pass"
+    secret.write_text(OLD + "\n")
+    cfg = base_config(tmp, upstream.port, **extra)
+    cfg["providers"][0].update({"username": UPSTREAM_USER, "password_file": str(secret)})
+    return cfg, secret
+
+
+async def flow(port: int, started: asyncio.Event, prefix: str) -> list[tuple[str, Reply]]:
+    """SENDERS clients sending PER_SENDER messages each, one after another, as fast as the
+    guard answers; `started` is set once the first replies are in."""
+
+    async def one(sender: int) -> list[tuple[str, Reply]]:
+        out = []
+        for i in range(PER_SENDER):
+            key = f"{prefix}:{sender}:{i}"
+            out.append((key, await send(port, message(key))))
+            if i == 2:
+                started.set()
+        return out
+
+    batches = await asyncio.gather(*(one(s) for s in range(SENDERS)))
+    return [r for batch in batches for r in batch]
+
+
+def wait_for_line(path: Path, text: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{text!r} never logged: {path.read_text()[-2000:]}")
+        time.sleep(0.05)
+
+
+def assert_nothing_lost(results: list[tuple[str, Reply]], upstream: Upstream) -> None:
+    failed = [(k, str(r)) for k, r in results if r.code != 250 or "duplicate" in r.text]
+    assert failed == [], failed
+    counts = Counter(upstream.event_keys())
+    assert len(results) == SENDERS * PER_SENDER
+    assert sorted(counts) == sorted(k for k, _ in results), "every message reached the upstream"
+    assert set(counts.values()) == {1}, "and each exactly once"
+    print(f"rotation: sent={len(results)} lost=0 failed=0 upstream_auth_refused={upstream.auth_refused}")
+
+
+@pytest.mark.parametrize("order", ["file-first", "upstream-first"])
+async def test_upstream_password_rotation_with_mail_flowing(tmp: Path, order: str) -> None:
+    upstream = Upstream(password=OLD)
+    await upstream.start()
+    try:
+        cfg, secret = rotating_config(tmp, upstream)
+        async with running_guard(cfg) as guard:
+            started = asyncio.Event()
+            sending = asyncio.create_task(flow(guard.ports[0], started, order))
+            await started.wait()
+            if order == "file-first":
+                # The operator writes the new secret; mail keeps flowing on the old one
+                # (nobody told smtpguard) until the provider switches and refuses it: the
+                # 535 makes smtpguard read the file again and retry on a fresh connection.
+                secret.write_text(NEW + "\n")
+                await asyncio.sleep(0.3)
+                upstream.rotate(NEW)
+            else:
+                # The provider switches first; the file follows before the refusal reaches
+                # smtpguard, whose one re-read after that 535 must save the message.
+                upstream.rotate(NEW, then=lambda: secret.write_text(NEW + "\n"))
+            results = await sending
+    finally:
+        await upstream.stop()
+    assert_nothing_lost(results, upstream)
+    # The rotation was really met: the old secret was refused at least once.
+    assert upstream.auth_refused >= 1 and upstream.password == NEW
+
+
+async def test_sighup_reads_the_rotated_password_file(tmp: Path) -> None:
+    upstream = Upstream(password=OLD)
+    await upstream.start()
+    port = free_port()
+    cfg, secret = rotating_config(tmp, upstream, listen=[{"address": f"127.0.0.1:{port}", "tls": "none"}])
+    path = write_config(tmp / "smtpguard.yaml", cfg)
+    log = tmp / "serve.log"
+    guard = GuardProcess(path, log)
+    guard.start()
+    try:
+        await guard.wait_port(port)
+        started = asyncio.Event()
+        sending = asyncio.create_task(flow(port, started, "hup"))
+        await started.wait()
+        secret.write_text(NEW + "\n")
+        assert guard.proc is not None
+        guard.proc.send_signal(signal.SIGHUP)
+        # Off the loop: the upstream in this process keeps answering meanwhile.
+        await asyncio.to_thread(wait_for_line, log, "provider password re-read")
+        upstream.rotate(NEW)
+        results = await sending
+    finally:
+        await guard.astop()
+        await upstream.stop()
+    assert_nothing_lost(results, upstream)
+    # Read at the SIGHUP, so the provider never had to refuse the old one.
+    assert upstream.auth_refused == 0 and upstream.auth_ok >= 2
+
+
+async def test_a_535_with_the_file_unchanged_stands(tmp: Path) -> None:
+    upstream = Upstream(password=NEW)
+    await upstream.start()
+    try:
+        cfg, _ = rotating_config(tmp, upstream)
+        async with running_guard(cfg) as guard:
+            reply = await send(guard.ports[0], message("stale:1"))
+    finally:
+        await upstream.stop()
+    # Nothing new to try: one refusal, no retry, nothing sent; the key stays retryable.
+    assert reply.code == 451 and reply.text.startswith("4.4.1"), reply
+    assert len(upstream.refused_connections) == 1 and upstream.received == []
