@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from smtpguard.config import ConfigError, loads
 from smtpguard.policy.strip import without_headers
 from tests.support import Upstream, base_config, free_port, running_guard, send, settled_records
 from tests.test_queue import queue_config
@@ -148,3 +150,21 @@ async def test_alias_header_alone_works_and_dedupes_against_the_first(tmp: Path,
     assert "X-Event-Key or Idempotency-Key" in neither.text
     # One event reached the upstream, once; the refused ones not at all.
     assert len(upstream.received) == 1 and upstream.handler.transactions == 1
+
+
+@pytest.mark.parametrize(
+    ("header", "problem"),
+    [
+        pytest.param([], "at least one header", id="empty-list"),
+        pytest.param(["X-Event-Key", "x-event-key"], "the same header twice", id="repeated-any-case"),
+        pytest.param(["X-Event-Key", "Idempotency Key"], "not a header field name", id="space"),
+        pytest.param("X-Event-Key:", "not a header field name", id="colon"),
+    ],
+)
+def test_header_list_config_errors(tmp: Path, header: object, problem: str) -> None:
+    cfg = base_config(tmp, 2525)
+    cfg["event_key"]["header"] = header
+    with pytest.raises(ConfigError) as e:
+        loads(yaml.safe_dump(cfg))
+    text = "\n".join(e.value.problems)
+    assert "event_key.header" in text and problem in text, text
