@@ -32,7 +32,7 @@ from smtpguard.policy.eventkey import qualified_key
 from smtpguard.policy.outcome import Kind, Outcome, classify_reply, queue_id, upstream_reply
 from smtpguard.policy.senders import needs_smtputf8
 from smtpguard.policy.share import Candidate, shared_provider, slot
-from smtpguard.policy.throttle import is_rate_limit
+from smtpguard.policy.throttle import is_rate_limit, zone_route
 from smtpguard.provider_gate import CONNECTION_WAIT, IDLE_HOLD, ConnectionSlots, ProviderGate
 from smtpguard.replies import Reply
 
@@ -672,7 +672,8 @@ class Route:
         self.gate = gate
         by_name = {p.name: p for p in self.providers}
         self.zone_routes = {
-            zone: [by_name[n] for n in names if n in by_name] for zone, names in (zone_routes or {}).items()
+            zone: [by_name[n] for n in zone_route(list(by_name), list(names))]
+            for zone, names in (zone_routes or {}).items()
         }
         """Each zone's own route (`zones.Z.providers`), resolved to providers."""
         self.breakers = {p.name: Breaker(threshold, cooldown) for p in self.providers}
@@ -757,7 +758,8 @@ class Route:
                 continue
             try:
                 if gate is not None:
-                    until = await gate.admit(p.name)
+                    # A throttle learnt while this one waited for its slot holds it too.
+                    until = await gate.admit(p.name) or gate.throttled_until(p.name)
                     if until is not None:
                         self.breakers[p.name] = self.breakers[p.name].release_probe()
                         waits.append(until)

@@ -95,6 +95,18 @@ class Behaviour:
     """Seconds to wait before answering MAIL (a slow provider before anything is sent)."""
 
 
+@dataclass
+class RateLimit:
+    """A provider's own rate limit: after `after` accepted messages, MAIL is answered with
+    `reply` for `window` seconds (then it accepts again, counting afresh)."""
+
+    after: int
+    window: float
+    reply: str = "421 4.7.0 rate limited, slow down"
+    times: int = 0
+    """How many windows it limits in all; 0: every time `after` is reached again."""
+
+
 class RecordingHandler:
     def __init__(self) -> None:
         self.received: list[Received] = []
@@ -104,6 +116,34 @@ class RecordingHandler:
         self.data_commands = 0
         """Transactions that got past RCPT to DATA: what a cap unit pays for."""
         self.arrived = asyncio.Event()
+        self.rate_limit: RateLimit | None = None
+        self.mail_times: list[float] = []
+        """time.monotonic() of every MAIL this upstream answered 250."""
+        self.limited_times: list[float] = []
+        """time.monotonic() of every MAIL refused by `rate_limit`."""
+        self._limited_until = 0.0
+        self._since_limit = 0
+        self._windows = 0
+        self.open_sessions = 0
+        self.max_sessions = 0
+        """The most connections this upstream had open at once."""
+
+    def _rate_limited(self) -> str | None:
+        rl = self.rate_limit
+        if rl is None:
+            return None
+        now = time.monotonic()
+        if now < self._limited_until:
+            self.limited_times.append(now)
+            return rl.reply
+        if self._since_limit >= rl.after and not (rl.times and self._windows >= rl.times):
+            self._windows += 1
+            self._since_limit = 0
+            self._limited_until = now + rl.window
+            self.limited_times.append(now)
+            return rl.reply
+        self._since_limit += 1
+        return None
 
     def _current(self, envelope: Envelope) -> Behaviour:
         b = getattr(envelope, "_behaviour", None)
@@ -123,6 +163,11 @@ class RecordingHandler:
         if b.mail:
             envelope._behaviour = None  # type: ignore[attr-defined]
             return b.mail
+        limited = self._rate_limited()
+        if limited:
+            envelope._behaviour = None  # type: ignore[attr-defined]
+            return limited
+        self.mail_times.append(time.monotonic())
         envelope.mail_from = address
         return "250 2.1.0 OK"
 
@@ -153,6 +198,24 @@ class RecordingHandler:
         return f"250 2.0.0 Ok: queued as {queue_id}"
 
 
+class _CountingSMTP(SMTP):
+    """aiosmtpd's server, counting the sessions open at once (max_connections tests)."""
+
+    def __init__(self, handler: RecordingHandler) -> None:
+        super().__init__(handler, hostname="upstream", ident="recording-upstream")
+        self._recording = handler
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        h = self._recording
+        h.open_sessions += 1
+        h.max_sessions = max(h.max_sessions, h.open_sessions)
+        super().connection_made(transport)
+
+    def connection_lost(self, error: Exception | None) -> None:
+        self._recording.open_sessions -= 1
+        super().connection_lost(error)
+
+
 class Upstream:
     """An aiosmtpd server recording every accepted message."""
 
@@ -178,7 +241,7 @@ class Upstream:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: SMTP(self.handler, hostname="upstream", ident="recording-upstream"),
+            lambda: _CountingSMTP(self.handler),
             "127.0.0.1",
             self.port,
             reuse_address=True,
