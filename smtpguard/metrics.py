@@ -212,6 +212,11 @@ class Metrics:
     def rate_limited(self, provider: str) -> None:
         self._child(self.provider_rate_limited, provider).inc()
 
+    def provider(self, name: str) -> None:
+        """Expose a configured provider's throttling series from the start, at 0."""
+        self._child(self.provider_rate_limited, name)
+        self._child(self.provider_throttled, name)  # 0 when new; a known value is kept
+
     def render(self) -> bytes:
         data: bytes = generate_latest(self.registry)
         return data

@@ -334,6 +334,8 @@ class Server:
             )
         else:
             self.gate.limits = limits
+        for name in limits:
+            self.metrics.provider(name)
         providers = build_providers(config.providers, secrets, self.hostname, _event_tags(config))
         for p in providers:
             if isinstance(p, SmtpProvider) and p.cfg.max_connections is not None:

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
+from smtpguard.cli import main
 from smtpguard.policy.breaker import Circuit
 from tests.support import (
     Behaviour,
@@ -113,7 +114,7 @@ async def test_a_throttling_upstream_gets_max_rate_and_nothing_during_the_backof
 
 
 async def test_relay_mode_fails_over_to_the_standby_before_data_while_the_primary_is_throttled(
-    tmp: Path,
+    tmp: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     async with upstream_at() as primary, upstream_at() as standby:
         primary.handler.default = Behaviour(mail="421 4.7.0 rate limited, slow down")
@@ -123,6 +124,7 @@ async def test_relay_mode_fails_over_to_the_standby_before_data_while_the_primar
             provider("standby", standby.port),
         ]
         cfg["breaker"] = {"failure_threshold": 1, "cooldown": "60s"}
+        path = write_config(tmp / "c.yaml", cfg)
         async with running_guard(cfg) as guard:
             for i in range(4):
                 reply = await send(guard.ports[0], message(f"f{i}"))
@@ -130,10 +132,15 @@ async def test_relay_mode_fails_over_to_the_standby_before_data_while_the_primar
             assert guard.route is not None
             assert guard.route.circuits()["primary"] is Circuit.CLOSED
             metrics = guard.metrics.render().decode()
+            code = await asyncio.to_thread(main, ["stats", "--json", "-c", str(path)])
+            stats = json.loads(capsys.readouterr().out)
     # One MAIL reached the throttled primary; every message went to the standby, once.
     assert primary.handler.transactions == 1 and primary.received == []
     assert standby.event_keys() == ["f0", "f1", "f2", "f3"]
     assert 'smtpguard_provider_throttled{provider="primary"} 1.0' in metrics
+    assert 'smtpguard_provider_throttled{provider="standby"} 0.0' in metrics
+    # Every instance (and the operator) sees it in the store.
+    assert code == 0 and list(stats["throttled"]) == ["primary"]
 
 
 async def test_relay_mode_without_a_standby_answers_451_441_then_a_retry_after_the_backoff_sends_once(
@@ -184,13 +191,18 @@ async def test_a_421_after_the_dot_is_never_failed_over_and_throttles_the_next_m
 
 # --- across instances on one redis-server ------------------------------------------------------
 def _instances(
-    tmp: Path, redis: RedisServer, upstream_port: int, n: int, **provider_extra: Any
-) -> tuple[list[GuardProcess], list[int], dict[str, Any]]:
+    tmp: Path, redis: RedisServer, upstream_port: int, delivery: str, **provider_extra: Any
+) -> tuple[list[GuardProcess], list[int]]:
     guards, ports = [], []
-    cfg: dict[str, Any] = {}
-    for i in range(n):
+    for i in range(2):
         port = free_port()
-        cfg = base_config(tmp, None, zones__acme__hourly_cap=10_000, zones__acme__monthly_cap=100_000)
+        cfg = base_config(
+            tmp,
+            None,
+            zones__acme__hourly_cap=10_000,
+            zones__acme__monthly_cap=100_000,
+            zones__acme__delivery=delivery,
+        )
         cfg["providers"] = [provider("primary", upstream_port, **provider_extra)]
         cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
         cfg["store"] = {"url": redis.url}
@@ -199,7 +211,7 @@ def _instances(
         path = write_config(tmp / f"i{i}.yaml", cfg)
         guards.append(GuardProcess(path, tmp / f"i{i}.log"))
         ports.append(port)
-    return guards, ports, cfg
+    return guards, ports
 
 
 async def _client(port: int, keys: list[str]) -> None:
@@ -222,7 +234,7 @@ async def test_max_rate_is_shared_by_two_instances(tmp: Path, upstream: Upstream
     message arrived once."""
     redis = RedisServer(tmp, durable=True)
     redis.start()
-    guards, ports, _ = _instances(tmp, redis, upstream.port, 2, max_rate="4/s")
+    guards, ports = _instances(tmp, redis, upstream.port, "relay", max_rate="4/s")
     try:
         for g, port in zip(guards, ports, strict=True):
             g.start()
@@ -247,12 +259,7 @@ async def test_max_connections_is_shared_by_two_instances(tmp: Path, upstream: U
     upstream.handler.default = Behaviour(hang_after_dot=0.15)
     redis = RedisServer(tmp, durable=True)
     redis.start()
-    guards, ports, cfg = _instances(tmp, redis, upstream.port, 2, max_connections=2)
-    for i in range(2):
-        path = tmp / f"i{i}.yaml"
-        one = yaml.safe_load(path.read_text())
-        one["zones"]["acme"]["delivery"] = "queue"
-        write_config(path, one)
+    guards, ports = _instances(tmp, redis, upstream.port, "queue", max_connections=2)
     keys = [f"c{i}" for i in range(24)]
     try:
         for g, port in zip(guards, ports, strict=True):
