@@ -288,6 +288,13 @@ class SmtpProvider:
                 if reused:
                     return None, False
                 raise
+            except aiosmtplib.SMTPResponseException as e:
+                if reused and e.code == 421:
+                    # A pooled connection the provider closed while it was idle (Postfix:
+                    # "421 4.4.2 … timeout exceeded"): that 421 ended the idle session, it
+                    # is no rate limit. Nothing was sent; a fresh connection asks again.
+                    return None, False
+                raise
             accepted: list[str] = []
             rejected: list[tuple[str, Reply]] = []
             for rcpt in env.recipients:

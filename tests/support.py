@@ -93,6 +93,10 @@ class Behaviour:
     """Record the message, then close the connection without replying (RFC 1047 window)."""
     hang_at_mail: float = 0.0
     """Seconds to wait before answering MAIL (a slow provider before anything is sent)."""
+    idle_421: bool = False
+    """After accepting the message, let the session time out as if idle: the next MAIL on it
+    gets `421 4.4.2 … timeout exceeded` and the connection closes (the race of a pooled
+    connection reused just as the provider's idle timer fired)."""
 
 
 @dataclass
@@ -156,6 +160,10 @@ class RecordingHandler:
         self, server: SMTP, session: Session, envelope: Envelope, address: str, options: list[str]
     ) -> str:
         self.transactions += 1
+        if getattr(session, "idle_expired", False):
+            assert server.transport is not None
+            asyncio.get_running_loop().call_soon(server.transport.close)
+            return "421 4.4.2 upstream Error: timeout exceeded"
         envelope._behaviour = None  # type: ignore[attr-defined]
         b = self._current(envelope)
         if b.hang_at_mail:
@@ -195,6 +203,8 @@ class RecordingHandler:
             return "250 2.0.0 never seen"
         if b.hang_after_dot:
             await asyncio.sleep(b.hang_after_dot)
+        if b.idle_421:
+            session.idle_expired = True  # type: ignore[attr-defined]
         return f"250 2.0.0 Ok: queued as {queue_id}"
 
 

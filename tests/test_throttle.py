@@ -189,6 +189,25 @@ async def test_a_421_after_the_dot_is_never_failed_over_and_throttles_the_next_m
     assert standby.event_keys() == ["next"]
 
 
+async def test_a_421_left_on_an_idle_pooled_connection_is_no_rate_limit(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """A provider ends an idle pooled session with `421 4.4.2 … timeout exceeded`; the next
+    MAIL on it reads that line. That is the idle session's end, not a rate limit: the message
+    goes out on a fresh connection and the provider is not throttled."""
+    upstream.handler.script = [Behaviour(idle_421=True)]
+    cfg = base_config(tmp, None)
+    cfg["providers"] = [provider("primary", upstream.port, throttle_backoff="60s")]
+    async with running_guard(cfg) as guard:
+        assert (await send(guard.ports[0], message("idle1"))).code == 250
+        assert (await send(guard.ports[0], message("idle2"))).code == 250
+        metrics = guard.metrics.render().decode()
+    assert upstream.event_keys() == ["idle1", "idle2"]
+    assert upstream.handler.transactions == 3  # idle2: the stale session's MAIL, then a fresh one
+    assert 'smtpguard_provider_throttled{provider="primary"} 0.0' in metrics
+    assert 'smtpguard_provider_rate_limited_total{provider="primary"} 0.0' in metrics
+
+
 # --- across instances on one redis-server ------------------------------------------------------
 def _instances(
     tmp: Path, redis: RedisServer, upstream_port: int, delivery: str, **provider_extra: Any
