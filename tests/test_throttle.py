@@ -294,3 +294,26 @@ async def test_max_connections_is_shared_by_two_instances(tmp: Path, upstream: U
         redis.stop()
     assert Counter(upstream.event_keys()) == dict.fromkeys(keys, 1)
     assert upstream.handler.max_sessions == 2
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [
+        ("max_rate", "10", "is not a rate (use a number, a slash and s, m or h: 10/s, 600/m)"),
+        ("max_rate", "10/d", "is not a rate"),
+        ("max_rate", "0/s", "a rate must be more than zero"),
+        ("max_rate", 10, "expected a rate such as 10/s, 600/m or 36000/h"),
+        ("max_connections", 0, "must be at least 1, got 0"),
+        ("throttle_backoff", "0s", "must be more than 0"),
+    ],
+)
+def test_bad_throttling_settings_are_refused_with_their_path(
+    tmp: Path, capsys: pytest.CaptureFixture[str], key: str, value: object, says: str
+) -> None:
+    cfg = base_config(tmp, 2525)
+    cfg["providers"][0][key] = value
+    path = write_config(tmp / "c.yaml", cfg)
+    assert main(["check-config", "-c", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"providers[0].{key} (line " in err and says in err, err
