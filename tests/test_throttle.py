@@ -74,7 +74,7 @@ QUEUE = {"backoff": {"base": "100ms", "max": "500ms"}, "workers": 4, "poll_inter
 async def test_a_throttling_upstream_gets_max_rate_and_nothing_during_the_backoff(
     tmp: Path, upstream: Upstream
 ) -> None:
-    """Queue mode: the upstream answers `421 4.7.0 rate limited` once, after 6 messages.
+    """Queue mode: the upstream answers `421 4.7.0 rate limited` for one 1 s window, after 6 messages.
     smtpguard stays off it for throttle_backoff, then sends at no more than max_rate; every
     message is delivered once, the throttled one without an attempt counted, and the circuit
     never opened."""
@@ -100,8 +100,10 @@ async def test_a_throttling_upstream_gets_max_rate_and_nothing_during_the_backof
         metrics = guard.metrics.render().decode()
     h = upstream.handler
     assert Counter(upstream.event_keys()) == dict.fromkeys(keys, 1)  # 0 lost, 0 duplicates
-    assert len(h.limited_times) == 1  # smtpguard did not hammer it
+    # smtpguard did not hammer it: only transactions already under way when the first 421
+    # came (one per worker at most, on a loaded machine) met the provider's window.
     limited = h.limited_times[0]
+    assert len(h.limited_times) <= 4 and h.limited_times[-1] - limited < 0.5, h.limited_times
     assert [t for t in h.mail_times if limited < t < limited + 2.0] == []  # throttle_backoff
     assert len([t for t in h.mail_times if t > limited]) == len(keys) - 6
     assert most_in_a_second(h.mail_times) <= 5 + 1
