@@ -35,6 +35,7 @@ from pydantic import (
 
 from smtpguard.policy.limits import PLANS
 from smtpguard.policy.senders import address_problem
+from smtpguard.policy.throttle import CONNECTION_WAIT, RATE_WAIT
 from smtpguard.units import parse_duration, parse_rate, parse_size
 
 DEFAULT_CONFIG = "conf/smtpguard.yaml"
@@ -756,6 +757,10 @@ class Config(_Strict):
         timeout: a minute is generous."""
         total = 0.0
         for p in self.providers:
+            if p.max_rate is not None:
+                total += RATE_WAIT  # waiting for its send slot (DESIGN.md §16)
+            if isinstance(p, SmtpProviderConfig) and p.max_connections is not None:
+                total += CONNECTION_WAIT
             if isinstance(p, SmtpProviderConfig):
                 t = p.timeouts
                 # EHLO, STARTTLS, EHLO, AUTH, MAIL, RCPT… and RSET: eight command round trips.

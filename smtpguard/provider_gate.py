@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-from smtpguard.policy.throttle import ProviderLimits, blocked_until
+from smtpguard.policy.throttle import CONNECTION_WAIT, RATE_WAIT, ProviderLimits, blocked_until
 from smtpguard.replies import Reply
 from smtpguard.store import Store, StoreUnavailable
 
@@ -28,11 +28,6 @@ log = logging.getLogger("smtpguard.throttle")
 
 REFRESH = 1.0
 """Seconds between two reads of the shared throttle flags."""
-RATE_WAIT = 1.0
-"""The longest a message waits for its max_rate slot before the route moves on (relay mode:
-the next provider or 451 4.4.1; queue mode: the entry is held until a slot is near)."""
-CONNECTION_WAIT = 1.0
-"""The longest a message waits for a max_connections slot, likewise."""
 CONNECTION_LEASE = 15.0
 """A connection slot's lease: renewed while the connection is open, so a crashed
 instance's slots are free again this long after it died."""

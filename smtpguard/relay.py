@@ -32,8 +32,8 @@ from smtpguard.policy.eventkey import qualified_key
 from smtpguard.policy.outcome import Kind, Outcome, classify_reply, queue_id, upstream_reply
 from smtpguard.policy.senders import needs_smtputf8
 from smtpguard.policy.share import Candidate, shared_provider, slot
-from smtpguard.policy.throttle import is_rate_limit, zone_route
-from smtpguard.provider_gate import CONNECTION_WAIT, IDLE_HOLD, ConnectionSlots, ProviderGate
+from smtpguard.policy.throttle import CONNECTION_WAIT, is_rate_limit, zone_route
+from smtpguard.provider_gate import IDLE_HOLD, ConnectionSlots, ProviderGate
 from smtpguard.replies import Reply
 
 log = logging.getLogger("smtpguard.relay")

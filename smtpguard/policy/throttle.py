@@ -23,6 +23,12 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+RATE_WAIT = 1.0
+"""The longest a message waits for its max_rate slot before the route moves on (relay mode:
+the next provider or 451 4.4.1; queue mode: the entry is held until a slot is near)."""
+CONNECTION_WAIT = 1.0
+"""The longest a message waits for a max_connections slot, likewise."""
+
 _RATE_WORDS = re.compile(r"\brate(?:[ -]?limit\w*|s|d)?\b|\bratelimit\w*|too many", re.IGNORECASE)
 
 
