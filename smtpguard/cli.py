@@ -626,11 +626,15 @@ def cmd_stats(args: argparse.Namespace) -> int:
                     "paused": zc.paused or await store.is_paused(z),
                     "queue": depth.get(z, {}),
                     "suppressed": len(await store.suppress_list(z)),
+                    # DESIGN.md §16: the zone's own route, else the top-level one
+                    "route": zc.providers or [p.name for p in config.providers],
                 }
             )
         return out
 
-    async def gather_all(store: Store) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    async def gather_all(
+        store: Store,
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, str | None]]:
         probes = {(p.instance, p.provider): p for p in await store.probes()}
         circuits = []
         for c in await store.circuits():
@@ -647,11 +651,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
                     "probed_at": iso(probe.at) if probe else None,
                 }
             )
-        return await gather(store), circuits
+        # DESIGN.md §16: providers every instance keeps off after a rate-limit reply
+        throttled = {name: iso(until) for name, until in sorted((await store.throttled(now)).items())}
+        return await gather(store), circuits, throttled
 
-    rows, circuits = asyncio.run(_with_store(config, gather_all, read_only=True))
+    rows, circuits, throttled = asyncio.run(_with_store(config, gather_all, read_only=True))
     if args.json:
-        emit({"zones": rows, "providers": circuits})
+        emit({"zones": rows, "providers": circuits, "throttled": throttled})
         return 0
     print(
         f"{'zone':16} {'sent':>7} {'dups':>6} {'rejected':>8} {'hour':>9} {'month':>13} "
@@ -669,6 +675,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
         ready = "" if c["ready"] is None else f"; {'ready' if c['ready'] else 'NOT READY'} ({c['probe']})"
         where = f"provider {c['provider']} on {c['instance']}"
         print(f"{where}: circuit {c['circuit']} since {c['since']}{ready}")
+    for name, until in throttled.items():
+        print(f"provider {name}: throttled (rate-limit reply) until {until}")
+    for r in rows:
+        if config.zones[r["zone"]].providers is not None:
+            print(f"zone {r['zone']}: own route {', '.join(r['route'])}")
     return 0
 
 

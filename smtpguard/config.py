@@ -35,12 +35,15 @@ from pydantic import (
 
 from smtpguard.policy.limits import PLANS
 from smtpguard.policy.senders import address_problem
-from smtpguard.units import parse_duration, parse_size
+from smtpguard.policy.throttle import CONNECTION_WAIT, RATE_WAIT
+from smtpguard.units import parse_duration, parse_rate, parse_size
 
 DEFAULT_CONFIG = "conf/smtpguard.yaml"
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 Size = Annotated[int, BeforeValidator(parse_size)]
+Rate = Annotated[float, BeforeValidator(parse_rate)]
+"""Messages per second, written `10/s`, `600/m` or `36000/h`."""
 
 
 def _path(value: object) -> object:
@@ -336,6 +339,15 @@ class SmtpProviderConfig(_Strict):
     share: float = Field(0.0, ge=0.0, le=1.0)
     """On a standby: this share of relayed mail goes through it while it is ready, chosen
     by event key so that a retry takes the same route."""
+    max_rate: Rate | None = None
+    """Messages per second to this provider from every instance sharing the store together
+    (DESIGN.md §16); unlimited when absent."""
+    max_connections: int | None = Field(None, ge=1)
+    """Open connections to this provider from every instance together; each instance's
+    pool_size still bounds its own."""
+    throttle_backoff: Duration = Field(60.0, gt=0)
+    """How long a rate-limit reply (421, or 451 4.7.x saying rate/too many) keeps every
+    instance off this provider, instead of counting against its circuit."""
 
     @field_validator("dkim_selectors")
     @classmethod
@@ -377,6 +389,10 @@ class MaildirProviderConfig(_Strict):
     name: str
     kind: Literal["maildir"]
     path: FilePath
+    max_rate: Rate | None = None
+    """As for an SMTP provider: messages per second written by every instance together
+    (staging that mimics a provider's limit). A Maildir never answers a rate limit and
+    holds no connection, so it has neither throttle_backoff nor max_connections."""
 
 
 ProviderConfig = Annotated[SmtpProviderConfig | MaildirProviderConfig, Field(discriminator="kind")]
@@ -528,6 +544,10 @@ class ZoneConfig(_Strict):
         if v != sorted(set(v)):
             raise ValueError("alert_at must be ascending with no repeats, e.g. [0.8, 0.95]")
         return v
+
+    providers: list[str] | None = Field(None, min_length=1)
+    """This zone's route, by provider name, in order (DESIGN.md §16): reorders or restricts
+    the top-level providers for this zone. Absent: the top-level route."""
 
     @field_validator("senders")
     @classmethod
@@ -765,6 +785,16 @@ class Config(_Strict):
                         f"user {user.username!r} is also a user of zone {seen[user.username]}",
                     )
                 seen[user.username] = zname
+            for i, pname in enumerate(zcfg.providers or ()):
+                if pname not in names:
+                    raise FieldProblem(
+                        ("zones", zname, "providers", i),
+                        f"provider {pname!r} is not one of providers: {', '.join(names)}",
+                    )
+                if zcfg.providers and zcfg.providers.index(pname) != i:
+                    raise FieldProblem(
+                        ("zones", zname, "providers", i), f"provider {pname!r} is listed twice"
+                    )
             if zcfg.default_class and zcfg.default_class not in self.queue.classes:
                 raise FieldProblem(
                     ("zones", zname, "default_class"),
@@ -791,6 +821,10 @@ class Config(_Strict):
         timeout: a minute is generous."""
         total = 0.0
         for p in self.providers:
+            if p.max_rate is not None:
+                total += RATE_WAIT  # waiting for its send slot (DESIGN.md §16)
+            if isinstance(p, SmtpProviderConfig) and p.max_connections is not None:
+                total += CONNECTION_WAIT
             if isinstance(p, SmtpProviderConfig):
                 t = p.timeouts
                 # EHLO, STARTTLS, EHLO, AUTH, MAIL, RCPT… and RSET: eight command round trips.

@@ -186,6 +186,11 @@ class DeliveryWorker:
             if zone.paused or await store.is_paused(rec.zone):
                 await self._hold(taken, attempt_id, now + HOLD_PAUSED)
                 return
+            throttled = await self.submitter.route.blocked_until(rec.zone)
+            if throttled is not None:
+                # Every provider of the zone's route asked to slow down: wait, unattempted.
+                await self._hold(taken, attempt_id, throttled)
+                return
             caps = caps_for(zone.plan, zone.hourly_cap, zone.monthly_cap)
             reached = await store.consume_cap(cap_check(rec.zone, caps, attempt_id, now))
             if reached is not None:

@@ -90,6 +90,18 @@ class Metrics:
             ["provider"],
             registry=r,
         )
+        self.provider_throttled = Gauge(
+            "smtpguard_provider_throttled",
+            "1 while the provider is throttled fleet-wide after a rate-limit reply, else 0",
+            ["provider"],
+            registry=r,
+        )
+        self.provider_rate_limited = Counter(
+            "smtpguard_provider_rate_limited",
+            "Rate-limit replies (421, 451 4.7.x rate/too many) this instance got, by provider",
+            ["provider"],
+            registry=r,
+        )
         self.cap_remaining = Gauge(
             "smtpguard_cap_remaining",
             "Sends left in the zone's cap window",
@@ -199,6 +211,17 @@ class Metrics:
 
     def circuit(self, provider: str, circuit: Circuit) -> None:
         self.breaker_state.labels(provider).set(_CIRCUIT_VALUE[circuit])
+
+    def throttled(self, provider: str, throttled: bool) -> None:
+        self._child(self.provider_throttled, provider).set(1 if throttled else 0)
+
+    def rate_limited(self, provider: str) -> None:
+        self._child(self.provider_rate_limited, provider).inc()
+
+    def provider(self, name: str) -> None:
+        """Expose a configured provider's throttling series from the start, at 0."""
+        self._child(self.provider_rate_limited, name)
+        self._child(self.provider_throttled, name)  # 0 when new; a known value is kept
 
     def render(self) -> bytes:
         data: bytes = generate_latest(self.registry)

@@ -32,6 +32,8 @@ from smtpguard.policy.eventkey import qualified_key
 from smtpguard.policy.outcome import Kind, Outcome, classify_reply, queue_id, upstream_reply
 from smtpguard.policy.senders import needs_smtputf8
 from smtpguard.policy.share import Candidate, shared_provider, slot
+from smtpguard.policy.throttle import CONNECTION_WAIT, is_rate_limit, zone_route
+from smtpguard.provider_gate import IDLE_HOLD, ConnectionSlots, ProviderGate
 from smtpguard.replies import Reply
 
 log = logging.getLogger("smtpguard.relay")
@@ -73,6 +75,11 @@ class Attempted:
     failover: bool
     """True only when the failure came before the message could have been accepted."""
     health: Health
+    rate_limited: bool = False
+    """The provider answered with a rate limit (policy/throttle.py): the route throttles it
+    fleet-wide, and its circuit does not count it (health is "ok")."""
+    busy: bool = False
+    """No max_connections slot came free in time: nothing was tried."""
 
 
 class Provider(Protocol):
@@ -104,8 +111,32 @@ class SmtpProvider:
         self._helo = cfg.helo_name or helo
         self._idle: deque[aiosmtplib.SMTP] = deque()
         self._closed = False
-        self._slots = asyncio.Semaphore(cfg.pool_size)
+        self._slots = asyncio.Semaphore(min(cfg.pool_size, cfg.max_connections or cfg.pool_size))
         self._tls_context = self._make_tls_context()
+        self._fleet: ConnectionSlots | None = None
+        self._holders: dict[aiosmtplib.SMTP, str] = {}
+        """The max_connections slot each open connection holds (DESIGN.md §16)."""
+        self._idle_since: dict[aiosmtplib.SMTP, float] = {}
+
+    def limit_connections(self, fleet: ConnectionSlots) -> None:
+        """Count every connection this pool opens against the provider's fleet-wide
+        max_connections; a connection idle longer than IDLE_HOLD gives its slot back."""
+        self._fleet = fleet
+        fleet.on_tick = self._close_idle
+
+    def _close_idle(self) -> None:
+        now = time.monotonic()
+        for conn in [c for c in self._idle if now - self._idle_since.get(c, now) >= IDLE_HOLD]:
+            self._idle.remove(conn)
+            self._discard(conn)
+
+    def _discard(self, conn: aiosmtplib.SMTP) -> None:
+        """Close a connection and give back the slot it held."""
+        conn.close()
+        self._idle_since.pop(conn, None)
+        holder = self._holders.pop(conn, None)
+        if holder is not None and self._fleet is not None:
+            self._fleet.release(holder)
 
     def _make_tls_context(self) -> ssl.SSLContext | None:
         if self.cfg.tls == "none":
@@ -122,7 +153,11 @@ class SmtpProvider:
             conn = self._idle.popleft()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(conn.quit(), 2)
-            conn.close()
+            self._discard(conn)
+        if self._fleet is not None:
+            # Connections still sending (a reload replaced this pool) finish on their own;
+            # their slots go back now rather than when their lease ends.
+            await self._fleet.close()
 
     def _prepare(self, env: Envelope) -> bytes:
         qualified = qualified_key(env.zone, env.key) if env.key is not None else None
@@ -167,34 +202,29 @@ class SmtpProvider:
             conn: aiosmtplib.SMTP | None = None
             while self._idle and conn is None:
                 candidate = self._idle.pop()
+                self._idle_since.pop(candidate, None)
                 if candidate.is_connected:
                     conn = candidate
                 else:
-                    candidate.close()
+                    self._discard(candidate)
             if conn is not None:
                 result, keep = await self._transaction(conn, env, before_data, reused=True)
                 if result is not None:
                     return self._finish(conn, keep, result)
                 # The cached connection had gone away before MAIL was answered: safe to redo.
-            used = self._password
+            holder: str | None = None
+            if self._fleet is not None:
+                holder = await self._fleet.acquire()
+                if holder is None:
+                    return _connections_busy(self.name)
             try:
-                conn = await self._connect()
-            except aiosmtplib.SMTPAuthenticationError as e:
-                if not (e.code == 535 and self._reread_password(used)):
-                    return self._auth_failed(e)
-                # Rotated under us: the new secret gets one fresh connection. AUTH comes
-                # before MAIL, so nothing of the message has been sent either way.
-                try:
-                    conn = await self._connect()
-                except aiosmtplib.SMTPAuthenticationError as again:
-                    return self._auth_failed(again)
-                except (aiosmtplib.SMTPException, OSError, ssl.SSLError, TimeoutError) as again:
-                    return _unavailable(self.name, f"connect: {_describe(again)}")
-            except (aiosmtplib.SMTPException, OSError, ssl.SSLError, TimeoutError) as e:
-                return _unavailable(self.name, f"connect: {_describe(e)}")
-            except Exception as e:
-                _log_unexpected(self.name, "connecting", e)
-                return _unavailable(self.name, f"connect: {_describe(e)}")
+                conn = await self._connect_rotating()
+            except BaseException as e:
+                if holder is not None and self._fleet is not None:
+                    self._fleet.release(holder)
+                return self._connect_failed(e)
+            if holder is not None:
+                self._holders[conn] = holder
             result, keep = await self._transaction(conn, env, before_data, reused=False)
             assert result is not None
             return self._finish(conn, keep, result)
@@ -205,9 +235,35 @@ class SmtpProvider:
         # A provider replaced by a reload is closed: its in-flight connections end here.
         if keep and conn.is_connected and not self._closed:
             self._idle.append(conn)
+            self._idle_since[conn] = time.monotonic()
         else:
-            conn.close()
+            self._discard(conn)
         return result
+
+    async def _connect_rotating(self) -> aiosmtplib.SMTP:
+        used = self._password
+        try:
+            return await self._connect()
+        except aiosmtplib.SMTPAuthenticationError as e:
+            if not (e.code == 535 and self._reread_password(used)):
+                raise
+        # Rotated under us: the new secret gets one fresh connection. AUTH comes before
+        # MAIL, so nothing of the message has been sent either way.
+        return await self._connect()
+
+    def _connect_failed(self, e: BaseException) -> Attempted:
+        if isinstance(e, aiosmtplib.SMTPAuthenticationError):
+            return self._auth_failed(e)
+        if isinstance(e, aiosmtplib.SMTPResponseException) and is_rate_limit(
+            e.code, upstream_reply(e.code, e.message).enhanced, e.message
+        ):
+            return _rate_limited(self.name, upstream_reply(e.code, e.message))
+        if isinstance(e, aiosmtplib.SMTPException | OSError | ssl.SSLError | TimeoutError):
+            return _unavailable(self.name, f"connect: {_describe(e)}")
+        if isinstance(e, Exception):
+            _log_unexpected(self.name, "connecting", e)
+            return _unavailable(self.name, f"connect: {_describe(e)}")
+        raise e
 
     def rotate_password(self, password: str | None) -> bool:
         """The secret as read again (SIGHUP); True if it changed. The next connection
@@ -237,6 +293,9 @@ class SmtpProvider:
         return True
 
     def _auth_failed(self, e: aiosmtplib.SMTPAuthenticationError) -> Attempted:
+        reply = upstream_reply(e.code, e.message)
+        if is_rate_limit(e.code, reply.enhanced, e.message):
+            return _rate_limited(self.name, reply)
         if e.code != 535:
             return _unavailable(self.name, f"upstream AUTH: {e.code} {e.message[:100]}")
         # The secret is never logged; the provider's reply text is enough to act on.
@@ -268,6 +327,13 @@ class SmtpProvider:
                 await conn.mail(env.sender, options=options, encoding=encoding, timeout=t.command)
             except aiosmtplib.SMTPServerDisconnected:
                 if reused:
+                    return None, False
+                raise
+            except aiosmtplib.SMTPResponseException as e:
+                if reused and e.code == 421:
+                    # A pooled connection the provider closed while it was idle (Postfix:
+                    # "421 4.4.2 … timeout exceeded"): that 421 ended the idle session, it
+                    # is no rate limit. Nothing was sent; a fresh connection asks again.
                     return None, False
                 raise
             accepted: list[str] = []
@@ -331,14 +397,14 @@ class SmtpProvider:
         except BaseException:
             # Cancelled (shutdown): the mark, if it lands, only makes the event `unknown`.
             marker.cancel()
-            conn.close()
+            self._discard(conn)
             raise
         try:
             # Whatever MAIL and RCPT gave, a failed mark (lease lost, store down) is what the
             # caller must hear; nothing has been sent.
             await marker
         except BaseException:
-            conn.close()
+            self._discard(conn)
             raise
         if not isinstance(envelope, _Accepted):
             return envelope
@@ -357,12 +423,20 @@ class SmtpProvider:
             return _unknown(self.name, e, rejected), False
         except aiosmtplib.SMTPResponseException as e:
             reply = upstream_reply(e.code, e.message)
+            limited = is_rate_limit(e.code, reply.enhanced, reply.text)
+            if limited and not watch.body_written:
+                # The reply to the DATA command itself: not one byte of the message went.
+                return _rate_limited(self.name, reply), await _rset(conn)
+            # The provider's answer to the message after its final dot: that reply is the
+            # outcome (a 4xx defers, DESIGN.md §4) and it is never failed over; a rate limit
+            # still throttles the provider for the messages that follow.
             kind = classify_reply(e.code)
-            health: Health = "fail" if e.code == 421 else "ok"
+            health: Health = "ok" if limited else "fail" if e.code == 421 else "ok"
             return Attempted(
                 Outcome(kind, self.name, reply, rejected=tuple(rejected), data_sent=True),
                 failover=False,
                 health=health,
+                rate_limited=limited,
             ), await _rset(conn)
         except aiosmtplib.SMTPException as e:
             return _unknown(self.name, e, rejected), False
@@ -444,6 +518,8 @@ async def _rset(conn: aiosmtplib.SMTP) -> bool:
 
 def _refused_all(provider: str, rejected: list[tuple[str, Reply]]) -> Attempted:
     temp = next((r for _, r in rejected if r.temporary), None)
+    if temp is not None and is_rate_limit(temp.code, temp.enhanced, temp.text):
+        return _rate_limited(provider, temp)
     if temp is not None:
         return Attempted(
             Outcome(Kind.DEFERRED, provider, temp, rejected=tuple(rejected), data_sent=False),
@@ -460,6 +536,8 @@ def _refused_all(provider: str, rejected: list[tuple[str, Reply]]) -> Attempted:
 
 def _before_dot_reply(provider: str, code: int, text: str) -> Attempted:
     reply = upstream_reply(code, text)
+    if is_rate_limit(code, reply.enhanced, reply.text):
+        return _rate_limited(provider, reply)
     if reply.temporary:
         return Attempted(
             Outcome(Kind.DEFERRED, provider, reply, data_sent=False),
@@ -467,6 +545,30 @@ def _before_dot_reply(provider: str, code: int, text: str) -> Attempted:
             health="fail" if code == 421 else "ok",
         )
     return Attempted(Outcome(Kind.FAILED, provider, reply, data_sent=False), failover=False, health="ok")
+
+
+def _rate_limited(provider: str, reply: Reply) -> Attempted:
+    """A rate limit before the message could have been accepted: nothing was sent, so the
+    route may fail over, and the event stays retryable (unavailable, as for an open circuit:
+    the client hears 451 4.4.1, never the provider's 421, which would close its session)."""
+    return Attempted(
+        Outcome(Kind.UNAVAILABLE, provider, reply, detail=f"rate limited: {reply}", data_sent=False),
+        failover=True,
+        health="ok",
+        rate_limited=True,
+    )
+
+
+def _connections_busy(provider: str) -> Attempted:
+    """Every max_connections slot of the provider is held (by this instance or others)."""
+    return Attempted(
+        Outcome(
+            Kind.UNAVAILABLE, provider, detail="max_connections in use on every instance", data_sent=False
+        ),
+        failover=True,
+        health="ok",
+        busy=True,
+    )
 
 
 def _unknown(provider: str, e: BaseException, rejected: list[tuple[str, Reply]]) -> Attempted:
@@ -597,7 +699,10 @@ def _maildir_store(root: Path, name: str, data: bytes) -> None:
 # --- the route -------------------------------------------------------------------------------
 class Route:
     """Primary, then standby (then more), skipping open circuits (DESIGN.md §6); a standby
-    with a `share` heads the route for that share of event keys while it is ready (§12)."""
+    with a `share` heads the route for that share of event keys while it is ready (§12).
+    A zone with its own `providers` walks those instead (§16), and the gate skips a
+    provider that is throttled or out of max_rate/max_connections slots without counting
+    it against its circuit."""
 
     def __init__(
         self,
@@ -608,8 +713,17 @@ class Route:
         observe: Callable[[str, str, float], None] | None = None,
         on_circuit: Callable[[str, Circuit], None] | None = None,
         shares: Mapping[str, float] | None = None,
+        gate: ProviderGate | None = None,
+        zone_routes: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         self.providers = list(providers)
+        self.gate = gate
+        by_name = {p.name: p for p in self.providers}
+        self.zone_routes = {
+            zone: [by_name[n] for n in zone_route(list(by_name), list(names))]
+            for zone, names in (zone_routes or {}).items()
+        }
+        """Each zone's own route (`zones.Z.providers`), resolved to providers."""
         self.breakers = {p.name: Breaker(threshold, cooldown) for p in self.providers}
         self.shares = {name: share for name, share in (shares or {}).items() if share > 0}
         self.ready: dict[str, bool] = {}
@@ -636,7 +750,11 @@ class Route:
         """The providers to try, in order, for this envelope. The shared standby is picked by
         zone and key (policy/share.py), so a retry of the event heads the same route; it must
         be ready and its circuit closed, else the normal route. Failover from it walks the
-        rest of the route in its configured order."""
+        rest of the route in its configured order. A zone's own route is walked as written:
+        the operator chose it, so no share reorders it."""
+        own = self.zone_routes.get(env.zone)
+        if own is not None:
+            return own
         if not self.shares or env.key is None:
             return self.providers
         candidates = [
@@ -654,16 +772,54 @@ class Route:
         chosen = next(p for p in self.providers if p.name == name)
         return [chosen, *(p for p in self.providers if p is not chosen)]
 
+    async def blocked_until(self, zone: str) -> float | None:
+        """When the zone's route is usable again, if every provider on it is throttled now
+        (the queue holds the zone's entries until then); None when one is usable."""
+        if self.gate is None:
+            return None
+        own = self.zone_routes.get(zone)
+        return await self.gate.blocked_route(p.name for p in (own if own is not None else self.providers))
+
     async def send(self, env: Envelope, before_data: BeforeData) -> Outcome:
+        outcome, waits = await self._walk(env, before_data)
+        if waits and outcome.kind is Kind.UNAVAILABLE:
+            # Nothing was sent only because of throttling: say when to come back, so queued
+            # mail waits instead of counting an attempt (DESIGN.md §16).
+            return replace(outcome, wait_until=min(waits))
+        return outcome
+
+    async def _walk(self, env: Envelope, before_data: BeforeData) -> tuple[Outcome, list[float]]:
         fallback: Outcome | None = None
         unavailable = skipped = False
+        waits: list[float] = []
+        """When each provider skipped for throttling is usable again."""
+        gate = self.gate
         for p in self.order(env):
+            if gate is not None:
+                until = await gate.blocked(p.name)
+                if until is not None:
+                    waits.append(until)
+                    continue
             allowed, self.breakers[p.name] = self.breakers[p.name].allow(self._clock())
             if not allowed:
                 skipped = True
                 continue
             try:
+                if gate is not None:
+                    # A throttle learnt while this one waited for its slot holds it too.
+                    until = await gate.admit(p.name) or gate.throttled_until(p.name)
+                    if until is not None:
+                        self.breakers[p.name] = self.breakers[p.name].release_probe()
+                        waits.append(until)
+                        continue
                 result = await self._attempt(p, env, before_data)
+                if result.rate_limited:
+                    if gate is not None:
+                        waits.append(await gate.throttle(p.name, result.outcome.reply))
+                    else:
+                        waits.append(self._clock())
+                elif result.busy:
+                    waits.append(self._clock() + CONNECTION_WAIT)
                 self._record_health(p.name, result.health)
                 if result.outcome.kind is Kind.UNKNOWN and p.idempotent:
                     # The provider dedupes on our header, so one more try on it cannot
@@ -682,14 +838,17 @@ class Route:
                 self.breakers[p.name] = self.breakers[p.name].release_probe()
                 raise
             if not result.failover:
-                return result.outcome
+                return result.outcome, waits
             if result.outcome.kind is Kind.UNAVAILABLE:
                 unavailable = True
             if fallback is None or fallback.kind is Kind.UNAVAILABLE:
                 fallback = result.outcome
         if fallback is None:
-            return Outcome(Kind.UNAVAILABLE, None, detail="every provider circuit is open", data_sent=False)
-        if fallback.kind is Kind.FAILED and (unavailable or skipped):
+            detail = (
+                "every provider is throttled" if waits and not skipped else "every provider circuit is open"
+            )
+            return Outcome(Kind.UNAVAILABLE, None, detail=detail, data_sent=False), waits
+        if fallback.kind is Kind.FAILED and (unavailable or skipped or waits):
             # Refused by one provider only for what it lacks (SMTPUTF8) while another that
             # might take it could not be tried: a 5xx would end an event that can still be
             # delivered once that one is back. Nothing was sent: retryable.
@@ -698,8 +857,8 @@ class Route:
                 fallback.provider,
                 detail=f"{fallback.reply or ''}; another provider unavailable",
                 data_sent=False,
-            )
-        return fallback
+            ), waits
+        return fallback, waits
 
     async def _attempt(self, p: Provider, env: Envelope, before_data: BeforeData) -> Attempted:
         started = time.perf_counter()

@@ -25,6 +25,8 @@ from smtpguard.metrics import HealthServer, Metrics
 from smtpguard.passwords import Verifier
 from smtpguard.policy.breaker import Circuit
 from smtpguard.policy.limits import caps_for, month_of
+from smtpguard.policy.throttle import ProviderLimits
+from smtpguard.provider_gate import ConnectionSlots, ProviderGate
 from smtpguard.readiness.dns import DnsClient
 from smtpguard.readiness.prober import Prober
 from smtpguard.recipient_domains import RecipientDomains
@@ -130,6 +132,9 @@ class Server:
         self._stopped = asyncio.Event()
         self.store: Store | None = None
         self.route: Route | None = None
+        self.gate: ProviderGate | None = None
+        """Provider throttling (DESIGN.md §16): kept across reloads, so a throttle learnt
+        stays in force when the route is rebuilt."""
         self.handler: Handler | None = None
         self.ports: list[int] = []
         self.metrics = Metrics()
@@ -315,14 +320,40 @@ class Server:
             return
 
     def _route(self, config: Config, secrets: dict[str, str | None]) -> Route:
+        assert self.store is not None
+        limits = {
+            p.name: ProviderLimits(
+                p.max_rate, getattr(p, "max_connections", None), getattr(p, "throttle_backoff", 60.0)
+            )
+            for p in config.providers
+        }
+        if self.gate is None:
+            self.gate = ProviderGate(
+                self.store,
+                limits,
+                self.clock,
+                on_throttled=self.metrics.throttled,
+                on_rate_limited=self.metrics.rate_limited,
+            )
+        else:
+            self.gate.limits = limits
+        for name in limits:
+            self.metrics.provider(name)
+        providers = build_providers(config.providers, secrets, self.hostname, _event_tags(config))
+        for p in providers:
+            if isinstance(p, SmtpProvider) and p.cfg.max_connections is not None:
+                fleet = ConnectionSlots(self.store, p.name, p.cfg.max_connections, self.instance, self.clock)
+                p.limit_connections(fleet)
         return Route(
-            build_providers(config.providers, secrets, self.hostname, _event_tags(config)),
+            providers,
             config.breaker.failure_threshold,
             config.breaker.cooldown,
             self.clock,
             observe=self.metrics.upstream,
             on_circuit=self._circuit_changed,
             shares={p.name: getattr(p, "share", 0.0) for p in config.providers},
+            gate=self.gate,
+            zone_routes={z: zone.providers for z, zone in config.zones.items() if zone.providers is not None},
         )
 
     @staticmethod
@@ -442,6 +473,9 @@ class Server:
         while True:
             if self.handler is not None:
                 self.metrics.connections.set(self.handler.connections.total)
+            if self.gate is not None:
+                # Keeps smtpguard_provider_throttled true to the store while no mail flows.
+                await self.gate.refresh()
             try:
                 depth = await self.store.queue_depths()
             except StoreUnavailable:

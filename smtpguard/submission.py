@@ -473,6 +473,15 @@ class Submitter:
         finally:
             self.leases.release(held)
 
+        if outcome.wait_until is not None and state["rec"].lane is not None:
+            # Queued mail waits for a throttled provider (DESIGN.md §16): held until the
+            # route is usable, with no attempt counted (no backoff step, nothing in the
+            # history) and its cap unit back; nothing reached any provider's DATA.
+            await self._hold(state["rec"], sub, outcome.wait_until)
+            await self.refund(sub.zone, sub.attempt_id)
+            return Result(
+                replies.no_provider(), "throttled", sub.key, sg_id=sub.attempt_id, message_id=sub.message_id
+            )
         await self._settle(state["rec"], sub, outcome, s, retry_delay)
         if outcome.kind is Kind.UNAVAILABLE or outcome.data_sent is False:
             # Nothing reached a provider's DATA (unavailable, or refused at MAIL or RCPT):
@@ -529,6 +538,19 @@ class Submitter:
             "could not record outcome; the key will read as unknown after its lease",
             extra={"zone": sub.zone, "event_key": sub.key, "outcome": outcome.kind.value},
         )
+
+    async def _hold(self, rec: Record, sub: Submission, until: float) -> None:
+        """Give a queued entry back unsent until `until`; retried briefly, then left to its
+        claim's lease like any interrupted delivery."""
+        for attempt in range(4):
+            held = ledger.hold(rec, sub.attempt_id, self.clock(), until)
+            if held is None:
+                return
+            try:
+                await self.store.requeue(held, rec.version, until)
+                return
+            except StoreUnavailable:
+                await asyncio.sleep(0.05 * 2**attempt)
 
     async def _suppress_bounced(self, zone: str, outcome: Outcome) -> None:
         # Only once the event is final: a deferred event is retried, and a retry that lost

@@ -78,3 +78,23 @@ def format_duration(seconds: float) -> str:
     # repr is the shortest exact decimal; Decimal keeps it out of exponent notation, which
     # parse_duration does not read ("1e-05s"), and %g would round (123456.5 -> "123456s").
     return f"{Decimal(repr(float(seconds))).normalize():f}s"
+
+
+_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(s|m|h)\s*$")
+_RATE_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_rate(value: object) -> float:
+    """Messages per second from `10/s`, `600/m` or `36000/h` (a provider's `max_rate`).
+
+    Only the slash form: a bare number would leave the reader to guess its unit, and
+    providers publish their limits per second, minute or hour."""
+    if not isinstance(value, str):
+        raise ValueError("expected a rate such as 10/s, 600/m or 36000/h")
+    m = _RATE_RE.match(value)
+    if not m:
+        raise ValueError(f"{value!r} is not a rate (use a number, a slash and s, m or h: 10/s, 600/m)")
+    rate = float(m.group(1)) / _RATE_UNITS[m.group(2)]
+    if not math.isfinite(rate) or rate <= 0:
+        raise ValueError("a rate must be more than zero")
+    return rate

@@ -93,6 +93,22 @@ class Behaviour:
     """Record the message, then close the connection without replying (RFC 1047 window)."""
     hang_at_mail: float = 0.0
     """Seconds to wait before answering MAIL (a slow provider before anything is sent)."""
+    idle_421: bool = False
+    """After accepting the message, let the session time out as if idle: the next MAIL on it
+    gets `421 4.4.2 … timeout exceeded` and the connection closes (the race of a pooled
+    connection reused just as the provider's idle timer fired)."""
+
+
+@dataclass
+class RateLimit:
+    """A provider's own rate limit: after `after` accepted messages, MAIL is answered with
+    `reply` for `window` seconds (then it accepts again, counting afresh)."""
+
+    after: int
+    window: float
+    reply: str = "421 4.7.0 rate limited, slow down"
+    times: int = 0
+    """How many windows it limits in all; 0: every time `after` is reached again."""
 
 
 class RecordingHandler:
@@ -104,6 +120,34 @@ class RecordingHandler:
         self.data_commands = 0
         """Transactions that got past RCPT to DATA: what a cap unit pays for."""
         self.arrived = asyncio.Event()
+        self.rate_limit: RateLimit | None = None
+        self.mail_times: list[float] = []
+        """time.monotonic() of every MAIL this upstream answered 250."""
+        self.limited_times: list[float] = []
+        """time.monotonic() of every MAIL refused by `rate_limit`."""
+        self._limited_until = 0.0
+        self._since_limit = 0
+        self._windows = 0
+        self.open_sessions = 0
+        self.max_sessions = 0
+        """The most connections this upstream had open at once."""
+
+    def _rate_limited(self) -> str | None:
+        rl = self.rate_limit
+        if rl is None:
+            return None
+        now = time.monotonic()
+        if now < self._limited_until:
+            self.limited_times.append(now)
+            return rl.reply
+        if self._since_limit >= rl.after and not (rl.times and self._windows >= rl.times):
+            self._windows += 1
+            self._since_limit = 0
+            self._limited_until = now + rl.window
+            self.limited_times.append(now)
+            return rl.reply
+        self._since_limit += 1
+        return None
 
     def _current(self, envelope: Envelope) -> Behaviour:
         b = getattr(envelope, "_behaviour", None)
@@ -116,6 +160,10 @@ class RecordingHandler:
         self, server: SMTP, session: Session, envelope: Envelope, address: str, options: list[str]
     ) -> str:
         self.transactions += 1
+        if getattr(session, "idle_expired", False):
+            assert server.transport is not None
+            asyncio.get_running_loop().call_soon(server.transport.close)
+            return "421 4.4.2 upstream Error: timeout exceeded"
         envelope._behaviour = None  # type: ignore[attr-defined]
         b = self._current(envelope)
         if b.hang_at_mail:
@@ -123,6 +171,11 @@ class RecordingHandler:
         if b.mail:
             envelope._behaviour = None  # type: ignore[attr-defined]
             return b.mail
+        limited = self._rate_limited()
+        if limited:
+            envelope._behaviour = None  # type: ignore[attr-defined]
+            return limited
+        self.mail_times.append(time.monotonic())
         envelope.mail_from = address
         return "250 2.1.0 OK"
 
@@ -151,7 +204,27 @@ class RecordingHandler:
             return "250 2.0.0 never seen"
         if b.hang_after_dot:
             await asyncio.sleep(b.hang_after_dot)
+        if b.idle_421:
+            session.idle_expired = True  # type: ignore[attr-defined]
         return f"250 2.0.0 Ok: queued as {queue_id}"
+
+
+class _CountingSMTP(SMTP):
+    """aiosmtpd's server, counting the sessions open at once (max_connections tests)."""
+
+    def __init__(self, handler: RecordingHandler, **kwargs: Any) -> None:
+        super().__init__(handler, hostname="upstream", ident="recording-upstream", **kwargs)
+        self._recording = handler
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        h = self._recording
+        h.open_sessions += 1
+        h.max_sessions = max(h.max_sessions, h.open_sessions)
+        super().connection_made(transport)
+
+    def connection_lost(self, error: Exception | None) -> None:
+        self._recording.open_sessions -= 1
+        super().connection_lost(error)
 
 
 class Upstream:
@@ -221,11 +294,9 @@ class Upstream:
 
         def make() -> SMTP:
             if self.password is None:
-                return SMTP(self.handler, hostname="upstream", ident="recording-upstream")
+                return _CountingSMTP(self.handler)
             conn = _TrackedSMTP(
                 self.handler,
-                hostname="upstream",
-                ident="recording-upstream",
                 authenticator=self._authenticate,
                 auth_required=True,
                 auth_require_tls=False,
@@ -251,7 +322,7 @@ class Upstream:
 UPSTREAM_USER = "relay-user"
 
 
-class _TrackedSMTP(SMTP):
+class _TrackedSMTP(_CountingSMTP):
     live: set[SMTP]
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

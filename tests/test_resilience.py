@@ -112,34 +112,37 @@ async def test_hang_after_dot_is_never_failed_over(tmp: Path, upstream: Upstream
         assert standby.received == []
 
 
-async def test_421_opens_circuit_then_half_open_probe_closes_it(tmp: Path, upstream: Upstream) -> None:
+async def test_421_throttles_the_provider_instead_of_opening_its_circuit(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """DESIGN.md §16: a 421 is the provider asking for less traffic. It is skipped for its
+    throttle_backoff (every message fails over before DATA) and its circuit stays closed;
+    after the backoff it is used again without a half-open probe."""
     primary_port = free_port()
     busy = Busy421(primary_port)
     await busy.start()
     clock = FakeClock()
+    primary = {**smtp_provider("primary", primary_port), "throttle_backoff": "60s"}
     cfg = routed(
         tmp,
-        smtp_provider("primary", primary_port),
+        primary,
         smtp_provider("standby", upstream.port),
-        breaker={"failure_threshold": 3, "cooldown": "30s"},
+        breaker={"failure_threshold": 1, "cooldown": "30s"},
     )
     async with running_guard(cfg, clock=clock) as guard:
         port = guard.ports[0]
-        for i in range(3):
+        for i in range(5):
             assert (await send(port, message(f"c{i}"))).code == 250
-        assert busy.connections == 3
-        assert guard.route is not None and guard.route.circuits()["primary"] == "open"
-        for i in range(3, 5):
-            assert (await send(port, message(f"c{i}"))).code == 250
-        assert busy.connections == 3  # open circuit: primary not even contacted
+        assert busy.connections == 1  # throttled: not contacted again during the backoff
+        assert guard.route is not None and guard.route.circuits()["primary"] == "closed"
         assert len(upstream.received) == 5
         await busy.stop()
         async with upstream_on(primary_port) as recovered:
-            clock.t += 31
-            assert (await send(port, message("c5"))).code == 250  # the half-open probe
-            assert guard.route.circuits()["primary"] == "closed"
+            clock.t += 61
+            assert (await send(port, message("c5"))).code == 250
             assert (await send(port, message("c6"))).code == 250
             assert recovered.event_keys() == ["c5", "c6"]
+        assert guard.route.circuits()["primary"] == "closed"
     assert len(upstream.received) == 5
 
 

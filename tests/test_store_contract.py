@@ -1425,3 +1425,84 @@ async def test_queue_depths_count_entries_per_zone_and_lane(store: Store) -> Non
     depths = await store.queue_depths()
     assert depths == {("acme", "transactional"): 2, ("globex", "bulk"): 1}
     assert depths == dict(Counter((e.zone, e.lane) for e in await store.queue_entries(None)))
+
+
+# --- provider throttling (DESIGN.md §16) -----------------------------------------------------
+def _another(store: Store) -> Store:
+    """A second store object on the same backend: another instance of the fleet."""
+    url = getattr(store, "url", None) or f"sqlite:///{store.path}"  # type: ignore[attr-defined]
+    return store_from_url(url)
+
+
+async def test_rate_slots_are_spaced_by_the_interval_and_refused_past_max_wait(store: Store) -> None:
+    first = await store.rate_slot("primary", 0.1, 0.25, NOW)
+    assert first.granted and first.wait == 0
+    waits = [await store.rate_slot("primary", 0.1, 0.25, NOW) for _ in range(3)]
+    assert [s.granted for s in waits] == [True, True, False]
+    assert [round(s.wait, 6) for s in waits[:2]] == [0.1, 0.2]
+    # Refused: nothing reserved, and it says how long until a slot is within max_wait.
+    assert round(waits[2].wait, 6) == 0.05
+    again = await store.rate_slot("primary", 0.1, 0.25, NOW)
+    assert not again.granted and round(again.wait, 6) == 0.05
+    # Another provider has slots of its own; time passing frees them.
+    assert (await store.rate_slot("standby", 0.1, 0.25, NOW)).wait == 0
+    later = await store.rate_slot("primary", 0.1, 0.25, NOW + 10)
+    assert later.granted and later.wait == 0
+
+
+async def test_rate_slots_are_one_sequence_for_every_instance(store: Store) -> None:
+    other = _another(store)
+    await other.open()
+    try:
+        slots = await asyncio.gather(*(s.rate_slot("primary", 0.1, 10.0, NOW) for s in [store, other] * 10))
+    finally:
+        await other.close()
+    waits = sorted(round(s.wait, 3) for s in slots if s.granted)
+    # 20 callers on two instances at one instant: 20 distinct slots, 0.1 s apart.
+    assert waits == [round(i * 0.1, 3) for i in range(20)]
+
+
+async def test_a_throttle_is_shared_never_shortened_and_ends(store: Store) -> None:
+    assert await store.throttled(NOW) == {}
+    await store.set_throttled("primary", NOW + 60)
+    await store.set_throttled("primary", NOW + 30)  # an earlier end does not shorten it
+    await store.set_throttled("primary", NOW + 60)  # idempotent
+    other = _another(store)
+    await other.open()
+    try:
+        assert await other.throttled(NOW) == {"primary": NOW + 60}
+        await other.set_throttled("primary", NOW + 90)
+    finally:
+        await other.close()
+    assert await store.throttled(NOW + 61) == {"primary": NOW + 90}
+    assert await store.throttled(NOW + 90) == {}
+
+
+async def test_connection_slots_never_exceed_the_limit_across_instances(store: Store) -> None:
+    other = _another(store)
+    await other.open()
+    try:
+        got = await asyncio.gather(
+            *(
+                s.hold_connection("primary", f"{n}:{i}", 3, NOW + 15, NOW)
+                for i in range(10)
+                for n, s in (("a", store), ("b", other))
+            )
+        )
+        assert sum(got) == 3
+        holders = [f"{n}:{i}" for i in range(10) for n in ("a", "b")]
+        winners = [h for h, ok in zip(holders, got, strict=True) if ok]
+        # A holder renews its own slot; a newcomer still finds none.
+        assert await other.hold_connection("primary", winners[0], 3, NOW + 30, NOW + 10)
+        assert not await store.hold_connection("primary", "c:1", 3, NOW + 25, NOW + 10)
+        # A dropped slot is free at once (and dropping twice is harmless).
+        await store.drop_connection("primary", winners[1])
+        await store.drop_connection("primary", winners[1])
+        assert await store.hold_connection("primary", "c:1", 3, NOW + 25, NOW + 10)
+        assert not await other.hold_connection("primary", "c:2", 3, NOW + 25, NOW + 10)
+        # A crashed holder's lease ends: its slot (winners[2], until NOW + 15) comes back.
+        assert await other.hold_connection("primary", "c:2", 3, NOW + 31, NOW + 16)
+        # The limit is per provider.
+        assert await store.hold_connection("standby", "a:0", 1, NOW + 15, NOW)
+    finally:
+        await other.close()

@@ -44,6 +44,10 @@ class Outcome:
     data_sent: bool | None = None
     """Whether DATA went to the provider in this attempt (its history records the phase it
     reached); None leaves it to the record's phase."""
+    wait_until: float | None = None
+    """Unavailable only because the route's providers are throttled or out of max_rate or
+    max_connections slots (DESIGN.md §16): usable again from this time. Queued mail waits
+    for it without an attempt counted; a synchronous client hears 451 4.4.1."""
 
 
 def split_enhanced(code: int, text: str) -> tuple[str, str]:

@@ -34,6 +34,7 @@ from smtpguard.events.model import bare_message_id
 from smtpguard.policy.ledger import Record
 from smtpguard.policy.limits import CapCheck, CapReached
 from smtpguard.policy.queue import HELD as HELD  # re-exported: stores write it as a due time
+from smtpguard.policy.throttle import Slot as Slot  # re-exported for the backends
 
 
 class StoreUnavailable(Exception):
@@ -295,6 +296,29 @@ class Store(Protocol):
         readiness changes), so `stats` shows whether each standby could take over."""
 
     async def probes(self) -> list[ProbeState]: ...
+
+    # --- provider throttling, fleet-wide (DESIGN.md §16) -------------------------------------
+    async def rate_slot(self, provider: str, interval: float, max_wait: float, now: float) -> Slot:
+        """Reserve the provider's next send slot (policy/throttle.py gcra): slots `interval`
+        apart for every instance together. Atomic: of concurrent callers each gets its own
+        slot, so no window holds more than the rate allows. A slot more than `max_wait`
+        ahead is refused and nothing is reserved."""
+
+    async def set_throttled(self, provider: str, until: float) -> None:
+        """Mark the provider throttled until `until` for every instance (a rate-limit reply).
+        Never shortens a throttle already in place; idempotent."""
+
+    async def throttled(self, now: float) -> dict[str, float]:
+        """Providers throttled after `now`, with the time each throttle ends."""
+
+    async def hold_connection(self, provider: str, holder: str, limit: int, until: float, now: float) -> bool:
+        """Take or renew one of the provider's `limit` connection slots for `holder` until
+        `until`. Atomic across instances: never more than `limit` unexpired holders. A
+        holder that already has a slot renews it (True) even when the limit was lowered;
+        slots whose lease ended by `now` are free (a crashed instance's come back)."""
+
+    async def drop_connection(self, provider: str, holder: str) -> None:
+        """Give the holder's slot back (its connection closed). Idempotent."""
 
     # --- AUTH brute force (shared by every instance) -----------------------------------------
     async def auth_failure(self, ip: str, now: float, window: float) -> int:

@@ -58,6 +58,7 @@ from smtpguard.store.base import (
     QueueEntry,
     Reserved,
     ReserveResult,
+    Slot,
     StoredEvent,
     StoreUnavailable,
     Suppression,
@@ -466,6 +467,45 @@ return {last, same}
 
 _CIRCUITS = "sg:{providers}:circuits"
 """Hash (instance, provider) → (circuit, since): each instance's breakers, for `stats`."""
+_THROTTLES = "sg:{providers}:throttles"
+"""Hash provider → until: providers throttled by a rate-limit reply (DESIGN.md §16)."""
+# A provider's next send slot (policy/throttle.py gcra, the same decision in Lua): KEYS[1]
+# holds the theoretical arrival time. ARGV: now, interval, max_wait. Returns {granted,
+# wait} with wait as text (a Lua number in a reply would lose its fraction).
+_RATE_SLOT = """
+local now = tonumber(ARGV[1])
+local interval = tonumber(ARGV[2])
+local max_wait = tonumber(ARGV[3])
+local tat = tonumber(redis.call('GET', KEYS[1]) or '')
+local start = now
+if tat and tat > now then start = tat end
+local wait = start - now
+if wait > max_wait then return {0, string.format('%.17g', wait - max_wait)} end
+local nxt = start + interval
+redis.call('SET', KEYS[1], string.format('%.17g', nxt), 'PX', math.ceil((nxt - now + 60) * 1000))
+return {1, string.format('%.17g', wait)}
+"""
+# Never shortens a throttle in place.  KEYS[1] _THROTTLES; ARGV: provider, until.
+_THROTTLE = """
+local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '')
+if not cur or cur < tonumber(ARGV[2]) then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
+return 1
+"""
+# One connection slot: KEYS[1] the provider's sorted set holder → lease end.  ARGV: now,
+# holder, until, limit.  Expired leases are dropped first (a crashed instance's slots).
+_HOLD_CONNECTION = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+local keep = math.ceil((tonumber(ARGV[3]) - tonumber(ARGV[1]) + 60) * 1000)
+if redis.call('ZSCORE', KEYS[1], ARGV[2]) then
+  redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], keep)
+  return 1
+end
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[4]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], keep)
+return 1
+"""
 
 
 def _zone_key(zone: str, name: str) -> str:
@@ -482,6 +522,14 @@ def _entry_key(zone: str, key: str) -> str:
 
 def _lane_key(zone: str, lane: str) -> str:
     return _zone_key(zone, f"lane:{lane}")
+
+
+def _rate_key(provider: str) -> str:
+    return f"sg:{{rate:{provider}}}:tat"
+
+
+def _connections_key(provider: str) -> str:
+    return f"sg:{{conn:{provider}}}:slots"
 
 
 def _auth_key(ip: str) -> str:
@@ -581,6 +629,9 @@ class RedisStore:
         self._lanes_of: AsyncScript | None = None
         self._apply_event: AsyncScript | None = None
         self._states_page: AsyncScript | None = None
+        self._rate_slot: AsyncScript | None = None
+        self._throttle: AsyncScript | None = None
+        self._hold_connection: AsyncScript | None = None
         self._zones_announced: dict[str, float] = {}
         self._queued_swept_at: float | None = None
         self._mono: Callable[[], float] = time.monotonic
@@ -630,6 +681,9 @@ class RedisStore:
         self._lanes_of = client.register_script(_LANES_OF)
         self._apply_event = client.register_script(_APPLY_EVENT)
         self._states_page = client.register_script(_STATES_PAGE)
+        self._rate_slot = client.register_script(_RATE_SLOT)
+        self._throttle = client.register_script(_THROTTLE)
+        self._hold_connection = client.register_script(_HOLD_CONNECTION)
         self._client = client
         # Down at start: the local clock until the first sample (see now()).
         with contextlib.suppress(StoreUnavailable):
@@ -1566,6 +1620,35 @@ class RedisStore:
             ready, detail, at = json.loads(value)
             out.append(ProbeState(str(instance), str(provider), bool(ready), str(detail), float(at)))
         return sorted(out, key=lambda c: (c.provider, c.instance))
+
+    # --- provider throttling -----------------------------------------------------------------
+    @_translated
+    async def rate_slot(self, provider: str, interval: float, max_wait: float, now: float) -> Slot:
+        granted, wait = await self._eval(
+            self._rate_slot, [_rate_key(provider)], [repr(now), repr(interval), repr(max_wait)]
+        )
+        # The stored arrival time stays in Redis; the caller needs only the decision.
+        return Slot(bool(int(granted)), float(wait), 0.0)
+
+    @_translated
+    async def set_throttled(self, provider: str, until: float) -> None:
+        await self._eval(self._throttle, [_THROTTLES], [provider, repr(until)])
+
+    @_translated
+    async def throttled(self, now: float) -> dict[str, float]:
+        entries = await self._r.hgetall(_THROTTLES)
+        return {str(p): float(u) for p, u in entries.items() if float(u) > now}
+
+    @_translated
+    async def hold_connection(self, provider: str, holder: str, limit: int, until: float, now: float) -> bool:
+        got = await self._eval(
+            self._hold_connection, [_connections_key(provider)], [repr(now), holder, repr(until), limit]
+        )
+        return bool(int(got))
+
+    @_translated
+    async def drop_connection(self, provider: str, holder: str) -> None:
+        await self._r.zrem(_connections_key(provider), holder)
 
     # --- AUTH brute force --------------------------------------------------------------------
     @_translated

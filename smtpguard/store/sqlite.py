@@ -26,6 +26,7 @@ from urllib.parse import quote
 from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached
 from smtpguard.policy.senders import suppression_key
+from smtpguard.policy.throttle import Slot, gcra
 from smtpguard.store.base import (
     HELD,
     CapUsage,
@@ -113,6 +114,13 @@ CREATE TABLE IF NOT EXISTS nonces (
 CREATE TABLE IF NOT EXISTS counters (
     zone TEXT NOT NULL, name TEXT NOT NULL, value INTEGER NOT NULL,
     PRIMARY KEY (zone, name)) WITHOUT ROWID;
+-- Provider throttling (DESIGN.md §16): each provider's next send slot (GCRA), its
+-- throttle after a rate-limit reply, and the leased slots of its open connections.
+CREATE TABLE IF NOT EXISTS rate_slots (provider TEXT PRIMARY KEY, tat REAL NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS throttles (provider TEXT PRIMARY KEY, until REAL NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS connection_slots (
+    provider TEXT NOT NULL, holder TEXT NOT NULL, until REAL NOT NULL,
+    PRIMARY KEY (provider, holder)) WITHOUT ROWID;
 """
 
 
@@ -969,6 +977,64 @@ class SQLiteStore:
             ).fetchall()
         )
         return [ProbeState(i, p, bool(r), d, float(t)) for i, p, r, d, t in rows]
+
+    # --- provider throttling -----------------------------------------------------------------
+    async def rate_slot(self, provider: str, interval: float, max_wait: float, now: float) -> Slot:
+        def op(c: sqlite3.Connection) -> Slot:
+            # Inside the writer's BEGIN IMMEDIATE: other processes on the file wait for it.
+            row = c.execute("SELECT tat FROM rate_slots WHERE provider = ?", (provider,)).fetchone()
+            slot = gcra(float(row[0]) if row else None, now, interval, max_wait)
+            if slot.granted:
+                c.execute(
+                    "INSERT OR REPLACE INTO rate_slots (provider, tat) VALUES (?, ?)", (provider, slot.tat)
+                )
+            return slot
+
+        return await self._write(op)
+
+    async def set_throttled(self, provider: str, until: float) -> None:
+        await self._write(
+            lambda c: c.execute(
+                "INSERT INTO throttles (provider, until) VALUES (?, ?) "
+                "ON CONFLICT (provider) DO UPDATE SET until = max(until, excluded.until)",
+                (provider, until),
+            )
+        )
+
+    async def throttled(self, now: float) -> dict[str, float]:
+        rows = await self._read(
+            lambda c: c.execute("SELECT provider, until FROM throttles WHERE until > ?", (now,)).fetchall()
+        )
+        return {str(p): float(u) for p, u in rows}
+
+    async def hold_connection(self, provider: str, holder: str, limit: int, until: float, now: float) -> bool:
+        def op(c: sqlite3.Connection) -> bool:
+            c.execute("DELETE FROM connection_slots WHERE provider = ? AND until <= ?", (provider, now))
+            mine = c.execute(
+                "UPDATE connection_slots SET until = ? WHERE provider = ? AND holder = ?",
+                (until, provider, holder),
+            ).rowcount
+            if mine:
+                return True
+            held = c.execute(
+                "SELECT COUNT(*) FROM connection_slots WHERE provider = ?", (provider,)
+            ).fetchone()[0]
+            if int(held) >= limit:
+                return False
+            c.execute(
+                "INSERT INTO connection_slots (provider, holder, until) VALUES (?, ?, ?)",
+                (provider, holder, until),
+            )
+            return True
+
+        return await self._write(op)
+
+    async def drop_connection(self, provider: str, holder: str) -> None:
+        await self._write(
+            lambda c: c.execute(
+                "DELETE FROM connection_slots WHERE provider = ? AND holder = ?", (provider, holder)
+            )
+        )
 
     # --- AUTH brute force --------------------------------------------------------------------
     async def auth_failure(self, ip: str, now: float, window: float) -> int:

@@ -39,6 +39,7 @@ from smtpguard.events.model import bare_message_id
 from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached
 from smtpguard.policy.senders import suppression_key
+from smtpguard.policy.throttle import gcra
 from smtpguard.store.base import (
     HELD,
     CapUsage,
@@ -52,6 +53,7 @@ from smtpguard.store.base import (
     QueueEntry,
     Reserved,
     ReserveResult,
+    Slot,
     StoredEvent,
     StoreUnavailable,
     Suppression,
@@ -771,6 +773,67 @@ class PostgresStore:
                 'ORDER BY provider COLLATE "C", instance COLLATE "C"'
             )
             return [CircuitState(str(i), str(p), str(s), float(t)) for i, p, s, t in await cur.fetchall()]
+
+    # --- provider throttling -----------------------------------------------------------------
+    @_translated
+    async def rate_slot(self, provider: str, interval: float, max_wait: float, now: float) -> Slot:
+        async with self._tx() as conn:
+            # The row lock orders concurrent callers: each decides on the slot the last left.
+            await conn.execute(
+                "INSERT INTO rate_slots (provider, tat) VALUES (%s, 0) ON CONFLICT DO NOTHING", (provider,)
+            )
+            row = await _one(conn, "SELECT tat FROM rate_slots WHERE provider = %s FOR UPDATE", (provider,))
+            assert row is not None
+            slot = gcra(float(row[0]), now, interval, max_wait)
+            if slot.granted:
+                await conn.execute("UPDATE rate_slots SET tat = %s WHERE provider = %s", (slot.tat, provider))
+        return slot
+
+    @_translated
+    async def set_throttled(self, provider: str, until: float) -> None:
+        async with self._conn() as conn:
+            await conn.execute(
+                "INSERT INTO throttles (provider, until) VALUES (%s, %s) ON CONFLICT (provider) "
+                "DO UPDATE SET until = greatest(throttles.until, excluded.until)",
+                (provider, until),
+            )
+
+    @_translated
+    async def throttled(self, now: float) -> dict[str, float]:
+        async with self._conn() as conn:
+            cur = await conn.execute("SELECT provider, until FROM throttles WHERE until > %s", (now,))
+            return {str(p): float(u) for p, u in await cur.fetchall()}
+
+    @_translated
+    async def hold_connection(self, provider: str, holder: str, limit: int, until: float, now: float) -> bool:
+        async with self._tx() as conn:
+            # One provider's slots are taken one at a time: each sees every earlier one.
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"conn:{provider}",))
+            await conn.execute(
+                "DELETE FROM connection_slots WHERE provider = %s AND until <= %s", (provider, now)
+            )
+            cur = await conn.execute(
+                "UPDATE connection_slots SET until = %s WHERE provider = %s AND holder = %s",
+                (until, provider, holder),
+            )
+            if cur.rowcount:
+                return True
+            row = await _one(conn, "SELECT count(*) FROM connection_slots WHERE provider = %s", (provider,))
+            assert row is not None
+            if int(row[0]) >= limit:
+                return False
+            await conn.execute(
+                "INSERT INTO connection_slots (provider, holder, until) VALUES (%s, %s, %s)",
+                (provider, holder, until),
+            )
+            return True
+
+    @_translated
+    async def drop_connection(self, provider: str, holder: str) -> None:
+        async with self._conn() as conn:
+            await conn.execute(
+                "DELETE FROM connection_slots WHERE provider = %s AND holder = %s", (provider, holder)
+            )
 
     # --- AUTH brute force --------------------------------------------------------------------
     @_translated

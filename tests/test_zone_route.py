@@ -1,0 +1,130 @@
+"""Per-zone route (DESIGN.md §16): `zones.Z.providers` reorders or restricts the route for
+one zone, in relay and queue mode; a name that is not a provider is refused at load with its
+YAML path. Real clients, two counting upstreams."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from smtpguard.cli import main
+from smtpguard.config import ConfigError, loads
+from tests.support import (
+    OTHER_PASSWORD,
+    Behaviour,
+    Upstream,
+    base_config,
+    message,
+    send,
+    settled_records,
+    write_config,
+)
+
+
+def provider(name: str, port: int) -> dict[str, Any]:
+    return {
+        "name": name,
+        "kind": "smtp",
+        "host": "127.0.0.1",
+        "port": port,
+        "tls": "none",
+        "timeouts": {"connect": "2s", "command": "3s", "data": "2s"},
+        "pool_size": 2,
+    }
+
+
+async def two_upstreams() -> tuple[Upstream, Upstream]:
+    primary, standby = Upstream(), Upstream()
+    await primary.start()
+    await standby.start()
+    return primary, standby
+
+
+@pytest.mark.parametrize("delivery", ["relay", "queue"])
+async def test_a_zone_with_its_own_route_goes_only_there(tmp: Path, delivery: str) -> None:
+    from tests.support import running_guard
+
+    primary, standby = await two_upstreams()
+    try:
+        cfg = base_config(tmp, None, zones__acme__providers=["standby"], zones__acme__delivery=delivery)
+        cfg["providers"] = [provider("primary", primary.port), provider("standby", standby.port)]
+        cfg["queue"] = {"backoff": {"base": "100ms", "max": "500ms"}, "poll_interval": "100ms"}
+        async with running_guard(cfg) as guard:
+            port = guard.ports[0]
+            for i in range(3):
+                assert (await send(port, message(f"a{i}"))).code == 250
+                assert (
+                    await send(
+                        port,
+                        message(f"g{i}", sender="news@globex.example"),
+                        user="globex-app",
+                        password=OTHER_PASSWORD,
+                        sender="news@globex.example",
+                    )
+                ).code == 250
+            await standby.wait_received(3)
+            await primary.wait_received(3)
+            if delivery == "queue":
+                await settled_records(cfg["store"]["url"], "acme", [f"a{i}" for i in range(3)])
+    finally:
+        await primary.stop()
+        await standby.stop()
+    # Zone acme (providers: [standby]) never reached the primary; globex took the default route.
+    assert sorted(standby.event_keys()) == ["a0", "a1", "a2"]  # type: ignore[type-var]
+    assert sorted(primary.event_keys()) == ["g0", "g1", "g2"]  # type: ignore[type-var]
+
+
+async def test_a_zone_route_reorders_and_still_fails_over_before_data(tmp: Path) -> None:
+    from tests.support import running_guard
+
+    primary, standby = await two_upstreams()
+    try:
+        cfg = base_config(tmp, None, zones__acme__providers=["standby", "primary"])
+        cfg["providers"] = [provider("primary", primary.port), provider("standby", standby.port)]
+        async with running_guard(cfg) as guard:
+            assert (await send(guard.ports[0], message("r1"))).code == 250
+            # Its zone's first choice refuses for now before DATA: the next on its route.
+            standby.handler.default = Behaviour(mail="451 4.3.0 try later")
+            assert (await send(guard.ports[0], message("r2"))).code == 250
+    finally:
+        await primary.stop()
+        await standby.stop()
+    assert standby.event_keys() == ["r1"]
+    assert primary.event_keys() == ["r2"]
+
+
+def _config_text(tmp: Path, zone_providers: object) -> str:
+    cfg = base_config(tmp, None)
+    cfg["providers"] = [provider("primary", 2525), provider("standby", 2526)]
+    cfg["zones"]["acme"]["providers"] = zone_providers
+    return yaml.safe_dump(cfg, sort_keys=False)
+
+
+def test_an_unknown_provider_in_a_zone_route_is_refused_with_its_path(
+    tmp: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = _config_text(tmp, ["standby", "secondary"])
+    path = write_config(tmp / "c.yaml", yaml.safe_load(text))
+    assert main(["check-config", "-c", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "zones.acme.providers[1]" in err
+    assert "'secondary' is not one of providers: primary, standby" in err
+
+
+@pytest.mark.parametrize(
+    ("value", "where", "says"),
+    [
+        ([], "zones.acme.providers", "must not be empty"),
+        (["primary", "primary"], "zones.acme.providers[1]", "listed twice"),
+        ("primary", "zones.acme.providers", "list"),
+    ],
+)
+def test_a_bad_zone_route_is_refused(tmp: Path, value: object, where: str, says: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        loads(_config_text(tmp, value))
+    problem = "\n".join(e.value.problems)
+    assert where in problem and says in problem, problem
