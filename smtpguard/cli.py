@@ -124,10 +124,17 @@ def _zone(config: Config, zone: str, allow_global: bool = False) -> str:
 # --- commands --------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     from smtpguard import logs, server
+    from smtpguard.config import worker_count
+    from smtpguard.workers import WorkerRole
 
     config = _config(args)
-    logs.configure(config.log.format, config.log.level)
-    server.serve(config, Path(_config_path(args)))
+    role = WorkerRole.from_env()
+    logs.configure(config.log.format, config.log.level, worker=role.index if role else None)
+    if role is None and worker_count(config.workers) > 1:
+        from smtpguard.supervisor import supervise
+
+        return supervise(config, Path(_config_path(args)))
+    server.serve(config, Path(_config_path(args)), role)
     return 0
 
 
