@@ -209,7 +209,10 @@ async def test_two_workers_share_the_traffic_send_each_key_once_and_report_one_s
     tmp: Path, upstream: Upstream, store: dict[str, Any]
 ) -> None:
     upstream.handler.default = Behaviour(hang_after_dot=0.2)
-    async with pool(tmp, upstream, **store) as p:
+    # SQLite in WAL across processes (BEGIN IMMEDIATE makes reserve atomic between them)
+    # with three workers on one file; the servers' stores with two.
+    workers = 3 if store["store__url"].startswith("sqlite") else 2
+    async with pool(tmp, upstream, workers=workers, **store) as p:
         distinct = await asyncio.gather(*(send(p.port, message(f"w:{i}")) for i in range(40)))
         # The duplicate storm: one key from 20 clients at once, over both workers.
         storm = await asyncio.gather(*(send(p.port, message("w:storm")) for _ in range(20)))
@@ -221,35 +224,16 @@ async def test_two_workers_share_the_traffic_send_each_key_once_and_report_one_s
     relayed = scraped.get('smtpguard_submissions_total{decision="relayed",zone="acme"}', 0)
     duplicate = scraped.get('smtpguard_submissions_total{decision="duplicate",zone="acme"}', 0)
     print(
-        f"workers 2 on {store['store__url'].split(':')[0]}: decisions per worker {dict(by_worker)}, "
+        f"workers {workers} on {store['store__url'].split(':')[0]}: decisions per worker {dict(by_worker)}, "
         f"upstream {len(upstream.received)}, /metrics relayed={relayed} duplicate={duplicate}"
     )
     assert [r.code for r in distinct] == [250] * 40
     assert [r.code for r in storm] == [250] * 20
     assert sum("duplicate" in r.text for r in storm) == 19
     assert counts == Counter([*(f"w:{i}" for i in range(40)), "w:storm"])
-    assert set(by_worker) == {0, 1}, "the kernel gave every connection to one worker"
+    assert set(by_worker) == set(range(workers)), "the kernel left a worker without connections"
     assert (relayed, duplicate) == (41, 19)
     assert sum(by_worker.values()) == 60
-
-
-@pytest.mark.slow
-async def test_duplicate_storm_on_one_sqlite_file_from_four_workers_is_sent_once(
-    tmp: Path, upstream: Upstream
-) -> None:
-    """SQLite in WAL across processes: BEGIN IMMEDIATE makes reserve atomic between workers."""
-    upstream.handler.default = Behaviour(hang_after_dot=0.3)
-    async with pool(tmp, upstream, workers=4) as p:
-        rounds = []
-        for r in range(3):
-            rounds.append(await asyncio.gather(*(send(p.port, message(f"sq:{r}")) for _ in range(20))))
-        by_worker = Counter(d["worker"] for d in p.decisions())
-    print(f"sqlite, 4 workers, 3 storms of 20: decisions per worker {dict(by_worker)}")
-    assert Counter(upstream.event_keys()) == Counter(["sq:0", "sq:1", "sq:2"])
-    for replies in rounds:
-        assert [x.code for x in replies] == [250] * 20
-        assert sum("duplicate" in x.text for x in replies) == 19
-    assert len(by_worker) >= 3
 
 
 async def _send_or_lost(port: int, key: str) -> Reply:
@@ -257,6 +241,17 @@ async def _send_or_lost(port: int, key: str) -> Reply:
         return await send(port, message(key), timeout=10)
     except (aiosmtplib.SMTPException, OSError):
         return Reply(0, "connection lost")
+
+
+async def _retry(port: int, key: str) -> str:
+    for _ in range(40):
+        reply = await _send_or_lost(port, key)
+        if reply.code == 250:
+            return "delivered"
+        if reply.code == 451 and reply.text.startswith("4.3.0") and "held" in reply.text:
+            return "held"
+        await asyncio.sleep(0.25)  # in flight under the dead worker's lease: wait it out
+    raise AssertionError(f"{key}: no definitive answer after the restart")
 
 
 @pytest.mark.slow
@@ -268,27 +263,15 @@ async def test_kill_9_of_a_worker_is_restarted_and_sends_nothing_twice(tmp: Path
         event_key={"inflight_wait": "200ms", "min_retry_interval": "60s", "lease": "1s"},
     ) as p:
         victim = p.worker_pids()[1]
-        first = [asyncio.create_task(_send_or_lost(p.port, f"k9:{i}")) for i in range(30)]
+        keys = [f"k9:{i}" for i in range(30)]
+        first = [asyncio.create_task(_send_or_lost(p.port, k)) for k in keys]
         await asyncio.sleep(0.5)
         os.kill(victim, signal.SIGKILL)
         replies = await asyncio.gather(*first)
         await wait_for("worker 1 restarted", lambda: p.worker_pids()[1] != victim)
         after = await asyncio.gather(*(send(p.port, message(f"k9:after:{i}")) for i in range(10)))
-        # Every key of the first wave again, as a client retries, until it has an answer.
-        answers: dict[str, str] = {}
-        for i in range(30):
-            key = f"k9:{i}"
-            for _ in range(40):
-                reply = await _send_or_lost(p.port, key)
-                if reply.code == 250:
-                    answers[key] = "delivered"
-                    break
-                if reply.code == 451 and reply.text.startswith("4.3.0") and "held" in reply.text:
-                    answers[key] = "held"
-                    break
-                await asyncio.sleep(0.25)
-            else:
-                raise AssertionError(f"{key}: no definitive answer after the restart")
+        # Every key of the first wave again, as its client retries, until it has an answer.
+        answers = dict(zip(keys, await asyncio.gather(*(_retry(p.port, k) for k in keys)), strict=True))
         exits = [e for e in p.lines() if e.get("msg") == "worker exited; restarting it"]
     counts = Counter(upstream.event_keys())
     lost_first = sum(r.code == 0 for r in replies)
