@@ -31,6 +31,7 @@ from smtpguard.connection_table import ConnectionTable, address_key
 from smtpguard.policy.restart import MAX_DELAY, STABLE_AFTER, after_exit
 from tests.postgres_support import PostgresServer
 from tests.support import (
+    OTHER_PASSWORD,
     PASSWORD,
     Behaviour,
     GuardProcess,
@@ -294,7 +295,21 @@ async def test_kill_9_of_a_worker_is_restarted_and_sends_nothing_twice(tmp: Path
 async def test_sighup_reaches_every_worker_and_a_broken_config_reaches_none(
     tmp: Path, upstream: Upstream
 ) -> None:
-    async with pool(tmp, upstream) as p:
+    async with pool(tmp, upstream, zones__globex__delivery="queue") as p:
+        # Store-and-forward: every worker runs a queue worker; claims are atomic in the store.
+        queued = await asyncio.gather(
+            *(
+                send(
+                    p.port,
+                    message(f"q:{i}", sender="app@globex.example"),
+                    user="globex-app",
+                    password=OTHER_PASSWORD,
+                    sender="app@globex.example",
+                )
+                for i in range(20)
+            )
+        )
+        await upstream.wait_received(20)
         new_sender = "billing@new-brand.example"
         before = await send(p.port, message("hup:0", sender=new_sender), sender=new_sender)
         cfg = p.cfg
@@ -331,7 +346,18 @@ async def test_sighup_reaches_every_worker_and_a_broken_config_reaches_none(
     assert len(refused) == 1 and refused[0]["logger"] == "smtpguard.supervisor"
     assert "bogus_key" in " ".join(refused[0]["problems"])
     assert [r.code for r in still] == [250] * 10
-    assert len(upstream.received) == 30
+    deliveries = Counter(
+        d["worker"] for d in p.decisions() if d["user"] == "delivery" and d["decision"] == "relayed"
+    )
+    assert [r.code for r in queued] == [250] * 20
+    assert sum(deliveries.values()) == 20 and set(deliveries) == {0, 1}, deliveries
+    assert Counter(upstream.event_keys()) == Counter(
+        [
+            *(f"q:{i}" for i in range(20)),
+            *(f"hup:{i}" for i in range(1, 21)),
+            *(f"hup:b{i}" for i in range(10)),
+        ]
+    )
 
 
 async def _greeting(port: int, source: str) -> str:
@@ -389,3 +415,92 @@ async def test_connection_limits_and_auth_lockout_are_global_across_workers(
     )
     assert set(locking) == {0, 1}
     assert upstream.received == []
+
+
+@pytest.mark.slow
+async def test_a_taken_port_fails_the_start_before_any_worker_runs(tmp: Path, upstream: Upstream) -> None:
+    """Also a port held by a SO_REUSEPORT group (another smtpguard's workers), which a
+    SO_REUSEPORT bind would silently join."""
+    for reuseport in (False, True):
+        held = socket.socket()
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuseport:
+            held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cfg = base_config(tmp, upstream.port, workers=2)
+        cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
+        log = tmp / f"taken-{reuseport}.log"
+        guard = GuardProcess(write_config(tmp / "c.yaml", cfg), log)
+        guard.start()
+        assert guard.proc is not None
+        code = await asyncio.to_thread(guard.proc.wait, 20)
+        guard.stop()
+        held.close()
+        text = log.read_text()
+        assert code == 1
+        assert f"listen[0].address: cannot listen on 127.0.0.1:{port}: Address already in use" in text
+        assert "worker started" not in text and "Traceback" not in text
+
+
+@pytest.mark.slow
+async def test_a_worker_that_cannot_start_stops_the_service(
+    tmp: Path, upstream: Upstream, redis_server: RedisServer
+) -> None:
+    """The session's redis-server does not fsync: without store.unsafe every worker refuses
+    it at start (DESIGN.md §15), and the supervisor exits 1 rather than restart them forever."""
+    cfg = base_config(
+        tmp, upstream.port, workers=2, store__url=redis_server.url.rsplit("/", 1)[0] + f"/{REDIS_DB}"
+    )
+    cfg["listen"] = [{"address": f"127.0.0.1:{free_port()}", "tls": "none"}]
+    guard = GuardProcess(write_config(tmp / "c.yaml", cfg), tmp / "guard.log")
+    guard.start()
+    assert guard.proc is not None
+    code = await asyncio.to_thread(guard.proc.wait, 30)
+    guard.stop()
+    text = (tmp / "guard.log").read_text()
+    assert code == 1
+    assert "appendonly" in text and "worker failed to start; stopping" in text
+    assert "restarting it" not in text
+
+
+@pytest.mark.slow
+async def test_inherited_socket_where_there_is_no_so_reuseport(tmp: Path, upstream: Upstream) -> None:
+    """The fallback: the supervisor listens and the workers accept on its socket."""
+    port = free_port()
+    cfg = base_config(tmp, upstream.port, workers=2)
+    cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
+    path = write_config(tmp / "c.yaml", cfg)
+    code = (
+        "import sys, smtpguard.supervisor as s; s.reuseport_available = lambda: False; "
+        "from smtpguard.cli import main; sys.exit(main(['serve', '-c', sys.argv[1]]))"
+    )
+    guard = GuardProcess(path, tmp / "guard.log")
+    guard.start = lambda: _start_python(guard, code, path)  # type: ignore[method-assign]
+    guard.start()
+    try:
+        await guard.wait_port(port)
+        replies = await asyncio.gather(*(send(port, message(f"inh:{i}")) for i in range(20)))
+        storm = await asyncio.gather(*(send(port, message("inh:storm")) for _ in range(10)))
+    finally:
+        rc = await guard.astop(timeout=30)
+    text = (tmp / "guard.log").read_text()
+    assert '"sockets":"inherit"' in text
+    assert [r.code for r in [*replies, *storm]] == [250] * 30
+    assert Counter(upstream.event_keys()) == Counter([*(f"inh:{i}" for i in range(20)), "inh:storm"])
+    assert rc == 0
+
+
+def _start_python(guard: GuardProcess, code: str, path: Path) -> None:
+    import subprocess
+    import sys
+
+    guard._log = open(guard.log_path, "ab")  # noqa: SIM115 - closed by guard.stop()
+    guard.proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(path)],
+        stdout=guard._log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
+    )
