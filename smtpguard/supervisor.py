@@ -66,6 +66,9 @@ class Slot:
     due: float | None = None
     """When to start it again (None: running, or not to be restarted)."""
     exits: list[int] = field(default_factory=list)
+    reload_pending: bool = False
+    """A reload arrived while it was starting: it gets SIGUSR1 once it is ready (before
+    that, SIGUSR1 would kill it: its handler is not installed yet)."""
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -168,6 +171,7 @@ class Supervisor:
         )
         slot.started = time.monotonic()
         slot.ready = False
+        slot.reload_pending = False  # it reads the current config.yaml at start
         slot.due = None
         log.info("worker started", extra={"worker": slot.index, "pid": slot.proc.pid})
 
@@ -242,11 +246,17 @@ class Supervisor:
             if not slot.ready and (self.run_dir / "ready" / str(proc.pid)).exists():
                 slot.ready = slot.ever_ready = True
                 log.info("worker ready", extra={"worker": slot.index, "pid": proc.pid})
+                if slot.reload_pending:
+                    slot.reload_pending = False
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.send_signal(signal.SIGUSR1)
                 if not self.announced and all(s.ready for s in self.slots):
                     self.announced = True
                     notify.ready(f"serving {len(self.config.zones)} zone(s) with {self.count} workers")
             return
         slot.proc = None
+        if self.stopping and code == -signal.SIGTERM and not slot.ready:
+            code = 0  # stopped while still starting: it held nothing to drain
         slot.exits.append(code)
         self._forget(proc.pid, slot.index)
         uptime = now - slot.started
@@ -312,9 +322,11 @@ class Supervisor:
         os.replace(staged, self.run_dir / "config.yaml")
         self.config = new
         for slot in self.slots:
-            if slot.proc is not None:
+            if slot.proc is not None and slot.ready:
                 with contextlib.suppress(ProcessLookupError):
                     slot.proc.send_signal(signal.SIGUSR1)
+            elif slot.proc is not None:
+                slot.reload_pending = True
         log.info("config reload sent to every worker", extra={"workers": self.count})
         notify.ready(f"serving {len(new.zones)} zone(s) with {self.count} workers")
 
