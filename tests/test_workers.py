@@ -175,6 +175,10 @@ class Pool:
         """Worker index → pid of its latest start, from the supervisor's log."""
         return {e["worker"]: e["pid"] for e in self.lines() if e.get("msg") == "worker ready"}
 
+    def status(self, path: str) -> int:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}{path}", timeout=5) as r:
+            return int(r.status)
+
     def scrape(self) -> dict[str, float]:
         body = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read()
         out: dict[str, float] = {}
@@ -250,6 +254,7 @@ async def test_two_workers_share_the_traffic_send_each_key_once_and_report_one_s
         storm = await asyncio.gather(*(send(p.port, message("w:storm")) for _ in range(20)))
         await asyncio.sleep(1.5)  # each worker flushes its counters to its metrics file at once
         scraped = p.scrape()
+        health = [p.status(path) for path in ("/healthz", "/readyz") for _ in range(4)]
         decisions = p.decisions()
     by_worker = Counter(d["worker"] for d in decisions)
     counts = Counter(upstream.event_keys())
@@ -265,6 +270,7 @@ async def test_two_workers_share_the_traffic_send_each_key_once_and_report_one_s
     assert counts == Counter([*(f"w:{i}" for i in range(40)), "w:storm"])
     assert set(by_worker) == set(range(workers)), "the kernel left a worker without connections"
     assert (relayed, duplicate) == (41, 19)
+    assert health == [200] * 8
     assert sum(by_worker.values()) == 60
 
 
