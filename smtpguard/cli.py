@@ -124,15 +124,22 @@ def _zone(config: Config, zone: str, allow_global: bool = False) -> str:
 # --- commands --------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     from smtpguard import logs, server
+    from smtpguard.config import worker_count
+    from smtpguard.workers import WorkerRole
 
     config = _config(args)
-    logs.configure(config.log.format, config.log.level)
-    server.serve(config, Path(_config_path(args)))
+    role = WorkerRole.from_env()
+    logs.configure(config.log.format, config.log.level, worker=role.index if role else None)
+    if role is None and worker_count(config.workers) > 1:
+        from smtpguard.supervisor import supervise
+
+        return supervise(config, Path(_config_path(args)))
+    server.serve(config, Path(_config_path(args)), role)
     return 0
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    from smtpguard.config import provider_secrets
+    from smtpguard.config import provider_secrets, worker_count
 
     try:
         config = _config(args)
@@ -155,13 +162,14 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         "providers": len(config.providers),
         "zones": len(config.zones),
         "store": config.store.url.split("://")[0],
+        "workers": worker_count(config.workers),
     }
     if args.json:
         emit({"ok": True, "config": _config_path(args), **summary})
         return 0
     print(
         f"config OK: {summary['listeners']} listener(s), {summary['providers']} provider(s), "
-        f"{summary['zones']} zone(s), store {summary['store']}"
+        f"{summary['zones']} zone(s), store {summary['store']}, {summary['workers']} worker(s)"
     )
     return 0
 
@@ -838,7 +846,10 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_serve,
         "run the proxy",
         "Run the listeners, the relay and the store-and-forward worker until SIGTERM "
-        "(graceful drain); SIGHUP reloads the config and re-reads the TLS files.",
+        "(graceful drain); SIGHUP reloads the config and re-reads the TLS files. With "
+        "`workers: N` (or auto: one per core) in the config, a supervisor runs N such "
+        "processes on the same listening sockets, restarts one that dies, and passes "
+        "SIGHUP and SIGTERM on to all of them.",
         json_=False,
     )
     cmd(

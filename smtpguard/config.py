@@ -55,6 +55,16 @@ FilePath = Annotated[Path, BeforeValidator(_path)]
 _ZONE_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 MIN_PROBE_INTERVAL = 10.0
 """Seconds: a shorter probe_interval would log in to the provider many times a minute."""
+MAX_WORKERS = 256
+
+
+def _workers(value: object) -> object:
+    # One message for both spellings, rather than one per member of the union.
+    if value == "auto" or (type(value) is int and 1 <= value <= MAX_WORKERS):
+        return value
+    raise ValueError(f"must be a whole number from 1 to {MAX_WORKERS}, or auto; got {value!r}")
+
+
 _DNS_LABELS = re.compile(r"[A-Za-z0-9_-]{1,63}(\.[A-Za-z0-9_-]{1,63})*")
 
 
@@ -738,6 +748,8 @@ class Config(_Strict):
     """Name in the greeting and in derived Message-IDs; default: the machine's FQDN."""
     instance: str | None = None
     """This instance's name in leases and history; default: hostname and process id."""
+    workers: Annotated[int | Literal["auto"], BeforeValidator(_workers)] = 1
+    """Worker processes behind one supervisor (DESIGN.md §17); auto: one per usable core."""
     zones: dict[str, ZoneConfig] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -1222,3 +1234,15 @@ def provider_secrets(config: Config) -> dict[str, str | None]:
 
 def plan_send_as(zone: ZoneConfig) -> bool:
     return PLANS[zone.plan].send_as
+
+
+def worker_count(workers: int | Literal["auto"]) -> int:
+    """`workers: auto` is the cores this process may run on (its CPU affinity, which a
+    container's cpuset narrows), else every core the machine has."""
+    if workers != "auto":
+        return workers
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_WORKERS))

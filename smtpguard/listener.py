@@ -376,7 +376,19 @@ class GuardSMTP(SMTP):
         if self._refused:
             return None
         result: bool | None = super().eof_received()
+        # aiosmtpd's answer to EOF is to cancel the session task, whose cancellation path
+        # closes the transport. A peer that closes at once (a TCP health check) can have its
+        # EOF read in the same loop turn as the accept (uvloop does), cancelling the task
+        # before its first step: nothing would then close the transport, and the connection
+        # would stay open and counted against max_connections for good.
+        task = self._handler_coroutine
+        if task is not None:
+            task.add_done_callback(self._close_after_eof)
         return result
+
+    def _close_after_eof(self, _task: asyncio.Task[None]) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
 
     async def push(self, status: AnyStr) -> None:
         text = status.decode() if isinstance(status, bytes) else status

@@ -14,6 +14,9 @@ import logging
 import sys
 from datetime import UTC, datetime
 
+_worker: int | None = None
+"""This process's worker index under `workers: N`: every line says which worker wrote it."""
+
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
 
@@ -24,6 +27,8 @@ def _fields(record: logging.LogRecord) -> dict[str, object]:
         "logger": record.name,
         "msg": record.getMessage(),
     }
+    if _worker is not None:
+        out["worker"] = _worker
     for k, v in record.__dict__.items():
         if k not in _STANDARD and not k.startswith("_"):
             out[k] = v
@@ -82,7 +87,9 @@ class TextFormatter(logging.Formatter):
         return line
 
 
-def configure(fmt: str, level: str) -> None:
+def configure(fmt: str, level: str, worker: int | None = None) -> None:
+    global _worker
+    _worker = worker
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JSONFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()

@@ -13,7 +13,9 @@ import asyncio
 import contextlib
 import logging
 import platform
-from collections.abc import Awaitable, Callable, Sequence
+import socket
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import (
@@ -48,8 +50,16 @@ up in the top buckets instead of vanishing into +Inf."""
 
 
 class Metrics:
-    def __init__(self) -> None:
+    """Each gauge names how workers' values add up (`multiprocess_mode`, used only under
+    `workers: N`, where prometheus_client keeps one file of values per worker process):
+    live* modes forget a worker once the supervisor marks it dead; counters and histograms
+    are summed over every worker that ever ran, so a killed worker's sends still count."""
+
+    def __init__(self, multiprocess: Path | None = None) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self.multiprocess = multiprocess
+        """The multiprocess directory of `workers: N`; None: this process's values only."""
+        self._depth_labels: set[tuple[str, str]] = set()
         self.registry = CollectorRegistry()
         r = self.registry
         self.submissions = Counter(
@@ -83,18 +93,21 @@ class Metrics:
             "Circuit per provider: 0 closed, 1 half-open, 2 open",
             ["provider"],
             registry=r,
+            multiprocess_mode="livemax",  # each worker has its own breaker: the worst one
         )
         self.provider_ready = Gauge(
             "smtpguard_provider_ready",
             "1 when the provider's last probe (connect, EHLO, STARTTLS, AUTH, QUIT) passed, else 0",
             ["provider"],
             registry=r,
+            multiprocess_mode="livemin",  # ready only when every worker's probe passed
         )
         self.provider_throttled = Gauge(
             "smtpguard_provider_throttled",
             "1 while the provider is throttled fleet-wide after a rate-limit reply, else 0",
             ["provider"],
             registry=r,
+            multiprocess_mode="livemax",  # a fleet-wide flag: throttled if any worker has seen it
         )
         self.provider_rate_limited = Counter(
             "smtpguard_provider_rate_limited",
@@ -107,12 +120,14 @@ class Metrics:
             "Sends left in the zone's cap window",
             ["zone", "window"],
             registry=r,
+            multiprocess_mode="livemax",  # the store's count, exported by worker 0 alone
         )
         self.cap_used_ratio = Gauge(
             "smtpguard_cap_used_ratio",
             "Share of the zone's cap used (0..1), by the whole fleet: window hour or month",
             ["zone", "window"],
             registry=r,
+            multiprocess_mode="livemax",  # the store's count: the freshest read is the highest
         )
         self.provider_events = Counter(
             "smtpguard_provider_events",
@@ -125,11 +140,13 @@ class Metrics:
             "Ledger records per zone and state",
             ["zone", "state"],
             registry=r,
+            multiprocess_mode="livemax",  # the store's count, exported by worker 0 alone
         )
         self.connections = Gauge(
             "smtpguard_connections",
             "Open client connections",
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.auth_failures = Counter(
             "smtpguard_auth_failures",
@@ -152,6 +169,7 @@ class Metrics:
             "Store-and-forward entries waiting or held, by zone and class",
             ["zone", "class"],
             registry=r,
+            multiprocess_mode="livemax",  # the store's count, exported by worker 0 alone
         )
         self.reloads = Counter(
             "smtpguard_config_reloads",
@@ -163,17 +181,28 @@ class Metrics:
             "smtpguard_tls_certificate_expiry_timestamp_seconds",
             "notAfter of the listeners' TLS certificate, as a Unix time",
             registry=r,
+            multiprocess_mode="livemin",  # the soonest expiry any worker serves
         )
         self.draining = Gauge(
             "smtpguard_draining",
             "1 while the instance stops: no new connections, in-flight submissions finish",
             registry=r,
+            multiprocess_mode="livemax",
         )
+        if multiprocess is not None:
+            # What a scrape of any worker renders: every worker's files, added up. Process
+            # and platform collectors describe one process only, so they are left out.
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            r = self._rendered = CollectorRegistry()
+            MultiProcessCollector(r, path=str(multiprocess))  # type: ignore[no-untyped-call]
+        else:
+            self._rendered = r
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
         Info("smtpguard_build", "smtpguard version and Python it runs on", registry=r).info(
             {"version": __version__, "python": platform.python_version()}
         )
-        ProcessCollector(registry=r)
-        PlatformCollector(registry=r)
 
     def submission(self, zone: str, decision: str, seconds: float) -> None:
         self._child(self.submissions, zone, decision).inc()
@@ -183,6 +212,17 @@ class Metrics:
     def upstream(self, provider: str, reply_class: str, seconds: float) -> None:
         self._child(self.upstream_replies, provider, reply_class).inc()
         self._child(self.upstream_latency, provider).observe(seconds)
+
+    def queue_depths(self, depth: Mapping[tuple[str, str], int]) -> None:
+        if self.multiprocess is None:
+            self.queue_depth.clear()
+        else:
+            # A cleared child would keep its last value in this worker's file: say 0.
+            for gone in self._depth_labels - set(depth):
+                self.queue_depth.labels(*gone).set(0)
+            self._depth_labels = set(depth)
+        for (zname, lane), n in depth.items():
+            self.queue_depth.labels(zname, lane).set(n)
 
     def ledger_records(self, zone: str, counts: dict[str, int]) -> None:
         for state in State:
@@ -224,7 +264,7 @@ class Metrics:
         self._child(self.provider_throttled, name)  # 0 when new; a known value is kept
 
     def render(self) -> bytes:
-        data: bytes = generate_latest(self.registry)
+        data: bytes = generate_latest(self._rendered)
         return data
 
 
@@ -237,8 +277,11 @@ class HealthServer:
         self._server: asyncio.Server | None = None
         self.port = 0
 
-    async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._serve, host, port, reuse_address=True)
+    async def start(self, host: str, port: int, sock: socket.socket | None = None) -> None:
+        if sock is not None:  # a worker's socket in the supervisor's group (workers: N)
+            self._server = await asyncio.start_server(self._serve, sock=sock)
+        else:
+            self._server = await asyncio.start_server(self._serve, host, port, reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from smtpguard.events.mailbox import MailboxServer
     from smtpguard.events.sources import Sources
     from smtpguard.events.web import EventsServer
+    from smtpguard.workers import WorkerRole
 
 log = logging.getLogger("smtpguard.server")
 decisions = logging.getLogger("smtpguard.decision")
@@ -119,13 +120,20 @@ class Server:
         config: Config,
         config_path: Path | None = None,
         clock: Callable[[], float] | None = None,
+        role: WorkerRole | None = None,
     ) -> None:
         self.config = config
+        self.role = role
+        """One of `workers: N` (smtpguard/workers.py); None: the only process."""
         self.config_path = config_path
         self._clock = clock
         """Injected by tests; otherwise the store's clock (DESIGN.md §11.5)."""
         self.hostname = config.hostname or socket.getfqdn()
-        self.instance = config.instance or f"{socket.gethostname()}:{os.getpid()}"
+        self.instance = (
+            (role.instance(config.instance) if role else None)
+            or config.instance
+            or f"{socket.gethostname()}:{os.getpid()}"
+        )
         self.stats = StatsBuffer()
         self._servers: list[asyncio.Server] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -137,7 +145,7 @@ class Server:
         stays in force when the route is rebuilt."""
         self.handler: Handler | None = None
         self.ports: list[int] = []
-        self.metrics = Metrics()
+        self.metrics = Metrics(multiprocess=role.metrics_dir if role else None)
         self.health: HealthServer | None = None
         self.submitter: Submitter | None = None
         self.worker: DeliveryWorker | None = None
@@ -161,6 +169,13 @@ class Server:
         """The context of the certificate served now; a reload replaces it with a fresh one
         built from one read of the renewed files, so a bad pair leaves it untouched."""
         self.draining = False
+        self.orphaned = asyncio.Event()
+        """Set when this worker's supervisor is gone: the worker drains and exits."""
+
+    @property
+    def singleton(self) -> bool:
+        """Runs what must run once per host: the only process, or worker 0."""
+        return self.role is None or self.role.singleton
 
     def clock(self) -> float:
         """Leases, windows and history are measured on one clock for every instance sharing
@@ -195,7 +210,10 @@ class Server:
         else:
             await self._judge_durability(problems, at_start=True)
         self.route = self._route(config, secrets)
-        self.cap_alerts = CapAlerts(lambda: self.config, self.store, self.metrics, self.clock)
+        if self.singleton:
+            # One warning per window per host, not per worker: worker 0 reads the store's
+            # counters (the fleet's) after its own sends and in the gauge loop for all.
+            self.cap_alerts = CapAlerts(lambda: self.config, self.store, self.metrics, self.clock)
         submitter = Submitter(config, self.store, self.route, self.instance, self.hostname, self.clock)
         self.submitter = submitter
         self._ensure_worker()
@@ -208,19 +226,21 @@ class Server:
             recipient_domains=self._recipient_domains(config),
             observe=self.metrics.event,
         )
+        if self.role is not None:
+            self.handler.connections = self.role.connections()
         for zname, zone in config.zones.items():
             if zone.paused:
                 log.info("zone paused by config", extra={"zone": zname})
         loop = asyncio.get_running_loop()
-        for lst in config.listen:
+        for i, lst in enumerate(config.listen):
             factory = self._factory(lst.tls, ssl_ctx)
-            srv = await loop.create_server(
-                factory,
-                host=lst.host,
-                port=lst.port,
-                ssl=ssl_ctx if lst.tls == "implicit" else None,
-                reuse_address=True,
-            )
+            ssl_arg = ssl_ctx if lst.tls == "implicit" else None
+            if self.role is not None:
+                srv = await loop.create_server(factory, sock=self.role.listen_socket(i), ssl=ssl_arg)
+            else:
+                srv = await loop.create_server(
+                    factory, host=lst.host, port=lst.port, ssl=ssl_arg, reuse_address=True
+                )
             self._servers.append(srv)
             for sock in srv.sockets:
                 self.ports.append(sock.getsockname()[1])
@@ -228,16 +248,21 @@ class Server:
         if config.metrics is not None:
             host, _, port = config.metrics.address.rpartition(":")
             self.health = HealthServer(self.metrics, self.readiness)
-            await self.health.start(host.strip("[]"), int(port))
+            shared = self.role.metrics_socket() if self.role is not None else None
+            await self.health.start(host.strip("[]"), int(port), sock=shared)
             log.info("metrics listening", extra={"address": config.metrics.address, "port": self.health.port})
-        if sources is not None:
+        # One webhook listener, console, purge and record count per host, not one per worker.
+        if sources is not None and self.singleton:
             await self._start_events(config, sources)
-        if config.console is not None:
+        if config.console is not None and self.singleton:
             await self._start_console(config)
         self._tasks.append(asyncio.create_task(self._flush_stats()))
         self._tasks.append(asyncio.create_task(self._refresh_gauges()))
-        self._tasks.append(asyncio.create_task(self._count_records()))
-        self._tasks.append(asyncio.create_task(self._purge()))
+        if self.singleton:
+            self._tasks.append(asyncio.create_task(self._count_records()))
+            self._tasks.append(asyncio.create_task(self._purge()))
+        if self.role is not None:
+            self._tasks.append(asyncio.create_task(self._watch_supervisor()))
         self._start_prober(config, secrets)
         log.info(
             "smtpguard started",
@@ -476,14 +501,17 @@ class Server:
             if self.gate is not None:
                 # Keeps smtpguard_provider_throttled true to the store while no mail flows.
                 await self.gate.refresh()
+            if not self.singleton:
+                # The store's view (queue depth, cap headroom) is the same from every
+                # worker: worker 0 exports it.
+                await asyncio.sleep(GAUGE_INTERVAL)
+                continue
             try:
                 depth = await self.store.queue_depths()
             except StoreUnavailable:
                 self.metrics.event("store_error:gauges")
             else:
-                self.metrics.queue_depth.clear()
-                for (zname, lane), n in depth.items():
-                    self.metrics.queue_depth.labels(zname, lane).set(n)
+                self.metrics.queue_depths(depth)
             now = self.clock()
             for zname, zone in self.config.zones.items():
                 caps = caps_for(zone.plan, zone.hourly_cap, zone.monthly_cap)
@@ -545,6 +573,15 @@ class Server:
         while True:
             await asyncio.sleep(STATS_FLUSH_INTERVAL)
             await self.stats.flush(self.store)
+
+    async def _watch_supervisor(self) -> None:
+        assert self.role is not None
+        # Nothing announces a parent's death to a child that did not ask the kernel
+        # (PR_SET_PDEATHSIG is Linux-only): look once a second.
+        while not self.role.orphaned():  # noqa: ASYNC110
+            await asyncio.sleep(1.0)
+        log.error("the supervisor is gone; stopping this worker")
+        self.orphaned.set()
 
     async def _purge(self) -> None:
         assert self.store is not None
@@ -773,15 +810,15 @@ def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop]:
     return asyncio.new_event_loop
 
 
-def serve(config: Config, config_path: Path | None) -> None:
+def serve(config: Config, config_path: Path | None, role: WorkerRole | None = None) -> None:
     """Run until SIGTERM or SIGINT, on the configured event loop."""
     new_loop = loop_factory(config.event_loop)
     with asyncio.Runner(loop_factory=new_loop) as runner:
-        runner.run(run(config, config_path))
+        runner.run(run(config, config_path, role))
 
 
-async def run(config: Config, config_path: Path | None) -> None:
-    server = Server(config, config_path)
+async def run(config: Config, config_path: Path | None, role: WorkerRole | None = None) -> None:
+    server = Server(config, config_path, role=role)
     await server.start()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -801,14 +838,31 @@ async def run(config: Config, config_path: Path | None) -> None:
         reloads.add(task)
         task.add_done_callback(reloads.discard)
 
-    loop.add_signal_handler(signal.SIGHUP, on_hup)
+    if role is None:
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
+    else:
+        # The supervisor checks the file and sends SIGUSR1; a SIGHUP sent to the whole
+        # process group must not make every worker reload (or refuse) on its own too.
+        loop.add_signal_handler(signal.SIGHUP, lambda: None)
+        loop.add_signal_handler(signal.SIGUSR1, on_hup)
+        role.mark_ready()
     # systemd (Type=notify) starts the units ordered after this one only now: listeners,
     # store and metrics are up.
     notify.ready(f"serving {len(config.zones)} zone(s)")
-    waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(server.unfit_event.wait())]
+    waiters = [
+        asyncio.create_task(stop.wait()),
+        asyncio.create_task(server.unfit_event.wait()),
+        asyncio.create_task(server.orphaned.wait()),
+    ]
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     for w in waiters:
         w.cancel()
+    if role is not None:
+        # A worker hears SIGTERM twice (from the process group, then from its supervisor):
+        # the second must not kill the drain, nor the exit after it.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
     notify.stopping()
     log.info("stopping: no new connections, draining in-flight submissions")
     await server.stop()

@@ -1,0 +1,341 @@
+"""`workers: N`: one supervisor process and N `smtpguard serve` workers (DESIGN.md §17).
+
+The supervisor holds no event loop, no store connection and no client: it binds, spawns,
+forwards signals and restarts. Each worker is a fresh interpreter (not a fork), so it
+inherits no threads, locks or loop state, and a worker restarted an hour later starts
+exactly as the first did.
+
+Sockets. Where the kernel balances SO_REUSEPORT groups (Linux), each worker binds its own
+listening socket to the same address and the kernel spreads new connections over them by
+a hash of the peer, so one busy worker does not take every accept. The supervisor first
+binds every address once, without SO_REUSEPORT, so a port held by anyone else (another
+smtpguard included, which a SO_REUSEPORT bind would silently join) is a clear error
+before any worker starts; then it keeps a bound, never-listening SO_REUSEPORT socket on
+each, which reserves the port (and fixes the number a `:0` listener got) for the workers.
+Elsewhere it listens itself and the workers inherit that socket.
+
+Signals. SIGTERM/SIGINT: every worker drains (stops accepting, finishes in-flight
+sessions within `limits.drain_timeout`), then the supervisor exits 0. SIGHUP: the
+supervisor loads the file; a config that does not load is refused and logged here, and
+no worker sees it. One that loads becomes the run directory's config.yaml (which workers,
+and every restarted worker, read), and each worker is sent SIGUSR1 to reload it. Workers
+ignore SIGHUP, so a signal sent to the whole process group is not applied twice.
+
+A worker that dies is started again (smtpguard/policy/restart.py decides when), logged
+with its exit status; its ledger leases cover what it had in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+from smtpguard import notify
+from smtpguard.config import Config, ConfigError, loads, provider_secrets, worker_count
+from smtpguard.connection_table import ConnectionTable
+from smtpguard.policy.restart import after_exit
+from smtpguard.workers import ENV, INHERIT, REUSEPORT, WorkerRole, bound_socket, reuseport_available
+
+log = logging.getLogger("smtpguard.supervisor")
+
+TICK = 0.1
+"""Seconds between looks at the workers and the signals that arrived."""
+KILL_GRACE = 15.0
+"""Seconds past drain_timeout a draining worker gets before it is killed."""
+
+
+@dataclass
+class Slot:
+    index: int
+    proc: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    ready: bool = False
+    ever_ready: bool = False
+    streak: int = 0
+    due: float | None = None
+    """When to start it again (None: running, or not to be restarted)."""
+    exits: list[int] = field(default_factory=list)
+    reload_pending: bool = False
+    """A reload arrived while it was starting: it gets SIGUSR1 once it is ready (before
+    that, SIGUSR1 would kill it: its handler is not installed yet)."""
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+class Supervisor:
+    def __init__(self, config: Config, config_path: Path, run_dir: Path) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.run_dir = run_dir
+        self.count = worker_count(config.workers)
+        self.mode = REUSEPORT if reuseport_available() else INHERIT
+        self.sockets: list[socket.socket] = []
+        self.listen: list[tuple[str, int, int]] = []
+        self.metrics: tuple[str, int, int] | None = None
+        self.slots = [Slot(i) for i in range(self.count)]
+        self.signals: list[int] = []
+        self.stopping = False
+        self.stop_deadline = 0.0
+        self.failed = False
+        self.announced = False
+        self.table: ConnectionTable | None = None
+
+    # --- start -------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Everything that can be wrong before a worker starts, reported once, here."""
+        config = self.config
+        provider_secrets(config)
+        if config.tls is not None:
+            from smtpguard.server import tls_context
+
+            tls_context(config)
+        (self.run_dir / "metrics").mkdir()
+        (self.run_dir / "ready").mkdir()
+        shutil.copyfile(self.config_path, self.run_dir / "config.yaml")
+        for i, lst in enumerate(config.listen):
+            self.listen.append(self._bind(f"listen[{i}].address", lst.address))
+        if config.metrics is not None:
+            self.metrics = self._bind("metrics.address", config.metrics.address)
+        # Worker 0 alone binds these: check now that it can.
+        if config.events is not None and config.events.address is not None:
+            self._check_free("events.address", config.events.address)
+        if config.console is not None:
+            self._check_free("console.address", config.console.address)
+        self.table = ConnectionTable.sized_for(
+            self.run_dir / "connections", self.count, config.limits.max_connections, create=True
+        )
+
+    def _check_free(self, where: str, address: str) -> tuple[str, int]:
+        host, port = _host_port(address)
+        try:
+            probe = bound_socket(host, port, reuseport=False)
+        except OSError as e:
+            raise ConfigError([f"{where}: cannot listen on {address}: {e.strerror or e}"]) from None
+        with probe:
+            return host, probe.getsockname()[1]
+
+    def _bind(self, where: str, address: str) -> tuple[str, int, int]:
+        host, port = self._check_free(where, address)
+        try:
+            sock = bound_socket(host, port, reuseport=self.mode == REUSEPORT)
+            if self.mode == INHERIT:
+                sock.listen(511)
+                sock.set_inheritable(True)
+        except OSError as e:
+            raise ConfigError([f"{where}: cannot listen on {address}: {e.strerror or e}"]) from None
+        self.sockets.append(sock)
+        return host, port, sock.fileno() if self.mode == INHERIT else -1
+
+    def _role(self, index: int) -> WorkerRole:
+        return WorkerRole(
+            index=index,
+            count=self.count,
+            run_dir=self.run_dir,
+            mode=self.mode,
+            listen=self.listen,
+            metrics=self.metrics,
+            supervisor=os.getpid(),
+        )
+
+    def _spawn(self, slot: Slot) -> None:
+        env = {**os.environ, ENV: self._role(slot.index).to_env()}
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(self.run_dir / "metrics")
+        env.pop("NOTIFY_SOCKET", None)  # systemd hears from the supervisor only
+        fds = [fd for _, _, fd in [*self.listen, *([self.metrics] if self.metrics else [])] if fd >= 0]
+        slot.proc = subprocess.Popen(
+            [sys.executable, "-m", "smtpguard", "serve", "-c", str(self.run_dir / "config.yaml")],
+            env=env,
+            pass_fds=fds,
+        )
+        slot.started = time.monotonic()
+        slot.ready = False
+        slot.reload_pending = False  # it reads the current config.yaml at start
+        slot.due = None
+        log.info("worker started", extra={"worker": slot.index, "pid": slot.proc.pid})
+
+    # --- the loop ----------------------------------------------------------------------------
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        log.info(
+            "supervisor started",
+            extra={"workers": self.count, "sockets": self.mode, "pid": os.getpid()},
+        )
+        for slot in self.slots:
+            self._spawn(slot)
+        while True:
+            while self.signals:
+                self._handle(self.signals.pop(0))
+            now = time.monotonic()
+            for slot in self.slots:
+                self._watch(slot, now)
+            if self.stopping:
+                if not any(s.proc for s in self.slots):
+                    break
+                if now >= self.stop_deadline:
+                    self._kill_stragglers()
+            time.sleep(TICK)
+        for sock in self.sockets:
+            sock.close()
+        if self.table is not None:
+            self.table.close()
+        log.info("supervisor stopped")
+        if self.failed:
+            return 1
+        return 0 if all(code == 0 for s in self.slots for code in s.exits[-1:]) else 1
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        self.signals.append(signum)
+
+    def _handle(self, signum: int) -> None:
+        if signum == signal.SIGHUP:
+            if not self.stopping:
+                self._reload()
+        elif not self.stopping:
+            self._stop("stopping: draining every worker")
+
+    def _stop(self, why: str) -> None:
+        self.stopping = True
+        self.stop_deadline = time.monotonic() + self.config.limits.drain_timeout + KILL_GRACE
+        notify.stopping()
+        log.info(why)
+        for slot in self.slots:
+            slot.due = None
+            if slot.proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    slot.proc.send_signal(signal.SIGTERM)
+
+    def _kill_stragglers(self) -> None:
+        for slot in self.slots:
+            if slot.proc is not None and slot.proc.poll() is None:
+                log.warning("worker did not drain in time; killing it", extra={"worker": slot.index})
+                with contextlib.suppress(ProcessLookupError):
+                    slot.proc.kill()
+        self.stop_deadline = float("inf")
+
+    def _watch(self, slot: Slot, now: float) -> None:
+        proc = slot.proc
+        if proc is None:
+            if slot.due is not None and now >= slot.due and not self.stopping:
+                self._spawn(slot)
+            return
+        code = proc.poll()
+        if code is None:
+            if not slot.ready and (self.run_dir / "ready" / str(proc.pid)).exists():
+                slot.ready = slot.ever_ready = True
+                log.info("worker ready", extra={"worker": slot.index, "pid": proc.pid})
+                if slot.reload_pending:
+                    slot.reload_pending = False
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.send_signal(signal.SIGUSR1)
+                if not self.announced and all(s.ready for s in self.slots):
+                    self.announced = True
+                    notify.ready(f"serving {len(self.config.zones)} zone(s) with {self.count} workers")
+            return
+        slot.proc = None
+        if self.stopping and code == -signal.SIGTERM and not slot.ready:
+            code = 0  # stopped while still starting: it held nothing to drain
+        slot.exits.append(code)
+        self._forget(proc.pid, slot.index)
+        uptime = now - slot.started
+        if self.stopping:
+            log.info(
+                "worker stopped", extra={"worker": slot.index, "pid": proc.pid, "status": _describe(code)}
+            )
+            return
+        if not self.announced and not slot.ever_ready:
+            # At start, a worker that cannot start is a config or store problem that every
+            # worker shares (its own log lines above say which): stop, as workers: 1 would.
+            log.error(
+                "worker failed to start; stopping",
+                extra={"worker": slot.index, "pid": proc.pid, "status": _describe(code)},
+            )
+            self.failed = True
+            self._stop("stopping: a worker failed to start")
+            return
+        restart = after_exit(uptime, slot.streak)
+        slot.streak = restart.streak
+        slot.due = now + restart.delay
+        log.warning(
+            "worker exited; restarting it",
+            extra={
+                "worker": slot.index,
+                "pid": proc.pid,
+                "status": _describe(code),
+                "uptime_s": round(uptime, 1),
+                "restart_in_s": restart.delay,
+                "quick_exits": restart.streak,
+            },
+        )
+
+    def _forget(self, pid: int, index: int) -> None:
+        """A dead worker's connections are closed and its live gauges mean nothing now."""
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid, str(self.run_dir / "metrics"))  # type: ignore[no-untyped-call]
+        with contextlib.suppress(FileNotFoundError):
+            (self.run_dir / "ready" / str(pid)).unlink()
+        if self.table is not None:
+            self.table.forget_worker(index)
+
+    def _reload(self) -> None:
+        notify.reloading()
+        try:
+            # One read: what was validated is exactly what the workers get.
+            text = self.config_path.read_text()
+            new = loads(text, source=str(self.config_path))
+            provider_secrets(new)
+        except (ConfigError, OSError) as e:
+            problems = e.problems if isinstance(e, ConfigError) else [f"{self.config_path}: {e}"]
+            log.error("reload refused; every worker keeps the running config", extra={"problems": problems})
+            notify.ready(f"serving {len(self.config.zones)} zone(s) with {self.count} workers")
+            return
+        if worker_count(new.workers) != self.count:
+            log.warning(
+                "workers changes take effect only after a restart",
+                extra={"running": self.count, "configured": worker_count(new.workers)},
+            )
+        staged = self.run_dir / "config.yaml.new"
+        staged.write_text(text)
+        os.replace(staged, self.run_dir / "config.yaml")
+        self.config = new
+        for slot in self.slots:
+            if slot.proc is not None and slot.ready:
+                with contextlib.suppress(ProcessLookupError):
+                    slot.proc.send_signal(signal.SIGUSR1)
+            elif slot.proc is not None:
+                slot.reload_pending = True
+        log.info("config reload sent to every worker", extra={"workers": self.count})
+        notify.ready(f"serving {len(new.zones)} zone(s) with {self.count} workers")
+
+
+def supervise(config: Config, config_path: Path) -> int:
+    run_dir = Path(tempfile.mkdtemp(prefix="smtpguard-workers-"))
+    try:
+        supervisor = Supervisor(config, config_path, run_dir)
+        supervisor.prepare()
+        return supervisor.run()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -1,0 +1,170 @@
+"""One worker process of `workers: N` (DESIGN.md §17): what makes it one of N.
+
+The supervisor (smtpguard/supervisor.py) starts each worker as `smtpguard serve` with
+SMTPGUARD_WORKER in its environment (JSON: index, count, the run directory, the resolved
+listener ports, how to share them). The worker then runs the same Server as `workers: 1`,
+with four differences, all asked of the `WorkerRole` here:
+
+- its listening sockets join the supervisor's SO_REUSEPORT group (or are inherited from
+  it where the platform has no SO_REUSEPORT), so the kernel spreads connections;
+- connection limits are counted in the supervisor's shared table (connection_table.py);
+- jobs that must run once per host (the ledger purge, the store-derived gauges, the
+  provider-event and console listeners) run only in worker 0;
+- metrics go to prometheus_client's multiprocess files, and any worker answering a scrape
+  reports the sum (the metrics port is in the SO_REUSEPORT group too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from smtpguard.connection_table import ConnectionTable, address_key
+from smtpguard.listener import Connections
+
+ENV = "SMTPGUARD_WORKER"
+REUSEPORT = "reuseport"
+INHERIT = "inherit"
+
+
+def reuseport_available() -> bool:
+    """SO_REUSEPORT with the kernel balancing accepted connections across the group (Linux
+    3.9+, FreeBSD 12+ as SO_REUSEPORT_LB; elsewhere the option exists without balancing)."""
+    if not hasattr(socket, "SO_REUSEPORT") or os.uname().sysname != "Linux":
+        return False
+    try:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    except OSError:
+        return False
+    return True
+
+
+def bound_socket(host: str, port: int, reuseport: bool) -> socket.socket:
+    """A TCP socket bound to host:port (not listening yet). Raises OSError, e.g. EADDRINUSE."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuseport:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host or "0.0.0.0", port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+@dataclass(frozen=True)
+class WorkerRole:
+    index: int
+    count: int
+    run_dir: Path
+    mode: str
+    """REUSEPORT: bind our own socket into the group; INHERIT: use the supervisor's fd."""
+    listen: list[tuple[str, int, int]]
+    """Per configured listener: host, resolved port, inherited fd (-1 with REUSEPORT)."""
+    metrics: tuple[str, int, int] | None
+    supervisor: int
+    """The supervisor's pid: a worker whose parent changed stops (its supervisor died)."""
+
+    @property
+    def singleton(self) -> bool:
+        """Worker 0 runs what must run once per host."""
+        return self.index == 0
+
+    @property
+    def metrics_dir(self) -> Path:
+        return self.run_dir / "metrics"
+
+    @property
+    def config_path(self) -> Path:
+        """The last config the supervisor accepted: a worker restarted after a refused
+        reload gets the config every other worker runs, not the broken file."""
+        return self.run_dir / "config.yaml"
+
+    def instance(self, configured: str | None) -> str | None:
+        """Each worker owns its leases under a name of its own."""
+        return f"{configured}/{self.index}" if configured else None
+
+    def to_env(self) -> str:
+        return json.dumps(
+            {
+                "index": self.index,
+                "count": self.count,
+                "run_dir": str(self.run_dir),
+                "mode": self.mode,
+                "listen": self.listen,
+                "metrics": self.metrics,
+                "supervisor": self.supervisor,
+            }
+        )
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> WorkerRole | None:
+        raw = (environ if environ is not None else os.environ).get(ENV)
+        if not raw:
+            return None
+        d = json.loads(raw)
+        metrics = d.get("metrics")
+        return cls(
+            index=int(d["index"]),
+            count=int(d["count"]),
+            run_dir=Path(d["run_dir"]),
+            mode=str(d["mode"]),
+            listen=[(str(h), int(p), int(fd)) for h, p, fd in d["listen"]],
+            metrics=(str(metrics[0]), int(metrics[1]), int(metrics[2])) if metrics else None,
+            supervisor=int(d["supervisor"]),
+        )
+
+    def _socket(self, host: str, port: int, fd: int) -> socket.socket:
+        if self.mode == INHERIT:
+            return socket.socket(fileno=fd)
+        sock = bound_socket(host, port, reuseport=True)
+        sock.listen(511)
+        return sock
+
+    def listen_socket(self, i: int) -> socket.socket:
+        host, port, fd = self.listen[i]
+        return self._socket(host, port, fd)
+
+    def metrics_socket(self) -> socket.socket | None:
+        if self.metrics is None:
+            return None
+        return self._socket(*self.metrics)
+
+    def connections(self) -> SharedConnections:
+        table = ConnectionTable.attach(self.run_dir / "connections", self.count)
+        return SharedConnections(table, self.index)
+
+    def mark_ready(self) -> None:
+        """Listening, store open: the supervisor tells systemd once every worker is."""
+        (self.run_dir / "ready" / str(os.getpid())).touch()
+
+    def orphaned(self) -> bool:
+        return os.getppid() != self.supervisor
+
+
+class SharedConnections(Connections):
+    """The listener's connection counts, with the limits checked against every worker's."""
+
+    def __init__(self, table: ConnectionTable, worker: int) -> None:
+        super().__init__()
+        self.table = table
+        self.worker = worker
+
+    def admit(self, ip: str, max_total: int, max_per_ip: int) -> bool:
+        if not self.table.admit(self.worker, address_key(ip), max_total, max_per_ip):
+            return False
+        self.total += 1
+        self.per_ip[ip] += 1
+        return True
+
+    def release(self, ip: str) -> None:
+        super().release(ip)
+        self.table.release(self.worker, address_key(ip))
