@@ -17,7 +17,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from smtpguard import replies
 from smtpguard.config import Config, ZoneConfig
@@ -119,7 +119,7 @@ class SettledCache:
             return
         if self._entries.get((rec.zone, rec.key)) is rec:
             return  # a hit: get() has refreshed it already
-        self._entries[(rec.zone, rec.key)] = replace(rec, attempts=(), audit=())
+        self._entries[(rec.zone, rec.key)] = ledger.evolve(rec, attempts=(), audit=())
         self._entries.move_to_end((rec.zone, rec.key))
         if len(self._entries) > self._max:
             self._entries.popitem(last=False)
