@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -197,23 +198,48 @@ def ratio(index: dict[tuple[str, str], Row], a: str, b: str, mode: str = "unique
     return ra.msgs_s / rb.msgs_s
 
 
-def targets(rows: list[Row], workers_ok: bool) -> list[str]:
+def paired_ratio(
+    rounds: list[list[Row]], a: str, b: str, mode: str = "unique"
+) -> tuple[float, list[float]] | None:
+    """The median over rounds of a/b measured in the same round: on a shared machine the
+    load moves between rounds, and two rows of one round saw the same load."""
+    per = [
+        x
+        for x in (ratio({(r.scenario, r.mode): r for r in rnd}, a, b, mode) for rnd in rounds)
+        if x is not None
+    ]
+    return (statistics.median(per), per) if per else None
+
+
+def targets(rows: list[Row], workers_ok: bool, rounds: list[list[Row]] | None = None) -> list[str]:
+    """The issue's ratios. With several rounds, each is the median of the per-round ratios
+    (each round's value shown), else the ratio of the rows shown."""
     index = {(r.scenario, r.mode): r for r in rows}
     out: list[str] = []
 
-    def line(name: str, value: float | None, goal: float | None, na: str = "not measured") -> None:
+    def line(
+        name: str, a: str, b: str, goal: float | None, na: str = "not measured", mode: str = "unique"
+    ) -> None:
+        value = ratio(index, a, b, mode)
+        detail = ""
+        if rounds is not None and len(rounds) > 1 and value is not None:
+            got = paired_ratio(rounds, a, b, mode)
+            if got is not None:
+                value = got[0]
+                detail = f" (median of rounds {'/'.join(f'{x:.2f}' for x in got[1])})"
         if value is None:
             out.append(f"  {name}: {na}")
             return
         verdict = "" if goal is None else f" (target {goal:.2f}x) {'MET' if value >= goal else 'NOT MET'}"
-        out.append(f"  {name}: {value:.2f}x{verdict}")
+        out.append(f"  {name}: {value:.2f}x{detail}{verdict}")
 
     na = "not measured" if workers_ok else NA_WORKERS
     for store in STORES:
         goal = 1.4 if store == "redis" else None
         line(
             f"guard-{store}@auto / guard-{store}@1 @50 unique",
-            ratio(index, f"guard-{store}@auto", f"guard-{store}@1"),
+            f"guard-{store}@auto",
+            f"guard-{store}@1",
             goal,
             na,
         )
@@ -222,25 +248,31 @@ def targets(rows: list[Row], workers_ok: bool) -> list[str]:
         x = ratio(index, f"guard-{store}@auto", "postfix")
         if x is not None and (best is None or x > best[0]):
             best = (x, store)
-        line(f"guard-{store}@auto / postfix @50 unique", x, None, na)
-    line(
-        f"better store @auto / postfix @50 unique{f' ({best[1]})' if best else ''}",
-        best[0] if best else None,
-        1.8,
-        na,
-    )
+        line(f"guard-{store}@auto / postfix @50 unique", f"guard-{store}@auto", "postfix", None, na)
+    if best is None:
+        out.append(f"  better store @auto / postfix @50 unique: {na}")
+    else:
+        line(
+            f"better store @auto / postfix @50 unique ({best[1]})",
+            f"guard-{best[1]}@auto",
+            "postfix",
+            1.8,
+            na,
+        )
     for store in STORES:
-        line(f"guard-{store}@1 / postfix @50 unique", ratio(index, f"guard-{store}@1", "postfix"), None)
+        line(f"guard-{store}@1 / postfix @50 unique", f"guard-{store}@1", "postfix", None)
     for store in STORES:
         goal = 0.8 if store in ("sqlite", "redis") else None
-        line(f"guard-{store}@1 / naive @50 unique", ratio(index, f"guard-{store}@1", "naive"), goal)
+        line(f"guard-{store}@1 / naive @50 unique", f"guard-{store}@1", "naive", goal)
     for store in STORES:
         for w in WORKERS:
             line(
                 f"guard-{store}@{w} dup / null dup @50",
-                ratio(index, f"guard-{store}@{w}", "null", "dup"),
+                f"guard-{store}@{w}",
+                "null",
                 0.8,
                 na if w != "1" else "not measured",
+                mode="dup",
             )
     naive = index.get(("naive", "unique"))
     for store in STORES:
@@ -387,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                         row = measure_retrying(
                             scenario, mode, args.sessions, tmp, sink, s, f"{run_id}r{rnd}", start
                         )
+                        row.extra["round"] = rnd
                         all_rows.append(row)
                         print(
                             f"{scenario:<18} {mode:<6}: {row.msgs_s:8.0f} msgs/s  p50 {_f(row.p50_ms, 2)} "
@@ -409,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     for text, ok in checks:
         print(f"  {text}: {'OK' if ok else 'FAIL'}")
     print("Targets (issue 19, 50 sessions, same run):")
-    tl = targets(rows, workers_ok)
+    by_round = [[r for r in all_rows if r.extra.get("round") == rnd] for rnd in range(args.repeat)]
+    tl = targets(rows, workers_ok, by_round)
     for t in tl:
         print(t)
     load = os.getloadavg()[0]
