@@ -222,7 +222,7 @@ def targets(rows: list[Row], workers_ok: bool, rounds: list[list[Row]] | None = 
     ) -> None:
         value = ratio(index, a, b, mode)
         detail = ""
-        if rounds is not None and len(rounds) > 1 and value is not None:
+        if rounds is not None and len(rounds) > 1:
             got = paired_ratio(rounds, a, b, mode)
             if got is not None:
                 value = got[0]
