@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -254,11 +255,26 @@ def queue_section(s: Settings) -> dict[str, Any]:
     }
 
 
-def measure(scenario: str, mode: str, sessions: int, tmp: Path, sink: Sink, s: Settings, run_id: str) -> Row:
+StartTarget = Callable[[str, Path, Sink, int, str, "dict[str, Any] | None"], Target]
+"""start_target's shape: another bench (bench/cores.py) passes its own to measure()."""
+
+
+def measure(
+    scenario: str,
+    mode: str,
+    sessions: int,
+    tmp: Path,
+    sink: Sink,
+    s: Settings,
+    run_id: str,
+    start: StartTarget | None = None,
+) -> Row:
     row = Row(scenario, mode, sessions)
-    row_id = f"{scenario}-{mode}-{sessions}"
+    row_id = f"{scenario}-{mode}-{sessions}".replace("@", "-w")
     queued = scenario in QUEUE_SCENARIOS
-    target = start_target(scenario, tmp, sink, s.pool_size, row_id, queue_section(s) if queued else None)
+    target = (start or start_target)(
+        scenario, tmp, sink, s.pool_size, row_id, queue_section(s) if queued else None
+    )
     slow_drain = scenario == "postfix"
     try:
         prefix = f"{run_id}:{row_id}"
@@ -313,6 +329,7 @@ def measure(scenario: str, mode: str, sessions: int, tmp: Path, sink: Sink, s: S
         pids = target.pids()
         target_pids = pids
         if pids:
+            row.extra["processes"] = len(pids)
             row.rss_mb, row.hwm_mb = memory_mb(pids)
             row.extra["pss_mb"] = round(pss_mb(pids), 1)
         if target.redis is not None:
@@ -370,14 +387,21 @@ def drain(row: Row, res: LoadResult, sink: Sink, before: int, timeout: float) ->
 
 
 def measure_retrying(
-    scenario: str, mode: str, n: int, tmp: Path, sink: Sink, s: Settings, run_id: str
+    scenario: str,
+    mode: str,
+    n: int,
+    tmp: Path,
+    sink: Sink,
+    s: Settings,
+    run_id: str,
+    start: StartTarget | None = None,
 ) -> Row:
     """measure(), once more after 2 s if the server did not start (e.g. smtpguard's tree was
     mid-edit by someone else); a row that fails twice says why in its note."""
     row = Row(scenario, mode, n)
     for attempt in range(2):
         try:
-            return measure(scenario, mode, n, tmp, sink, s, f"{run_id}a{attempt}")
+            return measure(scenario, mode, n, tmp, sink, s, f"{run_id}a{attempt}", start)
         except (RuntimeError, TimeoutError, OSError) as e:
             last = (str(e).strip().splitlines() or [""])[-1]
             row = Row(scenario, mode, n, note=f"FAILED: {last}"[:200])

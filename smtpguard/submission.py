@@ -12,11 +12,12 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from smtpguard import replies
 from smtpguard.config import Config, ZoneConfig
@@ -50,7 +51,23 @@ WAIT_POLL = 0.05
 
 def new_id(now: float) -> str:
     """smtpguard's id for one attempt: time-ordered, unique across instances."""
-    return f"{int(now * 1000):011x}{secrets.token_hex(4)}"
+    if not _SUFFIXES:
+        _refill_suffixes()
+    return f"{int(now * 1000):011x}{_SUFFIXES.pop()}"
+
+
+_SUFFIXES: list[str] = []
+"""Random parts of new ids (4 bytes of os.urandom each), drawn 1,024 at a time: one
+getrandom call per 1,024 messages instead of one each (it was 1.5% of a message's CPU)."""
+
+
+def _refill_suffixes() -> None:
+    pool = secrets.token_hex(4 * 1024)
+    _SUFFIXES.extend(pool[i : i + 8] for i in range(0, len(pool), 8))
+
+
+# A forked worker must not hand out the ids its parent had drawn.
+os.register_at_fork(after_in_child=_SUFFIXES.clear)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +120,7 @@ class SettledCache:
             return
         if self._entries.get((rec.zone, rec.key)) is rec:
             return  # a hit: get() has refreshed it already
-        self._entries[(rec.zone, rec.key)] = replace(rec, attempts=(), audit=())
+        self._entries[(rec.zone, rec.key)] = ledger.evolve(rec, attempts=(), audit=())
         self._entries.move_to_end((rec.zone, rec.key))
         if len(self._entries) > self._max:
             self._entries.popitem(last=False)

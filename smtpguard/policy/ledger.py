@@ -11,7 +11,7 @@ writer that lost a race gets the current record back and decides again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
@@ -457,7 +457,20 @@ def _retry(existing: Record, sub: Submission, now: float, s: LedgerSettings) -> 
 
 
 def _bump(rec: Record, now: float, **changes: Any) -> Record:
-    return replace(rec, version=rec.version + 1, updated_at=now, **changes)
+    return evolve(rec, version=rec.version + 1, updated_at=now, **changes)
+
+
+_RECORD_FIELDS = tuple(f.name for f in fields(Record))
+
+
+def evolve(rec: Record, **changes: Any) -> Record:
+    """dataclasses.replace for a Record, in one pass over its fields: replace walks them
+    twice (then calls __init__), which made a record transition cost ~9 µs; every message
+    takes three or four."""
+    new = object.__new__(Record)
+    for name in _RECORD_FIELDS:
+        object.__setattr__(new, name, changes[name] if name in changes else getattr(rec, name))
+    return new
 
 
 def _audit(
@@ -529,7 +542,7 @@ def settle(
         message_id=message_id,
         rejected=outcome.rejected,
     )
-    rec = replace(rec, attempts=(*rec.attempts, attempt))
+    rec = evolve(rec, attempts=(*rec.attempts, attempt))
     # The owner that lost its lease after noting data_sent has its answer, and nobody has
     # acted on the event since (it is still unknown, still this attempt's): whatever it
     # learnt — a refusal at MAIL or RCPT, a reply to the dot — is known now, and the event
