@@ -426,6 +426,10 @@ def _argon2_hash(v: str) -> str:
 class UserConfig(_Strict):
     username: str = Field(min_length=1, max_length=128)
     password_hash: str
+    hourly_cap: int | None = Field(None, ge=0)
+    """The user's own caps inside the zone's (DESIGN.md §16): one internal service cannot
+    spend the whole zone's budget."""
+    monthly_cap: int | None = Field(None, ge=0)
 
     @field_validator("password_hash")
     @classmethod
