@@ -621,7 +621,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
             caps = caps_for(zc.plan, zc.hourly_cap, zc.monthly_cap)
             counts = await store.counts(z)
             usage = await store.cap_usage(z, now, month_of(now))
-            users = await store.user_cap_usage(z, now, month_of(now))
+            capped = [u.username for u in zc.users if u.hourly_cap is not None or u.monthly_cap is not None]
+            users = await store.user_cap_usage(z, capped, now, month_of(now))
             out.append(
                 {
                     "zone": z,

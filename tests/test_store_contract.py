@@ -755,7 +755,7 @@ async def test_user_cap_is_exact_under_concurrency_inside_the_zone_cap(store: St
         assert (await store.get("acme", f"k{i}") is not None) == (i in won)
     # Each unit counted once under the zone and once under the user, never more.
     assert await store.cap_usage("acme", NOW + 30, MONTH) == CapUsage(5, 5)
-    assert await store.user_cap_usage("acme", NOW + 30, MONTH) == {"svc": CapUsage(5, 5)}
+    assert await store.user_cap_usage("acme", ["svc"], NOW + 30, MONTH) == {"svc": CapUsage(5, 5)}
     # Another user of the zone still sends; the zone's cap (7) still holds over both.
     other = [
         await store.reserve(fresh(f"o{i}"), None, user_cap(f"o{i}", "other", NOW + 31, zone_hourly=7), False)
@@ -764,7 +764,7 @@ async def test_user_cap_is_exact_under_concurrency_inside_the_zone_cap(store: St
     assert other[:2] == [Reserved(), Reserved()]
     assert other[2:] == [CapReached("hour", 7, NOW + min(won) + HOUR)] * 2
     # The zone's refusal took no unit of the user's.
-    assert await store.user_cap_usage("acme", NOW + 31, MONTH) == {
+    assert await store.user_cap_usage("acme", ["other", "svc"], NOW + 31, MONTH) == {
         "other": CapUsage(2, 2),
         "svc": CapUsage(5, 5),
     }
@@ -790,9 +790,9 @@ async def test_a_refund_returns_the_user_unit_with_the_zone_unit(store: Store) -
     await store.refund("acme", "t1", MONTH)
     await store.refund("acme", "t1", MONTH)  # twice: one unit back, not two
     assert await store.cap_usage("acme", NOW, MONTH) == CapUsage(0, 0)
-    assert await store.user_cap_usage("acme", NOW, MONTH) in ({}, {"svc": CapUsage(0, 0)})
+    assert await store.user_cap_usage("acme", ["svc"], NOW, MONTH) == {"svc": CapUsage(0, 0)}
     assert await store.reserve(fresh("k2"), None, user_cap("t2", "svc", hourly=1), False) == Reserved()
-    assert await store.user_cap_usage("acme", NOW, MONTH) == {"svc": CapUsage(1, 1)}
+    assert await store.user_cap_usage("acme", ["svc"], NOW, MONTH) == {"svc": CapUsage(1, 1)}
 
 
 async def test_consume_cap_counts_the_user_unit_exactly_and_once(store: Store) -> None:
@@ -805,7 +805,10 @@ async def test_consume_cap_counts_the_user_unit_exactly_and_once(store: Store) -
     # A call run again after its reply was lost counts nothing more.
     assert await store.consume_cap(user_cap(f"t{won[0]}", "svc", hourly=4)) is None
     assert await store.cap_usage("acme", NOW, MONTH) == CapUsage(4, 4)
-    assert await store.user_cap_usage("acme", NOW, MONTH) == {"svc": CapUsage(4, 4)}
+    assert await store.user_cap_usage("acme", ["svc", "idle"], NOW, MONTH) == {
+        "svc": CapUsage(4, 4),
+        "idle": CapUsage(0, 0),
+    }
     # reserve and consume_cap share the user's counters.
     assert await store.reserve(fresh("k1"), None, user_cap("t99", "svc", hourly=4), False) == CapReached(
         "hour", 4, NOW + HOUR, user="svc"

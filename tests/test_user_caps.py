@@ -15,6 +15,7 @@ import pytest
 
 from smtpguard.cli import main
 from smtpguard.config import ConfigError, loads
+from smtpguard.policy.limits import CapReached, Caps, cap_check, cap_reply, user_caps_for
 from tests.support import (
     PASSWORD,
     Reply,
@@ -156,3 +157,18 @@ def test_user_caps_are_validated_and_unknown_user_keys_refused(tmp: Path) -> Non
     svc = good.zones["acme"].users[1]
     assert (svc.hourly_cap, svc.monthly_cap) == (0, 9)
     assert good.zones["acme"].users[0].hourly_cap is None
+
+
+def test_a_users_caps_sit_inside_the_zones_and_its_replies_name_it() -> None:
+    zone = Caps(hourly=60, monthly=12_000)
+    assert user_caps_for(zone, None, None) is None
+    assert user_caps_for(zone, 5, None) == Caps(hourly=5, monthly=12_000)
+    assert user_caps_for(zone, None, 300) == Caps(hourly=60, monthly=300)
+    # No user caps: the unit is the zone's only, whoever sends.
+    assert cap_check("acme", zone, "tok", 1e9, "svc", None).user is None
+    hourly = cap_reply("acme", CapReached("hour", 5, 1_790_000_000.0, user="svc"))
+    assert (hourly.code, hourly.enhanced) == (451, "4.7.0")
+    assert "user svc of zone acme" in hourly.text and "2026-09-21T" in hourly.text
+    monthly = cap_reply("acme", CapReached("month", 3, user="svc"))
+    assert (monthly.code, monthly.enhanced) == (550, "5.7.0") and "user svc" in monthly.text
+    assert "user" not in cap_reply("acme", CapReached("month", 3)).text

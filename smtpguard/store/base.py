@@ -233,8 +233,11 @@ class Store(Protocol):
 
     async def cap_usage(self, zone: str, now: float, month: str) -> CapUsage: ...
 
-    async def user_cap_usage(self, zone: str, now: float, month: str) -> dict[str, CapUsage]:
-        """Units of the zone's users with caps of their own, per username (DESIGN.md §16)."""
+    async def user_cap_usage(
+        self, zone: str, usernames: list[str], now: float, month: str
+    ) -> dict[str, CapUsage]:
+        """Each named user's own cap units (DESIGN.md §16) in the last hour and in `month`,
+        one entry per name (zeros for a user that has sent none)."""
 
     async def set_class_paused(self, zone: str, message_class: str, paused: bool) -> None:
         """Pause (or resume) one message class of a zone (DESIGN.md §16). Idempotent."""

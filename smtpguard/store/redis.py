@@ -1354,19 +1354,19 @@ class RedisStore:
         return {(p[0], p[1]) for p in pairs if len(p) == 2}
 
     @_translated
-    async def user_cap_usage(self, zone: str, now: float, month: str) -> dict[str, CapUsage]:
-        held = await self._r.hvals(_zone_key(zone, "utok"))
-        users = sorted({str(h).split("|", 1)[1] for h in held if "|" in str(h)})
-        if not users:
+    async def user_cap_usage(
+        self, zone: str, usernames: list[str], now: float, month: str
+    ) -> dict[str, CapUsage]:
+        if not usernames:
             return {}
         async with self._r.pipeline(transaction=False) as pipe:
-            for user in users:
+            for user in usernames:
                 pipe.zcount(_zone_key(zone, f"us:{user}"), now - HOUR, "+inf")
                 pipe.get(_zone_key(zone, f"um:{user}:{month}"))
             values = await pipe.execute()
         return {
             user: CapUsage(hour=int(values[2 * i]), month=int(values[2 * i + 1] or 0))
-            for i, user in enumerate(users)
+            for i, user in enumerate(usernames)
         }
 
     @_translated

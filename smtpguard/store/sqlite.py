@@ -757,23 +757,22 @@ class SQLiteStore:
 
         return await self._read(op)
 
-    async def user_cap_usage(self, zone: str, now: float, month: str) -> dict[str, CapUsage]:
+    async def user_cap_usage(
+        self, zone: str, usernames: list[str], now: float, month: str
+    ) -> dict[str, CapUsage]:
         def op(c: sqlite3.Connection) -> dict[str, CapUsage]:
-            hours = dict(
-                c.execute(
-                    "SELECT username, COUNT(*) FROM user_sends WHERE zone = ? AND at >= ? GROUP BY username",
-                    (zone, now - HOUR),
-                ).fetchall()
-            )
-            months = dict(
-                c.execute(
-                    "SELECT username, used FROM user_monthly WHERE zone = ? AND month = ?", (zone, month)
-                ).fetchall()
-            )
-            return {
-                str(u): CapUsage(hour=int(hours.get(u, 0)), month=int(months.get(u, 0)))
-                for u in sorted(hours.keys() | months.keys())
-            }
+            out = {}
+            for user in usernames:
+                hour = c.execute(
+                    "SELECT COUNT(*) FROM user_sends WHERE zone = ? AND username = ? AND at >= ?",
+                    (zone, user, now - HOUR),
+                ).fetchone()[0]
+                row = c.execute(
+                    "SELECT used FROM user_monthly WHERE zone = ? AND username = ? AND month = ?",
+                    (zone, user, month),
+                ).fetchone()
+                out[user] = CapUsage(hour=int(hour), month=int(row[0]) if row else 0)
+            return out
 
         return await self._read(op)
 

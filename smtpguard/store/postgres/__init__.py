@@ -581,17 +581,18 @@ class PostgresStore:
             return {(str(z), str(c)) for z, c in await cur.fetchall()}
 
     @_translated
-    async def user_cap_usage(self, zone: str, now: float, month: str) -> dict[str, CapUsage]:
+    async def user_cap_usage(
+        self, zone: str, usernames: list[str], now: float, month: str
+    ) -> dict[str, CapUsage]:
         async with self._conn() as conn:
             cur = await conn.execute(
-                "SELECT u, coalesce(h, 0), coalesce(m, 0) FROM "
-                "(SELECT username AS u, count(*) AS h FROM user_sends "
-                " WHERE zone = %s AND at >= %s GROUP BY username) hours "
-                "FULL JOIN (SELECT username AS u, used AS m FROM user_monthly "
-                " WHERE zone = %s AND month = %s) months USING (u) ORDER BY u",
-                (zone, now - HOUR, zone, month),
+                "SELECT u, "
+                "(SELECT count(*) FROM user_sends WHERE zone = %s AND username = u AND at >= %s), "
+                "(SELECT used FROM user_monthly WHERE zone = %s AND username = u AND month = %s) "
+                "FROM unnest(%s::text[]) AS names(u)",
+                (zone, now - HOUR, zone, month, list(usernames)),
             )
-            return {str(u): CapUsage(hour=int(h), month=int(m)) for u, h, m in await cur.fetchall()}
+            return {str(u): CapUsage(hour=int(h), month=int(m or 0)) for u, h, m in await cur.fetchall()}
 
     @_translated
     async def cap_usage(self, zone: str, now: float, month: str) -> CapUsage:
