@@ -16,6 +16,7 @@ import pytest
 
 from smtpguard.cli import main
 from smtpguard.store import store_from_url
+from tests.console_support import Operator, console_config, console_port
 from tests.support import Upstream, base_config, message, running_guard, send, write_config
 from tests.test_multi_instance import cli, is_451, two_instances
 from tests.test_queue import queue_config
@@ -139,3 +140,17 @@ def test_cli_class_pause_is_audited_shown_in_stats_and_refuses_unknown_classes(
     entries = asyncio.run(audit())
     assert [(a, k) for a, k, _ in entries] == [("resume:class", "otp"), ("pause:class", "otp")]
     assert all(actor.startswith("cli:") and "@" in actor for _, _, actor in entries)
+
+
+async def test_the_console_zone_page_shows_a_paused_class(tmp: Path, upstream: Upstream) -> None:
+    async with running_guard(console_config(tmp, upstream)) as guard:
+        op = Operator(console_port(guard))
+        try:
+            assert (await op.login("alice")).status == 200
+            assert 'data-paused-class="bulk"' not in (await op.get("/")).text
+            assert guard.store is not None
+            await guard.store.set_class_paused("acme", "bulk", True)
+            page = (await op.get("/")).text
+        finally:
+            await op.close()
+    assert 'data-paused-class="bulk"' in page and "class bulk paused" in page
