@@ -815,6 +815,28 @@ async def test_consume_cap_counts_the_user_unit_exactly_and_once(store: Store) -
     )
 
 
+async def test_redis_user_cap_keys_share_the_zone_slot_and_the_purge_trims_their_tokens(
+    redis_server: RedisServer,
+) -> None:
+    plain = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    await plain.flushall()
+    s = RedisStore(redis_server.url)
+    await s.open()
+    try:
+        assert await s.reserve(fresh("k1"), None, user_cap("t1", "svc"), False) == Reserved()
+        assert await s.consume_cap(user_cap("t2", "svc", NOW + 1)) is None
+        user_keys = [str(k) for k in await plain.keys("sg:{acme}:u*")]
+        # The user's window, its month and the token map: one Cluster slot with the zone's.
+        assert len(user_keys) == 3
+        assert {key_slot(k.encode()) for k in user_keys} == {key_slot(b"acme")}
+        assert await plain.hlen("sg:{acme}:utok") == 2
+        await s.purge(NOW + 3 * HOUR, RETENTION)
+        assert await plain.hlen("sg:{acme}:utok") == 0
+    finally:
+        await s.close()
+        await plain.aclose()
+
+
 async def test_a_paused_class_is_listed_until_resumed(store: Store) -> None:
     assert await store.paused_classes() == set()
     await store.set_class_paused("acme", "bulk", True)
