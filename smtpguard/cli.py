@@ -31,12 +31,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from smtpguard import __version__, desk
-from smtpguard.config import DEFAULT_CONFIG, Config, ConfigError, load, read_secret
+from smtpguard.config import DEFAULT_CONFIG, Config, ConfigError, ZoneConfig, load, read_secret
 from smtpguard.policy import ledger
-from smtpguard.policy.limits import caps_for, month_of
+from smtpguard.policy.limits import Caps, caps_for, month_of, user_caps_for
 from smtpguard.policy.senders import address_problem, normalize_address
 from smtpguard.store import Store, StoreMissing, StoreUnavailable, store_from_url
-from smtpguard.store.base import IdField, StoredEvent, ZoneAudit
+from smtpguard.store.base import CapUsage, IdField, StoredEvent, ZoneAudit
 from smtpguard.units import parse_duration
 
 T = TypeVar("T")
@@ -470,6 +470,9 @@ def cmd_queue(args: argparse.Namespace) -> int:
 def cmd_pause(args: argparse.Namespace, paused: bool = True) -> int:
     config = _config(args)
     zone = _zone(config, args.zone)
+    message_class = getattr(args, "message_class", None)
+    if message_class is not None:
+        return _pause_class(config, zone, _class(config, message_class), paused, args.json)
 
     async def run(store: Store) -> None:
         await store.set_paused(zone, paused)
@@ -480,6 +483,30 @@ def cmd_pause(args: argparse.Namespace, paused: bool = True) -> int:
         emit({"zone": zone, "paused": paused})
         return 0
     print(f"zone {zone} {'paused' if paused else 'resumed'}")
+    return 0
+
+
+def _class(config: Config, name: str) -> str:
+    # Classes are matched as the class header is (submission.message_class): lowercased.
+    wanted = name.strip().lower()
+    if wanted in config.queue.classes:
+        return wanted
+    known = ", ".join(sorted(config.queue.classes))
+    raise UsageError(f"unknown message class {name!r} (configured: {known})")
+
+
+def _pause_class(config: Config, zone: str, message_class: str, paused: bool, as_json: bool) -> int:
+    """DESIGN.md §16: one class of the zone held on every instance within a second."""
+
+    async def run(store: Store) -> None:
+        await store.set_class_paused(zone, message_class, paused)
+        await _audit(store, zone, "pause:class" if paused else "resume:class", message_class)
+
+    asyncio.run(_with_store(config, run))
+    if as_json:
+        emit({"zone": zone, "class": message_class, "paused": paused})
+        return 0
+    print(f"class {message_class} of zone {zone} {'paused' if paused else 'resumed'}")
     return 0
 
 
@@ -591,6 +618,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     now = time.time()
 
     async def gather(store: Store) -> list[dict[str, Any]]:
+        paused_classes = await store.paused_classes()
         depth: dict[str, dict[str, int]] = {}
         for e in await store.queue_entries(None):
             lane = depth.setdefault(e.zone, {})
@@ -601,6 +629,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
             caps = caps_for(zc.plan, zc.hourly_cap, zc.monthly_cap)
             counts = await store.counts(z)
             usage = await store.cap_usage(z, now, month_of(now))
+            capped = [u.username for u in zc.users if u.hourly_cap is not None or u.monthly_cap is not None]
+            users = await store.user_cap_usage(z, capped, now, month_of(now))
             out.append(
                 {
                     "zone": z,
@@ -620,6 +650,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
                             "paused",
                             "cap_hour",
                             "cap_month",
+                            "user_cap_hour",
+                            "user_cap_month",
                             "in_flight",
                             "too_soon",
                             "failed_held",
@@ -631,7 +663,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
                         "hour": {"used": usage.hour, "limit": caps.hourly},
                         "month": {"used": usage.month, "limit": caps.monthly},
                     },
+                    "user_caps": _user_caps(zc, caps, users),
                     "paused": zc.paused or await store.is_paused(z),
+                    "paused_classes": sorted(c for pz, c in paused_classes if pz == z),
                     "queue": depth.get(z, {}),
                     "suppressed": len(await store.suppress_list(z)),
                     # DESIGN.md §16: the zone's own route, else the top-level one
@@ -679,6 +713,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
             f"{sum(r['rejected'].values()):>8} {hour:>9} {month:>13} "
             f"{'yes' if r['paused'] else 'no':>6} {r['suppressed']:>5}"
         )
+        if r["paused_classes"]:
+            print(f"  paused classes: {', '.join(r['paused_classes'])}")
+        for u in r["user_caps"]:
+            print(
+                f"  user {u['username']}: hour {u['hour']['used']}/{u['hour']['limit']}, "
+                f"month {u['month']['used']}/{u['month']['limit']}"
+            )
     for c in circuits:
         ready = "" if c["ready"] is None else f"; {'ready' if c['ready'] else 'NOT READY'} ({c['probe']})"
         where = f"provider {c['provider']} on {c['instance']}"
@@ -689,6 +730,24 @@ def cmd_stats(args: argparse.Namespace) -> int:
         if config.zones[r["zone"]].providers is not None:
             print(f"zone {r['zone']}: own route {', '.join(r['route'])}")
     return 0
+
+
+def _user_caps(zc: ZoneConfig, caps: Caps, usage: dict[str, CapUsage]) -> list[dict[str, Any]]:
+    """Each user with caps of its own (DESIGN.md §16): its use of them now."""
+    out = []
+    for user in zc.users:
+        own = user_caps_for(caps, user.hourly_cap, user.monthly_cap)
+        if own is None:
+            continue
+        used = usage.get(user.username, CapUsage(0, 0))
+        out.append(
+            {
+                "username": user.username,
+                "hour": {"used": used.hour, "limit": own.hourly},
+                "month": {"used": used.month, "limit": own.monthly},
+            }
+        )
+    return out
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -944,9 +1003,14 @@ def build_parser() -> argparse.ArgumentParser:
             fn,
             f"{name} a zone on every instance",
             f"{name.capitalize()} a zone through the store, on every instance at once. Paused, "
-            "new events get 451 4.7.0 and duplicates still get their 250.",
+            "new events get 451 4.7.0 and duplicates still get their 250. With --class, only "
+            "that message class (the class header) of the zone, within a second; queue mode "
+            "holds the class's entries instead.",
         )
         sp.add_argument("zone")
+        sp.add_argument(
+            "--class", dest="message_class", metavar="CLASS", help=f"{name} one message class only"
+        )
     sp = cmd(
         "suppress",
         cmd_suppress,

@@ -480,6 +480,10 @@ class UserConfig(_Strict):
     password_hash: str | None = None
     password_hashes: list[str] | None = Field(None, min_length=1)
     """During a rotation, `[new, old]`: AUTH succeeds with any; give this or password_hash."""
+    hourly_cap: int | None = Field(None, ge=0)
+    """The user's own caps inside the zone's (DESIGN.md §16): one internal service cannot
+    spend the whole zone's budget."""
+    monthly_cap: int | None = Field(None, ge=0)
 
     @field_validator("password_hash")
     @classmethod

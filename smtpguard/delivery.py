@@ -24,7 +24,7 @@ from smtpguard.policy.queue import backoff_delay, lane_quotas, queue_due
 from smtpguard.relay import Envelope
 from smtpguard.replies import Reply
 from smtpguard.store import HELD, Claimed, Store, StoreUnavailable
-from smtpguard.submission import Result, Submitter, new_id
+from smtpguard.submission import Result, Submitter, new_id, user_caps_of
 
 log = logging.getLogger("smtpguard.delivery")
 
@@ -183,7 +183,13 @@ class DeliveryWorker:
             if zone is None:
                 await self._hold(taken, attempt_id, now + 60.0)
                 return
-            if zone.paused or await store.is_paused(rec.zone):
+            if (
+                zone.paused
+                or await store.is_paused(rec.zone)
+                or (rec.lane is not None and await self.submitter.class_pauses.is_paused(rec.zone, rec.lane))
+            ):
+                # A paused zone, or this entry's class paused in it (DESIGN.md §16): given
+                # back unsent, no attempt recorded; the other classes' entries flow.
                 await self._hold(taken, attempt_id, now + HOLD_PAUSED)
                 return
             throttled = await self.submitter.route.blocked_until(rec.zone)
@@ -192,7 +198,10 @@ class DeliveryWorker:
                 await self._hold(taken, attempt_id, throttled)
                 return
             caps = caps_for(zone.plan, zone.hourly_cap, zone.monthly_cap)
-            reached = await store.consume_cap(cap_check(rec.zone, caps, attempt_id, now))
+            # The submitting user's own caps, counted at delivery as the zone's are.
+            user_caps = user_caps_of(zone, rec.username, caps)
+            check = cap_check(rec.zone, caps, attempt_id, now, rec.username, user_caps)
+            reached = await store.consume_cap(check)
             if reached is not None:
                 # Capped: wait for a slot (monthly: look again in an hour; max_age may expire it).
                 await self._hold(taken, attempt_id, reached.free_at or now + 3600.0)
@@ -201,7 +210,10 @@ class DeliveryWorker:
             tries = ledger.attempts_of_this_event(rec) + 1
             delay = backoff_delay(tries, backoff.base, backoff.max, self.rng.random())
             msg = item.message
-            sub = Submission(rec.zone, rec.key, rec.fingerprint, attempt_id, instance, rec.message_id)
+            sub = Submission(
+                rec.zone, rec.key, rec.fingerprint, attempt_id, instance, rec.message_id,
+                username=rec.username,
+            )  # fmt: skip
             env = Envelope(
                 rec.zone, rec.key, attempt_id, msg.sender, msg.recipients, msg.content, msg.smtputf8
             )

@@ -172,6 +172,11 @@ def paused(zone: str) -> Reply:
     return Reply(451, "4.7.0", f"Sending for zone {zone} is paused")
 
 
+def class_paused(zone: str, message_class: str) -> Reply:
+    """One message class held by `pause ZONE --class C` (DESIGN.md §16); others flow."""
+    return Reply(451, "4.7.0", f"Sending of class {safe(message_class, 64)} for zone {zone} is paused")
+
+
 def hourly_cap(zone: str, cap: int, free_at: float) -> Reply:
     return Reply(
         451,
@@ -182,6 +187,19 @@ def hourly_cap(zone: str, cap: int, free_at: float) -> Reply:
 
 def monthly_cap(zone: str, cap: int) -> Reply:
     return Reply(550, "5.7.0", f"Monthly cap of {cap} reached for zone {zone}")
+
+
+def user_hourly_cap(zone: str, user: str, cap: int, free_at: float) -> Reply:
+    return Reply(
+        451,
+        "4.7.0",
+        f"Hourly cap of {cap} reached for user {safe(user, 128)} of zone {zone}; "
+        f"a slot frees at {stamp(free_at)}",
+    )
+
+
+def user_monthly_cap(zone: str, user: str, cap: int) -> Reply:
+    return Reply(550, "5.7.0", f"Monthly cap of {cap} reached for user {safe(user, 128)} of zone {zone}")
 
 
 def no_provider() -> Reply:

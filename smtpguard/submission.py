@@ -20,12 +20,21 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from smtpguard import replies
+from smtpguard.class_pauses import ClassPauses
 from smtpguard.config import Config, ZoneConfig
 from smtpguard.policy import ledger
 from smtpguard.policy.eventkey import event_key, message_id_for
 from smtpguard.policy.fingerprint import fingerprint
 from smtpguard.policy.ledger import LedgerSettings, Phase, Record, State, Submission
-from smtpguard.policy.limits import CapReached, cap_check, cap_reply, caps_for, token_month
+from smtpguard.policy.limits import (
+    CapReached,
+    Caps,
+    cap_check,
+    cap_reply,
+    caps_for,
+    token_month,
+    user_caps_for,
+)
 from smtpguard.policy.message import HeaderLimits, Message, parse, smuggling_check
 from smtpguard.policy.outcome import Kind, Outcome, client_reply, is_recipient_unknown
 from smtpguard.policy.queue import queue_due
@@ -225,6 +234,7 @@ class Submitter:
         self.settled = SettledCache()
         self.leases = LeaseKeeper()
         self.suppressions = SuppressionCache(store)
+        self.class_pauses = ClassPauses(store)
         self.on_enqueue: Callable[[], None] | None = None
         """Called after a store-and-forward acceptance, to wake the local delivery worker."""
 
@@ -290,6 +300,7 @@ class Submitter:
             lane,
             max_age,
             tuple(sorted({recipient_tag(r) for r in rcpt_tos})),
+            principal.username,
         )
         settings = self.settings(zone)
         try:
@@ -302,7 +313,8 @@ class Submitter:
                     smtputf8,
                 )
                 return ids(await self._accept_queued(sub, zone, settings, queued))
-            reserved = await self._reserve(sub, zone, settings)
+            held = await self._paused_class(principal.zone, parsed, zone)
+            reserved = await self._reserve(sub, zone, settings, paused_class=held)
             if isinstance(reserved, Result):
                 return ids(reserved)
             env = Envelope(
@@ -315,6 +327,16 @@ class Submitter:
                 extra={"zone": principal.zone, "event_key": key, "error": str(e)},
             )
             return ids(Result(replies.STORE_UNAVAILABLE, "store_unavailable", key))
+
+    async def _paused_class(self, zone_name: str, parsed: Message, zone: ZoneConfig) -> str | None:
+        """Relay mode: the message's class when `pause ZONE --class` holds it (DESIGN.md
+        §16). Only read when the zone has a paused class: a class header a relay-mode zone
+        never validated is not refused here, it is merely never paused."""
+        pairs = await self.class_pauses.paused()
+        if not any(z == zone_name for z, _ in pairs):
+            return None
+        chosen = message_class(parsed, self.config, zone)
+        return chosen if isinstance(chosen, str) and (zone_name, chosen) in pairs else None
 
     def settings(self, zone: ZoneConfig) -> LedgerSettings:
         ek = self.config.event_key
@@ -359,10 +381,14 @@ class Submitter:
         zone: ZoneConfig,
         s: LedgerSettings,
         write: Callable[[ledger.Proceed], Awaitable[ReserveResult]] | None = None,
+        paused_class: str | None = None,
     ) -> Record | Result:
         """Decide and reserve until one verdict sticks. Optimistic: assume the key is new,
-        so a new key and a duplicate each cost one store round trip."""
+        so a new key and a duplicate each cost one store round trip. A paused class forces
+        the reservation's pause, which comes after its version check: a duplicate of a
+        delivered event still answers 250 (DESIGN.md §3)."""
         caps = caps_for(zone.plan, zone.hourly_cap, zone.monthly_cap)
+        user_caps = user_caps_of(zone, sub.username, caps)
         deadline = self.clock() + self.config.event_key.inflight_wait
         current = self.settled.get(sub.zone, sub.key, self.clock(), self.config.event_key.retention)
         cached = current is not None
@@ -396,9 +422,9 @@ class Submitter:
                 if write is not None:
                     result = await write(verdict)
                 else:
-                    cap = cap_check(sub.zone, caps, sub.attempt_id, now)
+                    cap = cap_check(sub.zone, caps, sub.attempt_id, now, sub.username, user_caps)
                     result = await self.store.reserve(
-                        verdict.record, verdict.expected_version, cap, zone.paused
+                        verdict.record, verdict.expected_version, cap, zone.paused or paused_class is not None
                     )
             except StoreUnavailable:
                 # The reservation may have run with only its reply lost. Its unit goes back
@@ -425,9 +451,11 @@ class Submitter:
                     return current
                 continue
             if isinstance(result, Paused):
+                if paused_class is not None:
+                    return Result(replies.class_paused(sub.zone, paused_class), "paused", sub.key)
                 return Result(replies.paused(sub.zone), "paused", sub.key)
             assert isinstance(result, CapReached)
-            return Result(cap_reply(sub.zone, result), f"cap_{result.window}", sub.key)
+            return Result(cap_reply(sub.zone, result), cap_decision(result), sub.key)
         return Result(replies.in_flight(sub.key), "contended", sub.key)
 
     async def relay(
@@ -586,6 +614,21 @@ class Submitter:
                         now,
                     )
                 self.suppressions.invalidate(zone)
+
+
+def user_caps_of(zone: ZoneConfig, username: str | None, caps: Caps) -> Caps | None:
+    """The SMTP user's own caps inside the zone's (DESIGN.md §16), None when it has none."""
+    if username is None:
+        return None
+    for user in zone.users:
+        if user.username == username:
+            return user_caps_for(caps, user.hourly_cap, user.monthly_cap)
+    return None
+
+
+def cap_decision(reached: CapReached) -> str:
+    """The decision (stats, metrics) a cap refusal is counted as."""
+    return f"user_cap_{reached.window}" if reached.user is not None else f"cap_{reached.window}"
 
 
 def message_class(message: Message, config: Config, zone: ZoneConfig) -> str | Reply:

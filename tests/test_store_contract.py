@@ -733,6 +733,123 @@ async def test_consume_cap_monthly_is_exact_under_concurrency(store: Store) -> N
     assert await store.cap_usage("acme", NOW, MONTH) == CapUsage(0, 0)
 
 
+# --- stream controls (DESIGN.md §16) --------------------------------------------------------
+def user_cap(
+    token: str, user: str, now: float = NOW, hourly: int = 5, monthly: int = 1000, zone_hourly: int = 100
+) -> CapCheck:
+    return cap_check("acme", Caps(zone_hourly, 1000), token, now, user, Caps(hourly, monthly))
+
+
+async def test_user_cap_is_exact_under_concurrency_inside_the_zone_cap(store: Store) -> None:
+    results = await asyncio.gather(
+        *(
+            store.reserve(fresh(f"k{i}", now=NOW + i), None, user_cap(f"t{i}", "svc", NOW + i), False)
+            for i in range(30)
+        )
+    )
+    won = [i for i, res in enumerate(results) if isinstance(res, Reserved)]
+    assert len(won) == 5
+    refused = [res for res in results if not isinstance(res, Reserved)]
+    assert refused == [CapReached("hour", 5, NOW + min(won) + HOUR, user="svc")] * 25
+    for i in range(30):
+        assert (await store.get("acme", f"k{i}") is not None) == (i in won)
+    # Each unit counted once under the zone and once under the user, never more.
+    assert await store.cap_usage("acme", NOW + 30, MONTH) == CapUsage(5, 5)
+    assert await store.user_cap_usage("acme", ["svc"], NOW + 30, MONTH) == {"svc": CapUsage(5, 5)}
+    # Another user of the zone still sends; the zone's cap (7) still holds over both.
+    other = [
+        await store.reserve(fresh(f"o{i}"), None, user_cap(f"o{i}", "other", NOW + 31, zone_hourly=7), False)
+        for i in range(4)
+    ]
+    assert other[:2] == [Reserved(), Reserved()]
+    assert other[2:] == [CapReached("hour", 7, NOW + min(won) + HOUR)] * 2
+    # The zone's refusal took no unit of the user's.
+    assert await store.user_cap_usage("acme", ["other", "svc"], NOW + 31, MONTH) == {
+        "other": CapUsage(2, 2),
+        "svc": CapUsage(5, 5),
+    }
+
+
+async def test_user_monthly_cap_names_the_user(store: Store) -> None:
+    results = await asyncio.gather(
+        *(
+            store.reserve(fresh(f"k{i}"), None, user_cap(f"t{i}", "svc", hourly=100, monthly=3), False)
+            for i in range(12)
+        )
+    )
+    assert results.count(Reserved()) == 3
+    assert results.count(CapReached("month", 3, user="svc")) == 9
+    assert await store.cap_usage("acme", NOW, MONTH) == CapUsage(3, 3)
+
+
+async def test_a_refund_returns_the_user_unit_with_the_zone_unit(store: Store) -> None:
+    assert await store.reserve(fresh("k1"), None, user_cap("t1", "svc", hourly=1), False) == Reserved()
+    assert await store.reserve(fresh("k2"), None, user_cap("t2", "svc", hourly=1), False) == CapReached(
+        "hour", 1, NOW + HOUR, user="svc"
+    )
+    await store.refund("acme", "t1", MONTH)
+    await store.refund("acme", "t1", MONTH)  # twice: one unit back, not two
+    assert await store.cap_usage("acme", NOW, MONTH) == CapUsage(0, 0)
+    assert await store.user_cap_usage("acme", ["svc"], NOW, MONTH) == {"svc": CapUsage(0, 0)}
+    assert await store.reserve(fresh("k2"), None, user_cap("t2", "svc", hourly=1), False) == Reserved()
+    assert await store.user_cap_usage("acme", ["svc"], NOW, MONTH) == {"svc": CapUsage(1, 1)}
+
+
+async def test_consume_cap_counts_the_user_unit_exactly_and_once(store: Store) -> None:
+    results = await asyncio.gather(
+        *(store.consume_cap(user_cap(f"t{i}", "svc", hourly=4)) for i in range(20))
+    )
+    assert results.count(None) == 4
+    assert results.count(CapReached("hour", 4, NOW + HOUR, user="svc")) == 16
+    won = [i for i, res in enumerate(results) if res is None]
+    # A call run again after its reply was lost counts nothing more.
+    assert await store.consume_cap(user_cap(f"t{won[0]}", "svc", hourly=4)) is None
+    assert await store.cap_usage("acme", NOW, MONTH) == CapUsage(4, 4)
+    assert await store.user_cap_usage("acme", ["svc", "idle"], NOW, MONTH) == {
+        "svc": CapUsage(4, 4),
+        "idle": CapUsage(0, 0),
+    }
+    # reserve and consume_cap share the user's counters.
+    assert await store.reserve(fresh("k1"), None, user_cap("t99", "svc", hourly=4), False) == CapReached(
+        "hour", 4, NOW + HOUR, user="svc"
+    )
+
+
+async def test_redis_user_cap_keys_share_the_zone_slot_and_the_purge_trims_their_tokens(
+    redis_server: RedisServer,
+) -> None:
+    plain = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    await plain.flushall()
+    s = RedisStore(redis_server.url)
+    await s.open()
+    try:
+        assert await s.reserve(fresh("k1"), None, user_cap("t1", "svc"), False) == Reserved()
+        assert await s.consume_cap(user_cap("t2", "svc", NOW + 1)) is None
+        user_keys = [str(k) for k in await plain.keys("sg:{acme}:u*")]
+        # The user's window, its month and the token map: one Cluster slot with the zone's.
+        assert len(user_keys) == 3
+        assert {key_slot(k.encode()) for k in user_keys} == {key_slot(b"acme")}
+        assert await plain.hlen("sg:{acme}:utok") == 2
+        await s.purge(NOW + 3 * HOUR, RETENTION)
+        assert await plain.hlen("sg:{acme}:utok") == 0
+    finally:
+        await s.close()
+        await plain.aclose()
+
+
+async def test_a_paused_class_is_listed_until_resumed(store: Store) -> None:
+    assert await store.paused_classes() == set()
+    await store.set_class_paused("acme", "bulk", True)
+    await store.set_class_paused("acme", "bulk", True)  # idempotent
+    await store.set_class_paused("globex", "otp", True)
+    assert await store.paused_classes() == {("acme", "bulk"), ("globex", "otp")}
+    # A class pause is not the zone's kill switch.
+    assert await store.is_paused("acme") is False
+    await store.set_class_paused("acme", "bulk", False)
+    await store.set_class_paused("acme", "bulk", False)
+    assert await store.paused_classes() == {("globex", "otp")}
+
+
 # --- cancellation ----------------------------------------------------------------------------
 async def test_a_cancelled_caller_stops(store: Store) -> None:
     """The relay cancels its lease renewer when the upstream answers, then awaits it: a

@@ -45,10 +45,13 @@ class ZoneRow:
     month: Bar
     paused: bool
     paused_by_config: bool
+    paused_classes: tuple[str, ...] = ()
+    """Message classes held by `pause ZONE --class` (DESIGN.md §16)."""
 
 
 async def zones(config: Config, store: Store) -> list[ZoneRow]:
     now = store.now()
+    classes = await store.paused_classes()
     rows = []
     for name, zone in sorted(config.zones.items()):
         caps = caps_for(zone.plan, zone.hourly_cap, zone.monthly_cap)
@@ -61,6 +64,7 @@ async def zones(config: Config, store: Store) -> list[ZoneRow]:
                 Bar(usage.month, caps.monthly),
                 zone.paused or await store.is_paused(name),
                 zone.paused,
+                tuple(sorted(c for z, c in classes if z == name)),
             )
         )
     return rows

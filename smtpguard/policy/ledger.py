@@ -115,6 +115,9 @@ class Record:
     rcpt_tags: tuple[str, ...] = ()
     """A short hash of each envelope recipient (senders.recipient_tag): a provider event
     suppresses an address only if it was one of them, without the ledger keeping them."""
+    username: str | None = None
+    """The SMTP user who submitted the current attempt: store-and-forward counts the user's
+    own caps (DESIGN.md §16) at delivery, when the session is gone."""
     unrefunded: tuple[str, ...] = ()
     """Cap tokens of attempts abandoned before DATA that this record's attempt took over:
     refunded after each takeover (idempotent), carried forward so that a takeover that
@@ -147,6 +150,7 @@ class Record:
             "lost_until": self.lost_until,
             "rcpt_tags": list(self.rcpt_tags),
             "unrefunded": list(self.unrefunded),
+            "username": self.username,
             "attempts": [_attempt_to_dict(a) for a in self.attempts],
             "audit": [
                 {
@@ -187,6 +191,7 @@ class Record:
             lost_until=d.get("lost_until"),
             rcpt_tags=tuple(d.get("rcpt_tags", ())),
             unrefunded=tuple(d.get("unrefunded", ())),
+            username=d.get("username"),
             attempts=tuple(_attempt_from_dict(a) for a in d.get("attempts", ())),
             audit=tuple(AuditEntry(**e) for e in d.get("audit", ())),
         )
@@ -229,6 +234,9 @@ class Submission:
     """Set for a zone in store-and-forward mode: accept into this lane instead of relaying."""
     max_age: float | None = None
     rcpt_tags: tuple[str, ...] = ()
+    username: str | None = None
+    """The SMTP user who submitted it: its own caps (DESIGN.md §16) are counted when the
+    message is sent, which in store-and-forward is long after the session."""
 
 
 # --- verdicts --------------------------------------------------------------------------------
@@ -403,6 +411,7 @@ def _fresh(sub: Submission, now: float, s: LedgerSettings) -> Record:
         "message_id": sub.message_id,
         "rcpt_tags": sub.rcpt_tags,
         "valid_until": now + s.derive_window if sub.derived else None,
+        "username": sub.username,
     }
     if sub.lane is not None:
         return Record(
@@ -438,6 +447,7 @@ def _retry(existing: Record, sub: Submission, now: float, s: LedgerSettings) -> 
             next_attempt_at=now,
             message_id=sub.message_id or existing.message_id,
             rcpt_tags=existing.rcpt_tags or sub.rcpt_tags,
+            username=sub.username or existing.username,
             lane=sub.lane,
             queue_id=sub.attempt_id,
             expires_at=now + sub.max_age if sub.max_age is not None else None,
@@ -453,6 +463,7 @@ def _retry(existing: Record, sub: Submission, now: float, s: LedgerSettings) -> 
         next_attempt_at=None,
         message_id=sub.message_id or existing.message_id,
         rcpt_tags=existing.rcpt_tags or sub.rcpt_tags,
+        username=sub.username or existing.username,
     )
 
 

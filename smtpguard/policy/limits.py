@@ -53,6 +53,11 @@ class CapCheck:
     token: str
     """Identifies the unit, so it can be refunded when nothing reached a provider."""
     now: float
+    user: str | None = None
+    """The SMTP user whose own caps (DESIGN.md §16) the unit also counts under, when the
+    user has any: one unit of the zone's and one of the user's, taken together or not at
+    all, and refunded together by the token alone."""
+    user_caps: Caps | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +66,8 @@ class CapReached:
     cap: int
     free_at: float | None = None
     """Hourly only: when the oldest send in the window leaves it."""
+    user: str | None = None
+    """Set when the SMTP user's own cap refused, not the zone's."""
 
 
 def caps_for(plan: str, hourly: int | None, monthly: int | None) -> Caps:
@@ -107,8 +114,24 @@ def token_month(token: str, fallback: float) -> str:
     return month_of(fallback if at is None else at)
 
 
-def cap_check(zone: str, caps: Caps, token: str, now: float) -> CapCheck:
-    return CapCheck(zone, caps, now - HOUR, token_month(token, now), token, now)
+def user_caps_for(zone: Caps, hourly: int | None, monthly: int | None) -> Caps | None:
+    """A user's own caps inside the zone's (DESIGN.md §16): None when the user has none
+    (nothing is counted per user); a window the user sets no cap for is bounded by the
+    zone's anyway, so it takes the zone's."""
+    if hourly is None and monthly is None:
+        return None
+    return Caps(
+        hourly=zone.hourly if hourly is None else hourly,
+        monthly=zone.monthly if monthly is None else monthly,
+    )
+
+
+def cap_check(
+    zone: str, caps: Caps, token: str, now: float, user: str | None = None, user_caps: Caps | None = None
+) -> CapCheck:
+    if user_caps is None:
+        user = None
+    return CapCheck(zone, caps, now - HOUR, token_month(token, now), token, now, user, user_caps)
 
 
 def hour_free_at(oldest_in_window: float | None, now: float) -> float:
@@ -116,6 +139,10 @@ def hour_free_at(oldest_in_window: float | None, now: float) -> float:
 
 
 def cap_reply(zone: str, reached: CapReached) -> Reply:
+    if reached.user is not None:
+        if reached.window == "month":
+            return replies.user_monthly_cap(zone, reached.user, reached.cap)
+        return replies.user_hourly_cap(zone, reached.user, reached.cap, reached.free_at or 0.0)
     if reached.window == "month":
         return replies.monthly_cap(zone, reached.cap)
     return replies.hourly_cap(zone, reached.cap, reached.free_at or 0.0)

@@ -178,8 +178,10 @@ class Store(Protocol):
         """Atomically: the key's version must equal `expected_version` (None: absent), else
         Conflict(current) — checked first, so a duplicate is answered even when paused or
         capped; then the zone must not be paused (`paused` forces it); then, when `cap` is
-        given, one unit is consumed under the monthly then hourly cap; then `record` is
-        written."""
+        given, one unit is consumed under the monthly then hourly cap — and, when
+        `cap.user` is set, one under the user's own caps too (DESIGN.md §16): both units or
+        neither, never overshooting either cap (CapReached.user says the user's refused);
+        then `record` is written."""
 
     async def put(self, record: Record, expected_version: int | None) -> Conflict | None:
         """Compare-and-swap on the version (None: the key must be absent). None when
@@ -187,7 +189,8 @@ class Store(Protocol):
         is gone, so a vanished key is never mistaken for a successful write."""
 
     async def refund(self, zone: str, token: str, month: str) -> None:
-        """Return the cap unit consumed under `token` (nothing reached a provider)."""
+        """Return the cap unit consumed under `token` (nothing reached a provider), and the
+        user's unit counted with it, if any: the token alone finds both."""
 
     async def purge(self, now: float, retention: float) -> int:
         """Delete settled records not updated for `retention`, and stale window entries.
@@ -195,7 +198,8 @@ class Store(Protocol):
 
     async def consume_cap(self, cap: CapCheck) -> CapReached | None:
         """Atomically consume one unit under the monthly then hourly cap (store-and-forward
-        checks caps at delivery time, not at acceptance)."""
+        checks caps at delivery time, not at acceptance), and with `cap.user` one under the
+        user's own caps in the same step, as reserve does."""
 
     # --- store-and-forward queue (DESIGN.md §4a) ---------------------------------------------
     async def enqueue(
@@ -229,6 +233,19 @@ class Store(Protocol):
     async def is_paused(self, zone: str) -> bool: ...
 
     async def cap_usage(self, zone: str, now: float, month: str) -> CapUsage: ...
+
+    async def user_cap_usage(
+        self, zone: str, usernames: list[str], now: float, month: str
+    ) -> dict[str, CapUsage]:
+        """Each named user's own cap units (DESIGN.md §16) in the last hour and in `month`,
+        one entry per name (zeros for a user that has sent none)."""
+
+    async def set_class_paused(self, zone: str, message_class: str, paused: bool) -> None:
+        """Pause (or resume) one message class of a zone (DESIGN.md §16). Idempotent."""
+
+    async def paused_classes(self) -> set[tuple[str, str]]:
+        """Every (zone, class) paused now, fleet-wide: one small read, so an instance can
+        look again every half second and a pause holds everywhere within a second."""
 
     async def add_counts(self, zone: str, counts: dict[str, int]) -> None:
         """Add to the zone's statistics counters (sent, duplicate, rejected:<reason>, …)."""

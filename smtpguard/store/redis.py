@@ -123,12 +123,35 @@ do
 end
 """
 
-# KEYS: record, paused, sends, month, index
+# One unit of an SMTP user's own caps (DESIGN.md §16), checked after the zone's and taken
+# with it in the same script: both or neither. The user's window and month live under the
+# zone's hash tag (one Cluster slot); `utok` maps each token to "<at>|<user>", so a refund
+# naming the token alone finds the user's unit, and the purge drops entries past the window.
+# Returns a refusal ({'umonth'} or {'uhour', oldest}) or nil once counted.
+_USER_UNIT = """
+local function USER_UNIT(sends, month, tokens, monthly, hourly, hour_start, token, now, trim, ttl, user)
+  if tonumber(redis.call('GET', month) or '0') >= tonumber(monthly) then return {'umonth'} end
+  redis.call('ZREMRANGEBYSCORE', sends, '-inf', '(' .. trim)
+  if redis.call('ZCOUNT', sends, hour_start, '+inf') >= tonumber(hourly) then
+    local oldest = redis.call('ZRANGEBYSCORE', sends, hour_start, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+    return {'uhour', oldest[2] or false}
+  end
+  redis.call('ZADD', sends, now, token)
+  redis.call('INCR', month)
+  redis.call('EXPIRE', month, ttl)
+  redis.call('HSET', tokens, token, now .. '|' .. user)
+  return nil
+end
+"""
+
+# KEYS: record, paused, sends, month, index, user sends, user month, user tokens
 # ARGV: expected version ('' = absent), forced pause, has cap, monthly cap, hourly cap,
 #       hour start, token, now, trim before, month ttl, version, state, data, index score, key,
+#       has user cap, user monthly cap, user hourly cap, username,
 #       smtpguard id, message id, upstream id
 _RESERVE = (
-    """
+    _USER_UNIT
+    + """
 local cur = redis.call('HMGET', KEYS[1], 'v', 'd', 's')
 -- This very record is there already: our own write, re-run after its reply was lost.
 if cur[1] == ARGV[11] and cur[2] == ARGV[13] then
@@ -150,6 +173,11 @@ if ARGV[3] == '1' and not redis.call('ZSCORE', KEYS[3], ARGV[7]) then
   if redis.call('ZCOUNT', KEYS[3], ARGV[6], '+inf') >= tonumber(ARGV[5]) then
     local oldest = redis.call('ZRANGEBYSCORE', KEYS[3], ARGV[6], '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
     return {'hour', oldest[2] or false}
+  end
+  if ARGV[16] == '1' then
+    local refused = USER_UNIT(KEYS[6], KEYS[7], KEYS[8], ARGV[17], ARGV[18], ARGV[6], ARGV[7], ARGV[8],
+      ARGV[9], ARGV[10], ARGV[19])
+    if refused then return refused end
   end
   redis.call('ZADD', KEYS[3], ARGV[8], ARGV[7])
   redis.call('INCR', KEYS[4])
@@ -200,10 +228,20 @@ return {'ok'}
 """
 )
 
-# KEYS: sends, month.  ARGV: token.  Only a unit still recorded is returned: idempotent.
+# KEYS: sends, month, user tokens.  ARGV: token, zone prefix, month.  Only a unit still
+# recorded is returned: idempotent. The user's unit counted with the token goes back too.
 _REFUND = """
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
   if tonumber(redis.call('GET', KEYS[2]) or '0') > 0 then redis.call('DECR', KEYS[2]) end
+end
+local held = redis.call('HGET', KEYS[3], ARGV[1])
+if held then
+  redis.call('HDEL', KEYS[3], ARGV[1])
+  local user = string.sub(held, string.find(held, '|', 1, true) + 1)
+  if redis.call('ZREM', ARGV[2] .. 'us:' .. user, ARGV[1]) == 1 then
+    local month = ARGV[2] .. 'um:' .. user .. ':' .. ARGV[3]
+    if tonumber(redis.call('GET', month) or '0') > 0 then redis.call('DECR', month) end
+  end
 end
 return 0
 """
@@ -251,9 +289,13 @@ end
 return {deleted, kept}
 """
 
-# KEYS: sends, month.  ARGV: monthly cap, hourly cap, hour start, token, now, trim before,
-# month ttl.  The cap half of _RESERVE, for store-and-forward, which checks caps at delivery.
-_CONSUME = """
+# KEYS: sends, month, user sends, user month, user tokens.  ARGV: monthly cap, hourly cap,
+# hour start, token, now, trim before, month ttl, has user cap, user monthly cap, user hourly
+# cap, username.  The cap half of _RESERVE, for store-and-forward, which checks caps at
+# delivery.
+_CONSUME = (
+    _USER_UNIT
+    + """
 -- A token already in the window was counted by an earlier run of this call.
 if redis.call('ZSCORE', KEYS[1], ARGV[4]) then return {'ok'} end
 if tonumber(redis.call('GET', KEYS[2]) or '0') >= tonumber(ARGV[1]) then return {'month'} end
@@ -262,11 +304,17 @@ if redis.call('ZCOUNT', KEYS[1], ARGV[3], '+inf') >= tonumber(ARGV[2]) then
   local oldest = redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[3], '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
   return {'hour', oldest[2] or false}
 end
+if ARGV[8] == '1' then
+  local refused = USER_UNIT(KEYS[3], KEYS[4], KEYS[5], ARGV[9], ARGV[10], ARGV[3], ARGV[4], ARGV[5],
+    ARGV[6], ARGV[7], ARGV[11])
+  if refused then return refused end
+end
 redis.call('ZADD', KEYS[1], ARGV[5], ARGV[4])
 redis.call('INCR', KEYS[2])
 redis.call('EXPIRE', KEYS[2], ARGV[7])
 return {'ok'}
 """
+)
 
 # The queue of a zone (DESIGN.md §4a), every key under the zone's hash tag:
 #   q:<key>       hash: lane, prio, due, enq, from, rcpt (JSON), body — the message itself
@@ -512,6 +560,37 @@ return 1
 
 def _zone_key(zone: str, name: str) -> str:
     return f"sg:{{{zone}}}:{name}"
+
+
+_PAUSED_CLASSES = "sg:{pauses}:classes"
+"""Set of "zone\0class": every message class paused (DESIGN.md §16), read whole."""
+
+
+def _user_keys(zone: str, cap: CapCheck | None) -> list[str]:
+    """A user's window, month counter and the zone's token map (USER_UNIT); placeholders
+    under the zone's tag when the unit has no user cap, so the script's KEYS stay fixed."""
+    user = cap.user if cap is not None and cap.user_caps is not None else None
+    month = cap.month if cap is not None else "-"
+    if user is None:
+        return [_zone_key(zone, "us:"), _zone_key(zone, "um:"), _zone_key(zone, "utok")]
+    return [_zone_key(zone, f"us:{user}"), _zone_key(zone, f"um:{user}:{month}"), _zone_key(zone, "utok")]
+
+
+def _user_args(cap: CapCheck | None) -> list[str | int | float]:
+    if cap is None or cap.user is None or cap.user_caps is None:
+        return ["0", 0, 0, ""]
+    return ["1", cap.user_caps.monthly, cap.user_caps.hourly, cap.user]
+
+
+def _reached(cap: CapCheck, reply: list[Any]) -> CapReached:
+    """The refusal a cap script answered: the zone's month or hour, or the user's."""
+    verdict = reply[0]
+    user = cap.user if verdict in ("umonth", "uhour") else None
+    caps = cap.user_caps if user is not None and cap.user_caps is not None else cap.caps
+    if verdict in ("month", "umonth"):
+        return CapReached("month", caps.monthly, user=user)
+    oldest = float(reply[1]) if reply[1] else None
+    return CapReached("hour", caps.hourly, (oldest or cap.now) + HOUR, user=user)
 
 
 def _record_key(zone: str, key: str) -> str:
@@ -851,6 +930,7 @@ class RedisStore:
             _zone_key(cap_zone, "sends"),
             _zone_key(cap_zone, f"month:{month}"),
             _zone_key(zone, "idx"),
+            *_user_keys(cap_zone, cap),
         ]
         args: list[str | int | float] = [
             "" if expected_version is None else str(expected_version),
@@ -868,6 +948,7 @@ class RedisStore:
             _dump(record),
             record.updated_at,
             record.key,
+            *_user_args(cap),
             *_ids(record),
         ]
         reply = await self._eval(self._reserve, keys, args, replicated=True)
@@ -879,10 +960,7 @@ class RedisStore:
         if verdict == "paused":
             return Paused()
         assert cap is not None
-        if verdict == "month":
-            return CapReached("month", cap.caps.monthly)
-        oldest = float(reply[1]) if reply[1] else None
-        return CapReached("hour", cap.caps.hourly, (oldest or cap.now) + HOUR)
+        return _reached(cap, reply)
 
     @_translated
     async def put(self, record: Record, expected_version: int | None) -> Conflict | None:
@@ -905,8 +983,8 @@ class RedisStore:
 
     @_translated
     async def refund(self, zone: str, token: str, month: str) -> None:
-        keys = [_zone_key(zone, "sends"), _zone_key(zone, f"month:{month}")]
-        await self._eval(self._refund, keys, [token])
+        keys = [_zone_key(zone, "sends"), _zone_key(zone, f"month:{month}"), _zone_key(zone, "utok")]
+        await self._eval(self._refund, keys, [token, _zone_key(zone, ""), month])
 
     async def purge(self, now: float, retention: float) -> int:
         # Not one deadline for the whole purge: each round trip below has its own.
@@ -953,12 +1031,22 @@ class RedisStore:
     @_translated
     async def _trim_window(self, zone: str, before: float) -> None:
         await self._r.zremrangebyscore(_zone_key(zone, "sends"), "-inf", f"({before!r}")
+        # The user units' token map: entries past any window that reads them (the user
+        # windows themselves are trimmed by each unit counted).
+        tokens = _zone_key(zone, "utok")
+        old = [t async for t, held in self._r.hscan_iter(tokens) if float(str(held).split("|")[0]) < before]
+        if old:
+            await self._r.hdel(tokens, *old)
 
     @_translated
     async def consume_cap(self, cap: CapCheck) -> CapReached | None:
         # Announced so that purge trims the zone's window, as it does for reserve().
         await self._announce_zone(cap.zone)
-        keys = [_zone_key(cap.zone, "sends"), _zone_key(cap.zone, f"month:{cap.month}")]
+        keys = [
+            _zone_key(cap.zone, "sends"),
+            _zone_key(cap.zone, f"month:{cap.month}"),
+            *_user_keys(cap.zone, cap),
+        ]
         args: list[str | int | float] = [
             cap.caps.monthly,
             cap.caps.hourly,
@@ -967,14 +1055,12 @@ class RedisStore:
             cap.now,
             cap.now - _WINDOW_KEEP,
             _MONTH_TTL,
+            *_user_args(cap),
         ]
         reply = await self._eval(self._consume, keys, args)
         if reply[0] == "ok":
             return None
-        if reply[0] == "month":
-            return CapReached("month", cap.caps.monthly)
-        oldest = float(reply[1]) if reply[1] else None
-        return CapReached("hour", cap.caps.hourly, (oldest or cap.now) + HOUR)
+        return _reached(cap, reply)
 
     # --- store-and-forward queue -------------------------------------------------------------
     async def enqueue(
@@ -1332,6 +1418,36 @@ class RedisStore:
     @_translated
     async def is_paused(self, zone: str) -> bool:
         return bool(await self._r.exists(_zone_key(zone, "paused")))
+
+    @_translated
+    async def set_class_paused(self, zone: str, message_class: str, paused: bool) -> None:
+        member = f"{zone}\x00{message_class}"
+        if paused:
+            await self._r.sadd(_PAUSED_CLASSES, member)
+        else:
+            await self._r.srem(_PAUSED_CLASSES, member)
+
+    @_translated
+    async def paused_classes(self) -> set[tuple[str, str]]:
+        members = await self._r.smembers(_PAUSED_CLASSES)
+        pairs = (str(m).split("\x00", 1) for m in members)
+        return {(p[0], p[1]) for p in pairs if len(p) == 2}
+
+    @_translated
+    async def user_cap_usage(
+        self, zone: str, usernames: list[str], now: float, month: str
+    ) -> dict[str, CapUsage]:
+        if not usernames:
+            return {}
+        async with self._r.pipeline(transaction=False) as pipe:
+            for user in usernames:
+                pipe.zcount(_zone_key(zone, f"us:{user}"), now - HOUR, "+inf")
+                pipe.get(_zone_key(zone, f"um:{user}:{month}"))
+            values = await pipe.execute()
+        return {
+            user: CapUsage(hour=int(values[2 * i]), month=int(values[2 * i + 1] or 0))
+            for i, user in enumerate(usernames)
+        }
 
     @_translated
     async def cap_usage(self, zone: str, now: float, month: str) -> CapUsage:

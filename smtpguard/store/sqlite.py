@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 from smtpguard.policy.ledger import Record, State
-from smtpguard.policy.limits import HOUR, CapCheck, CapReached
+from smtpguard.policy.limits import HOUR, CapCheck, CapReached, Caps
 from smtpguard.policy.senders import suppression_key
 from smtpguard.policy.throttle import Slot, gcra
 from smtpguard.store.base import (
@@ -121,6 +121,17 @@ CREATE TABLE IF NOT EXISTS throttles (provider TEXT PRIMARY KEY, until REAL NOT 
 CREATE TABLE IF NOT EXISTS connection_slots (
     provider TEXT NOT NULL, holder TEXT NOT NULL, until REAL NOT NULL,
     PRIMARY KEY (provider, holder)) WITHOUT ROWID;
+-- Stream controls (DESIGN.md §16): one message class of a zone paused; each SMTP user's
+-- own cap units, kept by token as the zone's are (a refund names the token alone).
+CREATE TABLE IF NOT EXISTS paused_classes (
+    zone TEXT NOT NULL, class TEXT NOT NULL, PRIMARY KEY (zone, class)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS user_sends (
+    zone TEXT NOT NULL, token TEXT NOT NULL, username TEXT NOT NULL, at REAL NOT NULL,
+    month TEXT NOT NULL, PRIMARY KEY (zone, token)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS user_sends_user_at ON user_sends (zone, username, at);
+CREATE TABLE IF NOT EXISTS user_monthly (
+    zone TEXT NOT NULL, username TEXT NOT NULL, month TEXT NOT NULL, used INTEGER NOT NULL,
+    PRIMARY KEY (zone, username, month)) WITHOUT ROWID;
 """
 
 
@@ -572,6 +583,7 @@ class SQLiteStore:
                     "UPDATE monthly SET used = MAX(used - 1, 0) WHERE zone = ? AND month = ?",
                     (zone, row[0] or month),
                 )
+            _refund_user(c, zone, token)
 
         await self._write(op)
 
@@ -590,6 +602,7 @@ class SQLiteStore:
             for (zone,) in c.execute("SELECT DISTINCT zone FROM sends").fetchall():
                 _trim(c, zone, now - 2 * HOUR)
             c.execute("DELETE FROM auth_failures WHERE at < ?", (now - 2 * HOUR,))
+            c.execute("DELETE FROM user_sends WHERE at < ?", (now - 2 * HOUR,))
             c.execute("DELETE FROM provider_events WHERE received_at < ?", (now - retention,))
             c.execute("DELETE FROM nonces WHERE until < ?", (now,))
             c.execute("DELETE FROM zone_audit WHERE at < ?", (now - retention,))
@@ -734,6 +747,42 @@ class SQLiteStore:
         return await self._read(
             lambda c: c.execute("SELECT 1 FROM paused WHERE zone = ?", (zone,)).fetchone() is not None
         )
+
+    async def set_class_paused(self, zone: str, message_class: str, paused: bool) -> None:
+        def op(c: sqlite3.Connection) -> None:
+            if paused:
+                c.execute(
+                    "INSERT OR IGNORE INTO paused_classes (zone, class) VALUES (?, ?)", (zone, message_class)
+                )
+            else:
+                c.execute("DELETE FROM paused_classes WHERE zone = ? AND class = ?", (zone, message_class))
+
+        await self._write(op)
+
+    async def paused_classes(self) -> set[tuple[str, str]]:
+        def op(c: sqlite3.Connection) -> set[tuple[str, str]]:
+            return {(str(z), str(k)) for z, k in c.execute("SELECT zone, class FROM paused_classes")}
+
+        return await self._read(op)
+
+    async def user_cap_usage(
+        self, zone: str, usernames: list[str], now: float, month: str
+    ) -> dict[str, CapUsage]:
+        def op(c: sqlite3.Connection) -> dict[str, CapUsage]:
+            out = {}
+            for user in usernames:
+                hour = c.execute(
+                    "SELECT COUNT(*) FROM user_sends WHERE zone = ? AND username = ? AND at >= ?",
+                    (zone, user, now - HOUR),
+                ).fetchone()[0]
+                row = c.execute(
+                    "SELECT used FROM user_monthly WHERE zone = ? AND username = ? AND month = ?",
+                    (zone, user, month),
+                ).fetchone()
+                out[user] = CapUsage(hour=int(hour), month=int(row[0]) if row else 0)
+            return out
+
+        return await self._read(op)
 
     async def cap_usage(self, zone: str, now: float, month: str) -> CapUsage:
         def op(c: sqlite3.Connection) -> CapUsage:
@@ -1154,6 +1203,65 @@ def _pause_or_cap(
 
 
 def _consume(c: sqlite3.Connection, cap: CapCheck) -> CapReached | None:
+    """One unit of the zone's caps and, when the user has caps of its own, one of the
+    user's (DESIGN.md §16): both or neither, in the one transaction."""
+    refused = _consume_zone(c, cap)
+    if refused is not None or cap.user is None or cap.user_caps is None:
+        return refused
+    refused = _consume_user(c, cap.zone, cap.user, cap.user_caps, cap)
+    if refused is not None:
+        c.execute("DELETE FROM sends WHERE zone = ? AND token = ?", (cap.zone, cap.token))
+        c.execute("UPDATE send_counts SET n = MAX(n - 1, 0) WHERE zone = ?", (cap.zone,))
+        _uncount_month(c, cap)
+    return refused
+
+
+def _consume_user(
+    c: sqlite3.Connection, zone: str, user: str, caps: Caps, cap: CapCheck
+) -> CapReached | None:
+    """One unit of a user's own caps, exact: every unit is a row, counted in the window."""
+    if not c.execute(
+        "INSERT OR IGNORE INTO user_sends (zone, token, username, at, month) VALUES (?, ?, ?, ?, ?)",
+        (zone, cap.token, user, cap.now, cap.month),
+    ).rowcount:
+        return None  # counted by an earlier run of this call (DESIGN.md §11.4)
+    used = c.execute(
+        "INSERT INTO user_monthly (zone, username, month, used) VALUES (?, ?, ?, 1) "
+        "ON CONFLICT (zone, username, month) DO UPDATE SET used = used + 1 RETURNING used",
+        (zone, user, cap.month),
+    ).fetchone()[0]
+    reached: CapReached | None = None
+    if used > caps.monthly:
+        reached = CapReached("month", caps.monthly, user=user)
+    else:
+        n, oldest = c.execute(
+            "SELECT COUNT(*), MIN(CASE WHEN token != ? THEN at END) FROM user_sends "
+            "WHERE zone = ? AND username = ? AND at >= ?",
+            (cap.token, zone, user, cap.hour_start),
+        ).fetchone()
+        if n > caps.hourly:
+            reached = CapReached("hour", caps.hourly, (oldest or cap.now) + HOUR, user=user)
+    if reached is not None:
+        c.execute("DELETE FROM user_sends WHERE zone = ? AND token = ?", (zone, cap.token))
+        c.execute(
+            "UPDATE user_monthly SET used = used - 1 WHERE zone = ? AND username = ? AND month = ?",
+            (zone, user, cap.month),
+        )
+    return reached
+
+
+def _refund_user(c: sqlite3.Connection, zone: str, token: str) -> None:
+    row = c.execute(
+        "DELETE FROM user_sends WHERE zone = ? AND token = ? RETURNING username, month", (zone, token)
+    ).fetchone()
+    if row is not None:
+        c.execute(
+            "UPDATE user_monthly SET used = MAX(used - 1, 0) WHERE zone = ? AND username = ? AND month = ?",
+            (zone, row[0], row[1]),
+        )
+
+
+def _consume_zone(c: sqlite3.Connection, cap: CapCheck) -> CapReached | None:
     """Count one unit against both caps, or refuse and count nothing.
 
     Optimistic: each count is raised first, in one statement that returns the new total, and

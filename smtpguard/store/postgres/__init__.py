@@ -309,8 +309,11 @@ class PostgresStore:
     ) -> ReserveResult:
         data = _dump(record)
         mid, uid = _ids(record)
-        async with self._conn() as conn:
-            try:
+        user = _user_args(cap)
+        try:
+            # With a user cap, the user's unit is a second statement of the same
+            # transaction: its refusal rolls the reservation and the zone's unit back.
+            async with self._tx() if user else self._conn() as conn:
                 cur = await conn.execute(
                     "SELECT * FROM smtpguard_reserve(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, "
                     "%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
@@ -320,12 +323,14 @@ class PostgresStore:
                         *_cap_args(cap, record.zone),
                     ),
                 )  # fmt: skip
-            except psycopg.Error as e:
-                reached = _refusal(e, cap)
-                if reached is None:
-                    raise
-                return reached
-            row = await cur.fetchone()
+                row = await cur.fetchone()
+                if user and row is not None and row[0]:
+                    await conn.execute(_COUNT_USER_UNIT, user)
+        except psycopg.Error as e:
+            reached = _refusal(e, cap)
+            if reached is None:
+                raise
+            return reached
         if row is None:
             return Conflict(None)
         if row[0]:
@@ -364,6 +369,18 @@ class PostgresStore:
                     "UPDATE monthly SET used = GREATEST(used - 1, 0) "
                     "WHERE zone = %s AND month = %s AND slot = %s",
                     (zone, gone[0] or month, gone[1]),
+                )
+            # The user's unit counted with the token, if any (DESIGN.md §16).
+            held = await _one(
+                conn,
+                "DELETE FROM user_sends WHERE zone = %s AND token = %s RETURNING username, month",
+                (zone, token),
+            )
+            if held is not None:
+                await conn.execute(
+                    "UPDATE user_monthly SET used = GREATEST(used - 1, 0) "
+                    "WHERE zone = %s AND username = %s AND month = %s",
+                    (zone, held[0], held[1]),
                 )
 
     async def purge(self, now: float, retention: float) -> int:
@@ -409,23 +426,27 @@ class PostgresStore:
                 (now - _WINDOW_KEEP,),
             )
             await conn.execute("DELETE FROM auth_failures WHERE at < %s", (now - _WINDOW_KEEP,))
+            await conn.execute("DELETE FROM user_sends WHERE at < %s", (now - _WINDOW_KEEP,))
             await conn.execute("DELETE FROM provider_events WHERE received_at < %s", (now - retention,))
             await conn.execute("DELETE FROM nonces WHERE until < %s", (now,))
             await conn.execute("DELETE FROM zone_audit WHERE at < %s", (now - retention,))
 
     @_translated
     async def consume_cap(self, cap: CapCheck) -> CapReached | None:
-        async with self._conn() as conn:
-            try:
+        user = _user_args(cap)
+        try:
+            async with self._tx() if user else self._conn() as conn:
                 await conn.execute(
                     "SELECT smtpguard_count_unit(%s, %s, %s, %s, %s, %s, %s, %s, %s)",
                     _cap_args(cap, cap.zone),
                 )
-            except psycopg.Error as e:
-                reached = _refusal(e, cap)
-                if not isinstance(reached, CapReached):
-                    raise
-                return reached
+                if user:
+                    await conn.execute(_COUNT_USER_UNIT, user)
+        except psycopg.Error as e:
+            reached = _refusal(e, cap)
+            if not isinstance(reached, CapReached):
+                raise
+            return reached
         return None
 
     # --- store-and-forward queue -------------------------------------------------------------
@@ -541,6 +562,39 @@ class PostgresStore:
     async def is_paused(self, zone: str) -> bool:
         async with self._conn() as conn:
             return await _one(conn, "SELECT 1 FROM paused WHERE zone = %s", (zone,)) is not None
+
+    @_translated
+    async def set_class_paused(self, zone: str, message_class: str, paused: bool) -> None:
+        async with self._conn() as conn:
+            if paused:
+                await conn.execute(
+                    "INSERT INTO paused_classes (zone, class) VALUES (%s, %s) ON CONFLICT DO NOTHING",
+                    (zone, message_class),
+                )
+            else:
+                await conn.execute(
+                    "DELETE FROM paused_classes WHERE zone = %s AND class = %s", (zone, message_class)
+                )
+
+    @_translated
+    async def paused_classes(self) -> set[tuple[str, str]]:
+        async with self._conn() as conn:
+            cur = await conn.execute("SELECT zone, class FROM paused_classes")
+            return {(str(z), str(c)) for z, c in await cur.fetchall()}
+
+    @_translated
+    async def user_cap_usage(
+        self, zone: str, usernames: list[str], now: float, month: str
+    ) -> dict[str, CapUsage]:
+        async with self._conn() as conn:
+            cur = await conn.execute(
+                "SELECT u, "
+                "(SELECT count(*) FROM user_sends WHERE zone = %s AND username = u AND at >= %s), "
+                "(SELECT used FROM user_monthly WHERE zone = %s AND username = u AND month = %s) "
+                "FROM unnest(%s::text[]) AS names(u)",
+                (zone, now - HOUR, zone, month, list(usernames)),
+            )
+            return {str(u): CapUsage(hour=int(h), month=int(m or 0)) for u, h, m in await cur.fetchall()}
 
     @_translated
     async def cap_usage(self, zone: str, now: float, month: str) -> CapUsage:
@@ -928,12 +982,31 @@ def _cap_args(cap: CapCheck | None, zone: str) -> tuple[Any, ...]:
     )  # fmt: skip
 
 
+_COUNT_USER_UNIT = "SELECT smtpguard_count_user_unit(%s, %s, %s, %s, %s, %s, %s, %s)"
+
+
+def _user_args(cap: CapCheck | None) -> tuple[Any, ...]:
+    """smtpguard_count_user_unit's arguments; empty when the unit has no user cap."""
+    if cap is None or cap.user is None or cap.user_caps is None:
+        return ()
+    return (
+        cap.zone, cap.user, cap.token, cap.now, cap.month, cap.hour_start,
+        cap.user_caps.hourly, cap.user_caps.monthly,
+    )  # fmt: skip
+
+
 def _refusal(e: psycopg.Error, cap: CapCheck | None) -> ReserveResult | None:
     """What an error raised by the reservation's functions answers, if it is a refusal."""
     if e.sqlstate == "SGP01":
         return Paused()
     if cap is None:
         return None
+    if cap.user is not None and cap.user_caps is not None:
+        if e.sqlstate == "SGV01":
+            return CapReached("month", cap.user_caps.monthly, user=cap.user)
+        if e.sqlstate == "SGU01":
+            free = float(e.diag.message_primary or cap.now) + HOUR
+            return CapReached("hour", cap.user_caps.hourly, free, user=cap.user)
     if e.sqlstate == "SGM01":
         return CapReached("month", cap.caps.monthly)
     if e.sqlstate == "SGH01":

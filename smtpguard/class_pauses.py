@@ -1,0 +1,47 @@
+"""Paused message classes (DESIGN.md §16), as one instance sees them.
+
+`pause ZONE --class C` writes a flag in the store; every instance sharing the store must
+hold that class within a second. Each instance reads the whole (small) set of paused
+classes at most every REFRESH seconds and answers from it in between, rather than reading a
+flag per message or adding one to every reservation's atomic step: a pause is an operator's
+switch with a one-second promise, not a race between two messages, and the hot path of a
+fleet with nothing paused stays one store round trip per message. The zone's own kill
+switch stays inside the reservation, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from smtpguard.store import Store
+
+REFRESH = 0.5
+"""Seconds a read of the paused classes is answered from: with the store's round trip, a
+pause holds on every instance well within the 1 s DESIGN.md §16 promises."""
+
+
+class ClassPauses:
+    def __init__(self, store: Store, clock: Callable[[], float] = time.monotonic) -> None:
+        self._store = store
+        self._clock = clock
+        self._pairs: frozenset[tuple[str, str]] = frozenset()
+        self._read_at: float | None = None
+        self._lock = asyncio.Lock()
+
+    async def paused(self) -> frozenset[tuple[str, str]]:
+        """Every (zone, class) paused, at most REFRESH seconds old. A failed read raises
+        StoreUnavailable, as the reservation it precedes would."""
+        if self._read_at is not None and self._clock() - self._read_at < REFRESH:
+            return self._pairs
+        async with self._lock:
+            # One read for all the sessions that found the copy stale together.
+            if self._read_at is None or self._clock() - self._read_at >= REFRESH:
+                started = self._clock()
+                self._pairs = frozenset(await self._store.paused_classes())
+                self._read_at = started
+        return self._pairs
+
+    async def is_paused(self, zone: str, message_class: str) -> bool:
+        return (zone, message_class) in await self.paused()
