@@ -90,6 +90,7 @@ class Proc:
         log_path: Path,
         env: dict[str, str] | None = None,
         stdout_pipe: bool = False,
+        cwd: Path | None = None,
     ) -> None:
         self.name = name
         self.argv = argv
@@ -101,7 +102,7 @@ class Proc:
             stderr=self._log,
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
-            cwd=str(ROOT),
+            cwd=str(cwd or ROOT),
         )
 
     @property
@@ -571,15 +572,23 @@ def guard_config(
 class Guard:
     """`python -m smtpguard serve -c CONFIG` as a child process."""
 
-    def __init__(self, tmp: Path, name: str, config: dict[str, Any]) -> None:
+    def __init__(self, tmp: Path, name: str, config: dict[str, Any], src: Path | None = None) -> None:
+        """`src`: run the smtpguard package of that source tree (an export of another commit,
+        bench.relay --baseline) instead of this checkout's, with this checkout's venv."""
         self.port = int(config["listen"][0]["address"].rsplit(":", 1)[1])
         cfg_path = tmp / f"{name}.yaml"
         cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        env = {"PYTHONUNBUFFERED": "1"}
+        if src is not None:
+            # `python -m` puts its working directory first on sys.path, ahead of the venv's
+            # editable install of this checkout.
+            env["PYTHONPATH"] = str(src)
         self.proc = Proc(
             "smtpguard",
             [PY, "-m", "smtpguard", "serve", "-c", str(cfg_path)],
             tmp / f"{name}.log",
-            env={"PYTHONUNBUFFERED": "1"},
+            env=env,
+            cwd=src,
         )
         wait_port(self.port, 30, self.proc)
 

@@ -39,6 +39,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import zlib
@@ -83,6 +84,9 @@ QUEUE_SCENARIOS = {
     "guard-postgres-queue": "guard-postgres",
 }
 """queue scenario -> the relay scenario with the same store (its msgs/s is the delivery target)."""
+BASE_SUFFIX = "@base"
+"""`guard-…@base`: the same scenario run from an export of `--baseline REV` (before/after)."""
+BASE_SRC: Path | None = None
 QUEUE_MODES = ("unique", "paced")
 """`paced` (10 sessions, 50 msgs/s) shows the acceptance service time without queueing."""
 QUEUE_P99_TARGET_MS = 10.0
@@ -153,6 +157,9 @@ class Target:
 def start_target(
     scenario: str, tmp: Path, sink: Sink, pool_size: int, row_id: str, queue: dict[str, Any] | None = None
 ) -> Target:
+    src = None
+    if scenario.endswith(BASE_SUFFIX):
+        scenario, src = scenario[: -len(BASE_SUFFIX)], BASE_SRC
     if scenario in QUEUE_SCENARIOS:
         if queue is None:
             raise ValueError(f"{scenario} needs a queue section")
@@ -179,13 +186,13 @@ def start_target(
         cfg = guard_config(port, sink.port, f"sqlite:///{db}", pool_size, queue=queue)
         if scenario == "guard-sqlite-asyncio":
             cfg["event_loop"] = "asyncio"  # what smtpguard does without the `fast` extra
-        guard = Guard(tmp, row_id, cfg)
+        guard = Guard(tmp, row_id, cfg, src)
         return Target(port, [guard.pid], [guard])
     if scenario == "guard-redis":
         redis = Redis(tmp)
         try:
             port = free_port()
-            guard = Guard(tmp, row_id, guard_config(port, sink.port, redis.url, pool_size, queue=queue))
+            guard = Guard(tmp, row_id, guard_config(port, sink.port, redis.url, pool_size, queue=queue), src)
         except BaseException:
             redis.stop()
             raise
@@ -196,7 +203,7 @@ def start_target(
         pg = Postgres(tmp)
         try:
             port = free_port()
-            guard = Guard(tmp, row_id, guard_config(port, sink.port, pg.url, pool_size, queue=queue))
+            guard = Guard(tmp, row_id, guard_config(port, sink.port, pg.url, pool_size, queue=queue), src)
         except BaseException:
             pg.stop()
             raise
@@ -211,6 +218,7 @@ def start_target(
 
 def scenario_available(scenario: str) -> str | None:
     """None when the scenario can run here, else why not."""
+    scenario = scenario.removesuffix(BASE_SUFFIX)
     if scenario in ("guard-redis", "guard-redis-queue"):
         if not (ROOT / "smtpguard" / "store" / "redis.py").exists():
             return "smtpguard/store/redis.py does not exist yet"
@@ -434,6 +442,11 @@ def medians(rows: list[Row]) -> list[Row]:
 def add_ratios(rows: list[Row]) -> None:
     index = {(r.scenario, r.mode, r.sessions): r for r in rows}
     for r in rows:
+        before = index.get((r.scenario + BASE_SUFFIX, r.mode, r.sessions))
+        if before is not None:
+            r.ratios["vs_base"] = round(r.msgs_s / before.msgs_s, 3) if before.msgs_s > 0 else None
+            a, b = r.proxy_cpu_ms_per_msg, before.proxy_cpu_ms_per_msg
+            r.ratios["cpu_vs_base"] = round(a / b, 3) if a and b else None
         for base in BASELINES:
             b = index.get((base, r.mode, r.sessions))
             r.ratios[base] = round(r.msgs_s / b.msgs_s, 3) if b and b.msgs_s > 0 else None
@@ -472,6 +485,18 @@ def table(rows: list[Row]) -> str:
             f"{_f(r.ratios.get('naive'), 2):>6} {errs:>6}  {r.note}"
         )
     return "\n".join(lines)
+
+
+def base_lines(rows: list[Row]) -> list[str]:
+    """This checkout against --baseline, row by row: msgs/s and CPU per message."""
+    out = []
+    for r in rows:
+        if "vs_base" in r.ratios:
+            out.append(
+                f"{r.scenario:<20} {r.mode:<7} {r.sessions:>4}  msgs/s {_f(r.ratios['vs_base'], 2)}x of "
+                f"{r.scenario}{BASE_SUFFIX}, cpu/msg {_f(r.ratios.get('cpu_vs_base'), 2)}x"
+            )
+    return out
 
 
 def dup_checks(rows: list[Row]) -> list[str]:
@@ -786,6 +811,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-mode", default="unique", choices=["unique", "dup"])
     ap.add_argument("--keep-tmp", action="store_true")
     ap.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also run every guard scenario from `git archive REV` (before/after in one run)",
+    )
+    ap.add_argument(
         "--repeat",
         type=int,
         default=1,
@@ -811,6 +841,20 @@ def main(argv: list[str] | None = None) -> int:
     sessions_list = [int(x) for x in args.sessions.split(",") if x]
     modes = [m for m in args.modes.split(",") if m]
     scenarios = [x for x in args.scenarios.split(",") if x]
+    global BASE_SRC
+    base_tmp: Path | None = None
+    if args.baseline:
+        # Each guard scenario twice, the baseline's right after this checkout's, so both see
+        # the same machine (the rounds interleave them too).
+        base_tmp = Path(tempfile.mkdtemp(prefix="smtpguard-base-"))
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", args.baseline, "smtpguard"], check=True, capture_output=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(base_tmp)], input=archive, check=True)
+        BASE_SRC = base_tmp
+        # Relay scenarios only: a queue row's bookkeeping keys on its scenario's name.
+        twice = [x for x in scenarios if x.startswith("guard") and x not in QUEUE_SCENARIOS]
+        scenarios = [y for x in scenarios for y in ([x, x + BASE_SUFFIX] if x in twice else [x])]
     run_id = stamp()
     git_at_start = git_state()
     password_hash()  # once, before any clock starts
@@ -897,6 +941,14 @@ def main(argv: list[str] | None = None) -> int:
             print(t)
         payload["dup_checks"] = checks
         payload["targets"] = tl
+        if args.baseline:
+            bl = base_lines(rows)
+            print(f"This checkout against {args.baseline} (same run, ratio of the median rounds):")
+            for line in bl:
+                print("  " + line)
+            payload["baseline"] = {"rev": args.baseline, "lines": bl}
+    if base_tmp is not None:
+        shutil.rmtree(base_tmp, ignore_errors=True)
         print(
             f"\nnotes: postfix rows send without AUTH from 127.0.0.1 (mynetworks); RSS for postfix is the "
             f"sum over its master and children; redis-server runs with appendonly no and no snapshots; "
