@@ -195,3 +195,80 @@ async def test_a_535_with_the_file_unchanged_stands(tmp: Path) -> None:
     # Nothing new to try: one refusal, no retry, nothing sent; the key stays retryable.
     assert reply.code == 451 and reply.text.startswith("4.4.1"), reply
     assert len(upstream.refused_connections) == 1 and upstream.received == []
+
+
+# --- review findings ---------------------------------------------------------------------------
+async def test_file_first_with_reload_keeps_mail_flowing_before_the_provider_switches(tmp: Path) -> None:
+    # The runbook's "file first (best)" order against a provider holding one password at a
+    # time: the new secret is written and reloaded before the provider switches. Until it
+    # does, the new secret is refused; the one in use before the reload still works and
+    # must be tried once, or every fresh connection of that window is a 451 4.4.1 and the
+    # provider's circuit opens.
+    upstream = Upstream(password=OLD)
+    await upstream.start()
+    try:
+        cfg, secret = rotating_config(tmp, upstream)
+        async with running_guard(cfg, config_path=tmp / "smtpguard.yaml") as guard:
+            port = guard.ports[0]
+            secret.write_text(NEW + "\n")
+            assert await guard.reload()
+            before = await send(port, message("ff:before-switch"))
+            upstream.rotate(NEW)
+            after = await send(port, message("ff:after-switch"))
+    finally:
+        await upstream.stop()
+    assert before.code == 250 and after.code == 250, (before, after)
+    assert Counter(upstream.event_keys()) == {"ff:before-switch": 1, "ff:after-switch": 1}
+
+
+async def test_the_prober_uses_the_password_a_535_made_smtpguard_read(tmp: Path) -> None:
+    # Provider first, no reload: the 535 makes the relay read the file again. The readiness
+    # prober must authenticate with that same secret, or it reports a provider that is
+    # sending fine as not ready (smtpguard_provider_ready 0, the share routing off).
+    upstream = Upstream(password=OLD)
+    await upstream.start()
+    try:
+        cfg, secret = rotating_config(tmp, upstream)
+        cfg["providers"][0]["probe_interval"] = "10s"
+        async with running_guard(cfg) as guard:
+            assert guard.prober is not None
+            async with asyncio.timeout(10):
+                while "primary" not in guard.prober.ready:
+                    guard.prober.probed.clear()
+                    await guard.prober.probed.wait()
+            assert guard.prober.ready["primary"] is True
+            upstream.rotate(NEW, then=lambda: secret.write_text(NEW + "\n"))
+            reply = await send(guard.ports[0], message("probe:1"))
+            assert reply.code == 250, reply
+            probes = guard.prober.probes
+            async with asyncio.timeout(20):
+                while guard.prober.probes == probes:
+                    guard.prober.probed.clear()
+                    await guard.prober.probed.wait()
+            ready = guard.prober.ready["primary"]
+            rendered = guard.metrics.render().decode()
+    finally:
+        await upstream.stop()
+    assert ready is True, guard.prober.detail
+    assert 'smtpguard_provider_ready{provider="primary"} 1.0' in rendered
+    assert upstream.event_keys() == ["probe:1"]
+
+
+async def test_a_535_with_the_password_file_unreadable_says_so(
+    tmp: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    upstream = Upstream(password=NEW)
+    await upstream.start()
+    try:
+        cfg, secret = rotating_config(tmp, upstream)
+        async with running_guard(cfg) as guard:
+            secret.unlink()
+            reply = await send(guard.ports[0], message("gone:1"))
+    finally:
+        await upstream.stop()
+    assert reply.code == 451 and reply.text.startswith("4.4.1"), reply
+    assert upstream.received == []
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("smtpguard")]
+    assert any("cannot read" in line and str(secret) in line for line in lines), lines
+    # The secrets themselves are never logged.
+    assert not any(OLD in line or NEW in line for line in lines), lines
