@@ -168,3 +168,18 @@ def test_header_list_config_errors(tmp: Path, header: object, problem: str) -> N
         loads(yaml.safe_dump(cfg))
     text = "\n".join(e.value.problems)
     assert "event_key.header" in text and problem in text, text
+
+
+@pytest.mark.parametrize("name", ["Message-ID", "from", "Subject", "Content-Type", "DKIM-Signature"])
+def test_strip_refuses_a_key_header_the_message_itself_needs(tmp: Path, name: str) -> None:
+    # `header: Message-ID` (a natural idempotency key) loaded before strip existed; with
+    # strip on by default it would silently relay every message without its Message-ID
+    # (From, Subject, Content-Type: a broken message). A clear config error instead.
+    cfg = stripping(base_config(tmp, 2525), header=["X-Event-Key", name])
+    with pytest.raises(ConfigError) as e:
+        loads(yaml.safe_dump(cfg))
+    text = "\n".join(e.value.problems)
+    assert "event_key.header" in text and name in text and "strip" in text, text
+    # Kept in the message (strip: false), such a header may name the event.
+    cfg["event_key"]["strip"] = False
+    assert loads(yaml.safe_dump(cfg)).event_key.headers == ("X-Event-Key", name)
