@@ -501,6 +501,9 @@ class UserConfig(_Strict):
         if v is not None:
             for h in v:
                 _argon2_hash(h)
+            if len(set(v)) != len(v):
+                # Each costs a verification on every failed AUTH, for every user.
+                raise ValueError("password_hashes lists the same hash twice")
         return v
 
     @model_validator(mode="after")

@@ -64,6 +64,7 @@ async def test_both_hashes_of_a_rotation_are_accepted_and_a_third_refused(
         pytest.param({}, "exactly one", id="neither"),
         pytest.param({"password_hashes": []}, "must not be empty", id="empty-list"),
         pytest.param({"password_hashes": ["H", "plaintext"]}, "argon2", id="not-a-hash"),
+        pytest.param({"password_hashes": ["H", "H"]}, "twice", id="same-hash-twice"),
     ],
 )
 def test_password_hashes_config_errors(tmp: Path, user: dict[str, Any], problem: str) -> None:
@@ -272,3 +273,41 @@ async def test_a_535_with_the_password_file_unreadable_says_so(
     assert any("cannot read" in line and str(secret) in line for line in lines), lines
     # The secrets themselves are never logged.
     assert not any(OLD in line or NEW in line for line in lines), lines
+
+
+async def test_a_wrong_password_costs_the_same_whoever_the_user(
+    tmp: Path, upstream: Upstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A failed AUTH must not tell an unknown user from a known one by its time: with one
+    # user holding [new, old], a wrong password for that user costs two argon2
+    # verifications, so every failure (any user, unknown ones too) must cost two. The real
+    # hasher verifies; this only counts its calls.
+    from smtpguard import passwords
+
+    real = passwords._hasher
+    calls: list[str] = []
+
+    class Counting:
+        def verify(self, h: str, p: str) -> bool:
+            calls.append(h)
+            return real.verify(h, p)
+
+    cfg = base_config(tmp, upstream.port)
+    cfg.setdefault("limits", {})["auth_failures"] = 50
+    cfg["zones"]["acme"]["users"] = [
+        {"username": "acme-app", "password_hashes": [password_hash("new-pass"), password_hash(PASSWORD)]},
+        {"username": "acme-cron", "password_hash": password_hash(PASSWORD)},
+    ]
+    monkeypatch.setattr(passwords, "_hasher", Counting())
+    costs: dict[str, int] = {}
+    async with running_guard(cfg) as guard:
+        for user in ("acme-app", "acme-cron", "nobody"):
+            calls.clear()
+            reply = await send(guard.ports[0], message(f"cost:{user}"), user=user, password="wrong")
+            assert reply.code == 535, reply
+            costs[user] = len(calls)
+        calls.clear()
+        ok = await send(guard.ports[0], message("cost:ok"), user="acme-cron")
+    assert ok.code == 250, ok
+    assert costs["acme-app"] == costs["acme-cron"] == costs["nobody"] > 0, costs
+    assert upstream.event_keys() == ["cost:ok"]
