@@ -451,6 +451,8 @@ class Server:
                 for (zname, lane), n in depth.items():
                     self.metrics.queue_depth.labels(zname, lane).set(n)
             now = self.clock()
+            if self.cap_alerts is not None:
+                self.cap_alerts.prune()
             for zname, zone in self.config.zones.items():
                 caps = caps_for(zone.plan, zone.hourly_cap, zone.monthly_cap)
                 try:
