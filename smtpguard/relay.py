@@ -32,6 +32,7 @@ from smtpguard.policy.eventkey import qualified_key
 from smtpguard.policy.outcome import Kind, Outcome, classify_reply, queue_id, upstream_reply
 from smtpguard.policy.senders import needs_smtputf8
 from smtpguard.policy.share import Candidate, shared_provider, slot
+from smtpguard.policy.strip import without_headers
 from smtpguard.replies import Reply
 
 log = logging.getLogger("smtpguard.relay")
@@ -128,7 +129,13 @@ class SmtpProvider:
 
     def _prepare(self, env: Envelope) -> bytes:
         qualified = qualified_key(env.zone, env.key) if env.key is not None else None
-        content = tagged(self.event_tag, qualified, env.attempt_id, env.content)
+        content = env.content
+        if self.cfg.idempotency_header:
+            # The provider deduplicates on this field: only smtpguard's ZONE:KEY may reach
+            # it. A client's own copy (its key unqualified with strip off, or another
+            # zone's key written by hand) would have the provider drop someone's event.
+            content = without_headers(content, (self.cfg.idempotency_header,))
+        content = tagged(self.event_tag, qualified, env.attempt_id, content)
         if self.cfg.idempotency_header and qualified is not None:
             return f"{self.cfg.idempotency_header}: {qualified}\r\n".encode() + content
         return content

@@ -183,3 +183,33 @@ def test_strip_refuses_a_key_header_the_message_itself_needs(tmp: Path, name: st
     # Kept in the message (strip: false), such a header may name the event.
     cfg["event_key"]["strip"] = False
     assert loads(yaml.safe_dump(cfg)).event_key.headers == ("X-Event-Key", name)
+
+
+@pytest.mark.parametrize("strip", [True, False])
+async def test_the_provider_gets_one_idempotency_header_and_it_is_ours(
+    tmp: Path, upstream: Upstream, strip: bool
+) -> None:
+    # A client's own field of the provider's idempotency_header name must not travel next
+    # to smtpguard's: a provider deduplicating on it would take the client's value, and one
+    # zone could name another zone's event (`globex:…`) and have that one dropped as a
+    # duplicate. With strip off and the header also a key alias, the client's copy is the
+    # key unqualified: the provider must still see ZONE:KEY alone.
+    cfg = stripping(base_config(tmp, upstream.port), header=ALIASES, strip=strip)
+    cfg["providers"][0]["idempotency_header"] = "Idempotency-Key"
+    async with running_guard(cfg) as guard:
+        port = guard.ports[0]
+        aliased = await send(port, raw("Idempotency-Key: order-8"))
+        forged = await send(port, raw("X-Event-Key: order-9", "idempotency-key:\r\n globex:order-1"))
+    assert aliased.code == 250, aliased
+    assert forged.code == 550 and forged.text.startswith("5.6.0"), forged
+    cfg["event_key"]["header"] = "X-Event-Key"
+    async with running_guard(cfg) as guard:
+        alone = await send(guard.ports[0], raw("X-Event-Key: order-10", "Idempotency-Key: globex:order-1"))
+    assert alone.code == 250, alone
+    assert len(upstream.received) == 2
+    fields = [
+        [line for line in heads(r.content).split(b"\r\n") if line.lower().startswith(b"idempotency-key:")]
+        for r in upstream.received
+    ]
+    assert fields == [[b"Idempotency-Key: acme:order-8"], [b"Idempotency-Key: acme:order-10"]], fields
+    assert b"globex:order-1" not in upstream.received[1].content
