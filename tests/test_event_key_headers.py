@@ -66,6 +66,15 @@ def test_without_headers_cuts_whole_fields_only(data: bytes, expected: bytes) ->
     assert without_headers(data, ALIASES) == expected
 
 
+def test_without_headers_joins_the_prefix_in_the_same_copy() -> None:
+    cut = b"A: 1\r\nX-Event-Key: k\r\n\r\nbody\r\n"
+    kept = b"A: 1\r\n\r\nbody\r\n"
+    prefix = b"Message-ID: <p@x>\r\n"
+    assert without_headers(cut, ALIASES, prefix) == prefix + kept
+    assert without_headers(kept, ALIASES, prefix) == prefix + kept
+    assert without_headers(kept, ALIASES, b"") is kept
+
+
 def test_without_headers_leaves_a_message_without_them_untouched() -> None:
     data = b"A: 1\r\nB: 2\r\n\r\nX-Event-Key: body\r\n"
     assert without_headers(data, ALIASES) is data
