@@ -311,3 +311,45 @@ async def test_a_wrong_password_costs_the_same_whoever_the_user(
     assert ok.code == 250, ok
     assert costs["acme-app"] == costs["acme-cron"] == costs["nobody"] > 0, costs
     assert upstream.event_keys() == ["cost:ok"]
+
+
+async def test_a_reload_with_the_password_file_unreadable_keeps_the_running_password(
+    tmp: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    upstream = Upstream(password=OLD)
+    await upstream.start()
+    try:
+        cfg, secret = rotating_config(tmp, upstream)
+        async with running_guard(cfg, config_path=tmp / "smtpguard.yaml") as guard:
+            secret.unlink()
+            assert await guard.reload() is False
+            reply = await send(guard.ports[0], message("unreadable:1"))
+    finally:
+        await upstream.stop()
+    assert reply.code == 250, reply
+    assert upstream.event_keys() == ["unreadable:1"]
+    refused = [r for r in caplog.records if r.getMessage().startswith("reload refused")]
+    assert refused and any(str(secret) in p for p in refused[0].__dict__["problems"]), refused
+
+
+async def test_a_cached_success_of_the_old_password_ends_when_its_hash_is_removed(
+    tmp: Path, upstream: Upstream
+) -> None:
+    cfg = base_config(tmp, upstream.port)
+    new_hash = password_hash("new-pass")
+    cfg["zones"]["acme"]["users"] = [
+        {"username": "acme-app", "password_hashes": [new_hash, password_hash(PASSWORD)]}
+    ]
+    async with running_guard(cfg, config_path=tmp / "smtpguard.yaml") as guard:
+        port = guard.ports[0]
+        # Twice: the second is answered from the verification cache.
+        first = await send(port, message("cache:1"), password=PASSWORD)
+        cached = await send(port, message("cache:2"), password=PASSWORD)
+        cfg["zones"]["acme"]["users"] = [{"username": "acme-app", "password_hash": new_hash}]
+        write_config(tmp / "smtpguard.yaml", cfg)
+        assert await guard.reload()
+        removed = await send(port, message("cache:3"), password=PASSWORD)
+        new = await send(port, message("cache:4"), password="new-pass")
+    assert first.code == cached.code == new.code == 250, (first, cached, new)
+    assert removed.code == 535 and removed.text.startswith("5.7.8"), removed
+    assert sorted(k or "" for k in upstream.event_keys()) == ["cache:1", "cache:2", "cache:4"]
