@@ -199,7 +199,10 @@ async def test_a_535_with_the_file_unchanged_stands(tmp: Path) -> None:
 
 
 # --- review findings ---------------------------------------------------------------------------
-async def test_file_first_with_reload_keeps_mail_flowing_before_the_provider_switches(tmp: Path) -> None:
+@pytest.mark.parametrize("rebuilt", [False, True], ids=["same-providers", "providers-rebuilt"])
+async def test_file_first_with_reload_keeps_mail_flowing_before_the_provider_switches(
+    tmp: Path, rebuilt: bool
+) -> None:
     # The runbook's "file first (best)" order against a provider holding one password at a
     # time: the new secret is written and reloaded before the provider switches. Until it
     # does, the new secret is refused; the one in use before the reload still works and
@@ -209,9 +212,15 @@ async def test_file_first_with_reload_keeps_mail_flowing_before_the_provider_swi
     await upstream.start()
     try:
         cfg, secret = rotating_config(tmp, upstream)
+        cfg["providers"].append({"name": "standby", "kind": "maildir", "path": str(tmp / "standby")})
         async with running_guard(cfg, config_path=tmp / "smtpguard.yaml") as guard:
             port = guard.ports[0]
             secret.write_text(NEW + "\n")
+            if rebuilt:
+                # Another provider changes in the same reload: every provider is rebuilt,
+                # and the primary's new object must still know the secret in use before.
+                cfg["providers"][1]["path"] = str(tmp / "standby2")
+                write_config(tmp / "smtpguard.yaml", cfg)
             assert await guard.reload()
             before = await send(port, message("ff:before-switch"))
             upstream.rotate(NEW)
@@ -219,6 +228,7 @@ async def test_file_first_with_reload_keeps_mail_flowing_before_the_provider_swi
     finally:
         await upstream.stop()
     assert before.code == 250 and after.code == 250, (before, after)
+    # Both at the provider, none failed over to the standby's maildir.
     assert Counter(upstream.event_keys()) == {"ff:before-switch": 1, "ff:after-switch": 1}
 
 
