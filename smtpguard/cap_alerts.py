@@ -41,6 +41,8 @@ class CapAlerts:
         self._pending: set[str] = set()
         self._last: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._shown: set[tuple[str, Window]] = set()
+        """The (zone, window) series the gauge has: one left behind keeps an alert firing."""
 
     def consumed(self, zone: str) -> None:
         """A unit of the zone's cap may have been used: read its usage again soon."""
@@ -87,8 +89,11 @@ class CapAlerts:
         for window, used, cap in windows:
             ratio = used_ratio(used, cap)
             if ratio is None:
+                # A zero cap has no share: no series, rather than the last one's value.
+                self._hide(zone, window)
                 continue
             self._metrics.cap_used_ratio.labels(zone, window).set(ratio)
+            self._shown.add((zone, window))
             for threshold in self._ledger.newly_crossed(zone, window, ratio, cfg.alert_at, now):
                 log.warning(
                     "zone %s has used %d%% of its %s cap",
@@ -104,6 +109,18 @@ class CapAlerts:
                         "ratio": round(ratio, 4),
                     },
                 )
+
+    def prune(self) -> None:
+        """Drop the series (and the warnings given) of zones a reload removed."""
+        zones = self._config().zones
+        for zone, window in [k for k in self._shown if k[0] not in zones]:
+            self._hide(zone, window)
+        self._ledger.forget(lambda zone: zone not in zones)
+
+    def _hide(self, zone: str, window: Window) -> None:
+        if (zone, window) in self._shown:
+            self._shown.discard((zone, window))
+            self._metrics.cap_used_ratio.remove(zone, window)
 
     async def close(self) -> None:
         for task in list(self._tasks):

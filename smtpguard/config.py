@@ -192,6 +192,28 @@ class StoreConfig(_Strict):
 
 
 _HEADER_NAME = re.compile(r"[\x21-\x39\x3b-\x7e]+")
+_MESSAGE_FIELDS = frozenset(
+    [
+        "from",
+        "sender",
+        "reply-to",
+        "to",
+        "cc",
+        "bcc",
+        "message-id",
+        "in-reply-to",
+        "references",
+        "subject",
+        "date",
+        "mime-version",
+        "received",
+        "return-path",
+        "dkim-signature",
+    ]
+)
+"""Fields the message itself needs (RFC 5322 §3.6, MIME, signatures): `event_key.strip`
+must never cut them, so they cannot be key headers while it is on."""
+_MESSAGE_FIELD_PREFIXES = ("content-", "resent-", "arc-")
 
 
 class EventKeyConfig(_Strict):
@@ -234,6 +256,19 @@ class EventKeyConfig(_Strict):
         if len({n.lower() for n in names}) != len(names):
             raise ValueError("header names the same header twice (names are case-insensitive)")
         return v
+
+    @model_validator(mode="after")
+    def _strip_spares_the_message(self) -> EventKeyConfig:
+        if self.strip:
+            for name in self.headers:
+                lname = name.lower()
+                if lname in _MESSAGE_FIELDS or lname.startswith(_MESSAGE_FIELD_PREFIXES):
+                    raise FieldProblem(
+                        ("header",),
+                        f"{name} is part of the message itself and strip (on by default) would "
+                        "remove it before relay: name another header, or set strip: false",
+                    )
+        return self
 
     @property
     def headers(self) -> tuple[str, ...]:
@@ -496,6 +531,9 @@ class UserConfig(_Strict):
         if v is not None:
             for h in v:
                 _argon2_hash(h)
+            if len(set(v)) != len(v):
+                # Each costs a verification on every failed AUTH, for every user.
+                raise ValueError("password_hashes lists the same hash twice")
         return v
 
     @model_validator(mode="after")

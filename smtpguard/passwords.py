@@ -40,14 +40,15 @@ def _verify_blocking(password_hash: str | None, password: str) -> bool:
         return False
 
 
-def _verify_any_blocking(password_hashes: Sequence[str], password: str) -> str | None:
-    """The first hash the password matches; None (and a dummy's cost) when there is none."""
-    if not password_hashes:
-        _verify_blocking(None, password)
-        return None
+def _verify_any_blocking(password_hashes: Sequence[str], password: str, pad_to: int) -> str | None:
+    """The first hash the password matches; None when there is none, after at least
+    `pad_to` verifications (dummies make up the count), so that a failure costs the same
+    for an unknown user, a user with one hash and a user holding several."""
     for h in password_hashes:
         if _verify_blocking(h, password):
             return h
+    for _ in range(max(pad_to, 1) - len(password_hashes)):
+        _verify_blocking(None, password)
     return None
 
 
@@ -74,11 +75,14 @@ class Verifier:
             self._cache[(username, password_hash)] = (tag, now + self._ttl)
         return ok
 
-    async def verify_any(self, username: str, password_hashes: Sequence[str], password: str) -> bool:
-        """A user holding several hashes during a rotation (`password_hashes: [new, old]`):
-        at most one argon2 verification per hash, all in one trip off the event loop; no
-        hashes (unknown user) costs one, as `verify` does."""
-        if len(password_hashes) == 1:
+    async def verify_any(
+        self, username: str, password_hashes: Sequence[str], password: str, pad_to: int = 1
+    ) -> bool:
+        """A user holding several hashes during a rotation (`password_hashes: [new, old]`),
+        all verified in one trip off the event loop. A wrong password costs as many
+        verifications as the most hashes any user holds (`pad_to`), whoever the user, an
+        unknown one included: the time of a failure says nothing about the username."""
+        if len(password_hashes) == 1 and pad_to <= 1:
             return await self.verify(username, password_hashes[0], password)
         now = time.monotonic()
         tag = self._tag(username, password)
@@ -86,7 +90,7 @@ class Verifier:
             cached = self._cache.get((username, h))
             if cached and cached[1] > now and hmac.compare_digest(cached[0], tag):
                 return True
-        matched = await asyncio.to_thread(_verify_any_blocking, tuple(password_hashes), password)
+        matched = await asyncio.to_thread(_verify_any_blocking, tuple(password_hashes), password, pad_to)
         if matched is not None:
             if len(self._cache) > 10_000:
                 self._cache.clear()

@@ -32,6 +32,7 @@ from smtpguard.policy.eventkey import qualified_key
 from smtpguard.policy.outcome import Kind, Outcome, classify_reply, queue_id, upstream_reply
 from smtpguard.policy.senders import needs_smtputf8
 from smtpguard.policy.share import Candidate, shared_provider, slot
+from smtpguard.policy.strip import without_headers
 from smtpguard.policy.throttle import CONNECTION_WAIT, is_rate_limit, zone_route
 from smtpguard.provider_gate import IDLE_HOLD, ConnectionSlots, ProviderGate
 from smtpguard.replies import Reply
@@ -108,6 +109,8 @@ class SmtpProvider:
         self.idempotent = cfg.idempotency_header is not None
         self.smtputf8: bool | None = None
         self._password = password
+        self._previous: str | None = None
+        """The secret in use before the last re-read (a retry after a 535 may need it)."""
         self._helo = cfg.helo_name or helo
         self._idle: deque[aiosmtplib.SMTP] = deque()
         self._closed = False
@@ -161,12 +164,43 @@ class SmtpProvider:
 
     def _prepare(self, env: Envelope) -> bytes:
         qualified = qualified_key(env.zone, env.key) if env.key is not None else None
-        content = tagged(self.event_tag, qualified, env.attempt_id, env.content)
+        content = env.content
+        if self.cfg.idempotency_header:
+            # The provider deduplicates on this field: only smtpguard's ZONE:KEY may reach
+            # it. A client's own copy (its key unqualified with strip off, or another
+            # zone's key written by hand) would have the provider drop someone's event.
+            content = without_headers(content, (self.cfg.idempotency_header,))
+        content = tagged(self.event_tag, qualified, env.attempt_id, content)
         if self.cfg.idempotency_header and qualified is not None:
             return f"{self.cfg.idempotency_header}: {qualified}\r\n".encode() + content
         return content
 
-    async def _connect(self) -> aiosmtplib.SMTP:
+    async def _open(self) -> aiosmtplib.SMTP | Attempted:
+        """A fresh connection, authenticated, or why not. A 535 gets one more AUTH, on a
+        fresh connection, when another secret is known (`_another_password`): AUTH comes
+        before MAIL, so nothing of the message has been sent either way."""
+        password = self._password
+        retried = False
+        while True:
+            try:
+                return await self._connect(password)
+            except aiosmtplib.SMTPAuthenticationError as e:
+                another = None if retried or e.code != 535 else self._another_password(password)
+                if another is None:
+                    return self._auth_failed(e)
+                password, retried = another, True
+            except aiosmtplib.SMTPResponseException as e:
+                reply = upstream_reply(e.code, e.message)
+                if is_rate_limit(e.code, reply.enhanced, e.message):
+                    return _rate_limited(self.name, reply)
+                return _unavailable(self.name, f"connect: {_describe(e)}")
+            except (aiosmtplib.SMTPException, OSError, ssl.SSLError, TimeoutError) as e:
+                return _unavailable(self.name, f"connect: {_describe(e)}")
+            except Exception as e:
+                _log_unexpected(self.name, "connecting", e)
+                return _unavailable(self.name, f"connect: {_describe(e)}")
+
+    async def _connect(self, password: str | None) -> aiosmtplib.SMTP:
         t = self.cfg.timeouts
         conn = aiosmtplib.SMTP(
             hostname=self.cfg.host,
@@ -190,7 +224,7 @@ class SmtpProvider:
             # This connection's last EHLO (after STARTTLS, the second): the listener's view.
             self.smtputf8 = conn.supports_extension("smtputf8")
             if self.cfg.username:
-                await conn.login(self.cfg.username, self._password or "", timeout=t.command)
+                await conn.login(self.cfg.username, password or "", timeout=t.command)
         except BaseException:
             conn.close()
             raise
@@ -218,11 +252,16 @@ class SmtpProvider:
                 if holder is None:
                     return _connections_busy(self.name)
             try:
-                conn = await self._connect_rotating()
-            except BaseException as e:
+                opened = await self._open()
+            except BaseException:
                 if holder is not None and self._fleet is not None:
                     self._fleet.release(holder)
-                return self._connect_failed(e)
+                raise
+            if not isinstance(opened, aiosmtplib.SMTP):
+                if holder is not None and self._fleet is not None:
+                    self._fleet.release(holder)
+                return opened
+            conn = opened
             if holder is not None:
                 self._holders[conn] = holder
             result, keep = await self._transaction(conn, env, before_data, reused=False)
@@ -240,57 +279,64 @@ class SmtpProvider:
             self._discard(conn)
         return result
 
-    async def _connect_rotating(self) -> aiosmtplib.SMTP:
-        used = self._password
-        try:
-            return await self._connect()
-        except aiosmtplib.SMTPAuthenticationError as e:
-            if not (e.code == 535 and self._reread_password(used)):
-                raise
-        # Rotated under us: the new secret gets one fresh connection. AUTH comes before
-        # MAIL, so nothing of the message has been sent either way.
-        return await self._connect()
-
-    def _connect_failed(self, e: BaseException) -> Attempted:
-        if isinstance(e, aiosmtplib.SMTPAuthenticationError):
-            return self._auth_failed(e)
-        if isinstance(e, aiosmtplib.SMTPResponseException) and is_rate_limit(
-            e.code, upstream_reply(e.code, e.message).enhanced, e.message
-        ):
-            return _rate_limited(self.name, upstream_reply(e.code, e.message))
-        if isinstance(e, aiosmtplib.SMTPException | OSError | ssl.SSLError | TimeoutError):
-            return _unavailable(self.name, f"connect: {_describe(e)}")
-        if isinstance(e, Exception):
-            _log_unexpected(self.name, "connecting", e)
-            return _unavailable(self.name, f"connect: {_describe(e)}")
-        raise e
+    @property
+    def password(self) -> str | None:
+        """The secret new connections authenticate with (the prober reads it too)."""
+        return self._password
 
     def rotate_password(self, password: str | None) -> bool:
         """The secret as read again (SIGHUP); True if it changed. The next connection
-        authenticates with it; pooled connections, authenticated already, carry on."""
+        authenticates with it; pooled connections, authenticated already, carry on. The
+        one it replaces is kept for one retry after a 535 (`_another_password`)."""
         changed = password != self._password
+        if changed:
+            self._previous = self._password
         self._password = password
         return changed
 
-    def _reread_password(self, used: str | None) -> bool:
-        """After a 535 to `used`: read `password_file` again; True when it holds another
-        secret (now in use). Compared with the one refused, not the current one, so that
-        concurrent connections refused together each get their retry. A password from the
-        environment cannot change under a running process."""
-        if self.cfg.password_file is None:
-            return False
-        try:
-            fresh = read_secret(None, self.cfg.password_file, f"provider {self.name}")
-        except ConfigError:
-            return False
-        if fresh is None or fresh == used:
-            return False
-        log.warning(
-            "upstream refused the password; password_file holds a new one, retrying with it",
-            extra={"provider": self.name},
+    def inherit(self, old: SmtpProvider) -> None:
+        """A reload rebuilt this provider with the same settings: keep what `old` knew of
+        the secret in use before, for the same retry after a 535."""
+        if old._password != self._password:
+            self._previous = old._password
+        else:
+            self._previous = old._previous
+
+    def _another_password(self, used: str | None) -> str | None:
+        """After a 535 to `used`: a secret to try once instead, now in use; None when
+        there is none. First the `password_file` read again (the provider rotated first);
+        else the secret in use now, if another coroutine has moved on already; else the
+        one in use before the last re-read (the file was rotated and reloaded before the
+        provider switched: until it does, the old secret is the good one). Compared with
+        the one refused, not the current one, so that connections refused together each get
+        their retry. A password from the environment cannot change under a running process."""
+        fresh: str | None = None
+        if self.cfg.password_file is not None:
+            try:
+                fresh = read_secret(None, self.cfg.password_file, f"provider {self.name}")
+            except ConfigError as e:
+                log.error(
+                    "upstream refused the password and password_file cannot be read again: %s",
+                    "; ".join(e.problems),
+                    extra={"provider": self.name},
+                )
+        candidates = (
+            (fresh, "password_file holds a new one"),
+            (self._password, "another connection moved to a new one"),
+            (self._previous, "the one in use before the last re-read"),
         )
-        self._password = fresh
-        return True
+        for candidate, why in candidates:
+            if candidate is not None and candidate != used:
+                log.warning(
+                    "upstream refused the password; retrying once with %s",
+                    why,
+                    extra={"provider": self.name},
+                )
+                if candidate != self._password:
+                    self._previous = self._password
+                    self._password = candidate
+                return candidate
+        return None
 
     def _auth_failed(self, e: aiosmtplib.SMTPAuthenticationError) -> Attempted:
         reply = upstream_reply(e.code, e.message)

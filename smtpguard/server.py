@@ -12,7 +12,7 @@ import ssl
 import time
 import warnings
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -396,7 +396,7 @@ class Server:
         and the store (for `stats`) learn each result."""
         if self.prober is not None:
             self.prober.stop_later(self._background)
-        self.prober = Prober(config, secrets, self.hostname, self._probe_changed)
+        self.prober = Prober(config, _ProviderSecrets(self, secrets), self.hostname, self._probe_changed)
         self.prober.start()
 
     def _probe_changed(self, provider: str, ready: bool, detail: str) -> None:
@@ -513,6 +513,8 @@ class Server:
             else:
                 self.metrics.queue_depths(depth)
             now = self.clock()
+            if self.cap_alerts is not None:
+                self.cap_alerts.prune()
             for zname, zone in self.config.zones.items():
                 caps = caps_for(zone.plan, zone.hourly_cap, zone.monthly_cap)
                 try:
@@ -718,6 +720,10 @@ class Server:
                 p.name for p in new.providers if p in self.config.providers and p.name in self.route.breakers
             }
             self.route.ready.update({n: r for n, r in old_route.ready.items() if n in unchanged})
+            for p in self.route.providers:
+                before = next((o for o in old_route.providers if o.name == p.name), None)
+                if isinstance(p, SmtpProvider) and isinstance(before, SmtpProvider) and p.name in unchanged:
+                    p.inherit(before)
             for name in {p.name for p in self.config.providers} - unchanged:
                 # Gone or changed: no stale 1 in smtpguard_provider_ready until it is probed.
                 with contextlib.suppress(KeyError):
@@ -753,6 +759,29 @@ class Server:
         self.metrics.reloads.labels("applied").inc()
         log.info("config reloaded", extra={"zones": len(new.zones), "providers": len(new.providers)})
         return True
+
+
+class _ProviderSecrets(Mapping[str, str | None]):
+    """What the prober authenticates with: each provider's secret as the relay holds it
+    now, so a password_file re-read after a 535 reaches the probes too (a prober left on
+    the refused secret would call a provider that sends fine not ready)."""
+
+    def __init__(self, server: Server, at_start: dict[str, str | None]) -> None:
+        self._server = server
+        self._at_start = at_start
+
+    def __getitem__(self, name: str) -> str | None:
+        route = self._server.route
+        for p in route.providers if route is not None else ():
+            if p.name == name and isinstance(p, SmtpProvider):
+                return p.password
+        return self._at_start[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._at_start)
+
+    def __len__(self) -> int:
+        return len(self._at_start)
 
 
 def _event_tags(config: Config) -> dict[str, str]:

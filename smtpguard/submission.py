@@ -270,12 +270,15 @@ class Submitter:
         message_id = _first(parsed.get_all("Message-ID"))
         # Joined to the message only once it is sent or queued, not for a duplicate.
         added_header = b""
-        # The key headers stop here (a provider's idempotency_header carries the key on):
-        # they are smtpguard's business, not the recipient's. Queued mail is stored so.
-        content = without_headers(raw, ek.headers) if ek.strip else raw
         if message_id is None:
             message_id = message_id_for(principal.zone, key, self.hostname)
             added_header = f"Message-ID: {message_id}\r\n".encode()
+
+        def content() -> bytes:
+            # The key headers stop here (a provider's idempotency_header carries the key
+            # on): they are smtpguard's business, not the recipient's. Queued mail is stored
+            # so. Built only for a message that is sent or queued, in one copy.
+            return without_headers(raw, ek.headers, added_header) if ek.strip else added_header + raw
 
         def ids(result: Result) -> Result:
             result.sg_id = result.sg_id or attempt_id
@@ -308,7 +311,7 @@ class Submitter:
                 queued = QueuedMessage(
                     mail_from,
                     tuple(rcpt_tos),
-                    added_header + content,
+                    content(),
                     self.config.queue.classes[lane].priority,
                     smtputf8,
                 )
@@ -317,9 +320,7 @@ class Submitter:
             reserved = await self._reserve(sub, zone, settings, paused_class=held)
             if isinstance(reserved, Result):
                 return ids(reserved)
-            env = Envelope(
-                principal.zone, key, attempt_id, mail_from, tuple(rcpt_tos), added_header + content, smtputf8
-            )
+            env = Envelope(principal.zone, key, attempt_id, mail_from, tuple(rcpt_tos), content(), smtputf8)
             return ids(await self.relay(reserved, env, sub, settings))
         except StoreUnavailable as e:
             log.error(

@@ -121,3 +121,49 @@ def test_alert_at_config_errors(tmp: Path, alert_at: list[float], problem: str) 
         loads(yaml.safe_dump(cfg))
     text = "\n".join(e.value.problems)
     assert "zones.acme.alert_at" in text and problem in text, text
+
+
+def has_series(body: str, **labels: str) -> bool:
+    try:
+        sample(body, "smtpguard_cap_used_ratio", **labels)
+    except AssertionError:
+        return False
+    return True
+
+
+async def test_a_ratio_series_goes_when_its_cap_becomes_zero_or_its_zone_is_removed(
+    tmp: Path, upstream: Upstream
+) -> None:
+    # A series left at its last value keeps the example rules' SmtpguardCapNearlyUsed
+    # firing for ever after the cap is set to 0 (no share) or the zone is removed.
+    cfg = base_config(
+        tmp,
+        upstream.port,
+        metrics={"address": "127.0.0.1:0"},
+        zones__acme__hourly_cap=4,
+        zones__acme__monthly_cap=50,
+    )
+    path = tmp / "smtpguard.yaml"
+    async with running_guard(cfg, config_path=path) as guard:
+        assert guard.health is not None
+        health = guard.health.port
+        for i in range(3):
+            assert (await send(guard.ports[0], message(f"zero:{i}"))).code == 250
+        assert await ratio(health, "hour", 0.75) == 0.75
+        _, body = await http_get(health, "/metrics")
+        assert has_series(body, zone="globex", window="hour")
+        cfg["zones"]["acme"]["hourly_cap"] = 0
+        del cfg["zones"]["globex"]
+        path.write_text(yaml.safe_dump(cfg))
+        assert await guard.reload()
+        refused = await send(guard.ports[0], message("zero:after"))
+        # Past the gauge loop's period: every zone was observed again.
+        await asyncio.sleep(6)
+        _, body = await http_get(health, "/metrics")
+    assert refused.code == 451, refused
+    assert len(upstream.received) == 3
+    assert not has_series(body, zone="acme", window="hour"), body
+    assert has_series(body, zone="acme", window="month")
+    assert not has_series(body, zone="globex", window="hour") and not has_series(
+        body, zone="globex", window="month"
+    )

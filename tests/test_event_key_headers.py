@@ -66,6 +66,15 @@ def test_without_headers_cuts_whole_fields_only(data: bytes, expected: bytes) ->
     assert without_headers(data, ALIASES) == expected
 
 
+def test_without_headers_joins_the_prefix_in_the_same_copy() -> None:
+    cut = b"A: 1\r\nX-Event-Key: k\r\n\r\nbody\r\n"
+    kept = b"A: 1\r\n\r\nbody\r\n"
+    prefix = b"Message-ID: <p@x>\r\n"
+    assert without_headers(cut, ALIASES, prefix) == prefix + kept
+    assert without_headers(kept, ALIASES, prefix) == prefix + kept
+    assert without_headers(kept, ALIASES, b"") is kept
+
+
 def test_without_headers_leaves_a_message_without_them_untouched() -> None:
     data = b"A: 1\r\nB: 2\r\n\r\nX-Event-Key: body\r\n"
     assert without_headers(data, ALIASES) is data
@@ -168,3 +177,48 @@ def test_header_list_config_errors(tmp: Path, header: object, problem: str) -> N
         loads(yaml.safe_dump(cfg))
     text = "\n".join(e.value.problems)
     assert "event_key.header" in text and problem in text, text
+
+
+@pytest.mark.parametrize("name", ["Message-ID", "from", "Subject", "Content-Type", "DKIM-Signature"])
+def test_strip_refuses_a_key_header_the_message_itself_needs(tmp: Path, name: str) -> None:
+    # `header: Message-ID` (a natural idempotency key) loaded before strip existed; with
+    # strip on by default it would silently relay every message without its Message-ID
+    # (From, Subject, Content-Type: a broken message). A clear config error instead.
+    cfg = stripping(base_config(tmp, 2525), header=["X-Event-Key", name])
+    with pytest.raises(ConfigError) as e:
+        loads(yaml.safe_dump(cfg))
+    text = "\n".join(e.value.problems)
+    assert "event_key.header" in text and name in text and "strip" in text, text
+    # Kept in the message (strip: false), such a header may name the event.
+    cfg["event_key"]["strip"] = False
+    assert loads(yaml.safe_dump(cfg)).event_key.headers == ("X-Event-Key", name)
+
+
+@pytest.mark.parametrize("strip", [True, False])
+async def test_the_provider_gets_one_idempotency_header_and_it_is_ours(
+    tmp: Path, upstream: Upstream, strip: bool
+) -> None:
+    # A client's own field of the provider's idempotency_header name must not travel next
+    # to smtpguard's: a provider deduplicating on it would take the client's value, and one
+    # zone could name another zone's event (`globex:…`) and have that one dropped as a
+    # duplicate. With strip off and the header also a key alias, the client's copy is the
+    # key unqualified: the provider must still see ZONE:KEY alone.
+    cfg = stripping(base_config(tmp, upstream.port), header=ALIASES, strip=strip)
+    cfg["providers"][0]["idempotency_header"] = "Idempotency-Key"
+    async with running_guard(cfg) as guard:
+        port = guard.ports[0]
+        aliased = await send(port, raw("Idempotency-Key: order-8"))
+        forged = await send(port, raw("X-Event-Key: order-9", "idempotency-key:\r\n globex:order-1"))
+    assert aliased.code == 250, aliased
+    assert forged.code == 550 and forged.text.startswith("5.6.0"), forged
+    cfg["event_key"]["header"] = "X-Event-Key"
+    async with running_guard(cfg) as guard:
+        alone = await send(guard.ports[0], raw("X-Event-Key: order-10", "Idempotency-Key: globex:order-1"))
+    assert alone.code == 250, alone
+    assert len(upstream.received) == 2
+    fields = [
+        [line for line in heads(r.content).split(b"\r\n") if line.lower().startswith(b"idempotency-key:")]
+        for r in upstream.received
+    ]
+    assert fields == [[b"Idempotency-Key: acme:order-8"], [b"Idempotency-Key: acme:order-10"]], fields
+    assert b"globex:order-1" not in upstream.received[1].content

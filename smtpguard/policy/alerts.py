@@ -8,6 +8,7 @@ usage may dip under a share and cross it again within the hour; that is still on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -49,3 +50,8 @@ class AlertLedger:
         fresh = [t for t in thresholds if ratio >= t and t not in current[1]]
         current[1].update(fresh)
         return fresh
+
+    def forget(self, gone: Callable[[str], bool]) -> None:
+        """Forget the zones `gone` says were removed."""
+        for key in [k for k in self.given if gone(k[0])]:
+            del self.given[key]

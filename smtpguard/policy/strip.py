@@ -11,16 +11,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
-def without_headers(data: bytes, names: Iterable[str]) -> bytes:
-    """`data` without any field named in `names` (case-insensitive) in its header block."""
+def without_headers(data: bytes, names: Iterable[str], prefix: bytes = b"") -> bytes:
+    """`prefix` + `data` without any field named in `names` (case-insensitive) in its
+    header block. One copy of the message at most: a message may be tens of megabytes."""
     wanted = {n.lower().encode() for n in names}
     end = data.find(b"\r\n\r\n")
     head_end = len(data) if end < 0 else end + 2
     head = data[:head_end]
     lowered = head.lower()
     if not any(name + b":" in lowered for name in wanted):
-        # The common case when the client sent none of them: no copy.
-        return data
+        # The common case when the client sent none of them: no copy (but the prefix's).
+        return prefix + data if prefix else data
     kept: list[bytes] = []
     dropping = False
     start = 0
@@ -38,4 +39,4 @@ def without_headers(data: bytes, names: Iterable[str]) -> bytes:
             if not dropping:
                 kept.append(line)
         start = stop
-    return b"".join(kept) + data[head_end:]
+    return b"".join([prefix, *kept, memoryview(data)[head_end:]])

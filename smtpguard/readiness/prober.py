@@ -11,7 +11,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from smtpguard.config import Config, SmtpProviderConfig
 from smtpguard.policy.readiness import judge_probe
@@ -33,7 +33,7 @@ class Prober:
     def __init__(
         self,
         config: Config,
-        secrets: dict[str, str | None],
+        secrets: Mapping[str, str | None],
         helo: str,
         on_change: OnChange,
         wall_clock: Callable[[], float] = time.time,
