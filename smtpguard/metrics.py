@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import platform
 import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -47,6 +48,26 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 """Up to past the longest provider timeout (DATA, 120 s by default): a hung provider shows
 up in the top buckets instead of vanishing into +Inf."""
+
+
+RELOADS_HELP = "SIGHUP reloads by result (applied or refused)"
+
+
+def count_refused_reload(multiprocess: Path) -> None:
+    """`workers: N`: the supervisor refuses a file before any worker sees it, so no worker
+    counts that refusal. The supervisor (no registry, no event loop) adds it to a counter
+    file of its own in the multiprocess directory, which every worker's scrape sums with
+    the rest: smtpguard_config_reloads_total{result="refused"} means the same at any N."""
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    values = MmapedDict(str(multiprocess / f"counter_{os.getpid()}.db"))  # type: ignore[no-untyped-call]
+    try:
+        name = "smtpguard_config_reloads"
+        key = mmap_key(name, f"{name}_total", ["result"], ["refused"], RELOADS_HELP)
+        value, _ = values.read_value(key)  # type: ignore[no-untyped-call]
+        values.write_value(key, value + 1, 0.0)  # type: ignore[no-untyped-call]
+    finally:
+        values.close()  # type: ignore[no-untyped-call]
 
 
 class Metrics:
@@ -173,7 +194,7 @@ class Metrics:
         )
         self.reloads = Counter(
             "smtpguard_config_reloads",
-            "SIGHUP reloads by result (applied or refused)",
+            RELOADS_HELP,
             ["result"],
             registry=r,
         )

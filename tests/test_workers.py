@@ -542,3 +542,65 @@ def _start_python(guard: GuardProcess, code: str, path: Path) -> None:
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         start_new_session=True,
     )
+
+
+# --- signals at awkward moments -----------------------------------------------------------------
+@pytest.mark.slow
+async def test_a_sighup_to_the_whole_group_while_workers_start_stops_nothing(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """A terminal hang-up or `kill -HUP -PGID` reaches the workers too. One still starting
+    (Python importing, no handler yet) must not die of it: at start that failed the service."""
+    port = free_port()
+    cfg = base_config(tmp, upstream.port, workers=2)
+    cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
+    path = write_config(tmp / "c.yaml", cfg)
+    guard = GuardProcess(path, tmp / "guard.log")
+    p = Pool(guard, port, 0, path, cfg)
+    guard.start()
+    try:
+        await wait_for("both spawned", lambda: sum(e.get("msg") == "worker started" for e in p.lines()) == 2)
+        guard._signal(signal.SIGHUP)  # the whole process group, as GuardProcess signals
+        await guard.wait_port(port)
+        await wait_for("every worker ready", lambda: len(p.worker_pids()) == 2)
+        replies = await asyncio.gather(*(send(port, message(f"grp:{i}")) for i in range(10)))
+    finally:
+        rc = await guard.astop(timeout=30)
+    text = guard.log_path.read_text()
+    assert "killed by SIGHUP" not in text and "failed to start" not in text, text[-3000:]
+    assert [r.code for r in replies] == [250] * 10
+    assert Counter(upstream.event_keys()) == Counter(f"grp:{i}" for i in range(10))
+    assert rc == 0
+
+
+@pytest.mark.slow
+async def test_a_reload_the_supervisor_refuses_is_counted_in_metrics(tmp: Path, upstream: Upstream) -> None:
+    """docs/configuration.md: a refused reload is counted in
+    smtpguard_config_reloads_total{result="refused"}; with workers the supervisor refuses it."""
+    async with pool(tmp, upstream) as p:
+        p.config_path.write_text(p.config_path.read_text() + "\nbogus_key: 1\n")
+        os.kill(p.guard.proc.pid, signal.SIGHUP)  # type: ignore[union-attr]
+        await wait_for(
+            "refusal logged", lambda: any(e.get("msg", "").startswith("reload refused") for e in p.lines())
+        )
+        # Whichever worker answers the scrape.
+        refused = [p.scrape().get('smtpguard_config_reloads_total{result="refused"}') for _ in range(6)]
+        reply = await send(p.port, message("after-refusal"))
+    assert refused == [1.0] * 6
+    assert reply.code == 250 and upstream.event_keys() == ["after-refusal"]
+
+
+@pytest.mark.slow
+async def test_a_stop_while_a_dead_worker_waits_to_restart_is_a_clean_stop(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """`systemctl stop` inside a restart backoff: every running worker drained, so the
+    supervisor exits 0 (pool() checks), not 1 for the crash it had already handled."""
+    async with pool(tmp, upstream) as p:
+        os.kill(p.worker_pids()[1], signal.SIGKILL)
+        await wait_for(
+            "the exit logged", lambda: any(e.get("msg") == "worker exited; restarting it" for e in p.lines())
+        )
+        # pool() sends SIGTERM now, within the restart delay of a worker this young.
+    starts = [e for e in p.lines() if e.get("msg") == "worker started"]
+    assert len(starts) == 2, "the stop came after the restart: the backoff was not exercised"
