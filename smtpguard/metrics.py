@@ -15,7 +15,7 @@ import logging
 import os
 import platform
 import socket
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,12 @@ class Metrics:
         self.multiprocess = multiprocess
         """The multiprocess directory of `workers: N`; None: this process's values only."""
         self._depth_labels: set[tuple[str, str]] = set()
+        self._unprobed: set[str] = set()
+        """Providers whose smtpguard_provider_ready a reload forgot (gone, or changed and
+        not probed since). Multiprocess files cannot forget a value: the scrape hides it,
+        and any provider not configured (another worker's file may still hold one a
+        reload removed before this worker started)."""
+        self._configured: set[str] | None = None
         self.registry = CollectorRegistry()
         r = self.registry
         self.submissions = Counter(
@@ -216,7 +222,8 @@ class Metrics:
             from prometheus_client.multiprocess import MultiProcessCollector
 
             r = self._rendered = CollectorRegistry()
-            MultiProcessCollector(r, path=str(multiprocess))  # type: ignore[no-untyped-call]
+            summed = MultiProcessCollector(None, path=str(multiprocess))  # type: ignore[no-untyped-call]
+            r.register(_Unready(summed, self._shown))
         else:
             self._rendered = r
             ProcessCollector(registry=r)
@@ -284,9 +291,42 @@ class Metrics:
         self._child(self.provider_rate_limited, name)
         self._child(self.provider_throttled, name)  # 0 when new; a known value is kept
 
+    def configured(self, providers: set[str]) -> None:
+        self._configured = providers
+
+    def _shown(self, provider: str) -> bool:
+        return provider not in self._unprobed and (self._configured is None or provider in self._configured)
+
+    def probed(self, provider: str, ready: bool) -> None:
+        self._unprobed.discard(provider)
+        self.provider_ready.labels(provider).set(1 if ready else 0)
+
+    def forget_probe(self, provider: str) -> None:
+        """Gone or changed at a reload: no stale 1 in smtpguard_provider_ready until it is
+        probed again."""
+        with contextlib.suppress(KeyError):
+            self.provider_ready.remove(provider)
+        if self.multiprocess is not None:
+            self._unprobed.add(provider)
+
     def render(self) -> bytes:
         data: bytes = generate_latest(self._rendered)
         return data
+
+
+class _Unready:
+    """The multiprocess sum with only the smtpguard_provider_ready samples of the providers
+    `shown` accepts (Metrics.forget_probe)."""
+
+    def __init__(self, inner: Any, shown: Callable[[str], bool]) -> None:
+        self.inner = inner
+        self.shown = shown
+
+    def collect(self) -> Iterator[Any]:
+        for metric in self.inner.collect():
+            if metric.name == "smtpguard_provider_ready":
+                metric.samples = [s for s in metric.samples if self.shown(s.labels.get("provider", ""))]
+            yield metric
 
 
 class HealthServer:

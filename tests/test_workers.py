@@ -604,3 +604,26 @@ async def test_a_stop_while_a_dead_worker_waits_to_restart_is_a_clean_stop(
         # pool() sends SIGTERM now, within the restart delay of a worker this young.
     starts = [e for e in p.lines() if e.get("msg") == "worker started"]
     assert len(starts) == 2, "the stop came after the restart: the backoff was not exercised"
+
+
+@pytest.mark.slow
+async def test_a_provider_removed_by_reload_leaves_no_ready_series(tmp: Path, upstream: Upstream) -> None:
+    """With workers:1 a removed (or changed) provider's smtpguard_provider_ready is removed
+    at reload; each worker's multiprocess file keeps the last value it wrote, and every
+    scrape kept reporting the provider gone as ready."""
+    primary = base_config(tmp, upstream.port)["providers"][0]
+    standby = {**primary, "name": "standby", "probe_interval": "1h"}
+    series = 'smtpguard_provider_ready{provider="standby"}'
+    async with pool(tmp, upstream, providers=[primary, standby]) as p:
+        await wait_for("standby probed by both", lambda: all(p.scrape().get(series) == 1.0 for _ in range(4)))
+        cfg = p.cfg
+        cfg["providers"] = [primary]
+        write_config(p.config_path, cfg)
+        os.kill(p.guard.proc.pid, signal.SIGHUP)  # type: ignore[union-attr]
+        await wait_for(
+            "both workers reloaded", lambda: sum(e.get("msg") == "config reloaded" for e in p.lines()) == 2
+        )
+        after = [p.scrape().get(series) for _ in range(6)]
+        reply = await send(p.port, message("after-removal"))
+    assert after == [None] * 6
+    assert reply.code == 250 and upstream.event_keys() == ["after-removal"]
