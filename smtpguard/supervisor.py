@@ -44,7 +44,7 @@ from types import FrameType
 from smtpguard import notify
 from smtpguard.config import Config, ConfigError, loads, provider_secrets, worker_count
 from smtpguard.connection_table import ConnectionTable
-from smtpguard.metrics import count_refused_reload
+from smtpguard.metrics import count_refused_reload, fold_dead_worker
 from smtpguard.policy.restart import after_exit
 from smtpguard.workers import ENV, INHERIT, REUSEPORT, WorkerRole, bound_socket, reuseport_available
 
@@ -311,6 +311,11 @@ class Supervisor:
         from prometheus_client import multiprocess
 
         multiprocess.mark_process_dead(pid, str(self.run_dir / "metrics"))  # type: ignore[no-untyped-call]
+        try:
+            fold_dead_worker(self.run_dir / "metrics", pid)
+        except (OSError, ValueError) as e:
+            # Its counts stay in its own file: still summed, only one file more per scrape.
+            log.warning("could not fold a dead worker's metrics", extra={"pid": pid, "error": str(e)})
         with contextlib.suppress(FileNotFoundError):
             (self.run_dir / "ready" / str(pid)).unlink()
         if self.table is not None:
