@@ -339,6 +339,13 @@ class Supervisor:
                 "workers changes take effect only after a restart",
                 extra={"running": self.count, "configured": worker_count(new.workers)},
             )
+        if self.table is not None and 2 * new.limits.max_connections > self.table.slots:
+            # Every worker maps the table at the size it was given at start.
+            log.warning(
+                "limits.max_connections beyond the shared connection table takes full effect "
+                "only after a restart: more distinct client addresses than it holds are refused",
+                extra={"addresses": self.table.slots, "configured": new.limits.max_connections},
+            )
         staged = self.run_dir / "config.yaml.new"
         staged.write_text(text)
         os.replace(staged, self.run_dir / "config.yaml")

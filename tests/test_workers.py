@@ -663,3 +663,25 @@ async def test_a_dead_workers_metrics_are_folded_in_once_not_kept_per_pid(
     assert relayed == [18.0] * 6
     assert histogram == 18.0
     assert len(upstream.received) == 18
+
+
+@pytest.mark.slow
+async def test_a_reload_beyond_the_shared_tables_size_says_it_needs_a_restart(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """The connection table is mapped by every worker at the size the start gave it (room for
+    twice max_connections, at least 1024 addresses): a reload raising max_connections past
+    that cannot grow it, and more distinct addresses than it holds are refused."""
+    async with pool(tmp, upstream, limits={"max_connections": 10}) as p:
+        cfg = p.cfg
+        cfg["limits"] = {"max_connections": 5000}
+        write_config(p.config_path, cfg)
+        os.kill(p.guard.proc.pid, signal.SIGHUP)  # type: ignore[union-attr]
+        await wait_for(
+            "both workers reloaded", lambda: sum(e.get("msg") == "config reloaded" for e in p.lines()) == 2
+        )
+        reply = await send(p.port, message("after-limits"))
+        warned = [e for e in p.lines() if "max_connections" in e.get("msg", "")]
+    assert len(warned) == 1 and warned[0]["logger"] == "smtpguard.supervisor", warned
+    assert warned[0]["addresses"] == 1024 and warned[0]["configured"] == 5000
+    assert reply.code == 250 and upstream.event_keys() == ["after-limits"]
