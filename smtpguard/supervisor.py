@@ -327,7 +327,15 @@ class Supervisor:
             # One read: what was validated is exactly what the workers get.
             text = self.config_path.read_text()
             new = loads(text, source=str(self.config_path))
+            # Everything a worker's reload would refuse (smtpguard/server.py Server._reload):
+            # a file passed on becomes what every restarted worker starts on, and one every
+            # worker refuses would keep a restarted worker from starting at all.
             provider_secrets(new)
+            from smtpguard.server import _event_sources, tls_context
+
+            _event_sources(new)
+            if new.tls is not None:
+                tls_context(new)
         except (ConfigError, OSError) as e:
             problems = e.problems if isinstance(e, ConfigError) else [f"{self.config_path}: {e}"]
             log.error("reload refused; every worker keeps the running config", extra={"problems": problems})

@@ -685,3 +685,33 @@ async def test_a_reload_beyond_the_shared_tables_size_says_it_needs_a_restart(
     assert len(warned) == 1 and warned[0]["logger"] == "smtpguard.supervisor", warned
     assert warned[0]["addresses"] == 1024 and warned[0]["configured"] == 5000
     assert reply.code == 250 and upstream.event_keys() == ["after-limits"]
+
+
+@pytest.mark.slow
+async def test_a_reload_every_worker_would_refuse_does_not_reach_a_restarted_worker(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """A TLS pair that does not load is refused by every worker's reload. Had the supervisor
+    passed it on as the run's config, a worker restarted later would start on it, fail, and
+    crash-loop: that worker lost for good."""
+    from tests.hostile_support import make_cert
+
+    cert, key = make_cert(tmp)
+    async with pool(tmp, upstream, tls={"cert": str(cert), "key": str(key)}) as p:
+        cfg = p.cfg
+        cfg["tls"] = {"cert": str(cert), "key": str(p.config_path)}  # a file, but not a key
+        write_config(p.config_path, cfg)
+        os.kill(p.guard.proc.pid, signal.SIGHUP)  # type: ignore[union-attr]
+        await wait_for(
+            "refusal logged", lambda: any(e.get("msg", "").startswith("reload refused") for e in p.lines())
+        )
+        victim = p.worker_pids()[1]
+        os.kill(victim, signal.SIGKILL)
+        await wait_for("worker 1 restarted", lambda: p.worker_pids()[1] != victim)
+        replies = await asyncio.gather(*(send(p.port, message(f"tls:{i}")) for i in range(8)))
+        lines = p.lines()
+    refused = [e for e in lines if e.get("msg", "").startswith("reload refused")]
+    assert [e["logger"] for e in refused] == ["smtpguard.supervisor"]
+    assert not [e for e in lines if e.get("msg") == "config reloaded"]
+    assert [r.code for r in replies] == [250] * 8
+    assert Counter(upstream.event_keys()) == Counter(f"tls:{i}" for i in range(8))
