@@ -298,7 +298,7 @@ async def test_kill_9_of_a_worker_is_restarted_and_sends_nothing_twice(tmp: Path
     async with pool(
         tmp,
         upstream,
-        event_key={"inflight_wait": "200ms", "min_retry_interval": "60s", "lease": "1s"},
+        event_key={"inflight_wait": "200ms", "min_retry_interval": "60s", "lease": "1s", "strip": False},
     ) as p:
         victim = p.worker_pids()[1]
         keys = [f"k9:{i}" for i in range(30)]
