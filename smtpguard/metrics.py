@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
+import os
 import platform
 import socket
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,64 @@ _LATENCY_BUCKETS = (
 up in the top buckets instead of vanishing into +Inf."""
 
 
+RELOADS_HELP = "SIGHUP reloads by result (applied or refused)"
+
+
+def count_refused_reload(multiprocess: Path) -> None:
+    """`workers: N`: the supervisor refuses a file before any worker sees it, so no worker
+    counts that refusal. The supervisor (no registry, no event loop) adds it to a counter
+    file of its own in the multiprocess directory, which every worker's scrape sums with
+    the rest: smtpguard_config_reloads_total{result="refused"} means the same at any N."""
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    values = MmapedDict(str(multiprocess / f"counter_{os.getpid()}.db"))  # type: ignore[no-untyped-call]
+    try:
+        name = "smtpguard_config_reloads"
+        key = mmap_key(name, f"{name}_total", ["result"], ["refused"], RELOADS_HELP)
+        value, _ = values.read_value(key)  # type: ignore[no-untyped-call]
+        values.write_value(key, value + 1, 0.0)  # type: ignore[no-untyped-call]
+    finally:
+        values.close()  # type: ignore[no-untyped-call]
+
+
+_SCRAPE_LOCK = ".scrape.lock"
+
+
+@contextlib.contextmanager
+def _scrape_lock(multiprocess: Path, exclusive: bool) -> Iterator[None]:
+    """Scrapes (shared) against folding a dead worker's files (exclusive): a scrape must see
+    a dead worker's counts exactly once, never in both its file and the archive, nor in
+    neither (either would read as a counter going back, which Prometheus takes for a reset)."""
+    fd = os.open(multiprocess / _SCRAPE_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+def fold_dead_worker(multiprocess: Path, pid: int) -> None:
+    """Add a dead worker's counters and histograms into one archive file per type, and
+    remove its own. Its counts must go on counting, but every scrape reads every file: kept
+    per pid, each restart would add two files and a scrape after a thousand restarts took
+    1.7 s of a worker's event loop. (Its live* gauges are removed by mark_process_dead.)"""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    with _scrape_lock(multiprocess, exclusive=True):
+        for typ in ("counter", "histogram"):
+            dead = multiprocess / f"{typ}_{pid}.db"
+            if not dead.exists():
+                continue
+            archive = MmapedDict(str(multiprocess / f"{typ}_archive.db"))  # type: ignore[no-untyped-call]
+            try:
+                for key, value, timestamp, _ in MmapedDict.read_all_values_from_file(str(dead)):  # type: ignore[no-untyped-call]
+                    total, _ = archive.read_value(key)  # type: ignore[no-untyped-call]
+                    archive.write_value(key, total + value, timestamp)  # type: ignore[no-untyped-call]
+            finally:
+                archive.close()  # type: ignore[no-untyped-call]
+            dead.unlink()
+
+
 class Metrics:
     """Each gauge names how workers' values add up (`multiprocess_mode`, used only under
     `workers: N`, where prometheus_client keeps one file of values per worker process):
@@ -60,6 +120,12 @@ class Metrics:
         self.multiprocess = multiprocess
         """The multiprocess directory of `workers: N`; None: this process's values only."""
         self._depth_labels: set[tuple[str, str]] = set()
+        self._unprobed: set[str] = set()
+        """Providers whose smtpguard_provider_ready a reload forgot (gone, or changed and
+        not probed since). Multiprocess files cannot forget a value: the scrape hides it,
+        and any provider not configured (another worker's file may still hold one a
+        reload removed before this worker started)."""
+        self._configured: set[str] | None = None
         self.registry = CollectorRegistry()
         r = self.registry
         self.submissions = Counter(
@@ -173,7 +239,7 @@ class Metrics:
         )
         self.reloads = Counter(
             "smtpguard_config_reloads",
-            "SIGHUP reloads by result (applied or refused)",
+            RELOADS_HELP,
             ["result"],
             registry=r,
         )
@@ -195,7 +261,8 @@ class Metrics:
             from prometheus_client.multiprocess import MultiProcessCollector
 
             r = self._rendered = CollectorRegistry()
-            MultiProcessCollector(r, path=str(multiprocess))  # type: ignore[no-untyped-call]
+            summed = MultiProcessCollector(None, path=str(multiprocess))  # type: ignore[no-untyped-call]
+            r.register(_Unready(summed, self._shown))
         else:
             self._rendered = r
             ProcessCollector(registry=r)
@@ -263,9 +330,46 @@ class Metrics:
         self._child(self.provider_rate_limited, name)
         self._child(self.provider_throttled, name)  # 0 when new; a known value is kept
 
+    def configured(self, providers: set[str]) -> None:
+        self._configured = providers
+
+    def _shown(self, provider: str) -> bool:
+        return provider not in self._unprobed and (self._configured is None or provider in self._configured)
+
+    def probed(self, provider: str, ready: bool) -> None:
+        self._unprobed.discard(provider)
+        self.provider_ready.labels(provider).set(1 if ready else 0)
+
+    def forget_probe(self, provider: str) -> None:
+        """Gone or changed at a reload: no stale 1 in smtpguard_provider_ready until it is
+        probed again."""
+        with contextlib.suppress(KeyError):
+            self.provider_ready.remove(provider)
+        if self.multiprocess is not None:
+            self._unprobed.add(provider)
+
     def render(self) -> bytes:
-        data: bytes = generate_latest(self._rendered)
+        if self.multiprocess is None:
+            data: bytes = generate_latest(self._rendered)
+            return data
+        with _scrape_lock(self.multiprocess, exclusive=False):
+            data = generate_latest(self._rendered)
         return data
+
+
+class _Unready:
+    """The multiprocess sum with only the smtpguard_provider_ready samples of the providers
+    `shown` accepts (Metrics.forget_probe)."""
+
+    def __init__(self, inner: Any, shown: Callable[[str], bool]) -> None:
+        self.inner = inner
+        self.shown = shown
+
+    def collect(self) -> Iterator[Any]:
+        for metric in self.inner.collect():
+            if metric.name == "smtpguard_provider_ready":
+                metric.samples = [s for s in metric.samples if self.shown(s.labels.get("provider", ""))]
+            yield metric
 
 
 class HealthServer:

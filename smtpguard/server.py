@@ -364,6 +364,7 @@ class Server:
             self.gate.limits = limits
         for name in limits:
             self.metrics.provider(name)
+        self.metrics.configured({p.name for p in config.providers})
         providers = build_providers(config.providers, secrets, self.hostname, _event_tags(config))
         for p in providers:
             if isinstance(p, SmtpProvider) and p.cfg.max_connections is not None:
@@ -402,7 +403,7 @@ class Server:
     def _probe_changed(self, provider: str, ready: bool, detail: str) -> None:
         if self.route is not None:
             self.route.ready[provider] = ready
-        self.metrics.provider_ready.labels(provider).set(1 if ready else 0)
+        self.metrics.probed(provider, ready)
         if self.store is not None:
             task = asyncio.ensure_future(self._publish_probe(provider, ready, detail))
             self._publishing.add(task)
@@ -726,8 +727,7 @@ class Server:
                     p.inherit(before)
             for name in {p.name for p in self.config.providers} - unchanged:
                 # Gone or changed: no stale 1 in smtpguard_provider_ready until it is probed.
-                with contextlib.suppress(KeyError):
-                    self.metrics.provider_ready.remove(name)
+                self.metrics.forget_probe(name)
             self.handler.submitter.route = self.route
             # In-flight sends keep their provider objects; only idle connections are closed.
             await old_route.close()

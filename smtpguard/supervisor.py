@@ -44,6 +44,7 @@ from types import FrameType
 from smtpguard import notify
 from smtpguard.config import Config, ConfigError, loads, provider_secrets, worker_count
 from smtpguard.connection_table import ConnectionTable
+from smtpguard.metrics import count_refused_reload, fold_dead_worker
 from smtpguard.policy.restart import after_exit
 from smtpguard.workers import ENV, INHERIT, REUSEPORT, WorkerRole, bound_socket, reuseport_available
 
@@ -84,6 +85,16 @@ def _describe(code: int) -> str:
     return f"exit status {code}"
 
 
+def _worker_signals() -> None:
+    """In the child, before exec: a worker is born ignoring SIGHUP and SIGUSR1 (an ignored
+    signal stays ignored across exec). Until its loop installs its handlers, a SIGHUP sent
+    to the whole process group (a terminal hang-up, `kill -HUP -PGID`) would otherwise kill
+    it by default, and a worker dying at start stops the service; a reload sent meanwhile
+    reaches it once it is ready (Slot.reload_pending)."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
 class Supervisor:
     def __init__(self, config: Config, config_path: Path, run_dir: Path) -> None:
         self.config = config
@@ -99,6 +110,9 @@ class Supervisor:
         self.stopping = False
         self.stop_deadline = 0.0
         self.failed = False
+        self.unclean = False
+        """A worker did not stop cleanly once the stop began (killed after the drain bound,
+        a crash in its drain): the supervisor then exits 1."""
         self.announced = False
         self.table: ConnectionTable | None = None
 
@@ -168,6 +182,7 @@ class Supervisor:
             [sys.executable, "-m", "smtpguard", "serve", "-c", str(self.run_dir / "config.yaml")],
             env=env,
             pass_fds=fds,
+            preexec_fn=_worker_signals,
         )
         slot.started = time.monotonic()
         slot.ready = False
@@ -202,9 +217,7 @@ class Supervisor:
         if self.table is not None:
             self.table.close()
         log.info("supervisor stopped")
-        if self.failed:
-            return 1
-        return 0 if all(code == 0 for s in self.slots for code in s.exits[-1:]) else 1
+        return 1 if self.failed or self.unclean else 0
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self.signals.append(signum)
@@ -255,12 +268,15 @@ class Supervisor:
                     notify.ready(f"serving {len(self.config.zones)} zone(s) with {self.count} workers")
             return
         slot.proc = None
-        if self.stopping and code == -signal.SIGTERM and not slot.ready:
-            code = 0  # stopped while still starting: it held nothing to drain
+        if self.stopping and code in (-signal.SIGTERM, -signal.SIGINT) and not slot.ready:
+            code = 0  # stopped while still starting (SIGINT: a Ctrl-C to the group): nothing to drain
         slot.exits.append(code)
         self._forget(proc.pid, slot.index)
         uptime = now - slot.started
         if self.stopping:
+            # The exit status answers "did every worker stop cleanly": a worker that had
+            # died before the stop was logged and handled then, and is not asked again.
+            self.unclean = self.unclean or code != 0
             log.info(
                 "worker stopped", extra={"worker": slot.index, "pid": proc.pid, "status": _describe(code)}
             )
@@ -295,6 +311,11 @@ class Supervisor:
         from prometheus_client import multiprocess
 
         multiprocess.mark_process_dead(pid, str(self.run_dir / "metrics"))  # type: ignore[no-untyped-call]
+        try:
+            fold_dead_worker(self.run_dir / "metrics", pid)
+        except (OSError, ValueError) as e:
+            # Its counts stay in its own file: still summed, only one file more per scrape.
+            log.warning("could not fold a dead worker's metrics", extra={"pid": pid, "error": str(e)})
         with contextlib.suppress(FileNotFoundError):
             (self.run_dir / "ready" / str(pid)).unlink()
         if self.table is not None:
@@ -306,16 +327,32 @@ class Supervisor:
             # One read: what was validated is exactly what the workers get.
             text = self.config_path.read_text()
             new = loads(text, source=str(self.config_path))
+            # Everything a worker's reload would refuse (smtpguard/server.py Server._reload):
+            # a file passed on becomes what every restarted worker starts on, and one every
+            # worker refuses would keep a restarted worker from starting at all.
             provider_secrets(new)
+            from smtpguard.server import _event_sources, tls_context
+
+            _event_sources(new)
+            if new.tls is not None:
+                tls_context(new)
         except (ConfigError, OSError) as e:
             problems = e.problems if isinstance(e, ConfigError) else [f"{self.config_path}: {e}"]
             log.error("reload refused; every worker keeps the running config", extra={"problems": problems})
+            count_refused_reload(self.run_dir / "metrics")
             notify.ready(f"serving {len(self.config.zones)} zone(s) with {self.count} workers")
             return
         if worker_count(new.workers) != self.count:
             log.warning(
                 "workers changes take effect only after a restart",
                 extra={"running": self.count, "configured": worker_count(new.workers)},
+            )
+        if self.table is not None and 2 * new.limits.max_connections > self.table.slots:
+            # Every worker maps the table at the size it was given at start.
+            log.warning(
+                "limits.max_connections beyond the shared connection table takes full effect "
+                "only after a restart: more distinct client addresses than it holds are refused",
+                extra={"addresses": self.table.slots, "configured": new.limits.max_connections},
             )
         staged = self.run_dir / "config.yaml.new"
         staged.write_text(text)

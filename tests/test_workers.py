@@ -298,7 +298,7 @@ async def test_kill_9_of_a_worker_is_restarted_and_sends_nothing_twice(tmp: Path
     async with pool(
         tmp,
         upstream,
-        event_key={"inflight_wait": "200ms", "min_retry_interval": "60s", "lease": "1s"},
+        event_key={"inflight_wait": "200ms", "min_retry_interval": "60s", "lease": "1s", "strip": False},
     ) as p:
         victim = p.worker_pids()[1]
         keys = [f"k9:{i}" for i in range(30)]
@@ -542,3 +542,176 @@ def _start_python(guard: GuardProcess, code: str, path: Path) -> None:
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         start_new_session=True,
     )
+
+
+# --- signals at awkward moments -----------------------------------------------------------------
+@pytest.mark.slow
+async def test_a_sighup_to_the_whole_group_while_workers_start_stops_nothing(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """A terminal hang-up or `kill -HUP -PGID` reaches the workers too. One still starting
+    (Python importing, no handler yet) must not die of it: at start that failed the service."""
+    port = free_port()
+    cfg = base_config(tmp, upstream.port, workers=2)
+    cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
+    path = write_config(tmp / "c.yaml", cfg)
+    guard = GuardProcess(path, tmp / "guard.log")
+    p = Pool(guard, port, 0, path, cfg)
+    guard.start()
+    try:
+        await wait_for("both spawned", lambda: sum(e.get("msg") == "worker started" for e in p.lines()) == 2)
+        guard._signal(signal.SIGHUP)  # the whole process group, as GuardProcess signals
+        await guard.wait_port(port)
+        await wait_for("every worker ready", lambda: len(p.worker_pids()) == 2)
+        replies = await asyncio.gather(*(send(port, message(f"grp:{i}")) for i in range(10)))
+    finally:
+        rc = await guard.astop(timeout=30)
+    text = guard.log_path.read_text()
+    assert "killed by SIGHUP" not in text and "failed to start" not in text, text[-3000:]
+    assert [r.code for r in replies] == [250] * 10
+    assert Counter(upstream.event_keys()) == Counter(f"grp:{i}" for i in range(10))
+    assert rc == 0
+
+
+@pytest.mark.slow
+async def test_a_reload_the_supervisor_refuses_is_counted_in_metrics(tmp: Path, upstream: Upstream) -> None:
+    """docs/configuration.md: a refused reload is counted in
+    smtpguard_config_reloads_total{result="refused"}; with workers the supervisor refuses it."""
+    async with pool(tmp, upstream) as p:
+        p.config_path.write_text(p.config_path.read_text() + "\nbogus_key: 1\n")
+        os.kill(p.guard.proc.pid, signal.SIGHUP)  # type: ignore[union-attr]
+        await wait_for(
+            "refusal logged", lambda: any(e.get("msg", "").startswith("reload refused") for e in p.lines())
+        )
+        # Whichever worker answers the scrape.
+        refused = [p.scrape().get('smtpguard_config_reloads_total{result="refused"}') for _ in range(6)]
+        reply = await send(p.port, message("after-refusal"))
+    assert refused == [1.0] * 6
+    assert reply.code == 250 and upstream.event_keys() == ["after-refusal"]
+
+
+@pytest.mark.slow
+async def test_a_stop_while_a_dead_worker_waits_to_restart_is_a_clean_stop(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """`systemctl stop` inside a restart backoff: every running worker drained, so the
+    supervisor exits 0 (pool() checks), not 1 for the crash it had already handled."""
+    async with pool(tmp, upstream) as p:
+        os.kill(p.worker_pids()[1], signal.SIGKILL)
+        await wait_for(
+            "the exit logged", lambda: any(e.get("msg") == "worker exited; restarting it" for e in p.lines())
+        )
+        # pool() sends SIGTERM now, within the restart delay of a worker this young.
+    starts = [e for e in p.lines() if e.get("msg") == "worker started"]
+    assert len(starts) == 2, "the stop came after the restart: the backoff was not exercised"
+
+
+@pytest.mark.slow
+async def test_a_provider_removed_by_reload_leaves_no_ready_series(tmp: Path, upstream: Upstream) -> None:
+    """With workers:1 a removed (or changed) provider's smtpguard_provider_ready is removed
+    at reload; each worker's multiprocess file keeps the last value it wrote, and every
+    scrape kept reporting the provider gone as ready."""
+    primary = base_config(tmp, upstream.port)["providers"][0]
+    standby = {**primary, "name": "standby", "probe_interval": "1h"}
+    series = 'smtpguard_provider_ready{provider="standby"}'
+    async with pool(tmp, upstream, providers=[primary, standby]) as p:
+        await wait_for("standby probed by both", lambda: all(p.scrape().get(series) == 1.0 for _ in range(4)))
+        cfg = p.cfg
+        cfg["providers"] = [primary]
+        write_config(p.config_path, cfg)
+        os.kill(p.guard.proc.pid, signal.SIGHUP)  # type: ignore[union-attr]
+        await wait_for(
+            "both workers reloaded", lambda: sum(e.get("msg") == "config reloaded" for e in p.lines()) == 2
+        )
+        after = [p.scrape().get(series) for _ in range(6)]
+        reply = await send(p.port, message("after-removal"))
+    assert after == [None] * 6
+    assert reply.code == 250 and upstream.event_keys() == ["after-removal"]
+
+
+def _run_dir(pid: int) -> Path:
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    raw = next(e for e in environ if e.startswith(b"SMTPGUARD_WORKER="))
+    return Path(json.loads(raw.split(b"=", 1)[1])["run_dir"])
+
+
+@pytest.mark.slow
+async def test_a_dead_workers_metrics_are_folded_in_once_not_kept_per_pid(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """Every scrape reads every worker's files, the dead ones' too (their counters must
+    still count): without folding, each restart added two files, and a scrape of a host
+    whose worker had died a thousand times took 1.7 s of a worker's event loop."""
+    async with pool(tmp, upstream) as p:
+        dead = []
+        for round_ in range(3):
+            replies = await asyncio.gather(*(send(p.port, message(f"fold:{round_}:{i}")) for i in range(6)))
+            assert [r.code for r in replies] == [250] * 6
+            victim = p.worker_pids()[1]
+            os.kill(victim, signal.SIGKILL)
+            dead.append(victim)
+            await wait_for("worker 1 restarted", lambda v=victim: p.worker_pids()[1] != v)  # type: ignore[misc]
+        metrics = _run_dir(p.worker_pids()[0]) / "metrics"
+        files = sorted(f.name for f in metrics.iterdir())
+        relayed = [
+            p.scrape().get('smtpguard_submissions_total{decision="relayed",zone="acme"}') for _ in range(6)
+        ]
+        histogram = p.scrape().get(
+            'smtpguard_submission_latency_seconds_count{decision="relayed",zone="acme"}'
+        )
+    assert not [f for f in files if any(f.endswith(f"_{pid}.db") for pid in dead)], files
+    assert relayed == [18.0] * 6
+    assert histogram == 18.0
+    assert len(upstream.received) == 18
+
+
+@pytest.mark.slow
+async def test_a_reload_beyond_the_shared_tables_size_says_it_needs_a_restart(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """The connection table is mapped by every worker at the size the start gave it (room for
+    twice max_connections, at least 1024 addresses): a reload raising max_connections past
+    that cannot grow it, and more distinct addresses than it holds are refused."""
+    async with pool(tmp, upstream, limits={"max_connections": 10}) as p:
+        cfg = p.cfg
+        cfg["limits"] = {"max_connections": 5000}
+        write_config(p.config_path, cfg)
+        os.kill(p.guard.proc.pid, signal.SIGHUP)  # type: ignore[union-attr]
+        await wait_for(
+            "both workers reloaded", lambda: sum(e.get("msg") == "config reloaded" for e in p.lines()) == 2
+        )
+        reply = await send(p.port, message("after-limits"))
+        warned = [e for e in p.lines() if "max_connections" in e.get("msg", "")]
+    assert len(warned) == 1 and warned[0]["logger"] == "smtpguard.supervisor", warned
+    assert warned[0]["addresses"] == 1024 and warned[0]["configured"] == 5000
+    assert reply.code == 250 and upstream.event_keys() == ["after-limits"]
+
+
+@pytest.mark.slow
+async def test_a_reload_every_worker_would_refuse_does_not_reach_a_restarted_worker(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """A TLS pair that does not load is refused by every worker's reload. Had the supervisor
+    passed it on as the run's config, a worker restarted later would start on it, fail, and
+    crash-loop: that worker lost for good."""
+    from tests.hostile_support import make_cert
+
+    cert, key = make_cert(tmp)
+    async with pool(tmp, upstream, tls={"cert": str(cert), "key": str(key)}) as p:
+        cfg = p.cfg
+        cfg["tls"] = {"cert": str(cert), "key": str(p.config_path)}  # a file, but not a key
+        write_config(p.config_path, cfg)
+        os.kill(p.guard.proc.pid, signal.SIGHUP)  # type: ignore[union-attr]
+        await wait_for(
+            "refusal logged", lambda: any(e.get("msg", "").startswith("reload refused") for e in p.lines())
+        )
+        victim = p.worker_pids()[1]
+        os.kill(victim, signal.SIGKILL)
+        await wait_for("worker 1 restarted", lambda: p.worker_pids()[1] != victim)
+        replies = await asyncio.gather(*(send(p.port, message(f"tls:{i}")) for i in range(8)))
+        lines = p.lines()
+    refused = [e for e in lines if e.get("msg", "").startswith("reload refused")]
+    assert [e["logger"] for e in refused] == ["smtpguard.supervisor"]
+    assert not [e for e in lines if e.get("msg") == "config reloaded"]
+    assert [r.code for r in replies] == [250] * 8
+    assert Counter(upstream.event_keys()) == Counter(f"tls:{i}" for i in range(8))
