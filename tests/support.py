@@ -270,8 +270,14 @@ class Upstream:
             # Only between transactions of a connection that has carried one already: one
             # just past AUTH is about to send MAIL on a connection its client thinks fresh.
             idle = conn.envelope is None or conn.envelope.mail_from is None
-            if conn.transport is not None and getattr(conn.session, "served", False) and idle:
-                conn.transport.close()
+            if conn.transport is not None and getattr(conn.session, "served", False):
+                if idle:
+                    conn.transport.close()
+                else:
+                    # Mid-transaction: that message goes through; the session ends at its
+                    # next MAIL (421), so every connection meets the rotation, as when a
+                    # provider revokes a key (else a busy pool could carry on for ever).
+                    conn.session.idle_expired = True  # type: ignore[union-attr]
         if then is not None:
             then()
 
