@@ -212,6 +212,8 @@ class SmtpProvider:
                 if result is not None:
                     return self._finish(conn, keep, result)
                 # The cached connection had gone away before MAIL was answered: safe to redo.
+                # Closed here, so the max_connections slot it held is free for the new one.
+                self._discard(conn)
             holder: str | None = None
             if self._fleet is not None:
                 holder = await self._fleet.acquire()

@@ -319,3 +319,30 @@ def test_bad_throttling_settings_are_refused_with_their_path(
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert f"providers[0].{key} (line " in err and says in err, err
+
+
+async def test_a_pooled_connection_lost_before_mail_gives_its_max_connections_slot_back(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """max_connections 1: the pooled connection is reused just as the provider ended it
+    (`421 4.4.2 … timeout exceeded` to MAIL). The message goes out on a fresh connection,
+    which needs the one slot: the stale connection must have given it back — a slot kept
+    (and renewed) by a connection already gone would keep the provider from this instance
+    for good, every later message answered 451 4.4.1."""
+    upstream.handler.script = [Behaviour(idle_421=True)]
+    cfg = base_config(tmp, None)
+    cfg["providers"] = [provider("primary", upstream.port, max_connections=1)]
+    async with running_guard(cfg) as guard:
+        port = guard.ports[0]
+        assert (await send(port, message("slot1"))).code == 250
+        reply = await send(port, message("slot2"))
+        assert reply.code == 250, reply
+        await asyncio.sleep(1.6)  # the idle connection closes and gives its slot back
+        reply = await send(port, message("slot3"))
+        assert reply.code == 250, reply
+        assert guard.store is not None
+        await asyncio.sleep(1.6)
+        # Nothing open any more: no slot left held in the store.
+        assert await guard.store.hold_connection("primary", "probe", 1, guard.clock() + 5, guard.clock())
+    assert upstream.event_keys() == ["slot1", "slot2", "slot3"]
+    assert upstream.handler.max_sessions == 1
