@@ -720,12 +720,9 @@ class Route:
     ) -> None:
         self.providers = list(providers)
         self.gate = gate
-        by_name = {p.name: p for p in self.providers}
-        self.zone_routes = {
-            zone: [by_name[n] for n in zone_route(list(by_name), list(names))]
-            for zone, names in (zone_routes or {}).items()
-        }
+        self.zone_routes: dict[str, list[Provider]] = {}
         """Each zone's own route (`zones.Z.providers`), resolved to providers."""
+        self.set_zone_routes(zone_routes or {})
         self.breakers = {p.name: Breaker(threshold, cooldown) for p in self.providers}
         self.shares = {name: share for name, share in (shares or {}).items() if share > 0}
         self.ready: dict[str, bool] = {}
@@ -737,6 +734,15 @@ class Route:
         if on_circuit is not None:
             for name, b in self.breakers.items():
                 on_circuit(name, b.circuit)
+
+    def set_zone_routes(self, zone_routes: Mapping[str, Sequence[str]]) -> None:
+        """Resolve the zones' own routes against these providers (at start, and on a reload
+        that changes only `zones.Z.providers`, which keeps the pools and circuits)."""
+        by_name = {p.name: p for p in self.providers}
+        self.zone_routes = {
+            zone: [by_name[n] for n in zone_route(list(by_name), list(names))]
+            for zone, names in zone_routes.items()
+        }
 
     async def close(self) -> None:
         for p in self.providers:

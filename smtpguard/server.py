@@ -378,7 +378,7 @@ class Server:
             on_circuit=self._circuit_changed,
             shares={p.name: getattr(p, "share", 0.0) for p in config.providers},
             gate=self.gate,
-            zone_routes={z: zone.providers for z, zone in config.zones.items() if zone.providers is not None},
+            zone_routes=_zone_routes(config),
         )
 
     @staticmethod
@@ -726,6 +726,8 @@ class Server:
             # In-flight sends keep their provider objects; only idle connections are closed.
             await old_route.close()
         else:
+            # Same providers: the pools and circuits stay, the zones' own routes may not.
+            self.route.set_zone_routes(_zone_routes(new))
             rotated = [
                 p.name
                 for p in self.route.providers
@@ -753,6 +755,11 @@ class Server:
         self.metrics.reloads.labels("applied").inc()
         log.info("config reloaded", extra={"zones": len(new.zones), "providers": len(new.providers)})
         return True
+
+
+def _zone_routes(config: Config) -> dict[str, list[str]]:
+    """Each zone's own route (`zones.Z.providers`, DESIGN.md §16), by zone."""
+    return {z: zone.providers for z, zone in config.zones.items() if zone.providers is not None}
 
 
 def _event_tags(config: Config) -> dict[str, str]:

@@ -128,3 +128,49 @@ def test_a_bad_zone_route_is_refused(tmp: Path, value: object, where: str, says:
         loads(_config_text(tmp, value))
     problem = "\n".join(e.value.problems)
     assert where in problem and says in problem, problem
+
+
+@pytest.mark.parametrize("delivery", ["relay", "queue"])
+async def test_a_reload_that_changes_only_a_zone_route_takes_effect(tmp: Path, delivery: str) -> None:
+    """SIGHUP with the providers unchanged and only `zones.acme.providers` edited: the next
+    message follows the new route (the route was rebuilt only when `providers` changed, so
+    the edit was reported applied and silently ignored)."""
+    from tests.support import running_guard
+
+    primary, standby = await two_upstreams()
+    try:
+        cfg = base_config(tmp, None, zones__acme__providers=["primary"], zones__acme__delivery=delivery)
+        cfg["providers"] = [provider("primary", primary.port), provider("standby", standby.port)]
+        cfg["queue"] = {"backoff": {"base": "100ms", "max": "500ms"}, "poll_interval": "100ms"}
+        path = tmp / "c.yaml"
+        async with running_guard(cfg, config_path=path) as guard:
+            port = guard.ports[0]
+            assert (await send(port, message("before"))).code == 250
+            await primary.wait_received(1)
+            cfg["zones"]["acme"]["providers"] = ["standby"]
+            write_config(path, cfg)
+            assert await guard.reload()
+            assert (await send(port, message("after"))).code == 250
+            await standby.wait_received(1)
+            # A zone route added by a reload applies too; one removed falls back to the top.
+            cfg["zones"]["globex"]["providers"] = ["standby"]
+            del cfg["zones"]["acme"]["providers"]
+            write_config(path, cfg)
+            assert await guard.reload()
+            assert (await send(port, message("back"))).code == 250
+            assert (
+                await send(
+                    port,
+                    message("g1", sender="news@globex.example"),
+                    user="globex-app",
+                    password=OTHER_PASSWORD,
+                    sender="news@globex.example",
+                )
+            ).code == 250
+            await primary.wait_received(2)
+            await standby.wait_received(2)
+    finally:
+        await primary.stop()
+        await standby.stop()
+    assert primary.event_keys() == ["before", "back"]
+    assert standby.event_keys() == ["after", "g1"]
