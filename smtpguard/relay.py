@@ -155,8 +155,8 @@ class SmtpProvider:
                 await asyncio.wait_for(conn.quit(), 2)
             self._discard(conn)
         if self._fleet is not None:
-            # Connections still sending (a reload replaced this pool) finish on their own;
-            # their slots go back now rather than when their lease ends.
+            # Connections still sending (a reload replaced this pool) finish on their own
+            # and give their slots back as they are discarded (_finish: the pool is closed).
             await self._fleet.close()
 
     def _prepare(self, env: Envelope) -> bytes:

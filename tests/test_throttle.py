@@ -346,3 +346,31 @@ async def test_a_pooled_connection_lost_before_mail_gives_its_max_connections_sl
         assert await guard.store.hold_connection("primary", "probe", 1, guard.clock() + 5, guard.clock())
     assert upstream.event_keys() == ["slot1", "slot2", "slot3"]
     assert upstream.handler.max_sessions == 1
+
+
+async def test_a_reload_keeps_max_connections_for_the_sessions_still_sending(tmp: Path) -> None:
+    """max_connections 1 and a provider that takes 1.5 s to answer the dot. A reload that
+    rebuilds the pools comes while a message is on the old pool's connection; the next
+    message must wait for that connection's slot, not open a second session (the old pool
+    gave every slot back at once, and the new pool's first slot had the same holder id as
+    the old one's, so it "renewed" a slot that was another connection's)."""
+    async with upstream_at() as up:
+        up.handler.default = Behaviour(hang_after_dot=1.5)
+        cfg = base_config(tmp, None)
+        cfg["providers"] = [provider("primary", up.port, max_connections=1)]
+        path = tmp / "c.yaml"
+        async with running_guard(cfg, config_path=path) as guard:
+            port = guard.ports[0]
+            first = asyncio.create_task(send(port, message("old-pool")))
+            await up.wait_received(1)  # its dot is in, its reply 1.5 s away
+            cfg["providers"][0]["pool_size"] = 3  # a provider change: the pools are rebuilt
+            write_config(path, cfg)
+            assert await guard.reload()
+            second = await send(port, message("new-pool"))
+            assert (await first).code == 250
+            assert second.code in (250, 451), second
+            if second.code == 451:
+                assert second.text.startswith("4.4.1"), second
+                assert (await send(port, message("new-pool"))).code == 250
+    assert up.event_keys() == ["old-pool", "new-pool"]
+    assert up.handler.max_sessions == 1
