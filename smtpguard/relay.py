@@ -744,6 +744,11 @@ class Route:
             for zone, names in zone_routes.items()
         }
 
+    def providers_for(self, zone: str) -> list[Provider]:
+        """The providers a zone's mail may go to: its own route, else the top-level one."""
+        own = self.zone_routes.get(zone)
+        return own if own is not None else self.providers
+
     async def close(self) -> None:
         for p in self.providers:
             await p.close()
@@ -785,8 +790,7 @@ class Route:
         (the queue holds the zone's entries until then); None when one is usable."""
         if self.gate is None:
             return None
-        own = self.zone_routes.get(zone)
-        return await self.gate.blocked_route(p.name for p in (own if own is not None else self.providers))
+        return await self.gate.blocked_route(p.name for p in self.providers_for(zone))
 
     async def send(self, env: Envelope, before_data: BeforeData) -> Outcome:
         outcome, waits = await self._walk(env, before_data)
