@@ -208,7 +208,7 @@ class SmtpProvider:
                 else:
                     self._discard(candidate)
             if conn is not None:
-                result, keep = await self._transaction(conn, env, before_data, reused=True)
+                result, keep = await self._guarded(conn, env, before_data, reused=True)
                 if result is not None:
                     return self._finish(conn, keep, result)
                 # The cached connection had gone away before MAIL was answered: safe to redo.
@@ -227,11 +227,22 @@ class SmtpProvider:
                 return self._connect_failed(e)
             if holder is not None:
                 self._holders[conn] = holder
-            result, keep = await self._transaction(conn, env, before_data, reused=False)
+            result, keep = await self._guarded(conn, env, before_data, reused=False)
             assert result is not None
             return self._finish(conn, keep, result)
         finally:
             self._slots.release()
+
+    async def _guarded(
+        self, conn: aiosmtplib.SMTP, env: Envelope, before_data: BeforeData, reused: bool
+    ) -> tuple[Attempted | None, bool]:
+        try:
+            return await self._transaction(conn, env, before_data, reused)
+        except BaseException:
+            # Cancelled (a drain that timed out) mid-transaction: the connection is in an
+            # unknown state and its max_connections slot must not stay held by nothing.
+            self._discard(conn)
+            raise
 
     def _finish(self, conn: aiosmtplib.SMTP, keep: bool, result: Attempted) -> Attempted:
         # A provider replaced by a reload is closed: its in-flight connections end here.

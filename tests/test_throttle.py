@@ -374,3 +374,44 @@ async def test_a_reload_keeps_max_connections_for_the_sessions_still_sending(tmp
                 assert (await send(port, message("new-pool"))).code == 250
     assert up.event_keys() == ["old-pool", "new-pool"]
     assert up.handler.max_sessions == 1
+
+
+async def test_a_send_cancelled_during_data_gives_its_connection_slot_back(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """A send cancelled while it waits for the reply to its dot (a drain that timed out, a
+    delivery stopped at shutdown) closes its connection and gives its max_connections slot
+    back at once, instead of leaving it renewed by this instance while nothing uses it."""
+    import time
+
+    from smtpguard.config import SmtpProviderConfig, loads
+    from smtpguard.provider_gate import ConnectionSlots
+    from smtpguard.relay import Envelope, SmtpProvider
+    from smtpguard.store import store_from_url
+
+    upstream.handler.default = Behaviour(hang_after_dot=5.0)
+    cfg = base_config(tmp, None)
+    cfg["providers"] = [provider("primary", upstream.port, max_connections=1)]
+    pcfg = loads(__import__("yaml").safe_dump(cfg)).providers[0]
+    assert isinstance(pcfg, SmtpProviderConfig)
+    store = store_from_url(cfg["store"]["url"])
+    await store.open()
+    p = SmtpProvider(pcfg, None, "guard.test")
+    p.limit_connections(ConnectionSlots(store, "primary", 1, "i0", time.time))
+
+    async def marked() -> None:
+        return None
+
+    env = Envelope("acme", "k1", "a1", "billing@acme.example", ("customer@example.com",), b"x\r\n")
+    try:
+        task = asyncio.create_task(p.send(env, marked))
+        await upstream.wait_received(1)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.3)
+        now = time.time()
+        assert await store.hold_connection("primary", "someone-else", 1, now + 5, now)
+    finally:
+        await p.close()
+        await store.close()
