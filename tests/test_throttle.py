@@ -384,6 +384,8 @@ async def test_a_send_cancelled_during_data_gives_its_connection_slot_back(
     back at once, instead of leaving it renewed by this instance while nothing uses it."""
     import time
 
+    import yaml
+
     from smtpguard.config import SmtpProviderConfig, loads
     from smtpguard.provider_gate import ConnectionSlots
     from smtpguard.relay import Envelope, SmtpProvider
@@ -392,7 +394,7 @@ async def test_a_send_cancelled_during_data_gives_its_connection_slot_back(
     upstream.handler.default = Behaviour(hang_after_dot=5.0)
     cfg = base_config(tmp, None)
     cfg["providers"] = [provider("primary", upstream.port, max_connections=1)]
-    pcfg = loads(__import__("yaml").safe_dump(cfg)).providers[0]
+    pcfg = loads(yaml.safe_dump(cfg)).providers[0]
     assert isinstance(pcfg, SmtpProviderConfig)
     store = store_from_url(cfg["store"]["url"])
     await store.open()
