@@ -185,7 +185,11 @@ class SmtpProvider:
                 # aiosmtplib falls back to it.
                 try:
                     await conn.ehlo(timeout=t.command)
-                except aiosmtplib.SMTPHeloError:
+                except aiosmtplib.SMTPHeloError as e:
+                    if e.code == 421:
+                        # The provider closes the session ("too many connections"): no
+                        # HELO on a closed connection; the 421 is the answer (throttle).
+                        raise
                     await conn.helo(timeout=t.command)
             # This connection's last EHLO (after STARTTLS, the second): the listener's view.
             self.smtputf8 = conn.supports_extension("smtputf8")

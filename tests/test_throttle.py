@@ -417,3 +417,41 @@ async def test_a_send_cancelled_during_data_gives_its_connection_slot_back(
     finally:
         await p.close()
         await store.close()
+
+
+async def test_a_421_to_ehlo_throttles_the_provider_and_is_not_a_helo_fallback(tmp: Path) -> None:
+    """A provider that answers EHLO with `421 4.7.0 too many connections` (and closes) is
+    asking for less traffic: the provider is throttled, its circuit untouched. (EHLO's
+    failure used to send HELO on the closed connection, and the disconnect that followed
+    counted against the circuit as a provider failure.)"""
+    from tests.support import RecordingHandler
+
+    class BusyAtEhlo(RecordingHandler):
+        ehlos = 0
+
+        async def handle_EHLO(
+            self, server: Any, session: Any, envelope: Any, hostname: str, responses: list[str]
+        ) -> list[str]:
+            self.ehlos += 1
+            if self.ehlos == 1:
+                return ["421 4.7.0 too many connections, slow down"]
+            session.host_name = hostname
+            return responses
+
+    async with upstream_at() as up:
+        up.handler = BusyAtEhlo()
+        cfg = base_config(tmp, None)
+        cfg["providers"] = [provider("primary", up.port, throttle_backoff="1s")]
+        cfg["breaker"] = {"failure_threshold": 1, "cooldown": "60s"}
+        async with running_guard(cfg) as guard:
+            port = guard.ports[0]
+            first = await send(port, message("e1"))
+            assert (first.code, first.text[:5]) == (451, "4.4.1"), first
+            assert guard.route is not None
+            circuit = guard.route.circuits()["primary"]
+            metrics = guard.metrics.render().decode()
+            await asyncio.sleep(1.1)
+            assert (await send(port, message("e1"))).code == 250
+    assert circuit is Circuit.CLOSED
+    assert 'smtpguard_provider_rate_limited_total{provider="primary"} 1.0' in metrics
+    assert up.event_keys() == ["e1"]
