@@ -455,3 +455,37 @@ async def test_a_421_to_ehlo_throttles_the_provider_and_is_not_a_helo_fallback(t
     assert circuit is Circuit.CLOSED
     assert 'smtpguard_provider_rate_limited_total{provider="primary"} 1.0' in metrics
     assert up.event_keys() == ["e1"]
+
+
+async def test_a_queued_message_held_by_a_throttle_expires_at_its_max_age(tmp: Path) -> None:
+    """Queue mode, class otp (max_age 2 s), a provider that answers MAIL with a rate limit and
+    a throttle_backoff of 30 s: the entry is held for the throttle, but not past its
+    max_age — it is expired (and never sent) about 2 s after acceptance, not 30 s later."""
+    async with upstream_at() as up:
+        up.handler.default = Behaviour(mail="421 4.7.0 rate limited")
+        cfg = base_config(
+            tmp,
+            None,
+            zones__acme__delivery="queue",
+            zones__acme__hourly_cap=10_000,
+            zones__acme__monthly_cap=100_000,
+        )
+        cfg["providers"] = [provider("primary", up.port, throttle_backoff="30s")]
+        cfg["queue"] = {
+            **QUEUE,
+            "classes": {"otp": {"max_age": "2s", "priority": 0}, "bulk": {"max_age": "1d", "priority": 1}},
+            "default_class": "bulk",
+        }
+        async with running_guard(cfg) as guard:
+            reply = await send(guard.ports[0], message("otp-held", headers={"X-Message-Class": "otp"}))
+            assert reply.code == 250, reply
+            assert guard.store is not None
+            state = None
+            for _ in range(60):
+                rec = await guard.store.get("acme", "otp-held")
+                state = rec.state.value if rec else None
+                if state == "expired":
+                    break
+                await asyncio.sleep(0.1)
+    assert state == "expired"
+    assert up.handler.transactions == 1 and up.received == []
