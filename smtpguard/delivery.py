@@ -240,7 +240,8 @@ class DeliveryWorker:
     async def _hold(self, rec: ledger.Record, attempt_id: str, until: float) -> None:
         held = ledger.hold(rec, attempt_id, self.submitter.clock(), until)
         if held is not None:
-            await self.store.requeue(held, rec.version, until if until < HELD else HELD)
+            due = queue_due(held)  # `until`, or the entry's max_age if sooner
+            await self.store.requeue(held, rec.version, due if due is not None and due < HELD else HELD)
 
 
 def _reply_of(rec: ledger.Record) -> Reply:

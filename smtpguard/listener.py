@@ -590,7 +590,9 @@ class Handler:
             return self._refuse(principal, replies.send_as_disabled(principal.zone))
         # aiosmtpd has moved SMTPUTF8 from the parameters to envelope.smtp_utf8 already.
         # Judged before the syntax: without it a non-ASCII address is not SMTP syntax at all.
-        unsendable = smtputf8_refusal(address, "sender", envelope.smtp_utf8, self._route_smtputf8())
+        unsendable = smtputf8_refusal(
+            address, "sender", envelope.smtp_utf8, self._route_smtputf8(principal.zone)
+        )
         if unsendable:
             return self._refuse(principal, unsendable)
         problem = address_problem(address)
@@ -622,7 +624,9 @@ class Handler:
         if len(envelope.rcpt_tos) >= limit:
             return str(replies.too_many_recipients(limit))
         # Each recipient on its own: those accepted before stay accepted (RFC 6531).
-        unsendable = smtputf8_refusal(address, "recipient", envelope.smtp_utf8, self._route_smtputf8())
+        unsendable = smtputf8_refusal(
+            address, "recipient", envelope.smtp_utf8, self._route_smtputf8(principal.zone)
+        )
         if unsendable:
             return self._refuse(principal, unsendable)
         problem = address_problem(address)
@@ -644,10 +648,11 @@ class Handler:
         envelope.rcpt_options.extend(rcpt_options)
         return str(replies.OK_RECIPIENT)
 
-    def _route_smtputf8(self) -> bool | None:
-        """What the providers' last EHLOs said about SMTPUTF8 (read per command: a reload
-        replaces the route, and a relay may just have learnt a provider's answer)."""
-        return route_offers_smtputf8(p.smtputf8 for p in self.submitter.route.providers)
+    def _route_smtputf8(self, zone: str) -> bool | None:
+        """What the last EHLOs of the zone's route (its own `providers`, else the top-level
+        one) said about SMTPUTF8 (read per command: a reload replaces the route, and a
+        relay may just have learnt a provider's answer)."""
+        return route_offers_smtputf8(p.smtputf8 for p in self.submitter.route.providers_for(zone))
 
     def _refuse(self, principal: Principal, reply: Reply) -> str:
         self.on_result(principal, Result(reply, "rejected:envelope"), 0.0)

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
 
@@ -152,6 +153,10 @@ class ConnectionSlots:
         self.instance = instance
         self._clock = clock
         self._seq = itertools.count(1)
+        self._pool = secrets.token_hex(4)
+        """Tells this pool's holders from those of the pool a reload replaced (same instance
+        and provider, its connections possibly still sending): a shared id would "renew"
+        the other's slot and let two connections count as one."""
         self._held: set[str] = set()
         self._task: asyncio.Task[None] | None = None
         self._releases: set[asyncio.Task[None]] = set()
@@ -160,7 +165,7 @@ class ConnectionSlots:
 
     async def acquire(self, wait: float = CONNECTION_WAIT) -> str | None:
         """A slot's holder id, waiting up to `wait` for one; None when none came free."""
-        holder = f"{self.instance}:{self.provider}:{next(self._seq)}"
+        holder = f"{self.instance}:{self.provider}:{self._pool}:{next(self._seq)}"
         deadline = time.monotonic() + wait
         while True:
             now = self._clock()
@@ -215,11 +220,9 @@ class ConnectionSlots:
                     )
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        for holder in list(self._held):
-            self.release(holder)
+        """The pool is closed (a reload replaced it, or shutdown): wait for the slots of its
+        closed connections to go back. A connection still sending keeps its slot, renewed,
+        until it finishes and is discarded: given back now, the new pool could open one
+        more than max_connections while it is still open."""
         if self._releases:
             await asyncio.wait(list(self._releases), timeout=2)

@@ -158,8 +158,8 @@ class SmtpProvider:
                 await asyncio.wait_for(conn.quit(), 2)
             self._discard(conn)
         if self._fleet is not None:
-            # Connections still sending (a reload replaced this pool) finish on their own;
-            # their slots go back now rather than when their lease ends.
+            # Connections still sending (a reload replaced this pool) finish on their own
+            # and give their slots back as they are discarded (_finish: the pool is closed).
             await self._fleet.close()
 
     def _prepare(self, env: Envelope) -> bytes:
@@ -219,7 +219,11 @@ class SmtpProvider:
                 # aiosmtplib falls back to it.
                 try:
                     await conn.ehlo(timeout=t.command)
-                except aiosmtplib.SMTPHeloError:
+                except aiosmtplib.SMTPHeloError as e:
+                    if e.code == 421:
+                        # The provider closes the session ("too many connections"): no
+                        # HELO on a closed connection; the 421 is the answer (throttle).
+                        raise
                     await conn.helo(timeout=t.command)
             # This connection's last EHLO (after STARTTLS, the second): the listener's view.
             self.smtputf8 = conn.supports_extension("smtputf8")
@@ -242,10 +246,12 @@ class SmtpProvider:
                 else:
                     self._discard(candidate)
             if conn is not None:
-                result, keep = await self._transaction(conn, env, before_data, reused=True)
+                result, keep = await self._guarded(conn, env, before_data, reused=True)
                 if result is not None:
                     return self._finish(conn, keep, result)
                 # The cached connection had gone away before MAIL was answered: safe to redo.
+                # Closed here, so the max_connections slot it held is free for the new one.
+                self._discard(conn)
             holder: str | None = None
             if self._fleet is not None:
                 holder = await self._fleet.acquire()
@@ -264,11 +270,22 @@ class SmtpProvider:
             conn = opened
             if holder is not None:
                 self._holders[conn] = holder
-            result, keep = await self._transaction(conn, env, before_data, reused=False)
+            result, keep = await self._guarded(conn, env, before_data, reused=False)
             assert result is not None
             return self._finish(conn, keep, result)
         finally:
             self._slots.release()
+
+    async def _guarded(
+        self, conn: aiosmtplib.SMTP, env: Envelope, before_data: BeforeData, reused: bool
+    ) -> tuple[Attempted | None, bool]:
+        try:
+            return await self._transaction(conn, env, before_data, reused)
+        except BaseException:
+            # Cancelled (a drain that timed out) mid-transaction: the connection is in an
+            # unknown state and its max_connections slot must not stay held by nothing.
+            self._discard(conn)
+            raise
 
     def _finish(self, conn: aiosmtplib.SMTP, keep: bool, result: Attempted) -> Attempted:
         # A provider replaced by a reload is closed: its in-flight connections end here.
@@ -764,12 +781,9 @@ class Route:
     ) -> None:
         self.providers = list(providers)
         self.gate = gate
-        by_name = {p.name: p for p in self.providers}
-        self.zone_routes = {
-            zone: [by_name[n] for n in zone_route(list(by_name), list(names))]
-            for zone, names in (zone_routes or {}).items()
-        }
+        self.zone_routes: dict[str, list[Provider]] = {}
         """Each zone's own route (`zones.Z.providers`), resolved to providers."""
+        self.set_zone_routes(zone_routes or {})
         self.breakers = {p.name: Breaker(threshold, cooldown) for p in self.providers}
         self.shares = {name: share for name, share in (shares or {}).items() if share > 0}
         self.ready: dict[str, bool] = {}
@@ -781,6 +795,20 @@ class Route:
         if on_circuit is not None:
             for name, b in self.breakers.items():
                 on_circuit(name, b.circuit)
+
+    def set_zone_routes(self, zone_routes: Mapping[str, Sequence[str]]) -> None:
+        """Resolve the zones' own routes against these providers (at start, and on a reload
+        that changes only `zones.Z.providers`, which keeps the pools and circuits)."""
+        by_name = {p.name: p for p in self.providers}
+        self.zone_routes = {
+            zone: [by_name[n] for n in zone_route(list(by_name), list(names))]
+            for zone, names in zone_routes.items()
+        }
+
+    def providers_for(self, zone: str) -> list[Provider]:
+        """The providers a zone's mail may go to: its own route, else the top-level one."""
+        own = self.zone_routes.get(zone)
+        return own if own is not None else self.providers
 
     async def close(self) -> None:
         for p in self.providers:
@@ -823,8 +851,7 @@ class Route:
         (the queue holds the zone's entries until then); None when one is usable."""
         if self.gate is None:
             return None
-        own = self.zone_routes.get(zone)
-        return await self.gate.blocked_route(p.name for p in (own if own is not None else self.providers))
+        return await self.gate.blocked_route(p.name for p in self.providers_for(zone))
 
     async def send(self, env: Envelope, before_data: BeforeData) -> Outcome:
         outcome, waits = await self._walk(env, before_data)

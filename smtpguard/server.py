@@ -379,7 +379,7 @@ class Server:
             on_circuit=self._circuit_changed,
             shares={p.name: getattr(p, "share", 0.0) for p in config.providers},
             gate=self.gate,
-            zone_routes={z: zone.providers for z, zone in config.zones.items() if zone.providers is not None},
+            zone_routes=_zone_routes(config),
         )
 
     @staticmethod
@@ -732,6 +732,8 @@ class Server:
             # In-flight sends keep their provider objects; only idle connections are closed.
             await old_route.close()
         else:
+            # Same providers: the pools and circuits stay, the zones' own routes may not.
+            self.route.set_zone_routes(_zone_routes(new))
             rotated = [
                 p.name
                 for p in self.route.providers
@@ -782,6 +784,11 @@ class _ProviderSecrets(Mapping[str, str | None]):
 
     def __len__(self) -> int:
         return len(self._at_start)
+
+
+def _zone_routes(config: Config) -> dict[str, list[str]]:
+    """Each zone's own route (`zones.Z.providers`, DESIGN.md §16), by zone."""
+    return {z: zone.providers for z, zone in config.zones.items() if zone.providers is not None}
 
 
 def _event_tags(config: Config) -> dict[str, str]:

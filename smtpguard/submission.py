@@ -593,7 +593,7 @@ class Submitter:
             if held is None:
                 return
             try:
-                await self.store.requeue(held, rec.version, until)
+                await self.store.requeue(held, rec.version, queue_due(held))
                 return
             except StoreUnavailable:
                 await asyncio.sleep(0.05 * 2**attempt)

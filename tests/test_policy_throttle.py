@@ -88,3 +88,19 @@ def test_rates(text: str, per_second: float) -> None:
 def test_bad_rates(bad: object) -> None:
     with pytest.raises(ValueError):
         parse_rate(bad)
+
+
+def test_gcra_after_max_rate_was_raised_waits_one_new_interval_not_the_old_one() -> None:
+    """A reload raised max_rate from 1/h to 10/s: the stored arrival time is an hour ahead,
+    which no sequence of 0.1 s slots can produce. It is pulled back to the furthest a
+    0.1 s sequence reaches (max_wait + interval ahead), and that is stored even though the
+    slot is refused, so slots resume one new interval later, not an hour later."""
+    now = 1000.0
+    stale = now + 3600.0
+    refused = gcra(stale, now, 0.1, 1.0)
+    assert not refused.granted and refused.tat == now + 1.1 and round(refused.wait, 6) == 0.1
+    granted = gcra(refused.tat, now + 0.1, 0.1, 1.0)
+    assert granted.granted and round(granted.wait, 6) == 1.0
+    # A sequence the interval could have produced is never pulled back: no extra slot.
+    consistent = gcra(now + 1.05, now, 0.1, 1.0)
+    assert not consistent.granted and consistent.tat == now + 1.05

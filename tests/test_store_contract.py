@@ -1567,6 +1567,17 @@ async def test_rate_slots_are_spaced_by_the_interval_and_refused_past_max_wait(s
     assert later.granted and later.wait == 0
 
 
+async def test_rate_slots_after_max_rate_was_raised_resume_within_one_new_interval(store: Store) -> None:
+    """1/h, then (a reload) 10/s: the hour-ahead arrival time is pulled back and stored, so
+    slots resume 0.1 s later instead of an hour later; the new spacing holds after that."""
+    assert (await store.rate_slot("primary", 3600.0, 0.25, NOW)).granted
+    refused = await store.rate_slot("primary", 0.1, 0.25, NOW)
+    assert not refused.granted and round(refused.wait, 6) == 0.1
+    granted = await store.rate_slot("primary", 0.1, 0.25, NOW + 0.1)
+    assert granted.granted and round(granted.wait, 6) == 0.25
+    assert not (await store.rate_slot("primary", 0.1, 0.25, NOW + 0.1)).granted
+
+
 async def test_rate_slots_are_one_sequence_for_every_instance(store: Store) -> None:
     other = _another(store)
     await other.open()

@@ -319,3 +319,173 @@ def test_bad_throttling_settings_are_refused_with_their_path(
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert f"providers[0].{key} (line " in err and says in err, err
+
+
+async def test_a_pooled_connection_lost_before_mail_gives_its_max_connections_slot_back(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """max_connections 1: the pooled connection is reused just as the provider ended it
+    (`421 4.4.2 … timeout exceeded` to MAIL). The message goes out on a fresh connection,
+    which needs the one slot: the stale connection must have given it back — a slot kept
+    (and renewed) by a connection already gone would keep the provider from this instance
+    for good, every later message answered 451 4.4.1."""
+    upstream.handler.script = [Behaviour(idle_421=True)]
+    cfg = base_config(tmp, None)
+    cfg["providers"] = [provider("primary", upstream.port, max_connections=1)]
+    async with running_guard(cfg) as guard:
+        port = guard.ports[0]
+        assert (await send(port, message("slot1"))).code == 250
+        reply = await send(port, message("slot2"))
+        assert reply.code == 250, reply
+        await asyncio.sleep(1.6)  # the idle connection closes and gives its slot back
+        reply = await send(port, message("slot3"))
+        assert reply.code == 250, reply
+        assert guard.store is not None
+        await asyncio.sleep(1.6)
+        # Nothing open any more: no slot left held in the store.
+        assert await guard.store.hold_connection("primary", "probe", 1, guard.clock() + 5, guard.clock())
+    assert upstream.event_keys() == ["slot1", "slot2", "slot3"]
+    assert upstream.handler.max_sessions == 1
+
+
+async def test_a_reload_keeps_max_connections_for_the_sessions_still_sending(tmp: Path) -> None:
+    """max_connections 1 and a provider that takes 1.5 s to answer the dot. A reload that
+    rebuilds the pools comes while a message is on the old pool's connection; the next
+    message must wait for that connection's slot, not open a second session (the old pool
+    gave every slot back at once, and the new pool's first slot had the same holder id as
+    the old one's, so it "renewed" a slot that was another connection's)."""
+    async with upstream_at() as up:
+        up.handler.default = Behaviour(hang_after_dot=1.5)
+        cfg = base_config(tmp, None)
+        cfg["providers"] = [provider("primary", up.port, max_connections=1)]
+        path = tmp / "c.yaml"
+        async with running_guard(cfg, config_path=path) as guard:
+            port = guard.ports[0]
+            first = asyncio.create_task(send(port, message("old-pool")))
+            await up.wait_received(1)  # its dot is in, its reply 1.5 s away
+            cfg["providers"][0]["pool_size"] = 3  # a provider change: the pools are rebuilt
+            write_config(path, cfg)
+            assert await guard.reload()
+            second = await send(port, message("new-pool"))
+            assert (await first).code == 250
+            assert second.code in (250, 451), second
+            if second.code == 451:
+                assert second.text.startswith("4.4.1"), second
+                assert (await send(port, message("new-pool"))).code == 250
+    assert up.event_keys() == ["old-pool", "new-pool"]
+    assert up.handler.max_sessions == 1
+
+
+async def test_a_send_cancelled_during_data_gives_its_connection_slot_back(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """A send cancelled while it waits for the reply to its dot (a drain that timed out, a
+    delivery stopped at shutdown) closes its connection and gives its max_connections slot
+    back at once, instead of leaving it renewed by this instance while nothing uses it."""
+    import time
+
+    import yaml
+
+    from smtpguard.config import SmtpProviderConfig, loads
+    from smtpguard.provider_gate import ConnectionSlots
+    from smtpguard.relay import Envelope, SmtpProvider
+    from smtpguard.store import store_from_url
+
+    upstream.handler.default = Behaviour(hang_after_dot=5.0)
+    cfg = base_config(tmp, None)
+    cfg["providers"] = [provider("primary", upstream.port, max_connections=1)]
+    pcfg = loads(yaml.safe_dump(cfg)).providers[0]
+    assert isinstance(pcfg, SmtpProviderConfig)
+    store = store_from_url(cfg["store"]["url"])
+    await store.open()
+    p = SmtpProvider(pcfg, None, "guard.test")
+    p.limit_connections(ConnectionSlots(store, "primary", 1, "i0", time.time))
+
+    async def marked() -> None:
+        return None
+
+    env = Envelope("acme", "k1", "a1", "billing@acme.example", ("customer@example.com",), b"x\r\n")
+    try:
+        task = asyncio.create_task(p.send(env, marked))
+        await upstream.wait_received(1)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.3)
+        now = time.time()
+        assert await store.hold_connection("primary", "someone-else", 1, now + 5, now)
+    finally:
+        await p.close()
+        await store.close()
+
+
+async def test_a_421_to_ehlo_throttles_the_provider_and_is_not_a_helo_fallback(tmp: Path) -> None:
+    """A provider that answers EHLO with `421 4.7.0 too many connections` (and closes) is
+    asking for less traffic: the provider is throttled, its circuit untouched. (EHLO's
+    failure used to send HELO on the closed connection, and the disconnect that followed
+    counted against the circuit as a provider failure.)"""
+    from tests.support import RecordingHandler
+
+    class BusyAtEhlo(RecordingHandler):
+        ehlos = 0
+
+        async def handle_EHLO(
+            self, server: Any, session: Any, envelope: Any, hostname: str, responses: list[str]
+        ) -> list[str]:
+            self.ehlos += 1
+            if self.ehlos == 1:
+                return ["421 4.7.0 too many connections, slow down"]
+            session.host_name = hostname
+            return responses
+
+    async with upstream_at() as up:
+        up.handler = BusyAtEhlo()
+        cfg = base_config(tmp, None)
+        cfg["providers"] = [provider("primary", up.port, throttle_backoff="1s")]
+        cfg["breaker"] = {"failure_threshold": 1, "cooldown": "60s"}
+        async with running_guard(cfg) as guard:
+            port = guard.ports[0]
+            first = await send(port, message("e1"))
+            assert (first.code, first.text[:5]) == (451, "4.4.1"), first
+            assert guard.route is not None
+            circuit = guard.route.circuits()["primary"]
+            metrics = guard.metrics.render().decode()
+            await asyncio.sleep(1.1)
+            assert (await send(port, message("e1"))).code == 250
+    assert circuit is Circuit.CLOSED
+    assert 'smtpguard_provider_rate_limited_total{provider="primary"} 1.0' in metrics
+    assert up.event_keys() == ["e1"]
+
+
+async def test_a_queued_message_held_by_a_throttle_expires_at_its_max_age(tmp: Path) -> None:
+    """Queue mode, class otp (max_age 2 s), a provider that answers MAIL with a rate limit and
+    a throttle_backoff of 30 s: the entry is held for the throttle, but not past its
+    max_age — it is expired (and never sent) about 2 s after acceptance, not 30 s later."""
+    async with upstream_at() as up:
+        up.handler.default = Behaviour(mail="421 4.7.0 rate limited")
+        cfg = base_config(
+            tmp,
+            None,
+            zones__acme__delivery="queue",
+            zones__acme__hourly_cap=10_000,
+            zones__acme__monthly_cap=100_000,
+        )
+        cfg["providers"] = [provider("primary", up.port, throttle_backoff="30s")]
+        cfg["queue"] = {
+            **QUEUE,
+            "classes": {"otp": {"max_age": "2s", "priority": 0}, "bulk": {"max_age": "1d", "priority": 1}},
+            "default_class": "bulk",
+        }
+        async with running_guard(cfg) as guard:
+            reply = await send(guard.ports[0], message("otp-held", headers={"X-Message-Class": "otp"}))
+            assert reply.code == 250, reply
+            assert guard.store is not None
+            state = None
+            for _ in range(60):
+                rec = await guard.store.get("acme", "otp-held")
+                state = rec.state.value if rec else None
+                if state == "expired":
+                    break
+                await asyncio.sleep(0.1)
+    assert state == "expired"
+    assert up.handler.transactions == 1 and up.received == []

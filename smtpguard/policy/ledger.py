@@ -719,9 +719,13 @@ def attempts_of_this_event(rec: Record) -> int:
 
 
 def hold(rec: Record, attempt_id: str, now: float, until: float) -> Record | None:
-    """Give a claimed entry back unsent (zone paused or capped): no attempt is recorded."""
+    """Give a claimed entry back unsent (zone paused or capped, its route throttled): no
+    attempt is recorded. Due again at `until`, or at its max_age if that comes first, so
+    that it is expired then rather than when the hold ends."""
     if not owns(rec, attempt_id):
         return None
+    if rec.expires_at is not None:
+        until = min(until, rec.expires_at)
     return _bump(
         rec,
         now,

@@ -61,8 +61,9 @@ def is_rate_limit(code: int, enhanced: str, text: str) -> bool:
 @dataclass(frozen=True, slots=True)
 class Slot:
     """A GCRA decision: `granted` with the seconds to wait before sending in the slot, or
-    not granted with the seconds until a slot could be granted. `tat` is what to store
-    (a backend that computes it on the server, Redis, hands back 0: callers never read it)."""
+    not granted with the seconds until a slot could be granted. `tat` is what to store —
+    when granted, or when it differs from the stored one (pulled back, see gcra) — (a
+    backend that computes it on the server, Redis, hands back 0: callers never read it)."""
 
     granted: bool
     wait: float
@@ -73,11 +74,17 @@ def gcra(tat: float | None, now: float, interval: float, max_wait: float) -> Slo
     """The next send slot of a provider whose previous slot ends at `tat` (the theoretical
     arrival time; None: never sent). Slots are `interval` apart, so any window of length W
     holds at most floor(W / interval) + 1 of them. A slot up to `max_wait` ahead is granted
-    (the caller waits for it); a later one is not, and nothing is reserved."""
+    (the caller waits for it); a later one is not, and nothing is reserved.
+
+    Slots `interval` apart never put `tat` more than max_wait + interval ahead of now. One
+    further ahead was left by a longer interval (a reload raised max_rate): it is pulled
+    back to that reach, and the refusal's `tat` carries it for the store to keep, so slots
+    resume one new interval later rather than after the old one."""
     start = now if tat is None or tat < now else tat
+    start = min(start, now + max_wait + interval)
     wait = start - now
     if wait > max_wait:
-        return Slot(False, wait - max_wait, tat if tat is not None else now)
+        return Slot(False, wait - max_wait, start)
     return Slot(True, wait, start + interval)
 
 

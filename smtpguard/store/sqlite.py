@@ -1033,7 +1033,7 @@ class SQLiteStore:
             # Inside the writer's BEGIN IMMEDIATE: other processes on the file wait for it.
             row = c.execute("SELECT tat FROM rate_slots WHERE provider = ?", (provider,)).fetchone()
             slot = gcra(float(row[0]) if row else None, now, interval, max_wait)
-            if slot.granted:
+            if slot.granted or (row is not None and slot.tat != float(row[0])):
                 c.execute(
                     "INSERT OR REPLACE INTO rate_slots (provider, tat) VALUES (?, ?)", (provider, slot.tat)
                 )

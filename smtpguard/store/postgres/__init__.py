@@ -839,7 +839,7 @@ class PostgresStore:
             row = await _one(conn, "SELECT tat FROM rate_slots WHERE provider = %s FOR UPDATE", (provider,))
             assert row is not None
             slot = gcra(float(row[0]), now, interval, max_wait)
-            if slot.granted:
+            if slot.granted or slot.tat != float(row[0]):
                 await conn.execute("UPDATE rate_slots SET tat = %s WHERE provider = %s", (slot.tat, provider))
         return slot
 
