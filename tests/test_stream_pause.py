@@ -11,11 +11,13 @@ import time
 from collections import Counter
 from email.message import EmailMessage
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
+from smtpguard.class_pauses import ClassPauses
 from smtpguard.cli import main
-from smtpguard.store import store_from_url
+from smtpguard.store import Store, StoreUnavailable, store_from_url
 from tests.console_support import Operator, console_config, console_port
 from tests.support import Upstream, base_config, message, running_guard, send, write_config
 from tests.test_multi_instance import cli, is_451, two_instances
@@ -154,3 +156,55 @@ async def test_the_console_zone_page_shows_a_paused_class(tmp: Path, upstream: U
         finally:
             await op.close()
     assert 'data-paused-class="bulk"' in page and "class bulk paused" in page
+
+
+class PausedClassesUnreadable:
+    """A store whose paused-classes read fails while every other call works: a hiccup that
+    a real store cannot be made to have in exactly that read (a fault, not a stand-in)."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    async def paused_classes(self) -> set[tuple[str, str]]:
+        raise StoreUnavailable("paused classes unreadable")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+async def test_a_duplicate_is_answered_before_the_paused_classes_are_read(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """DESIGN.md §3 order: ledger lookup, then pause. A duplicate of a delivered event needs
+    no pause at all, so it must not wait on (or fail with) the paused classes' read."""
+    async with running_guard(base_config(tmp, upstream.port)) as guard:
+        first = await send(guard.ports[0], of_class("dup:1", "bulk"))
+        assert guard.submitter is not None and guard.store is not None
+        guard.submitter.class_pauses = ClassPauses(cast(Store, PausedClassesUnreadable(guard.store)))
+        again = await send(guard.ports[0], of_class("dup:1", "bulk"))
+        new = await send(guard.ports[0], of_class("dup:2", "bulk"))
+    assert first.code == 250 and "duplicate" not in first.text
+    assert again.code == 250 and "duplicate" in again.text, str(again)
+    # A new event does need the read: unavailable, nothing sent (fail closed, as a reserve).
+    assert is_451(new, "4.3.0"), str(new)
+    assert upstream.event_keys() == ["dup:1"]
+
+
+async def test_a_paused_class_named_twice_in_relay_mode_is_still_held(tmp: Path, upstream: Upstream) -> None:
+    """The pause is a kill switch for a kind of mail: a message whose class header names the
+    paused class twice (relay mode never validates the header) must not slip past it."""
+    async with running_guard(base_config(tmp, upstream.port)) as guard:
+        assert guard.store is not None
+        await guard.store.set_class_paused("acme", "bulk", True)
+        await asyncio.sleep(SETTLE)
+        twice = message("bulk:twice")
+        twice["X-Message-Class"] = "bulk"
+        twice["X-Message-Class"] = "BULK"
+        mixed = message("bulk:mixed")
+        mixed["X-Message-Class"] = "transactional"
+        mixed["X-Message-Class"] = "bulk"
+        held = [await send(guard.ports[0], twice), await send(guard.ports[0], mixed)]
+        flowing = await send(guard.ports[0], of_class("tx:once", "transactional"))
+    assert all(is_451(r, "4.7.0") and "class bulk" in r.text for r in held), [str(r) for r in held]
+    assert flowing.code == 250
+    assert upstream.event_keys() == ["tx:once"]
