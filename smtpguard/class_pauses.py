@@ -15,7 +15,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from smtpguard.store import Store
+from smtpguard.store import Store, StoreUnavailable
 
 REFRESH = 0.5
 """Seconds a read of the paused classes is answered from: with the store's round trip, a
@@ -29,18 +29,34 @@ class ClassPauses:
         self._pairs: frozenset[tuple[str, str]] = frozenset()
         self._read_at: float | None = None
         self._lock = asyncio.Lock()
+        self._reads = 0
+        """Reads ended: a session that waited on the lock knows whether one ended meanwhile
+        (also one already under way when it came)."""
+        self._failure: StoreUnavailable | None = None
+        """How the last read ended, when it failed."""
 
     async def paused(self) -> frozenset[tuple[str, str]]:
         """Every (zone, class) paused, at most REFRESH seconds old. A failed read raises
         StoreUnavailable, as the reservation it precedes would."""
         if self._read_at is not None and self._clock() - self._read_at < REFRESH:
             return self._pairs
+        seen = self._reads
         async with self._lock:
-            # One read for all the sessions that found the copy stale together.
+            # One read for all the sessions that found the copy stale together; when it
+            # failed, they fail with it rather than each waiting out a store timeout in turn.
+            if self._reads != seen and self._failure is not None:
+                raise StoreUnavailable(str(self._failure))
             if self._read_at is None or self._clock() - self._read_at >= REFRESH:
                 started = self._clock()
-                self._pairs = frozenset(await self._store.paused_classes())
-                self._read_at = started
+                self._failure = None
+                try:
+                    pairs = frozenset(await self._store.paused_classes())
+                except StoreUnavailable as e:
+                    self._failure = e
+                    raise
+                finally:
+                    self._reads += 1
+                self._pairs, self._read_at, self._failure = pairs, started, None
         return self._pairs
 
     async def is_paused(self, zone: str, message_class: str) -> bool:

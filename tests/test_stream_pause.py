@@ -214,3 +214,40 @@ async def test_a_paused_class_named_twice_in_relay_mode_is_still_held(tmp: Path,
     assert all(is_451(r, "4.7.0") and "class bulk" in r.text for r in held), [str(r) for r in held]
     assert flowing.code == 250
     assert upstream.event_keys() == ["tx:once"]
+
+
+class SlowToFail:
+    """A store whose paused-classes read hangs for its timeout, then fails (a Redis failover
+    whose old address stops answering); counts the reads."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self.reads = 0
+
+    async def paused_classes(self) -> set[tuple[str, str]]:
+        self.reads += 1
+        await asyncio.sleep(0.3)
+        raise StoreUnavailable("timed out")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+async def test_sessions_waiting_on_a_failed_paused_classes_read_fail_with_it(tmp: Path) -> None:
+    """Sessions that found the copy stale together wait for one read; when that read fails,
+    they all answer at once (451 4.3.0 upstream of here), not one store timeout after another."""
+    real = store_from_url(f"sqlite:///{tmp / 'state.db'}")
+    await real.open()
+    try:
+        slow = SlowToFail(real)
+        pauses = ClassPauses(cast(Store, slow))
+        started = time.monotonic()
+        results = await asyncio.gather(*(pauses.paused() for _ in range(10)), return_exceptions=True)
+        elapsed = time.monotonic() - started
+        # The next look reads again: a failure is not remembered as an answer.
+        again = await asyncio.gather(pauses.paused(), return_exceptions=True)
+    finally:
+        await real.close()
+    assert all(isinstance(r, StoreUnavailable) for r in results + again), results
+    assert elapsed < 1.0, elapsed
+    assert slow.reads == 2
