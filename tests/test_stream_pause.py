@@ -251,3 +251,25 @@ async def test_sessions_waiting_on_a_failed_paused_classes_read_fail_with_it(tmp
     assert all(isinstance(r, StoreUnavailable) for r in results + again), results
     assert elapsed < 1.0, elapsed
     assert slow.reads == 2
+
+
+async def test_a_queued_entry_of_a_paused_class_past_its_max_age_expires_unsent(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """DESIGN.md §4a: never sent after its class's max_age, a pause notwithstanding (otp: 2 s
+    here). Resuming later sends nothing of it; the other class flowed meanwhile."""
+    cfg = queue_config(tmp, upstream.port)
+    async with running_guard(cfg) as guard:
+        assert guard.store is not None
+        await guard.store.set_class_paused("acme", "otp", True)
+        await asyncio.sleep(SETTLE)
+        code = await send(guard.ports[0], of_class("otp:late", "otp"))
+        tx = await send(guard.ports[0], of_class("tx:meanwhile", "transactional"))
+        await upstream.wait_received(1)
+        await asyncio.sleep(3.0)  # past otp's max_age, held all along
+        expired = await guard.store.get("acme", "otp:late")
+        await guard.store.set_class_paused("acme", "otp", False)
+        await asyncio.sleep(SETTLE + 0.5)
+    assert code.code == 250 and "queued as" in code.text and tx.code == 250
+    assert expired is not None and expired.state.value == "expired" and expired.attempts == ()
+    assert upstream.event_keys() == ["tx:meanwhile"]
