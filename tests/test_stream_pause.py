@@ -273,3 +273,44 @@ async def test_a_queued_entry_of_a_paused_class_past_its_max_age_expires_unsent(
     assert code.code == 250 and "queued as" in code.text and tx.code == 250
     assert expired is not None and expired.state.value == "expired" and expired.attempts == ()
     assert upstream.event_keys() == ["tx:meanwhile"]
+
+
+async def test_a_paused_backlog_is_not_re_claimed_every_second_and_resume_delivers_it_at_once(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """The runbook's case for a class pause is a flood: its backlog must sit still while
+    paused (each entry held once, not claimed and given back every second: two record writes
+    per entry per second for the whole backlog), and `resume --class` must still send it at
+    once. Counted by record versions and at the upstream."""
+    cfg = queue_config(tmp, upstream.port)
+    path = write_config(tmp / "c.yaml", cfg)
+    n = 60
+    async with running_guard(cfg) as guard:
+        assert guard.store is not None
+        store = guard.store
+        assert await asyncio.to_thread(main, ["pause", "acme", "--class", "bulk", "-c", str(path)]) == 0
+        await asyncio.sleep(SETTLE)
+        sem = asyncio.Semaphore(10)
+
+        async def submit(i: int) -> int:
+            async with sem:
+                return (await send(guard.ports[0], of_class(f"flood:{i}", "bulk"))).code
+
+        codes = await asyncio.gather(*(submit(i) for i in range(n)))
+        await asyncio.sleep(1.5)  # every entry claimed and held once by now
+
+        async def versions() -> int:
+            return sum([r.version for i in range(n) if (r := await store.get("acme", f"flood:{i}"))])
+
+        before = await versions()
+        await asyncio.sleep(3.0)
+        writes = await versions() - before
+        resumed_at = time.monotonic()
+        assert await asyncio.to_thread(main, ["resume", "acme", "--class", "bulk", "-c", str(path)]) == 0
+        await upstream.wait_received(n, timeout=10)
+        delivered_in = time.monotonic() - resumed_at
+    print(f"{n} paused entries: {writes} record writes in 3 s; delivered {delivered_in:.1f} s after resume")
+    assert codes == [250] * n
+    assert writes <= n // 10, writes
+    assert delivered_in < 5.0
+    assert Counter(upstream.event_keys()) == Counter(f"flood:{i}" for i in range(n))
