@@ -30,7 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from smtpguard import __version__, desk
+from smtpguard import __version__, class_pauses, desk
 from smtpguard.config import DEFAULT_CONFIG, Config, ConfigError, ZoneConfig, load, read_secret
 from smtpguard.policy import ledger
 from smtpguard.policy.limits import Caps, caps_for, month_of, user_caps_for
@@ -501,6 +501,13 @@ def _pause_class(config: Config, zone: str, message_class: str, paused: bool, as
     async def run(store: Store) -> None:
         await store.set_class_paused(zone, message_class, paused)
         await _audit(store, zone, "pause:class" if paused else "resume:class", message_class)
+        if not paused:
+            # Queued entries held while paused come back now, not when their hold ends; once
+            # more after every instance has read the resume, for an entry an instance held
+            # on its last look at the pause.
+            await class_pauses.wake_held(store, zone, message_class, store.now())
+            await asyncio.sleep(class_pauses.REFRESH * 2)
+            await class_pauses.wake_held(store, zone, message_class, store.now())
 
     asyncio.run(_with_store(config, run))
     if as_json:

@@ -15,7 +15,7 @@ import random
 import time
 from collections.abc import Callable
 
-from smtpguard import replies
+from smtpguard import class_pauses, replies
 from smtpguard.config import Config
 from smtpguard.policy import ledger
 from smtpguard.policy.ledger import Submission
@@ -183,14 +183,17 @@ class DeliveryWorker:
             if zone is None:
                 await self._hold(taken, attempt_id, now + 60.0)
                 return
-            if (
-                zone.paused
-                or await store.is_paused(rec.zone)
-                or (rec.lane is not None and await self.submitter.class_pauses.is_paused(rec.zone, rec.lane))
-            ):
-                # A paused zone, or this entry's class paused in it (DESIGN.md §16): given
-                # back unsent, no attempt recorded; the other classes' entries flow.
+            if zone.paused or await store.is_paused(rec.zone):
                 await self._hold(taken, attempt_id, now + HOLD_PAUSED)
+                return
+            if rec.lane is not None and await self.submitter.class_pauses.is_paused(rec.zone, rec.lane):
+                # This entry's class paused in its zone (DESIGN.md §16): given back unsent, no
+                # attempt recorded, until resume wakes it (or its max_age expires it on time);
+                # the other classes' entries flow.
+                until = now + class_pauses.HOLD
+                if taken.expires_at is not None:
+                    until = min(until, taken.expires_at)
+                await self._hold(taken, attempt_id, until)
                 return
             throttled = await self.submitter.route.blocked_until(rec.zone)
             if throttled is not None:

@@ -316,8 +316,9 @@ class Submitter:
                     smtputf8,
                 )
                 return ids(await self._accept_queued(sub, zone, settings, queued))
-            held = await self._paused_class(principal.zone, parsed, zone)
-            reserved = await self._reserve(sub, zone, settings, paused_class=held)
+            reserved = await self._reserve(
+                sub, zone, settings, paused_class=lambda: self._paused_class(principal.zone, parsed, zone)
+            )
             if isinstance(reserved, Result):
                 return ids(reserved)
             env = Envelope(principal.zone, key, attempt_id, mail_from, tuple(rcpt_tos), content(), smtputf8)
@@ -331,13 +332,17 @@ class Submitter:
 
     async def _paused_class(self, zone_name: str, parsed: Message, zone: ZoneConfig) -> str | None:
         """Relay mode: the message's class when `pause ZONE --class` holds it (DESIGN.md
-        §16). Only read when the zone has a paused class: a class header a relay-mode zone
-        never validated is not refused here, it is merely never paused."""
+        §16). A class header a relay-mode zone never validated is not refused here; but
+        any of its values naming a paused class holds the message (a header given twice
+        must not slip past a kill switch), and no header means the default class."""
         pairs = await self.class_pauses.paused()
-        if not any(z == zone_name for z, _ in pairs):
+        held = {c for z, c in pairs if z == zone_name}
+        if not held:
             return None
-        chosen = message_class(parsed, self.config, zone)
-        return chosen if isinstance(chosen, str) and (zone_name, chosen) in pairs else None
+        values = parsed.get_all(self.config.queue.class_header)
+        if not values:
+            values = [zone.default_class or self.config.queue.default_class]
+        return next((name for v in values if (name := v.strip().lower()) in held), None)
 
     def settings(self, zone: ZoneConfig) -> LedgerSettings:
         ek = self.config.event_key
@@ -382,12 +387,14 @@ class Submitter:
         zone: ZoneConfig,
         s: LedgerSettings,
         write: Callable[[ledger.Proceed], Awaitable[ReserveResult]] | None = None,
-        paused_class: str | None = None,
+        paused_class: Callable[[], Awaitable[str | None]] | None = None,
     ) -> Record | Result:
         """Decide and reserve until one verdict sticks. Optimistic: assume the key is new,
         so a new key and a duplicate each cost one store round trip. A paused class forces
-        the reservation's pause, which comes after its version check: a duplicate of a
-        delivered event still answers 250 (DESIGN.md §3)."""
+        the reservation's pause, which comes after its version check; and the paused
+        classes are only looked up once the ledger says the message would be sent, so a
+        duplicate of a delivered event still answers 250 — from the settled cache even
+        while the store is down (DESIGN.md §3 order)."""
         caps = caps_for(zone.plan, zone.hourly_cap, zone.monthly_cap)
         user_caps = user_caps_of(zone, sub.username, caps)
         deadline = self.clock() + self.config.event_key.inflight_wait
@@ -419,13 +426,14 @@ class Submitter:
                     return Result(verdict.reply, verdict.decision, sub.key)
                 current = conflict.current
                 continue
+            held = await paused_class() if paused_class is not None and write is None else None
             try:
                 if write is not None:
                     result = await write(verdict)
                 else:
                     cap = cap_check(sub.zone, caps, sub.attempt_id, now, sub.username, user_caps)
                     result = await self.store.reserve(
-                        verdict.record, verdict.expected_version, cap, zone.paused or paused_class is not None
+                        verdict.record, verdict.expected_version, cap, zone.paused or held is not None
                     )
             except StoreUnavailable:
                 # The reservation may have run with only its reply lost. Its unit goes back
@@ -452,8 +460,8 @@ class Submitter:
                     return current
                 continue
             if isinstance(result, Paused):
-                if paused_class is not None:
-                    return Result(replies.class_paused(sub.zone, paused_class), "paused", sub.key)
+                if held is not None:
+                    return Result(replies.class_paused(sub.zone, held), "paused", sub.key)
                 return Result(replies.paused(sub.zone), "paused", sub.key)
             assert isinstance(result, CapReached)
             return Result(cap_reply(sub.zone, result), cap_decision(result), sub.key)

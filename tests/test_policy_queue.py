@@ -132,3 +132,19 @@ def test_operator_drop_and_retry_now() -> None:
     assert later.next_attempt_at == NOW + 5 and later.audit[-1].action == "queue_retry"
     with pytest.raises(ledger.OperatorRefused):
         ledger.retry_now(dropped, "op", NOW)
+
+
+def test_wake_brings_a_held_entry_back_now_and_nothing_else() -> None:
+    """`resume --class`: an entry held while its class was paused is due at once; a record
+    that is not a held queue entry, or one due later than any pause holds it, is left."""
+    verdict = ledger.on_claim(queued(), "a1", "w", NOW, S)
+    assert isinstance(verdict, ledger.Deliver)
+    held = ledger.hold(verdict.record, "a1", NOW, NOW + 30)
+    assert held is not None
+    woken = ledger.wake(held, NOW + 1, within=30)
+    assert woken is not None
+    assert woken.next_attempt_at == NOW + 1 and woken.version == held.version + 1
+    assert woken.attempts == held.attempts and woken.audit == held.audit and woken.state is State.QUEUED
+    assert ledger.wake(woken, NOW + 1, within=30) is None  # due already
+    assert ledger.wake(held, NOW + 1, within=10) is None  # held longer than a pause holds
+    assert ledger.wake(verdict.record, NOW + 1, within=30) is None  # in flight: its worker's

@@ -837,6 +837,24 @@ async def test_redis_user_cap_keys_share_the_zone_slot_and_the_purge_trims_their
         await plain.aclose()
 
 
+async def test_redis_user_windows_expire_once_the_user_stops_sending(redis_server: RedisServer) -> None:
+    """The zone's window is trimmed by the purge, which knows the zones; a user's window has
+    no such list (a user renamed or removed by a reload is never named again), so it must
+    expire by itself once past any window that reads it."""
+    plain = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    await plain.flushall()
+    s = RedisStore(redis_server.url)
+    await s.open()
+    try:
+        assert await s.reserve(fresh("k1"), None, user_cap("t1", "svc"), False) == Reserved()
+        assert await s.consume_cap(user_cap("t2", "gone", NOW + 1)) is None
+        ttls = [await plain.ttl(f"sg:{{acme}}:us:{user}") for user in ("svc", "gone")]
+    finally:
+        await s.close()
+        await plain.aclose()
+    assert all(HOUR < ttl <= 2 * HOUR for ttl in ttls), ttls
+
+
 async def test_a_paused_class_is_listed_until_resumed(store: Store) -> None:
     assert await store.paused_classes() == set()
     await store.set_class_paused("acme", "bulk", True)

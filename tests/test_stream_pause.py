@@ -11,11 +11,13 @@ import time
 from collections import Counter
 from email.message import EmailMessage
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
+from smtpguard.class_pauses import ClassPauses
 from smtpguard.cli import main
-from smtpguard.store import store_from_url
+from smtpguard.store import Store, StoreUnavailable, store_from_url
 from tests.console_support import Operator, console_config, console_port
 from tests.support import Upstream, base_config, message, running_guard, send, write_config
 from tests.test_multi_instance import cli, is_451, two_instances
@@ -87,7 +89,13 @@ async def test_queue_mode_accepts_a_paused_class_and_delivers_it_after_resume(
         await asyncio.sleep(1.5)  # several worker passes and holds of the paused entries
         during = Counter(upstream.event_keys())
         assert guard.store is not None
-        waiting = {e.key: e.state for e in await guard.store.queue_entries("acme")}
+        # A paused entry is claimed and given back every HOLD_PAUSED: a snapshot taken in
+        # the middle of one hold sees it in_flight for a moment. Looked at until it does not.
+        for _ in range(50):
+            waiting = {e.key: e.state for e in await guard.store.queue_entries("acme")}
+            if "in_flight" not in waiting.values():
+                break
+            await asyncio.sleep(0.05)
         records = [await guard.store.get("acme", f"qb{i}") for i in range(5)]
 
         assert await asyncio.to_thread(main, ["resume", "acme", "--class", "bulk", "-c", str(path)]) == 0
@@ -154,3 +162,155 @@ async def test_the_console_zone_page_shows_a_paused_class(tmp: Path, upstream: U
         finally:
             await op.close()
     assert 'data-paused-class="bulk"' in page and "class bulk paused" in page
+
+
+class PausedClassesUnreadable:
+    """A store whose paused-classes read fails while every other call works: a hiccup that
+    a real store cannot be made to have in exactly that read (a fault, not a stand-in)."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    async def paused_classes(self) -> set[tuple[str, str]]:
+        raise StoreUnavailable("paused classes unreadable")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+async def test_a_duplicate_is_answered_before_the_paused_classes_are_read(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """DESIGN.md §3 order: ledger lookup, then pause. A duplicate of a delivered event needs
+    no pause at all, so it must not wait on (or fail with) the paused classes' read."""
+    async with running_guard(base_config(tmp, upstream.port)) as guard:
+        first = await send(guard.ports[0], of_class("dup:1", "bulk"))
+        assert guard.submitter is not None and guard.store is not None
+        guard.submitter.class_pauses = ClassPauses(cast(Store, PausedClassesUnreadable(guard.store)))
+        again = await send(guard.ports[0], of_class("dup:1", "bulk"))
+        new = await send(guard.ports[0], of_class("dup:2", "bulk"))
+    assert first.code == 250 and "duplicate" not in first.text
+    assert again.code == 250 and "duplicate" in again.text, str(again)
+    # A new event does need the read: unavailable, nothing sent (fail closed, as a reserve).
+    assert is_451(new, "4.3.0"), str(new)
+    assert upstream.event_keys() == ["dup:1"]
+
+
+async def test_a_paused_class_named_twice_in_relay_mode_is_still_held(tmp: Path, upstream: Upstream) -> None:
+    """The pause is a kill switch for a kind of mail: a message whose class header names the
+    paused class twice (relay mode never validates the header) must not slip past it."""
+    async with running_guard(base_config(tmp, upstream.port)) as guard:
+        assert guard.store is not None
+        await guard.store.set_class_paused("acme", "bulk", True)
+        await asyncio.sleep(SETTLE)
+        twice = message("bulk:twice")
+        twice["X-Message-Class"] = "bulk"
+        twice["X-Message-Class"] = "BULK"
+        mixed = message("bulk:mixed")
+        mixed["X-Message-Class"] = "transactional"
+        mixed["X-Message-Class"] = "bulk"
+        held = [await send(guard.ports[0], twice), await send(guard.ports[0], mixed)]
+        flowing = await send(guard.ports[0], of_class("tx:once", "transactional"))
+    assert all(is_451(r, "4.7.0") and "class bulk" in r.text for r in held), [str(r) for r in held]
+    assert flowing.code == 250
+    assert upstream.event_keys() == ["tx:once"]
+
+
+class SlowToFail:
+    """A store whose paused-classes read hangs for its timeout, then fails (a Redis failover
+    whose old address stops answering); counts the reads."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self.reads = 0
+
+    async def paused_classes(self) -> set[tuple[str, str]]:
+        self.reads += 1
+        await asyncio.sleep(0.3)
+        raise StoreUnavailable("timed out")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+async def test_sessions_waiting_on_a_failed_paused_classes_read_fail_with_it(tmp: Path) -> None:
+    """Sessions that found the copy stale together wait for one read; when that read fails,
+    they all answer at once (451 4.3.0 upstream of here), not one store timeout after another."""
+    real = store_from_url(f"sqlite:///{tmp / 'state.db'}")
+    await real.open()
+    try:
+        slow = SlowToFail(real)
+        pauses = ClassPauses(cast(Store, slow))
+        started = time.monotonic()
+        results = await asyncio.gather(*(pauses.paused() for _ in range(10)), return_exceptions=True)
+        elapsed = time.monotonic() - started
+        # The next look reads again: a failure is not remembered as an answer.
+        again = await asyncio.gather(pauses.paused(), return_exceptions=True)
+    finally:
+        await real.close()
+    assert all(isinstance(r, StoreUnavailable) for r in results + again), results
+    assert elapsed < 1.0, elapsed
+    assert slow.reads == 2
+
+
+async def test_a_queued_entry_of_a_paused_class_past_its_max_age_expires_unsent(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """DESIGN.md §4a: never sent after its class's max_age, a pause notwithstanding (otp: 2 s
+    here). Resuming later sends nothing of it; the other class flowed meanwhile."""
+    cfg = queue_config(tmp, upstream.port)
+    async with running_guard(cfg) as guard:
+        assert guard.store is not None
+        await guard.store.set_class_paused("acme", "otp", True)
+        await asyncio.sleep(SETTLE)
+        code = await send(guard.ports[0], of_class("otp:late", "otp"))
+        tx = await send(guard.ports[0], of_class("tx:meanwhile", "transactional"))
+        await upstream.wait_received(1)
+        await asyncio.sleep(3.0)  # past otp's max_age, held all along
+        expired = await guard.store.get("acme", "otp:late")
+        await guard.store.set_class_paused("acme", "otp", False)
+        await asyncio.sleep(SETTLE + 0.5)
+    assert code.code == 250 and "queued as" in code.text and tx.code == 250
+    assert expired is not None and expired.state.value == "expired" and expired.attempts == ()
+    assert upstream.event_keys() == ["tx:meanwhile"]
+
+
+async def test_a_paused_backlog_is_not_re_claimed_every_second_and_resume_delivers_it_at_once(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """The runbook's case for a class pause is a flood: its backlog must sit still while
+    paused (each entry held once, not claimed and given back every second: two record writes
+    per entry per second for the whole backlog), and `resume --class` must still send it at
+    once. Counted by record versions and at the upstream."""
+    cfg = queue_config(tmp, upstream.port)
+    path = write_config(tmp / "c.yaml", cfg)
+    n = 60
+    async with running_guard(cfg) as guard:
+        assert guard.store is not None
+        store = guard.store
+        assert await asyncio.to_thread(main, ["pause", "acme", "--class", "bulk", "-c", str(path)]) == 0
+        await asyncio.sleep(SETTLE)
+        sem = asyncio.Semaphore(10)
+
+        async def submit(i: int) -> int:
+            async with sem:
+                return (await send(guard.ports[0], of_class(f"flood:{i}", "bulk"))).code
+
+        codes = await asyncio.gather(*(submit(i) for i in range(n)))
+        await asyncio.sleep(1.5)  # every entry claimed and held once by now
+
+        async def versions() -> int:
+            return sum([r.version for i in range(n) if (r := await store.get("acme", f"flood:{i}"))])
+
+        before = await versions()
+        await asyncio.sleep(3.0)
+        writes = await versions() - before
+        resumed_at = time.monotonic()
+        assert await asyncio.to_thread(main, ["resume", "acme", "--class", "bulk", "-c", str(path)]) == 0
+        await upstream.wait_received(n, timeout=10)
+        delivered_in = time.monotonic() - resumed_at
+    print(f"{n} paused entries: {writes} record writes in 3 s; delivered {delivered_in:.1f} s after resume")
+    assert codes == [250] * n
+    assert writes <= n // 10, writes
+    assert delivered_in < 5.0
+    assert Counter(upstream.event_keys()) == Counter(f"flood:{i}" for i in range(n))

@@ -737,6 +737,17 @@ def hold(rec: Record, attempt_id: str, now: float, until: float) -> Record | Non
     )
 
 
+def wake(rec: Record, now: float, within: float) -> Record | None:
+    """A held store-and-forward entry due within `within` made due now (a resumed class's
+    entries, held while it was paused); None when it is not such an entry. No attempt, no
+    audit: it only comes back sooner."""
+    if rec.lane is None or rec.state not in (State.QUEUED, State.DEFERRED):
+        return None
+    if rec.next_attempt_at is None or not now < rec.next_attempt_at <= now + within:
+        return None
+    return _bump(rec, now, next_attempt_at=now)
+
+
 def drop(rec: Record, actor: str, now: float) -> Record:
     """`queue drop`: the operator gives up on a queued event; it becomes failed."""
     if rec.lane is None or rec.state not in (State.QUEUED, State.DEFERRED, State.UNKNOWN):

@@ -137,6 +137,9 @@ local function USER_UNIT(sends, month, tokens, monthly, hourly, hour_start, toke
     return {'uhour', oldest[2] or false}
   end
   redis.call('ZADD', sends, now, token)
+  -- No purge lists the users (one renamed or removed is never named again): the window
+  -- expires by itself once no send in it can be read any more.
+  redis.call('EXPIRE', sends, math.ceil(tonumber(now) - tonumber(trim)))
   redis.call('INCR', month)
   redis.call('EXPIRE', month, ttl)
   redis.call('HSET', tokens, token, now .. '|' .. user)
