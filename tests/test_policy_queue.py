@@ -115,8 +115,12 @@ def test_settle_with_retry_delay_and_hold() -> None:
         taken, "a1", "w", Outcome(Kind.UNAVAILABLE, None), NOW + 1, S, retry_delay=5.0
     )
     assert unavailable.next_attempt_at == NOW + 6
-    held = ledger.hold(taken, "a1", NOW + 1, NOW + 3600)
-    assert held is not None and held.state is State.QUEUED and held.next_attempt_at == NOW + 3600
+    held = ledger.hold(taken, "a1", NOW + 1, NOW + 300)
+    assert held is not None and held.state is State.QUEUED and held.next_attempt_at == NOW + 300
+    # A hold past the entry's max_age ends at it, so the entry is expired then, not later.
+    assert taken.expires_at is not None and taken.expires_at < NOW + 3600
+    held_long = ledger.hold(taken, "a1", NOW + 1, NOW + 3600)
+    assert held_long is not None and held_long.next_attempt_at == taken.expires_at
     assert ledger.hold(taken, "other", NOW, NOW) is None
 
 
