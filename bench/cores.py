@@ -157,7 +157,11 @@ def sink_checks(rows: list[Row]) -> list[tuple[str, bool]]:
     """Per relaying row: what the sink received against the 250s given (0 duplicates, 0 lost)."""
     out: list[tuple[str, bool]] = []
     for r in rows:
-        if r.note == NA_WORKERS or r.errors.get("failed"):
+        if r.note == NA_WORKERS:
+            continue
+        if r.errors.get("failed"):
+            # Nothing was counted: the run cannot say this row had 0 duplicates and 0 lost.
+            out.append((f"{r.scenario:<18} {r.mode:<6}: not counted, {r.note or 'the row failed'}", False))
             continue
         got = r.upstream_received or 0
         if r.scenario == "null":

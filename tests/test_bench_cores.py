@@ -55,3 +55,11 @@ def test_ratios_and_targets_without_workers() -> None:
     assert "  guard-redis@auto / guard-redis@1 @50 unique: " + NA_WORKERS in lines
     assert "  guard-redis@1 / naive @50 unique: 0.80x (target 0.80x) MET" in lines
     assert "  guard-redis@1 dup / null dup @50: 0.90x (target 0.80x) MET" in lines
+
+
+def test_a_row_that_failed_is_a_failed_check_not_a_silent_pass() -> None:
+    failed = Row("guard-redis@auto", "unique", 50, note="FAILED: smtpguard did not listen")
+    failed.errors["failed"] = 1
+    checks = sink_checks([_row("naive", "unique", 600, 300, 300), failed])
+    assert [ok for _, ok in checks] == [True, False]
+    assert "not counted, FAILED: smtpguard did not listen" in checks[1][0]

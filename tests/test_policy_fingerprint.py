@@ -268,3 +268,68 @@ def test_boundary_shortcut_changes_no_fingerprint(header_block: bytes, body: byt
     assert fp_module._neutral_boundaries(header_block, body) == _neutral_boundaries_reference(
         header_block, body
     )
+
+
+_OLD_HAS_BOUNDARY = re.compile(rb"boundary", re.IGNORECASE)
+"""The no-boundary shortcut's test before it became a search of the lower-cased bytes."""
+
+_ANY_PIECE = st.one_of(
+    _PIECES,
+    st.sampled_from(
+        ["\u212a".encode(), "\u017f".encode(), "BOUNDARY\u00e9".encode(), b"\xc4\xb1", b"multipart"]
+    ),
+    st.binary(max_size=8),
+)
+
+
+@given(st.lists(_ANY_PIECE, max_size=30).map(b"".join), st.lists(_ANY_PIECE, max_size=30).map(b"".join))
+@settings(max_examples=500, deadline=None)
+def test_boundary_shortcut_is_the_regex_test_it_replaced(header_block: bytes, body: bytes) -> None:
+    """Random bytes, case variants and non-ASCII lookalikes (Kelvin sign, long s, dotless i,
+    which Unicode case folding maps onto ASCII letters but bytes matching does not): the
+    literal search on lower-cased bytes takes the same branch as the IGNORECASE regex."""
+    old = _OLD_HAS_BOUNDARY.search(header_block) is not None or _OLD_HAS_BOUNDARY.search(body) is not None
+    new = b"boundary" in header_block.lower() or b"boundary" in body.lower()
+    assert old == new
+    expected = _neutral_boundaries_reference(header_block, body) if old else body
+    assert fp_module._neutral_boundaries(header_block, body) == expected
+
+
+# Fingerprints computed by the implementation before the CPU cuts (commit 8ddc36c): they are
+# stored with each record, and one that changed across an upgrade would turn the retry of an
+# event sent before it into a "reused key".
+_STORED = {
+    "plain": ({}, "55a4c4127bbd10b96dda20dbbb25e159475030ac845c76e7e76877c75c4e24db"),
+    "multipart": (
+        {
+            "extra": b'MIME-Version: 1.0\r\nContent-Type: multipart/alternative; boundary="=_a1b2"\r\n',
+            "body": b"--=_a1b2\r\nContent-Type: text/plain\r\n\r\nHi\r\n--=_a1b2--\r\n",
+        },
+        "ed37c417c5baeac4031bcba1498b6ac1b95ef541d1902905e25e986897f9f052",
+    ),
+    "upper": (
+        {
+            "extra": b"Content-Type: MULTIPART/MIXED; BOUNDARY=XyZ\r\n",
+            "body": b"--XyZ\r\n\r\nHi\r\n--XyZ--\r\n",
+        },
+        "bd869424eb4c18b64570151da2980894567c504e4df4f7064037a26b0269cc39",
+    ),
+    "mixed-case-body-only": (
+        {"body": b'a BoUnDaRy = "q" word\r\n--q\r\n'},
+        "ee95bff54d6a08fa77cd5e9735e8823a600ca4177e382b348db77cfb71f646fa",
+    ),
+    "non-ascii": (
+        {"body": "boundary? \u212a\u017f Ünïcode BOUNDARY\u00e9=x\r\n--x\r\n".encode()},
+        "32bc4f2f64969b7b1f895568af78ceeacc49734613e70c49d18f8606e601ef33",
+    ),
+    "lookalike-only": (
+        {"body": "bo\u00fcndary \u212aelvin".encode()},
+        "744e49c61763ab46a4fc9d1659f10b88c5354e6d80255565147fe10f033a38ed",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_STORED))
+def test_stored_fingerprints_do_not_change(name: str) -> None:
+    kw, stored = _STORED[name]
+    assert fp(raw(**kw)) == stored

@@ -748,3 +748,22 @@ def test_an_entry_expiring_under_a_dead_worker_gives_its_unit_back() -> None:
     verdict = ledger.on_claim(dead, "X2", "w2", T0 + 31, S)
     assert isinstance(verdict, ledger.Finish) and verdict.decision == "expired"
     assert verdict.refund == ("X1",) and verdict.record is not None and verdict.record.unrefunded == ()
+
+
+def test_evolve_is_dataclasses_replace_for_every_field() -> None:
+    """ledger.evolve copies a Record field by field for speed: every field — including one
+    another branch adds later — must come through, and a misspelt change must raise as
+    dataclasses.replace does, not vanish (a lost state change)."""
+    from dataclasses import fields
+
+    names = [f.name for f in fields(Record)]
+    full = Record(**{n: ("old", n) for n in names})
+    assert ledger.evolve(full) == full
+    for n in names:
+        got = ledger.evolve(full, **{n: ("new", n)})
+        assert got == replace(full, **{n: ("new", n)})
+        assert [getattr(got, m) for m in names] == [("new", n) if m == n else ("old", m) for m in names]
+    with pytest.raises(TypeError, match="stat"):
+        ledger.evolve(full, stat=State.DELIVERED)
+    with pytest.raises(TypeError):
+        replace(full, stat=State.DELIVERED)

@@ -72,8 +72,12 @@ _TIMEOUT = 2.0
 """Deadline of one store operation, and of one connect."""
 _HEALTH_CHECK_INTERVAL = 10
 _MAX_CONNECTIONS = 64
+"""What redis-py's own calls and the ledger writes under way may hold at once."""
 _SPARE = 16
-"""Connections kept out of the pool by RedisStore._command between calls (< _MAX_CONNECTIONS)."""
+"""Connections kept out of the pool by RedisStore._command between calls. The pool's limit
+is _MAX_CONNECTIONS + _SPARE, so that idle kept connections never take one of the
+_MAX_CONNECTIONS from a call (a Sentinel pool refuses past its limit instead of waiting:
+a NOSCRIPT storm after a restart, 49 writes each loading its script, got errors)."""
 _MONTH_TTL = 40 * 86400
 # Window entries are kept as long as SQLite keeps them (its purge drops them after 2 h).
 _WINDOW_KEEP = 2 * HOUR
@@ -734,6 +738,8 @@ class RedisStore:
         """Redis TIME minus this process's monotonic clock, from the last sample."""
         self._last_now = 0.0
         self._clock_task: asyncio.Task[None] | None = None
+        self._sentinels: list[Redis] = []
+        """A Sentinel URL's clients of the sentinels themselves, closed with the store."""
         self._fold_task: asyncio.Task[None] | None = None
 
     # --- plumbing ----------------------------------------------------------------------------
@@ -749,7 +755,7 @@ class RedisStore:
             "socket_timeout": None,
             "socket_connect_timeout": _TIMEOUT,
             "health_check_interval": _HEALTH_CHECK_INTERVAL,
-            "max_connections": _MAX_CONNECTIONS,
+            "max_connections": _MAX_CONNECTIONS + _SPARE,
             "timeout": _TIMEOUT,
             "decode_responses": True,
             # One quick retry on a dead pooled connection (Redis restarted) and nothing on a
@@ -800,6 +806,10 @@ class RedisStore:
                 with contextlib.suppress(Exception):
                     await client.connection_pool.release(conn)
             await client.aclose()
+            sentinels, self._sentinels = self._sentinels, []
+            for s in sentinels:
+                with contextlib.suppress(Exception):
+                    await s.aclose()
 
     def _sentinel_client(self, options: dict[str, Any]) -> Redis:
         """The master named in the URL, found through its sentinels; a connection asks them
@@ -818,9 +828,10 @@ class RedisStore:
             service,
             db=db,
             password=password,
-            max_connections=_MAX_CONNECTIONS,
+            max_connections=_MAX_CONNECTIONS + _SPARE,
             **options,
         )
+        self._sentinels = list(sentinel.sentinels)
         return client
 
     # --- the store's clock (DESIGN.md §11.5) --------------------------------------------------
@@ -1310,11 +1321,20 @@ class RedisStore:
         handed back to the pool: the pool's checkout (its lock and condition, a readiness
         poll of the socket, metrics hooks, a deprecation wrapper) cost about as much CPU
         per ledger write as the write itself. A kept connection still runs redis-py's
-        health check before each command; one that fails goes back to the pool."""
+        health check before each command; one that fails goes back to the pool.
+
+        A kept connection skips the pool's checkout check (is the socket still open; for
+        Sentinel, is its address still the master's): after a Redis restart or a failover
+        every kept connection is stale at once. So a connection error drops them all, and
+        the retry takes its connection from the pool, which checks it (and asks the
+        sentinels again): one retry per write is enough, as before they were kept."""
         pool = self._r.connection_pool
         spare = self._spare
         for attempt in (1, 2):
-            conn = spare.pop() if spare else await pool.get_connection()  # type: ignore[no-untyped-call]
+            if spare and attempt == 1:
+                conn = spare.pop()
+            else:
+                conn = await pool.get_connection()  # type: ignore[no-untyped-call]
             clean = False
             try:
                 if not wait:
@@ -1327,8 +1347,14 @@ class RedisStore:
                 await conn.send_packed_command(packed + wait)
                 try:
                     reply = await conn.read_response(disable_decoding=raw)
-                finally:
-                    acked = await conn.read_response()
+                except ResponseError:
+                    await conn.read_response()  # WAIT's reply: the connection stays in step
+                    raise
+                # Not in a `finally`: after a cancellation or a connection error redis-py
+                # has dropped the connection, and reading WAIT's reply from it would raise a
+                # connection error in the cancellation's place, which is retried: the script
+                # sent again (it may have run) and the cancellation lost.
+                acked = await conn.read_response()
                 clean = True
                 if int(acked) < self._wait_replicas:
                     raise StoreUnavailable(
@@ -1342,6 +1368,7 @@ class RedisStore:
                 raise
             except RedisConnectionError:
                 await conn.disconnect(nowait=True)
+                await self._drop_spare(pool)
                 if attempt == 2:
                     raise
             except BaseException:
@@ -1350,12 +1377,24 @@ class RedisStore:
                 await conn.disconnect(nowait=True)
                 raise
             finally:
-                if clean and len(spare) < _SPARE and self._client is not None:
+                # `spare is self._spare`: not kept past close() (which empties the list).
+                if clean and len(spare) < _SPARE and spare is self._spare and self._client is not None:
                     spare.append(conn)
                 else:
                     await pool.release(conn)
             await asyncio.sleep(0.05)
         raise AssertionError("unreachable")
+
+    async def _drop_spare(self, pool: Any) -> None:
+        """Disconnect the kept connections and give them back to the pool (which reconnects
+        them on checkout): one failed with a connection error, so they are likely all stale
+        (Redis restarted, or the master moved)."""
+        dropped = self._spare[:]
+        self._spare.clear()  # the same list: the calls under way may keep theirs again
+        for conn in dropped:
+            with contextlib.suppress(Exception):
+                await conn.disconnect(nowait=True)
+            await pool.release(conn)
 
     async def queue_lanes(self) -> set[str]:
         lanes: set[str] = set()
