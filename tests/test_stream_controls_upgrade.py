@@ -1,6 +1,6 @@
 """A store written by the release before stream controls (DESIGN.md §16) opens under this one:
 the SQLite file gains its paused-class and user-cap tables (and a read-only opener, the CLI,
-reads them as empty), a PostgreSQL database at schema version 3 is migrated to 4, and
+reads them as empty), a PostgreSQL database at schema version 2 (the last release) is migrated to 4, and
 records written without a `username` load as records of no user (no user cap counted)."""
 
 from __future__ import annotations
@@ -68,16 +68,16 @@ async def test_a_sqlite_file_of_the_previous_release_opens_with_stream_controls(
         await s.close()
 
 
-async def test_a_postgresql_database_at_schema_3_is_migrated_to_4(postgres_server: PostgresServer) -> None:
+async def test_a_postgresql_database_of_the_last_release_is_migrated_to_4(postgres_server: PostgresServer) -> None:
     admin = postgres_server.url
     url = admin.rsplit("/", 1)[0] + "/sg_upgrade3"
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute("DROP DATABASE IF EXISTS sg_upgrade3")
         conn.execute("CREATE DATABASE sg_upgrade3")
-    # The schema as the previous release left it: migrations 1..3, then a record of its own.
+    # The schema as the last release left it (migrations 1..2; 3 and 4 are this one's).
     with psycopg.connect(url) as conn:
         conn.execute("CREATE TABLE smtpguard_schema (version integer NOT NULL)")
-        for version, sql in enumerate(_MIGRATIONS[:3], start=1):
+        for version, sql in enumerate(_MIGRATIONS[:2], start=1):
             conn.execute(sql.encode())
             conn.execute("INSERT INTO smtpguard_schema (version) VALUES (%s)", (version,))
     s = store_from_url(url)

@@ -1,4 +1,4 @@
--- Version 3: stream controls (DESIGN.md §16): paused message classes, and each SMTP user's
+-- Version 4: stream controls (DESIGN.md §16): paused message classes, and each SMTP user's
 -- own cap units, kept by token as the zone's are (a refund names the token alone).
 CREATE TABLE paused_classes (zone text NOT NULL, class text NOT NULL, PRIMARY KEY (zone, class));
 CREATE TABLE user_sends (
