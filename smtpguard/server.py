@@ -659,6 +659,9 @@ class Server:
             await self.stats.flush(self.store)
         if self.route is not None:
             await self.route.close()
+            # One turn of the loop: the upstream transports just closed get their
+            # connection_lost before a caller ends the loop (else each is left "closing").
+            await asyncio.sleep(0)
         if self.store is not None:
             await self.store.close()
         self._stopped.set()

@@ -23,7 +23,7 @@ from tests.support import (
     write_config,
 )
 
-ITERATIONS = int(os.environ.get("SMTPGUARD_CRASH_ITERATIONS", "20"))
+ITERATIONS = int(os.environ.get("SMTPGUARD_CRASH_ITERATIONS", "12"))
 """kill -9 rounds; CI's default keeps the whole suite under its 15 minutes, a longer run
 sets SMTPGUARD_CRASH_ITERATIONS (e.g. 200 for a soak)."""
 

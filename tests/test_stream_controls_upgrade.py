@@ -68,7 +68,9 @@ async def test_a_sqlite_file_of_the_previous_release_opens_with_stream_controls(
         await s.close()
 
 
-async def test_a_postgresql_database_of_the_last_release_is_migrated_to_4(postgres_server: PostgresServer) -> None:
+async def test_a_postgresql_database_of_the_last_release_is_migrated_to_4(
+    postgres_server: PostgresServer,
+) -> None:
     admin = postgres_server.url
     url = admin.rsplit("/", 1)[0] + "/sg_upgrade3"
     with psycopg.connect(admin, autocommit=True) as conn:
