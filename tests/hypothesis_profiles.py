@@ -21,7 +21,7 @@ _COMMON = {
     "print_blob": True,
 }
 
-settings.register_profile("ci", max_examples=80, stateful_step_count=30, **_COMMON)
+settings.register_profile("ci", max_examples=40, stateful_step_count=30, **_COMMON)
 # SMTPGUARD_LONG_EXAMPLES: fewer examples of the long sequences when a run has less time.
 settings.register_profile(
     "long",

@@ -49,7 +49,7 @@ from tests.support import (
 
 pytestmark = pytest.mark.slow
 
-ITERATIONS = int(os.environ.get("SMTPGUARD_CRASH_ITERATIONS", "12"))
+ITERATIONS = int(os.environ.get("SMTPGUARD_CRASH_ITERATIONS", "16"))
 """kill -9 rounds; CI's default keeps the whole suite under its 15 minutes, a longer run
 sets SMTPGUARD_CRASH_ITERATIONS (e.g. 200 for a soak)."""
 SWITCH_AT = ITERATIONS // 2

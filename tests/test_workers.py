@@ -387,7 +387,9 @@ async def test_sighup_reaches_every_worker_and_a_broken_config_reaches_none(
         d["worker"] for d in p.decisions() if d["user"] == "delivery" and d["decision"] == "relayed"
     )
     assert [r.code for r in queued] == [250] * 20
-    assert sum(deliveries.values()) == 20 and set(deliveries) == {0, 1}, deliveries
+    # Both workers run a delivery worker; which one claims each entry is the scheduler's to
+    # say (one may take all 20 on a busy machine). The promise is each key once, below.
+    assert sum(deliveries.values()) == 20 and set(deliveries) <= {0, 1}, deliveries
     assert Counter(upstream.event_keys()) == Counter(
         [
             *(f"q:{i}" for i in range(20)),
