@@ -339,10 +339,7 @@ class Submitter:
         held = {c for z, c in pairs if z == zone_name}
         if not held:
             return None
-        values = parsed.get_all(self.config.queue.class_header)
-        if not values:
-            values = [zone.default_class or self.config.queue.default_class]
-        return next((name for v in values if (name := v.strip().lower()) in held), None)
+        return next((name for name in class_names(parsed, self.config, zone) if name in held), None)
 
     def settings(self, zone: ZoneConfig) -> LedgerSettings:
         ek = self.config.event_key
@@ -640,12 +637,20 @@ def cap_decision(reached: CapReached) -> str:
     return f"user_cap_{reached.window}" if reached.user is not None else f"cap_{reached.window}"
 
 
-def message_class(message: Message, config: Config, zone: ZoneConfig) -> str | Reply:
+def class_names(message: Message, config: Config, zone: ZoneConfig) -> list[str]:
+    """The classes the message's class header names (lower-cased, each value), or the
+    zone's default class when it has none: what queue mode validates and a class pause
+    matches against."""
     values = message.get_all(config.queue.class_header)
     if not values:
-        return zone.default_class or config.queue.default_class
-    name = values[0].strip().lower()
-    if len(values) > 1 or name not in config.queue.classes:
+        return [zone.default_class or config.queue.default_class]
+    return [v.strip().lower() for v in values]
+
+
+def message_class(message: Message, config: Config, zone: ZoneConfig) -> str | Reply:
+    names = class_names(message, config, zone)
+    name = names[0]
+    if len(names) > 1 or name not in config.queue.classes:
         return replies.malformed_message(
             f"{config.queue.class_header} must be one of {', '.join(sorted(config.queue.classes))}"
         )
