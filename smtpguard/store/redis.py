@@ -45,6 +45,7 @@ from smtpguard.events.model import bare_message_id
 from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached
 from smtpguard.policy.senders import normalize_address, suppression_key
+from smtpguard.store import redis_scripts
 from smtpguard.store.base import (
     HELD,
     CapUsage,
@@ -104,224 +105,13 @@ _CLOCK_SAMPLE_EVERY = 10.0
 """How often TIME is sampled to follow drift between Redis's clock and ours."""
 _SETTLED_EXCLUDED = (State.IN_FLIGHT.value, State.QUEUED.value)
 
-# Every record write also keeps the zone's lookups: the `ids` hash (m:<Message-ID without
-# <>>, u:<upstream id>, s:<smtpguard id> → key), so a provider event or an operator naming
-# one finds its record (§13, §14), and one sorted set per state (st:<state>: key → updated
-# at), so held records are listed without reading the others. The record keeps the ids it
-# indexed so that the purge can take them out again. The three ids are always the last
-# three ARGV of the script; KEYS[1] is the record, `cur` its fields (v, d, s) before the
-# write, and the zone's index is the KEYS entry IDX (its prefix is the zone's).
-_INDEXES = """
-do
-  local sid, mid, uid = ARGV[#ARGV - 2], ARGV[#ARGV - 1], ARGV[#ARGV]
-  local prefix = string.sub(KEYS[IDX], 1, -4)
-  local ids = prefix .. 'ids'
-  local member = ARGV[MEMBER]
-  if mid ~= '' then redis.call('HSET', ids, 'm:' .. mid, member) end
-  if uid ~= '' then redis.call('HSET', ids, 'u:' .. uid, member) end
-  if sid ~= '' then redis.call('HSET', ids, 's:' .. sid, member) end
-  redis.call('HSET', KEYS[1], 'mid', mid, 'uid', uid, 'sid', sid)
-  local old, new = cur[3], ARGV[STATE]
-  if old and old ~= new then redis.call('ZREM', prefix .. 'st:' .. old, member) end
-  redis.call('ZADD', prefix .. 'st:' .. new, ARGV[SCORE], member)
-end
-"""
-
-# One unit of an SMTP user's own caps (DESIGN.md §16), checked after the zone's and taken
-# with it in the same script: both or neither. The user's window and month live under the
-# zone's hash tag (one Cluster slot); `utok` maps each token to "<at>|<user>", so a refund
-# naming the token alone finds the user's unit, and the purge drops entries past the window.
-# Returns a refusal ({'umonth'} or {'uhour', oldest}) or nil once counted.
-_USER_UNIT = """
-local function USER_UNIT(sends, month, tokens, monthly, hourly, hour_start, token, now, trim, ttl, user)
-  if tonumber(redis.call('GET', month) or '0') >= tonumber(monthly) then return {'umonth'} end
-  redis.call('ZREMRANGEBYSCORE', sends, '-inf', '(' .. trim)
-  if redis.call('ZCOUNT', sends, hour_start, '+inf') >= tonumber(hourly) then
-    local oldest = redis.call('ZRANGEBYSCORE', sends, hour_start, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-    return {'uhour', oldest[2] or false}
-  end
-  redis.call('ZADD', sends, now, token)
-  -- No purge lists the users (one renamed or removed is never named again): the window
-  -- expires by itself once no send in it can be read any more.
-  redis.call('EXPIRE', sends, math.ceil(tonumber(now) - tonumber(trim)))
-  redis.call('INCR', month)
-  redis.call('EXPIRE', month, ttl)
-  redis.call('HSET', tokens, token, now .. '|' .. user)
-  return nil
-end
-"""
-
-# KEYS: record, paused, sends, month, index, user sends, user month, user tokens
-# ARGV: expected version ('' = absent), forced pause, has cap, monthly cap, hourly cap,
-#       hour start, token, now, trim before, month ttl, version, state, data, index score, key,
-#       has user cap, user monthly cap, user hourly cap, username,
-#       smtpguard id, message id, upstream id
-_RESERVE = (
-    _USER_UNIT
-    + """
-local cur = redis.call('HMGET', KEYS[1], 'v', 'd', 's')
--- This very record is there already: our own write, re-run after its reply was lost.
-if cur[1] == ARGV[11] and cur[2] == ARGV[13] then
-  -- Rewritten as it is: a write the replicas receive, so that a WAIT on this connection
-  -- (store.wait) waits for the record, not for nothing.
-  redis.call('HSET', KEYS[1], 'v', cur[1])
-  return {'ok'}
-end
-if ARGV[1] == '' then
-  if cur[1] then return {'conflict', cur[2]} end
-elseif cur[1] ~= ARGV[1] then
-  return {'conflict', cur[2] or false}
-end
-if ARGV[2] == '1' or redis.call('EXISTS', KEYS[2]) == 1 then return {'paused'} end
--- A token already in the window was counted by an earlier run of this call.
-if ARGV[3] == '1' and not redis.call('ZSCORE', KEYS[3], ARGV[7]) then
-  if tonumber(redis.call('GET', KEYS[4]) or '0') >= tonumber(ARGV[4]) then return {'month'} end
-  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. ARGV[9])
-  if redis.call('ZCOUNT', KEYS[3], ARGV[6], '+inf') >= tonumber(ARGV[5]) then
-    local oldest = redis.call('ZRANGEBYSCORE', KEYS[3], ARGV[6], '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-    return {'hour', oldest[2] or false}
-  end
-  if ARGV[16] == '1' then
-    local refused = USER_UNIT(KEYS[6], KEYS[7], KEYS[8], ARGV[17], ARGV[18], ARGV[6], ARGV[7], ARGV[8],
-      ARGV[9], ARGV[10], ARGV[19])
-    if refused then return refused end
-  end
-  redis.call('ZADD', KEYS[3], ARGV[8], ARGV[7])
-  redis.call('INCR', KEYS[4])
-  redis.call('EXPIRE', KEYS[4], ARGV[10])
-end
-redis.call('HSET', KEYS[1], 'v', ARGV[11], 's', ARGV[12], 'd', ARGV[13])
-redis.call('ZADD', KEYS[5], ARGV[14], ARGV[15])
-"""
-    + _INDEXES.replace("IDX", "5").replace("MEMBER", "15").replace("STATE", "12").replace("SCORE", "14")
-    + """
-return {'ok'}
-"""
-)
-
-# The compare-and-swap every record write starts with (put, enqueue, requeue).
-# KEYS[1] record, KEYS[2] index; ARGV[1] expected version ('' = absent), ARGV[2] version,
-# ARGV[3] state, ARGV[4] data, ARGV[5] index score, ARGV[6] key; the last three ARGV the
-# smtpguard id, message id and upstream id (_INDEXES).
-# A record already equal to the one written is our own write, re-run after its reply was
-# lost: it counts as written, and what follows (idempotent) runs again.
-_CAS_WRITE = (
-    """
-local cur = redis.call('HMGET', KEYS[1], 'v', 'd', 's')
-if cur[1] ~= ARGV[2] or cur[2] ~= ARGV[4] then
-  if ARGV[1] == '' then
-    if cur[1] then return {'conflict', cur[2]} end
-  elseif cur[1] ~= ARGV[1] then
-    return {'conflict', cur[2] or false}
-  end
-  redis.call('HSET', KEYS[1], 'v', ARGV[2], 's', ARGV[3], 'd', ARGV[4])
-  redis.call('ZADD', KEYS[2], ARGV[5], ARGV[6])
-"""
-    + _INDEXES.replace("IDX", "2").replace("MEMBER", "6").replace("STATE", "3").replace("SCORE", "5")
-    + """
-else
-  -- Our own write, re-run: rewritten as it is, so that store.wait's WAIT covers it.
-  redis.call('HSET', KEYS[1], 'v', cur[1])
-end
-"""
-)
-
-# KEYS: record, index.  ARGV: expected version ('' = absent), version, state, data, index
-# score, key
-_PUT = (
-    _CAS_WRITE
-    + """
-return {'ok'}
-"""
-)
-
-# KEYS: sends, month, user tokens.  ARGV: token, zone prefix, month.  Only a unit still
-# recorded is returned: idempotent. The user's unit counted with the token goes back too.
-_REFUND = """
-if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
-  if tonumber(redis.call('GET', KEYS[2]) or '0') > 0 then redis.call('DECR', KEYS[2]) end
-end
-local held = redis.call('HGET', KEYS[3], ARGV[1])
-if held then
-  redis.call('HDEL', KEYS[3], ARGV[1])
-  local user = string.sub(held, string.find(held, '|', 1, true) + 1)
-  if redis.call('ZREM', ARGV[2] .. 'us:' .. user, ARGV[1]) == 1 then
-    local month = ARGV[2] .. 'um:' .. user .. ':' .. ARGV[3]
-    if tonumber(redis.call('GET', month) or '0') > 0 then redis.call('DECR', month) end
-  end
-end
-return 0
-"""
-
-# KEYS: index, record…  ARGV: cutoff, unsettled state…(2), key…
-# Returns {deleted, kept}: kept counts old entries left in place (in_flight, queued).
-_PURGE = """
-local deleted, kept = 0, 0
-local cutoff = tonumber(ARGV[1])
-local prefix = string.sub(KEYS[1], 1, -4)  -- 'sg:{zone}:' from 'sg:{zone}:idx'
-
-for i = 2, #KEYS do
-  local member = ARGV[i + 2]
-  local score = redis.call('ZSCORE', KEYS[1], member)
-  if score and tonumber(score) < cutoff then
-    local s = redis.call('HGET', KEYS[i], 's')
-    if not s then
-      redis.call('ZREM', KEYS[1], member)
-    elseif s == ARGV[2] or s == ARGV[3] then
-      kept = kept + 1
-    else
-      local indexed = redis.call('HMGET', KEYS[i], 'mid', 'uid', 'sid')
-      redis.call('ZREM', prefix .. 'st:' .. s, member)
-      for n, kind in ipairs({'m:', 'u:', 's:'}) do
-        local id = indexed[n]
-        if id and id ~= '' and redis.call('HGET', prefix .. 'ids', kind .. id) == member then
-          redis.call('HDEL', prefix .. 'ids', kind .. id)
-        end
-      end
-      redis.call('DEL', prefix .. 'pev:' .. member)
-      redis.call('DEL', KEYS[i])
-      redis.call('ZREM', KEYS[1], member)
-      -- A store-and-forward entry kept for the operator (unknown, failed) goes with it.
-      local entry = prefix .. 'q:' .. member
-      local lane = redis.call('HGET', entry, 'lane')
-      if lane then redis.call('ZREM', prefix .. 'lane:' .. lane, member) end
-      redis.call('DEL', entry)
-      redis.call('ZREM', prefix .. 'claimed', member)
-      redis.call('HDEL', prefix .. 'claimer', member)
-      redis.call('SREM', prefix .. 'queue', member)
-      deleted = deleted + 1
-    end
-  end
-end
-return {deleted, kept}
-"""
-
-# KEYS: sends, month, user sends, user month, user tokens.  ARGV: monthly cap, hourly cap,
-# hour start, token, now, trim before, month ttl, has user cap, user monthly cap, user hourly
-# cap, username.  The cap half of _RESERVE, for store-and-forward, which checks caps at
-# delivery.
-_CONSUME = (
-    _USER_UNIT
-    + """
--- A token already in the window was counted by an earlier run of this call.
-if redis.call('ZSCORE', KEYS[1], ARGV[4]) then return {'ok'} end
-if tonumber(redis.call('GET', KEYS[2]) or '0') >= tonumber(ARGV[1]) then return {'month'} end
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[6])
-if redis.call('ZCOUNT', KEYS[1], ARGV[3], '+inf') >= tonumber(ARGV[2]) then
-  local oldest = redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[3], '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-  return {'hour', oldest[2] or false}
-end
-if ARGV[8] == '1' then
-  local refused = USER_UNIT(KEYS[3], KEYS[4], KEYS[5], ARGV[9], ARGV[10], ARGV[3], ARGV[4], ARGV[5],
-    ARGV[6], ARGV[7], ARGV[11])
-  if refused then return refused end
-end
-redis.call('ZADD', KEYS[1], ARGV[5], ARGV[4])
-redis.call('INCR', KEYS[2])
-redis.call('EXPIRE', KEYS[2], ARGV[7])
-return {'ok'}
-"""
-)
+# Every Lua script is a file in redis_lua/ whose header gives its KEYS and ARGV; the parts
+# several share (the CAS write, the zone's lookups, the user's cap unit) are in redis_lua/lib/.
+_RESERVE = redis_scripts.load("reserve")
+_PUT = redis_scripts.load("put")
+_REFUND = redis_scripts.load("refund")
+_PURGE = redis_scripts.load("purge")
+_CONSUME = redis_scripts.load("consume")
 
 # The queue of a zone (DESIGN.md §4a), every key under the zone's hash tag:
 #   q:<key>       hash: lane, prio, due, enq, from, rcpt (JSON), body — the message itself
@@ -334,243 +124,25 @@ return {'ok'}
 # build those keys from the zone prefix: each still hashes to the zone's slot, so the
 # script stays on one Cluster node.
 
-# KEYS: record, index, entry, claimed, queue, lane
-# ARGV: expected version ('' = absent), version, state, data, index score, key, zone prefix,
-#       lane, priority, due, enqueued at, sender, recipients, content, smtputf8 ('1'/'0')
-_ENQUEUE = (
-    _CAS_WRITE
-    + """
-local old = redis.call('HGET', KEYS[3], 'lane')
-if old and old ~= ARGV[8] then redis.call('ZREM', ARGV[7] .. 'lane:' .. old, ARGV[6]) end
-redis.call('DEL', KEYS[3])
-redis.call('HSET', KEYS[3], 'lane', ARGV[8], 'prio', ARGV[9], 'due', ARGV[10], 'enq', ARGV[11],
-  'from', ARGV[12], 'rcpt', ARGV[13], 'body', ARGV[14], 'utf8', ARGV[15])
-redis.call('ZADD', KEYS[6], ARGV[10], ARGV[6])
-redis.call('ZREM', KEYS[4], ARGV[6])
-redis.call('HDEL', ARGV[7] .. 'claimer', ARGV[6])
-redis.call('SADD', KEYS[5], ARGV[6])
-redis.call('SADD', ARGV[7] .. 'lanes', ARGV[8])
-return {'ok'}
-"""
-)
-
-# KEYS: record, index, entry, claimed, queue
-# ARGV: expected version, version, state, data, index score, key, zone prefix,
-#       due ('' = take the entry off the queue)
-_REQUEUE = (
-    _CAS_WRITE
-    + """
-local lane = redis.call('HGET', KEYS[3], 'lane')
-if ARGV[8] == '' then
-  if lane then redis.call('ZREM', ARGV[7] .. 'lane:' .. lane, ARGV[6]) end
-  redis.call('DEL', KEYS[3])
-  redis.call('ZREM', KEYS[4], ARGV[6])
-  redis.call('HDEL', ARGV[7] .. 'claimer', ARGV[6])
-  redis.call('SREM', KEYS[5], ARGV[6])
-elseif lane then
-  redis.call('HSET', KEYS[3], 'due', ARGV[8])
-  redis.call('ZADD', ARGV[7] .. 'lane:' .. lane, ARGV[8], ARGV[6])
-  redis.call('ZREM', KEYS[4], ARGV[6])
-  redis.call('HDEL', ARGV[7] .. 'claimer', ARGV[6])
-end
-return {'ok'}
-"""
-)
-
-# Read only. KEYS: claimed, queue, lane…  ARGV: now, limit.
-# Returns {queue size, {key, due, …} per lane}: up to `limit` due, unclaimed entries of each
-# lane, oldest first, so claim() can pick the oldest across zones.
-_PEEK = """
-local now, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
-local result = {redis.call('SCARD', KEYS[2])}
-for li = 3, #KEYS do
-  local found, offset = {}, 0
-  while #found < 2 * limit do
-    local batch = redis.call('ZRANGEBYSCORE', KEYS[li], '-inf', ARGV[1], 'WITHSCORES', 'LIMIT', offset, limit)
-    if #batch == 0 then break end
-    for i = 1, #batch, 2 do
-      local until_ = redis.call('ZSCORE', KEYS[1], batch[i])
-      if #found < 2 * limit and (not until_ or tonumber(until_) < now) then
-        found[#found + 1] = batch[i]
-        found[#found + 1] = batch[i + 1]
-      end
-    end
-    offset = offset + #batch / 2
-  end
-  result[#result + 1] = found
-end
-return result
-"""
-
-# KEYS: claimed, queue, lane…  ARGV: now, claimed until, total, zone prefix, claim token,
-#       count per lane…
-# Takes up to each lane's count of due (score <= now), unclaimed (claimed score < now)
-# entries, oldest first, then fills up to `total` from the lanes in order; marks each claimed.
-# An entry whose record or body is gone (purged) is dropped from the queue, not handed out.
-# A claim re-run after its reply was lost gets back what its first run claimed.
-# Returns {queue size, {key, lane index, due, record, sender, recipients, content, priority}…}.
-_CLAIM = """
-local now, prefix = tonumber(ARGV[1]), ARGV[4]
-local taken, out, gone = {}, {}, {}
-local function take(li, want)
-  local lane, got, offset = KEYS[li + 2], 0, 0
-  while got < want do
-    local batch = redis.call('ZRANGEBYSCORE', lane, '-inf', ARGV[1], 'WITHSCORES',
-      'LIMIT', offset, want - got)
-    if #batch == 0 then break end
-    for i = 1, #batch, 2 do
-      local m = batch[i]
-      if not taken[m] then
-        local until_ = redis.call('ZSCORE', KEYS[1], m)
-        -- Claimed under our own token: this call's earlier run, whose reply was lost,
-        -- claimed it (DESIGN.md §11.4); it is ours, not hidden from us.
-        if not until_ or tonumber(until_) < now
-            or redis.call('HGET', prefix .. 'claimer', m) == ARGV[5] then
-          taken[m] = true
-          local rec = redis.call('HGET', prefix .. 'ev:' .. m, 'd')
-          local q = redis.call('HMGET', prefix .. 'q:' .. m, 'from', 'rcpt', 'body', 'prio', 'utf8')
-          if rec and q[1] then
-            redis.call('ZADD', KEYS[1], ARGV[2], m)
-            redis.call('HSET', prefix .. 'claimer', m, ARGV[5])
-            out[#out + 1] = {m, li, batch[i + 1], rec, q[1], q[2], q[3], q[4], q[5] or '0'}
-            got = got + 1
-          else
-            gone[#gone + 1] = {lane, m}
-          end
-        end
-      end
-    end
-    offset = offset + #batch / 2
-  end
-  return got
-end
-for li = 1, #KEYS - 2 do take(li, tonumber(ARGV[li + 5])) end
-local room = tonumber(ARGV[3]) - #out
-for li = 1, #KEYS - 2 do
-  if room <= 0 then break end
-  room = room - take(li, room)
-end
-for _, g in ipairs(gone) do
-  redis.call('ZREM', g[1], g[2])
-  redis.call('ZREM', KEYS[1], g[2])
-  redis.call('SREM', KEYS[2], g[2])
-  redis.call('DEL', prefix .. 'q:' .. g[2])
-end
-return {redis.call('SCARD', KEYS[2]), out}
-"""
-
-# KEYS: queue, lanes.  ARGV: zone prefix.  Adds the lane of every queue entry to the set.
-_LANES_OF = """
-for _, m in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local lane = redis.call('HGET', ARGV[1] .. 'q:' .. m, 'lane')
-  if lane then redis.call('SADD', KEYS[2], lane) end
-end
-return 0
-"""
-
-# Read only. KEYS: queue, claimed.  ARGV: zone prefix.
-# Returns {key, lane, priority, due, enqueued at, size, state ('' = no record), claimed until}…
-_ENTRIES = """
-local out = {}
-for _, m in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local q = redis.call('HMGET', ARGV[1] .. 'q:' .. m, 'lane', 'prio', 'due', 'enq')
-  if q[1] then
-    out[#out + 1] = {m, q[1], q[2], q[3], q[4], redis.call('HSTRLEN', ARGV[1] .. 'q:' .. m, 'body'),
-      redis.call('HGET', ARGV[1] .. 'ev:' .. m, 's') or '', redis.call('ZSCORE', KEYS[2], m) or ''}
-  end
-end
-return out
-"""
-
-
-# KEYS: event ids (zset), the record's events (list), the zone's suppression hash, its
-# change counter.  ARGV: member (source NUL id), received at, event JSON, address ('' none),
-# suppression entry JSON.  Returns 1 when applied, 0 when this event was applied before.
-_APPLY_EVENT = """
-if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
-redis.call('RPUSH', KEYS[2], ARGV[3])
-redis.call('LTRIM', KEYS[2], -EVENTS_KEPT, -1)
-if ARGV[4] ~= '' and redis.call('HSETNX', KEYS[3], ARGV[4], ARGV[5]) == 1 then
-  redis.call('INCR', KEYS[4])
-end
-return 1
-""".replace("EVENTS_KEPT", "500")
+_ENQUEUE = redis_scripts.load("enqueue")
+_REQUEUE = redis_scripts.load("requeue")
+_PEEK = redis_scripts.load("peek")
+_CLAIM = redis_scripts.load("claim")
+_LANES_OF = redis_scripts.load("lanes_of")
+_ENTRIES = redis_scripts.load("entries")
+_APPLY_EVENT = redis_scripts.load("apply_event")
 
 _PROBES = "sg:{providers}:probes"
 """Hash (instance, provider) → (ready, detail, at): each instance's last probe, for `stats`."""
-# The upgrade of one page of a zone's index (KEYS[1] 'sg:{zone}:idx') into the per-state
-# sets and the smtpguard-id lookups, read and written in one step, so a record written
-# meanwhile is never put in a state it has left.  ARGV: score, offset, count.  Returns
-# {last score, members with that score in the page} or {} when the page is empty.
-_STATES_PAGE = """
-local prefix = string.sub(KEYS[1], 1, -4)
-local page = redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[1], '+inf', 'WITHSCORES', 'LIMIT', ARGV[2], ARGV[3])
-if #page == 0 then return {} end
-local last, same = nil, 0
-for i = 1, #page, 2 do
-  local member, score = page[i], page[i + 1]
-  local fields = redis.call('HMGET', prefix .. 'ev:' .. member, 's', 'sid', 'd')
-  if fields[1] then
-    redis.call('ZADD', prefix .. 'st:' .. fields[1], score, member)
-    local sid = fields[2]
-    if not sid and fields[3] then sid = cjson.decode(fields[3])['sg_id'] end
-    if sid and sid ~= '' then redis.call('HSET', prefix .. 'ids', 's:' .. sid, member) end
-  end
-  if score == last then same = same + 1 else last, same = score, 1 end
-end
-return {last, same}
-"""
+_STATES_PAGE = redis_scripts.load("states_page")
 
 _CIRCUITS = "sg:{providers}:circuits"
 """Hash (instance, provider) → (circuit, since): each instance's breakers, for `stats`."""
 _THROTTLES = "sg:{providers}:throttles"
 """Hash provider → until: providers throttled by a rate-limit reply (DESIGN.md §16)."""
-# A provider's next send slot (policy/throttle.py gcra, the same decision in Lua, with the
-# same pull-back of a time left by a longer interval): KEYS[1] holds the theoretical
-# arrival time. ARGV: now, interval, max_wait. Returns {granted,
-# wait} with wait as text (a Lua number in a reply would lose its fraction).
-_RATE_SLOT = """
-local now = tonumber(ARGV[1])
-local interval = tonumber(ARGV[2])
-local max_wait = tonumber(ARGV[3])
-local tat = tonumber(redis.call('GET', KEYS[1]) or '')
-local start = now
-if tat and tat > now then start = tat end
-local reach = now + max_wait + interval
-local wait = start - now
-if start > reach then
-  -- pulled back (always refused then: reach is past max_wait), and kept
-  start = reach
-  wait = start - now
-  redis.call('SET', KEYS[1], string.format('%.17g', start), 'PX', math.ceil((start - now + 60) * 1000))
-end
-if wait > max_wait then return {0, string.format('%.17g', wait - max_wait)} end
-local nxt = start + interval
-redis.call('SET', KEYS[1], string.format('%.17g', nxt), 'PX', math.ceil((nxt - now + 60) * 1000))
-return {1, string.format('%.17g', wait)}
-"""
-# Never shortens a throttle in place.  KEYS[1] _THROTTLES; ARGV: provider, until.
-_THROTTLE = """
-local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '')
-if not cur or cur < tonumber(ARGV[2]) then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
-return 1
-"""
-# One connection slot: KEYS[1] the provider's sorted set holder → lease end.  ARGV: now,
-# holder, until, limit.  Expired leases are dropped first (a crashed instance's slots).
-_HOLD_CONNECTION = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
-local keep = math.ceil((tonumber(ARGV[3]) - tonumber(ARGV[1]) + 60) * 1000)
-if redis.call('ZSCORE', KEYS[1], ARGV[2]) then
-  redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
-  redis.call('PEXPIRE', KEYS[1], keep)
-  return 1
-end
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[4]) then return 0 end
-redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
-redis.call('PEXPIRE', KEYS[1], keep)
-return 1
-"""
+_RATE_SLOT = redis_scripts.load("rate_slot")
+_THROTTLE = redis_scripts.load("throttle")
+_HOLD_CONNECTION = redis_scripts.load("hold_connection")
 
 
 def _zone_key(zone: str, name: str) -> str:
@@ -658,8 +230,8 @@ def _dump(r: Record) -> str:
 
 
 def _ids(r: Record) -> tuple[str, str, str]:
-    """What _INDEXES indexes the record under: its smtpguard id, its Message-ID without <>,
-    its upstream id."""
+    """What redis_lua/lib/indexes.lua indexes the record under: its smtpguard id, its
+    Message-ID without <>, its upstream id."""
     return (r.sg_id, bare_message_id(r.message_id) if r.message_id else "", r.upstream_id or "")
 
 
