@@ -8,7 +8,8 @@ A body line `{{include lib/NAME.lua A=1 B=2}}` (at the start of the line) is rep
 body of that library file, in which each `{{A}}` becomes 1 and each `{{B}}` 2. Every
 placeholder a library holds must be given a value, and every value given must be used: a
 misspelt name fails when the store module is imported, not in Redis. A script's own body holds
-no placeholders. Includes nest (a library may include another), never in a circle.
+no placeholders (one in a header is documentation, left alone). Includes nest (a library
+may include another), never in a circle.
 """
 
 from __future__ import annotations
