@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from yarl import URL
 
 from smtpguard.config import ConfigError, loads
 from smtpguard.server import Server
@@ -180,26 +181,31 @@ async def test_a_login_ends_the_operators_earlier_sessions_and_never_reuses_a_co
             await second.close()
         # A cookie planted before the login, or a session already held in that browser, is
         # never what the login hands back, and the one held is over.
-        jar = aiohttp.CookieJar(unsafe=True)
-        async with aiohttp.ClientSession(cookie_jar=jar) as http:
-            held = Operator(port)
-            assert (await held.login("bob")).status == 200
-            bobs = next(c.value for c in held.session.cookie_jar if c.key == "sg_console")
-            await held.close()
-            for planted in ("planted-by-someone-else", bobs):
-                jar.update_cookies({"sg_console": planted})
+        held = Operator(port)
+        assert (await held.login("bob")).status == 200
+        bobs = next(c.value for c in held.session.cookie_jar if c.key == "sg_console")
+        assert (await held.get("/decisions")).url.endswith("/decisions")
+        await held.close()
+
+        async def browser(cookie: str) -> aiohttp.ClientSession:
+            http = aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True))
+            http.cookie_jar.update_cookies({"sg_console": cookie}, URL(url))
+            return http
+
+        for planted in ("planted-by-someone-else", bobs):
+            async with await browser(planted) as http:
                 async with http.get(url + "/login") as r:
-                    csrf = (await r.text()).split('name="csrf" value="', 1)[1].split('"', 1)[0]
+                    # The login form's token (bob's page also has his logout form's).
+                    csrf = (await r.text()).rsplit('name="csrf" value="', 1)[1].split('"', 1)[0]
                 form = {"csrf": csrf, "username": "alice", "password": PASSWORDS["alice"]}
                 async with http.post(url + "/login", data=form, allow_redirects=False) as r:
                     assert r.status == 303
                     given = r.cookies["sg_console"].value
                 assert given not in (planted, bobs)
-            async with (
-                aiohttp.ClientSession(cookies={"sg_console": bobs}) as stale,
-                stale.get(url + "/decisions") as r,
-            ):
-                assert str(r.url).endswith("/login")
+                async with http.get(url + "/decisions") as r:
+                    assert str(r.url).endswith("/decisions")
+        async with await browser(bobs) as stale, stale.get(url + "/decisions") as r:
+            assert str(r.url).endswith("/login")
 
 
 async def test_a_reload_names_what_needs_a_restart_and_removing_the_console_stops_it(
