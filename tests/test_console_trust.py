@@ -300,6 +300,8 @@ async def test_a_foreign_host_is_421_and_the_allowed_ones_are_served(tmp: Path, 
         assert missing == 400 and b"Host" in body
         assert (await raw(port, b"GET /login HTTP/1.1\r\nHost: [::1\r\nConnection: close\r\n\r\n"))[0] == 400
         assert (await raw(port, b"GET /login HTTP/1.1\r\nHost: ::1\r\nConnection: close\r\n\r\n"))[0] == 400
+        two = f"GET /login HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nHost: attacker.example\r\n\r\n"
+        assert (await raw(port, two.encode()))[0] == 400
         # The absolute form's authority is the request's host (RFC 9112 §3.2.2), not the header.
         absolute = (
             b"GET http://attacker.example/login HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"

@@ -101,9 +101,11 @@ def host_port(value: str) -> tuple[str, int | None]:
             raise ValueError(f"{value!r} is not a host name or address")
     if not rest or rest == ":":
         return host, None
-    if not rest.startswith(":") or not rest[1:].isdigit() or len(rest) > 6 or int(rest[1:]) > 65535:
+    digits = rest[1:]
+    ok = rest.startswith(":") and digits.isascii() and digits.isdigit() and len(digits) <= 5
+    if not ok or int(digits) > 65535:
         raise ValueError(f"{value!r} has no valid port after the host")
-    return host, int(rest[1:])
+    return host, int(digits)
 
 
 def host_allowed(host: str, port: int | None, allowed: Iterable[tuple[str, int | None]]) -> bool:
