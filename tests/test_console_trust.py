@@ -341,3 +341,54 @@ def test_bad_console_trust_settings_name_their_path_and_line(
     cfg = base_config(tmp, 2525, console={"address": "127.0.0.1:9590", "operators": [], key: value})
     with pytest.raises(ConfigError, match=problem):
         loads(yaml.safe_dump(cfg, sort_keys=False))
+
+
+async def test_the_standalone_console_ends_a_session_on_sighup_after_a_hash_change(
+    tmp: Path, upstream: Upstream
+) -> None:
+    import re
+    import signal
+    import sys
+
+    from smtpguard.store import store_from_url
+
+    path = tmp / "smtpguard.yaml"
+    cfg = console_config(tmp, upstream)
+    write_config(path, cfg)
+    store = store_from_url(loads(path.read_text()).store.url)
+    await store.open()  # `smtpguard console` never creates a store
+    await store.close()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "smtpguard", "console", "-c", str(path), stderr=asyncio.subprocess.PIPE
+    )
+    assert proc.stderr is not None
+    seen: list[str] = []
+
+    async def until(pattern: str) -> re.Match[str]:
+        async def scan() -> re.Match[str]:
+            assert proc.stderr is not None
+            while line := (await proc.stderr.readline()).decode():
+                seen.append(line)
+                if found := re.search(pattern, line):
+                    return found
+            raise AssertionError(f"the console exited: {''.join(seen)}")
+
+        return await asyncio.wait_for(scan(), 20)
+
+    try:
+        alice = Operator(int((await until(r"\(port (\d+)\)")).group(1)))
+        try:
+            assert (await alice.login("alice")).status == 200
+            assert (await alice.get("/decisions")).url.endswith("/decisions")
+            cfg["console"]["operators"][0]["password_hash"] = password_hash("alice-new-pass")
+            write_config(path, cfg)
+            proc.send_signal(signal.SIGHUP)
+            await until("config reloaded")
+            assert (await alice.get("/decisions")).url.endswith("/login")
+            assert (await alice.login("alice", "alice-new-pass")).status == 200
+        finally:
+            await alice.close()
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            assert await asyncio.wait_for(proc.wait(), 10) == 0
