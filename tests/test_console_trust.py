@@ -290,6 +290,8 @@ async def test_a_foreign_host_is_421_and_the_allowed_ones_are_served(tmp: Path, 
                 "console.example.com.evil",
             ):
                 assert await status(host) == 421, host
+            async with alice.session.get(alice.base + "/", headers={"Host": "attacker.example"}) as r:
+                assert r.status == 421 and "console.hosts" in await r.text()
             # A change through a rebinding name never happens, whatever the session.
             assert await status(f"attacker.example:{port}", "POST", "/zones/acme/pause") == 421
             assert guard.store is not None and not await guard.store.is_paused("acme")
