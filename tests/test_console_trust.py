@@ -394,3 +394,27 @@ async def test_the_standalone_console_ends_a_session_on_sighup_after_a_hash_chan
         if proc.returncode is None:
             proc.terminate()
             assert await asyncio.wait_for(proc.wait(), 10) == 0
+
+
+@pytest.mark.parametrize(
+    ("address", "hosts", "names"),
+    [
+        ("127.0.0.1:9590", [], [("127.0.0.1", None)]),
+        ("[::1]:9590", [], [("::1", None)]),
+        ("localhost:9590", [], [("localhost", None)]),
+        # No browser is sent to a wildcard: only the names listed are answered.
+        ("0.0.0.0:9590", ["console.example.com"], [("console.example.com", None)]),
+        ("[::]:9590", ["[2001:db8::7]:443"], [("2001:db8::7", 443)]),
+    ],
+)
+def test_the_hosts_a_console_answers(
+    tmp: Path, address: str, hosts: list[str], names: list[tuple[str, int | None]]
+) -> None:
+    from smtpguard.config import ConsoleConfig
+    from smtpguard.console.trust import allowed
+
+    (tmp / "c.pem").write_text("")
+    (tmp / "c.key").write_text("")
+    tls = {"cert": str(tmp / "c.pem"), "key": str(tmp / "c.key")}
+    console = ConsoleConfig.model_validate({"address": address, "hosts": hosts, "tls": tls})
+    assert sorted(allowed(console), key=str) == sorted(names, key=str)
