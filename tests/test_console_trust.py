@@ -418,3 +418,24 @@ def test_the_hosts_a_console_answers(
     tls = {"cert": str(tmp / "c.pem"), "key": str(tmp / "c.key")}
     console = ConsoleConfig.model_validate({"address": address, "hosts": hosts, "tls": tls})
     assert sorted(allowed(console), key=str) == sorted(names, key=str)
+
+
+async def test_a_username_no_store_can_hold_is_counted_not_a_500(
+    tmp: Path, upstream: Upstream, request: pytest.FixtureRequest
+) -> None:
+    """PostgreSQL's text cannot hold NUL: what anyone types as a username is counted under a
+    key every store takes (it was 503, the store refusing the key, and never counted)."""
+    from smtpguard.store import store_from_url
+    from tests.postgres_support import PostgresServer, reset
+
+    pg: PostgresServer = request.getfixturevalue("postgres_server")
+    first = store_from_url(pg.url)
+    await first.open()  # the schema, so that there are tables to empty
+    await first.close()
+    reset(pg.url)
+    cfg = console_config(tmp, upstream, limits=LIMITS, store__url=pg.url, store__unsafe=True)
+    async with running_guard(cfg) as guard:
+        port = console_port(guard)
+        odd = "al\x00ice}{" + "x" * 200
+        statuses = [await attempt(port, odd, "wrong", f"127.0.0.{n}") for n in (2, 3, 4, 5)]
+        assert statuses == [401, 401, 401, 429]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Callable
 
 from smtpguard.config import LimitsConfig
@@ -29,7 +30,10 @@ class LoginLimiter:
 
     @staticmethod
     def buckets(address: str, username: str) -> tuple[str, str]:
-        return f"console:{address}", f"console-user:{username[:MAX_USERNAME]}"
+        # Escaped as JSON, ASCII only: a NUL (PostgreSQL's text refuses it) or any control
+        # character typed as a username still makes a key every store takes, and readable.
+        typed = json.dumps(username[:MAX_USERNAME])[1:-1]
+        return f"console:{address}", f"console-user:{typed}"
 
     @contextlib.asynccontextmanager
     async def turn(self, address: str, username: str) -> AsyncIterator[None]:
