@@ -80,7 +80,10 @@ def test_bad_hosts_say_why(value: str, problem: str) -> None:
 
 
 def test_host_allowed_by_name_and_port() -> None:
-    allowed = [("console.example.com", None), ("alt.example", 8443)]
+    allowed = [("console.example.com", None), ("alt.example", 8443), ("tls.example", 443)]
+    assert host_allowed("tls.example", 443, allowed)
+    assert host_allowed("tls.example", None, allowed)  # the browser left the default out
+    assert not host_allowed("tls.example", 8443, allowed)
     assert host_allowed("console.example.com", 1234, allowed)
     assert host_allowed("console.example.com", None, allowed)
     assert host_allowed("alt.example", 8443, allowed)

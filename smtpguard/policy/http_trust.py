@@ -20,6 +20,7 @@ Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 _LABEL = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)")
 WILDCARDS = frozenset({"0.0.0.0", "::"})
 """Listen addresses no browser is sent to by name: a console on them answers console.hosts."""
+DEFAULT_PORTS = (80, 443)
 
 
 def network(value: str) -> Network:
@@ -110,5 +111,9 @@ def host_port(value: str) -> tuple[str, int | None]:
 
 def host_allowed(host: str, port: int | None, allowed: Iterable[tuple[str, int | None]]) -> bool:
     """An entry without a port allows its host at any port (a proxy or an SSH tunnel may
-    forward from another port; the port does nothing against rebinding, the name does)."""
-    return any(host == h and (p is None or p == port) for h, p in allowed)
+    forward from another port; the port does nothing against rebinding, the name does). A
+    Host without a port is the scheme's default, which a browser leaves out: behind a proxy
+    the console cannot tell http from https, so an entry for 80 or 443 allows it."""
+    return any(
+        host == h and (p is None or p == port or (port is None and p in DEFAULT_PORTS)) for h, p in allowed
+    )
