@@ -369,36 +369,14 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_console(args: argparse.Namespace) -> int:
     from smtpguard import logs
+    from smtpguard.console import standalone
 
     config = _config(args)
     if config.console is None:
         raise CLIError("the config has no console: section")
     logs.configure(config.log.format, config.log.level)
-    asyncio.run(_run_console(config))
+    asyncio.run(standalone.run(config, _config_path(args)))
     return 0
-
-
-async def _run_console(config: Config) -> None:
-    import signal
-
-    from smtpguard.console.app import Console
-
-    assert config.console is not None
-    password = read_secret(config.store.password_env, config.store.password_file, "store")
-    store = store_from_url(config.store.url, password=password, create=False)
-    await store.open()
-    console = Console(lambda: config, store, config.console)
-    try:
-        await console.start()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        print(f"console on {config.console.address} (port {console.port})", file=sys.stderr, flush=True)
-        await stop.wait()
-    finally:
-        await console.stop()
-        await store.close()
 
 
 def _operator_change(args: argparse.Namespace, change: desk.Change, action: str) -> int:
@@ -973,7 +951,8 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_console,
         "run the operator's console alone",
         "Run the browser console of the config's `console:` section against its store, "
-        "without the proxy (on another host, say). serve runs it too when configured.",
+        "without the proxy (on another host, say). serve runs it too when configured. "
+        "SIGHUP re-reads the file: operators, hashes and roles apply at once.",
         json_=False,
     )
     sp = cmd(

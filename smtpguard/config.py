@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -33,6 +34,7 @@ from pydantic import (
     model_validator,
 )
 
+from smtpguard.policy import http_trust
 from smtpguard.policy.limits import PLANS
 from smtpguard.policy.senders import address_problem
 from smtpguard.policy.throttle import CONNECTION_WAIT, RATE_WAIT
@@ -734,13 +736,27 @@ class OperatorConfig(_Strict):
         return _argon2_hash(v)
 
 
+def _console_host(value: str) -> str:
+    http_trust.host_port(value)
+    return value
+
+
+def _proxy_network(value: str) -> str:
+    http_trust.network(value)
+    return value
+
+
 class ConsoleConfig(_Strict):
-    """The operator's console in the browser (DESIGN.md §14)."""
+    """The operator's console in the browser (DESIGN.md §14, §18)."""
 
     address: str = "127.0.0.1:9590"
     tls: TLSFiles | None = None
     session_ttl: Duration = 8 * 3600.0
     operators: list[OperatorConfig] = Field(default_factory=list)
+    hosts: list[Annotated[str, AfterValidator(_console_host)]] = Field(default_factory=list)
+    """Names (`name` or `name:port`) the console answers besides its listen address."""
+    trusted_proxies: list[Annotated[str, AfterValidator(_proxy_network)]] = Field(default_factory=list)
+    """Peers whose X-Forwarded-For names the client (CIDR or one address)."""
 
     @field_validator("address")
     @classmethod
@@ -768,6 +784,10 @@ class ConsoleConfig(_Strict):
     @property
     def port(self) -> int:
         return _host_port(self.address)[1]
+
+    @property
+    def proxies(self) -> list[http_trust.Network]:
+        return [http_trust.network(n) for n in self.trusted_proxies]
 
 
 class Config(_Strict):

@@ -760,10 +760,28 @@ class Server:
         if secrets is not None:
             self._start_prober(new, secrets)
         self.config = new
+        await self._reload_console(new)
         self._ensure_worker()
         self.metrics.reloads.labels("applied").inc()
         log.info("config reloaded", extra={"zones": len(new.zones), "providers": len(new.providers)})
         return True
+
+    async def _reload_console(self, new: Config) -> None:
+        """Operators, hashes, roles, session_ttl, hosts and trusted_proxies apply now (a
+        session whose operator's hash or role changed ends); the listener's own settings
+        need a restart. A console section removed stops the console: nobody stays logged
+        in to a console the file no longer has."""
+        if self.console is None:
+            if new.console is not None and self.singleton:
+                log.warning("a console added takes effect only after a restart")
+            return
+        if new.console is None:
+            await self.console.stop()
+            self.console = None
+            log.warning("console stopped: the config has no console section")
+            return
+        for what in self.console.reload(new.console):
+            log.warning(f"{what} changes take effect only after a restart")
 
 
 class _ProviderSecrets(Mapping[str, str | None]):
@@ -804,14 +822,12 @@ def _event_tags(config: Config) -> dict[str, str]:
 
 
 def _events_restart_changes(old: Config, new: Config) -> list[str]:
-    """The events and console settings bound at start that a reload cannot change."""
+    """The events settings bound at start that a reload cannot change."""
     before, after = old.events, new.events
     changed = []
     for name in ("address", "max_body", "mailbox"):
         if getattr(before, name, None) != getattr(after, name, None):
             changed.append(f"events.{name}")
-    if old.console != new.console:
-        changed.append("console")
     return changed
 
 

@@ -61,11 +61,15 @@ class Page:
 
 
 class Operator:
-    """One browser-like HTTP client: its own cookie jar."""
+    """One browser-like HTTP client: its own cookie jar, from `source` (any 127.0.0.N is a
+    client of its own), sending `headers` (X-Forwarded-For, say) with every request."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, source: str | None = None, headers: dict[str, str] | None = None) -> None:
         self.base = f"http://127.0.0.1:{port}"
-        self.session = aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True))
+        connector = aiohttp.TCPConnector(local_addr=(source, 0)) if source else None
+        self.session = aiohttp.ClientSession(
+            cookie_jar=aiohttp.CookieJar(unsafe=True), connector=connector, headers=headers
+        )
         self.csrf = ""
 
     async def close(self) -> None:

@@ -4,6 +4,10 @@ Every page is server-rendered HTML that works without JavaScript; Jinja2 autoesc
 everything it renders. Every change is a POST carrying the session's CSRF token (403
 without), refused to a `viewer` (403), audited as `console:USERNAME` and made through the
 same code as the CLI's (smtpguard/desk.py for decisions).
+
+Before anything else, a request must be addressed to a host this console is (421 for any
+other: DNS rebinding), and its client is the TCP peer, or the address a trusted proxy names
+(console/trust.py). Logins are limited per that address and per username (console/logins.py).
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from aiohttp import web
 
 from smtpguard import desk
 from smtpguard.config import Config, ConsoleConfig, OperatorConfig
-from smtpguard.console import views
-from smtpguard.console.sessions import COOKIE, LOGIN_COOKIE, Session, Sessions
+from smtpguard.console import trust, views
+from smtpguard.console.logins import LoginLimiter
+from smtpguard.console.sessions import COOKIE, LOGIN_COOKIE, Session, Sessions, fingerprint
 from smtpguard.passwords import Verifier
 from smtpguard.policy.senders import address_problem, normalize_address
 from smtpguard.store import Store, StoreUnavailable
@@ -34,6 +39,10 @@ log = logging.getLogger("smtpguard.console")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SESSION = web.RequestKey("session", Session)
+CLIENT = web.RequestKey("client", str)
+"""The client's address as console/trust.py reads it: what limits and logs name."""
+RELOADABLE = frozenset({"operators", "session_ttl", "hosts", "trusted_proxies"})
+"""Console settings a reload applies; the others are bound when the listener starts."""
 _PUBLIC = ("/login",)
 _BACK = re.compile(r"/events/[A-Za-z0-9._%~-]+/[A-Za-z0-9._%~-]+")
 """Where a decision may send the browser back to: an event's page, URL-encoded, nothing else."""
@@ -56,7 +65,7 @@ class Console:
         self.tls = console.tls is not None
         self.sessions = Sessions(console.session_ttl)
         self.verifier = Verifier()
-        self._login_locks: dict[str, asyncio.Lock] = {}
+        self.logins = LoginLimiter(store, lambda: self.config().limits)
         self._verifying = asyncio.Semaphore(4)
         """argon2 runs in the executor SMTP AUTH uses too: logins never take all of it."""
         self.templates = jinja2.Environment(
@@ -126,18 +135,18 @@ class Console:
         return response
 
     async def _checked(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        trust.check_host(request, self.live)
+        request[CLIENT] = trust.client(request, self.live)
         session = self.sessions.get(request.cookies.get(COOKIE))
-        if session is not None and session.username is not None:
-            operator = self._operator(session.username)
-            if operator is None or operator.role != session.role:
-                # Removed or given another role by a reload: that login is over.
-                self.sessions.drop(session.token)
-                session = None
+        if session is not None and not self._still_valid(session):
+            # Removed, given another role or another password by a reload: that login is over.
+            self.sessions.drop(session.token)
+            session = None
         if session is not None:
             request[SESSION] = session
         if request.path in _PUBLIC:
             return await handler(request)
-        if session is None or session.username is None:
+        if session is None:
             if request.method == "POST":
                 raise web.HTTPForbidden(reason="log in first")
             raise web.HTTPSeeOther("/login")
@@ -161,6 +170,35 @@ class Console:
             **context,
         )
         return web.Response(text=body, status=status, content_type="text/html", charset="utf-8")
+
+    @property
+    def live(self) -> ConsoleConfig:
+        """The console section as the running config has it (a reload changes it)."""
+        return self.config().console or self.settings
+
+    def _still_valid(self, session: Session) -> bool:
+        operator = self._operator(session.username)
+        return (
+            operator is not None
+            and operator.role == session.role
+            and hmac.compare_digest(fingerprint(operator.password_hash), session.credential)
+        )
+
+    def reload(self, new: ConsoleConfig) -> list[str]:
+        """Apply a reloaded console section: end the sessions it invalidates; return the
+        settings that only a restart changes."""
+        self.sessions.ttl = new.session_ttl
+        restart = [
+            f"console.{name}"
+            for name in type(new).model_fields
+            if name not in RELOADABLE and getattr(new, name) != getattr(self.settings, name)
+        ]
+        ended = self.sessions.end(lambda s: not self._still_valid(s))
+        if ended:
+            log.warning(
+                "console: sessions ended by reload", extra={"usernames": sorted({s.username for s in ended})}
+            )
+        return restart
 
     def _actor(self, request: web.Request) -> str:
         return f"console:{request[SESSION].username}"
@@ -197,20 +235,17 @@ class Console:
         csrf, cookie = form.get("csrf"), request.cookies.get(LOGIN_COOKIE)
         if not isinstance(csrf, str) or not cookie or not hmac.compare_digest(csrf, cookie):
             raise web.HTTPForbidden(reason="missing or wrong CSRF token; reload the login page")
-        ip = request.remote or "?"
-        # Its own count: an operator's typos must not lock the SMTP clients of the same
-        # address (the console is usually on loopback, as they are) out of AUTH.
-        bucket = f"console:{ip}"
-        limits = self.config().limits
-        # One login per address at a time: a burst of parallel guesses must not all be
-        # verified before the first failure is counted.
-        async with self._login_locks.setdefault(bucket, asyncio.Lock()), self._verifying:
+        ip = request[CLIENT]
+        given, password = form.get("username"), form.get("password")
+        username = given if isinstance(given, str) else ""
+        async with self.logins.turn(ip, username), self._verifying:
             now = self.store.now()
-            if (
-                await self.store.auth_failures(bucket, now, limits.auth_failure_window)
-                >= limits.auth_failures
-            ):
-                log.warning("console: login refused, too many failures", extra={"client_ip": ip})
+            full = await self.logins.refused(ip, username, now)
+            if full is not None:
+                log.warning(
+                    f"console: login refused, too many failures for this {full}",
+                    extra={"client_ip": ip, "username": username[:64]},
+                )
                 return self.page(
                     "login.html",
                     request,
@@ -218,22 +253,21 @@ class Console:
                     error="Too many failed logins; wait and try again.",
                     login_csrf=cookie,
                 )
-            username, password = form.get("username"), form.get("password")
-            operator = self._operator(username if isinstance(username, str) else "")
+            operator = self._operator(username)
             ok = await self.verifier.verify(
-                str(username),
+                username,
                 operator.password_hash if operator else None,
                 password if isinstance(password, str) else "",
             )
             if not ok or operator is None:
-                await self.store.auth_failure(bucket, now, limits.auth_failure_window)
-                log.warning("console: login failed", extra={"client_ip": ip, "username": str(username)[:64]})
+                await self.logins.failed(ip, username, now)
+                log.warning("console: login failed", extra={"client_ip": ip, "username": username[:64]})
                 return self.page(
                     "login.html", request, status=401, error="Wrong username or password.", login_csrf=cookie
                 )
-        if len(self._login_locks) > 10_000:
-            self._login_locks = {k: v for k, v in self._login_locks.items() if v.locked()}
-        fresh = self.sessions.new(operator.username, operator.role)
+        # Never the session the browser came with (fixation), nor one left open elsewhere.
+        self.sessions.drop(request.cookies.get(COOKIE))
+        fresh = self.sessions.new(operator.username, operator.role, fingerprint(operator.password_hash))
         log.info(
             "console: login", extra={"username": operator.username, "client_ip": ip, "role": operator.role}
         )
@@ -244,8 +278,8 @@ class Console:
 
     def _operator(self, username: str) -> OperatorConfig | None:
         """The operator as the running config has it (a reload adds, removes, demotes)."""
-        console = self.config().console or self.settings
-        for op in console.operators:
+        console = self.config().console
+        for op in console.operators if console is not None else ():
             if op.username == username:
                 return op
         return None
@@ -258,7 +292,7 @@ class Console:
             samesite="Strict",
             secure=self.tls,
             path="/",
-            max_age=int(self.settings.session_ttl),
+            max_age=int(self.sessions.ttl),
         )
 
     async def logout(self, request: web.Request) -> web.StreamResponse:
@@ -276,7 +310,10 @@ class Console:
         action = request.match_info["action"]
         await self.store.set_paused(zone, action == "pause")
         await self.store.audit_add(zone, ZoneAudit(self.store.now(), self._actor(request), action))
-        log.warning(f"console: zone {action}d", extra={"zone": zone, "actor": self._actor(request)})
+        log.warning(
+            f"console: zone {action}d",
+            extra={"zone": zone, "actor": self._actor(request), "client_ip": request[CLIENT]},
+        )
         raise web.HTTPSeeOther("/")
 
     async def decisions(self, request: web.Request) -> web.StreamResponse:
@@ -307,7 +344,13 @@ class Console:
             )
         log.warning(
             "console: decision",
-            extra={"zone": zone, "event_key": key, "decision": action, "actor": self._actor(request)},
+            extra={
+                "zone": zone,
+                "event_key": key,
+                "decision": action,
+                "actor": self._actor(request),
+                "client_ip": request[CLIENT],
+            },
         )
         back = str(form.get("back", ""))
         raise web.HTTPSeeOther(back if _BACK.fullmatch(back) else "/decisions")

@@ -1,0 +1,67 @@
+"""Failed console logins, limited per client address *and* per username (DESIGN.md §18).
+
+The counts are the store's AUTH failure windows, the limiter SMTP AUTH uses, in buckets of
+the console's own: an operator's typos must not lock the SMTP clients of the same address
+(the console is usually on loopback, as they are) out of AUTH. Per address alone, guesses
+from many addresses would never be counted against the account; per username alone, one
+address could try every name. Either count at `limits.auth_failures` refuses the login.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+
+from smtpguard.config import LimitsConfig
+from smtpguard.store import Store
+
+MAX_USERNAME = 64
+"""The longest username an operator can have: a longer one typed is counted by this prefix."""
+_LOCKS_KEPT = 10_000
+
+
+class LoginLimiter:
+    def __init__(self, store: Store, limits: Callable[[], LimitsConfig]) -> None:
+        self.store = store
+        self.limits = limits
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    @staticmethod
+    def buckets(address: str, username: str) -> tuple[str, str]:
+        # Escaped as JSON, ASCII only: a NUL (PostgreSQL's text refuses it) or any control
+        # character typed as a username still makes a key every store takes, and readable.
+        typed = json.dumps(username[:MAX_USERNAME])[1:-1]
+        return f"console:{address}", f"console-user:{typed}"
+
+    @contextlib.asynccontextmanager
+    async def turn(self, address: str, username: str) -> AsyncIterator[None]:
+        """One login at a time per address and per username: a burst of parallel guesses
+        must not all be verified before the first failure is counted. The address lock is
+        always taken first, so two logins never wait for each other's second lock."""
+        if len(self._locks) > _LOCKS_KEPT:
+            self._locks = {k: v for k, v in self._locks.items() if v.locked()}
+        by_address, by_user = self.buckets(address, username)
+        async with (
+            self._locks.setdefault(by_address, asyncio.Lock()),
+            self._locks.setdefault(by_user, asyncio.Lock()),
+        ):
+            yield
+
+    async def refused(self, address: str, username: str, now: float) -> str | None:
+        """Which count is full, if one is."""
+        limits = self.limits()
+        by_address, by_user = self.buckets(address, username)
+        for which, bucket in (("address", by_address), ("username", by_user)):
+            if (
+                await self.store.auth_failures(bucket, now, limits.auth_failure_window)
+                >= limits.auth_failures
+            ):
+                return which
+        return None
+
+    async def failed(self, address: str, username: str, now: float) -> None:
+        window = self.limits().auth_failure_window
+        for bucket in self.buckets(address, username):
+            await self.store.auth_failure(bucket, now, window)
