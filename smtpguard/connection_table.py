@@ -8,13 +8,14 @@ locks die with their process, so a worker killed with `kill -9` cannot leave the
 waiting, and the supervisor clears a dead worker's column before it starts the next one
 (the kernel closed that worker's connections with it).
 
-The lock is only ever tried, never waited for (LOCK_NB, a bounded number of times): admit
-and release run in a worker's event loop, and a worker stopped or descheduled while it
-held the lock (SIGSTOP, a wedged worker before its heartbeat runs out) would otherwise
-freeze every other worker's loop with it, heartbeats included. The lock is held for a few
-microseconds, so the tries almost always succeed; when they do not, admit answers None
-(busy: the caller decides on its own counts) and a release is kept and applied under the next
-lock this process gets (`flush`). bench/connection_table.py measures both.
+The lock is only ever tried, never waited for (LOCK_NB, for at most 2 ms, and not at all
+once its holder is seen stopped): admit and release run in a worker's event loop, and a
+worker stopped while it held the lock (SIGSTOP, until its heartbeat runs out) would
+otherwise freeze every other worker's loop with it, heartbeats included. The lock is held
+for a few microseconds, so the tries almost always succeed; when they do not, admit
+answers None (busy: the caller decides on its own counts) and a release is kept and
+applied under the next lock this process gets (`flush`). bench/connection_table.py
+measures both ways.
 
 Layout: one int64 open-connection total per worker, then an open-addressing hash table
 (linear probing, backward-shift deletion, so no tombstones accumulate) of client
@@ -31,14 +32,19 @@ import hashlib
 import mmap
 import os
 import struct
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 _KEY = 16
-_TRIES = 50
-"""Non-blocking lock attempts (each yielding the core once) before an operation gives up:
-about 50 µs when the holder is running, bounded however long a stopped holder keeps it."""
+_PATIENCE = 0.002
+"""Seconds an operation tries the lock (yielding the core between tries, so a holder that
+waits for a core can finish) before it gives up: the longest an event loop is kept,
+however long the lock is held (plus one yield when the machine is busy). A holder that is
+stopped (SIGSTOP; it will not let go until it is killed) is given up on at once."""
+_FLOCK = "hhqqi"
+"""struct flock (Linux, native alignment): l_type, l_whence, l_start, l_len, l_pid."""
 _BUSY = (errno.EACCES, errno.EAGAIN)
 
 
@@ -79,16 +85,36 @@ class ConnectionTable:
         os.close(self._fd)
 
     def _try_lock(self) -> bool:
-        for _ in range(_TRIES):
+        deadline = time.perf_counter() + _PATIENCE
+        asked = False
+        while True:
             try:
                 fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
                 if e.errno not in _BUSY:
                     raise
-                os.sched_yield()  # the holder may be waiting for this core (2 cores, 3 workers)
             else:
                 return True
-        return False
+            if not asked:
+                asked = True
+                if self._holder_stopped():
+                    return False
+            if time.perf_counter() >= deadline:
+                return False
+            os.sched_yield()  # the holder may be waiting for this core (2 cores, 3 workers)
+
+    def _holder_stopped(self) -> bool:
+        """Whether the process holding the lock is stopped (Linux; elsewhere: not known)."""
+        try:
+            query = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+            pid = struct.unpack(_FLOCK, fcntl.fcntl(self._fd, fcntl.F_GETLK, query))[4]
+            if pid <= 0:
+                return False
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                state = f.read().rpartition(b")")[2].split()[0]
+        except (OSError, struct.error, IndexError):
+            return False
+        return state in (b"T", b"t")
 
     def _unlock(self) -> None:
         fcntl.lockf(self._fd, fcntl.LOCK_UN)

@@ -47,17 +47,22 @@ def test_workers_heartbeat_setting() -> None:
 # --- the connection table with a stopped lock holder ------------------------------------------
 @contextlib.contextmanager
 def held_lock(path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """Another process holding the table's lock, as a worker stopped inside admit() does."""
+    """Another process holding the table's lock and then stopped, as a worker stopped with
+    SIGSTOP inside admit() is."""
     code = (
-        "import fcntl, os, sys, time\n"
+        "import fcntl, os, signal, sys\n"
         "fd = os.open(sys.argv[1], os.O_RDWR)\n"
         "fcntl.lockf(fd, fcntl.LOCK_EX)\n"
         "print('held', flush=True)\n"
-        "time.sleep(30)\n"
+        "os.kill(os.getpid(), signal.SIGSTOP)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE)
     try:
         assert proc.stdout is not None and proc.stdout.readline() == b"held\n"
+        deadline = time.monotonic() + 5
+        while Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()[0] != "T":
+            assert time.monotonic() < deadline, "the holder did not stop"
+            time.sleep(0.01)
         yield proc
     finally:
         proc.kill()
