@@ -35,20 +35,23 @@ class Beat:
     """The supervisor's end of one worker's heartbeat."""
 
     sock: socket.socket
-    answered: float
-    """Monotonic time of the last answer (or of the moment the worker became ready)."""
     asked: float = 0.0
+    """Monotonic time of the last ping sent."""
+    waiting: float | None = None
+    """Monotonic time of the oldest ping not answered yet (None: all answered). Silence is
+    counted from a ping sent, never from the last answer: a supervisor that was itself
+    stopped or starved for a while sent nothing meanwhile, and must not blame its workers."""
 
     @classmethod
-    def pair(cls, now: float) -> tuple[Beat, socket.socket]:
+    def pair(cls) -> tuple[Beat, socket.socket]:
         """The supervisor's end, and the worker's end (to pass to it, then close here)."""
         ours, theirs = socket.socketpair()
         ours.setblocking(False)
         theirs.set_inheritable(True)
-        return cls(ours, answered=now), theirs
+        return cls(ours), theirs
 
     def tick(self, now: float, heartbeat: float) -> float:
-        """Collect answers and ask again when due; the seconds since the last answer."""
+        """Collect answers and ask again when due; the seconds an asked ping has waited."""
         while True:
             try:
                 got = self.sock.recv(4096)
@@ -58,17 +61,20 @@ class Beat:
                 got = b""
             if not got:
                 break  # the worker's end is closed: its exit is noticed by its status
-            self.answered = now
+            self.waiting = None
         if now - self.asked >= ping_interval(heartbeat):
             self.asked = now
+            if self.waiting is None:
+                self.waiting = now
             # A full buffer: the worker has not read for a while; its silence says so.
             with contextlib.suppress(BlockingIOError, InterruptedError, OSError):
                 self.sock.send(PING)
-        return now - self.answered
+        return 0.0 if self.waiting is None else now - self.waiting
 
     def restart(self, now: float) -> None:
-        """Count silence from now (the worker just became ready)."""
-        self.answered = self.asked = now
+        """Start asking from now (the worker just became ready)."""
+        self.asked = now
+        self.waiting = None
 
     def close(self) -> None:
         self.sock.close()

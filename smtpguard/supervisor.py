@@ -189,7 +189,7 @@ class Supervisor:
         )
 
     def _spawn(self, slot: Slot) -> None:
-        beat, theirs = Beat.pair(time.monotonic())
+        beat, theirs = Beat.pair()
         env = {**os.environ, ENV: self._role(slot.index, theirs.fileno()).to_env()}
         env["PROMETHEUS_MULTIPROC_DIR"] = str(self.run_dir / "metrics")
         env.pop("NOTIFY_SOCKET", None)  # systemd hears from the supervisor only

@@ -24,6 +24,7 @@ import pytest
 
 from smtpguard.config import ConfigError, loads
 from smtpguard.connection_table import ConnectionTable, address_key
+from smtpguard.heartbeat import Beat
 from smtpguard.run_dir import LOCK, PREFIX, RunDir, remove_leftovers
 from smtpguard.workers import SharedConnections
 from tests.support import GuardProcess, Reply, Upstream, base_config, free_port, message, send, write_config
@@ -42,6 +43,37 @@ def test_workers_heartbeat_setting() -> None:
             loads(json.dumps({**cfg, "workers_heartbeat": bad}))
         assert e.value.problems[0].startswith("<config>: workers_heartbeat (line 1)"), e.value.problems
         assert says in e.value.problems[0]
+
+
+# --- the heartbeat, on a real socket pair, with time passed in ------------------------------
+def test_silence_is_counted_from_an_unanswered_ping_only() -> None:
+    beat, worker = Beat.pair()
+    worker.setblocking(False)
+
+    def answer() -> int:
+        with contextlib.suppress(BlockingIOError):
+            pings = worker.recv(100)
+            worker.send(b"!" * len(pings))
+            return len(pings)
+        return 0
+
+    beat.restart(100.0)
+    assert beat.tick(100.0, 5.0) == 0.0  # nothing asked yet
+    assert beat.tick(101.0, 5.0) == 0.0  # asked now: nothing has waited yet
+    assert answer() == 1
+    assert beat.tick(101.5, 5.0) == 0.0  # answered
+    # The supervisor itself stopped for 100 s: it asked nothing, so no one is late.
+    assert beat.tick(201.5, 5.0) == 0.0
+    assert beat.tick(204.0, 5.0) == 2.5  # that ping still waits
+    assert beat.tick(205.0, 5.0) == 3.5  # asked again; counted from the first one
+    answer()
+    assert beat.tick(205.1, 5.0) == 0.0
+    # Silent from here: the silence grows from the next ping asked, past the heartbeat.
+    silences = [beat.tick(205.1 + t, 5.0) for t in (1.0, 3.0, 5.0, 6.5)]
+    assert silences == pytest.approx([0.0, 2.0, 4.0, 5.5])
+    worker.close()
+    assert beat.tick(213.0, 5.0) == pytest.approx(6.9)  # a closed end is no answer
+    beat.close()
 
 
 # --- the connection table with a stopped lock holder ------------------------------------------
