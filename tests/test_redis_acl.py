@@ -69,6 +69,7 @@ def _refusals(admin: redis.Redis) -> list[str]:
     return [f"{e['reason']} {e['object']}" for e in admin.acl_log() if e["username"] == "smtpguard"]
 
 
+@pytest.mark.slow
 async def test_serve_and_the_cli_work_with_exactly_the_documented_acl(
     tmp: Path, upstream: Upstream, durable_redis: RedisServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -115,6 +116,7 @@ async def test_serve_and_the_cli_work_with_exactly_the_documented_acl(
     assert rc == 0
 
 
+@pytest.mark.slow
 async def test_without_config_get_serve_refuses_and_names_the_rule(
     tmp: Path, upstream: Upstream, durable_redis: RedisServer
 ) -> None:
