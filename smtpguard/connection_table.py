@@ -8,6 +8,15 @@ locks die with their process, so a worker killed with `kill -9` cannot leave the
 waiting, and the supervisor clears a dead worker's column before it starts the next one
 (the kernel closed that worker's connections with it).
 
+The lock is only ever tried, never waited for (LOCK_NB, for at most 2 ms, and not at all
+once its holder is seen stopped): admit and release run in a worker's event loop, and a
+worker stopped while it held the lock (SIGSTOP, until its heartbeat runs out) would
+otherwise freeze every other worker's loop with it, heartbeats included. The lock is held
+for a few microseconds, so the tries almost always succeed; when they do not, admit
+answers None (busy: the caller decides on its own counts) and a release is kept and
+applied under the next lock this process gets (`flush`). bench/connection_table.py
+measures both ways.
+
 Layout: one int64 open-connection total per worker, then an open-addressing hash table
 (linear probing, backward-shift deletion, so no tombstones accumulate) of client
 addresses, each slot holding one int32 count per worker. A client address is its 16-byte
@@ -17,16 +26,26 @@ for; more distinct addresses than that are refused, as the total would be anyway
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import mmap
 import os
 import struct
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 _KEY = 16
+_PATIENCE = 0.002
+"""Seconds an operation tries the lock (yielding the core between tries, so a holder that
+waits for a core can finish) before it gives up: the longest an event loop is kept,
+however long the lock is held (plus one yield when the machine is busy). A holder that is
+stopped (SIGSTOP; it will not let go until it is killed) is given up on at once."""
+_FLOCK = "hhqqi"
+"""struct flock (Linux, native alignment): l_type, l_whence, l_start, l_len, l_pid."""
+_BUSY = (errno.EACCES, errno.EAGAIN)
 
 
 def address_key(ip: str) -> bytes:
@@ -46,6 +65,7 @@ class ConnectionTable:
         if create:
             os.ftruncate(self._fd, size)
         self._map = mmap.mmap(self._fd, size)
+        self._pending: list[tuple[int, bytes]] = []
 
     @classmethod
     def sized_for(
@@ -64,13 +84,72 @@ class ConnectionTable:
         self._map.close()
         os.close(self._fd)
 
+    def _try_lock(self) -> bool:
+        deadline = time.perf_counter() + _PATIENCE
+        asked = False
+        while True:
+            try:
+                fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in _BUSY:
+                    raise
+            else:
+                return True
+            if not asked:
+                asked = True
+                if self._holder_stopped():
+                    return False
+            if time.perf_counter() >= deadline:
+                return False
+            os.sched_yield()  # the holder may be waiting for this core (2 cores, 3 workers)
+
+    def _holder_stopped(self) -> bool:
+        """Whether the process holding the lock is stopped (Linux; elsewhere: not known)."""
+        try:
+            query = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+            pid = struct.unpack(_FLOCK, fcntl.fcntl(self._fd, fcntl.F_GETLK, query))[4]
+            if pid <= 0:
+                return False
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                state = f.read().rpartition(b")")[2].split()[0]
+        except (OSError, struct.error, IndexError):
+            return False
+        return state in (b"T", b"t")
+
+    def _unlock(self) -> None:
+        fcntl.lockf(self._fd, fcntl.LOCK_UN)
+
     @contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked_blocking(self) -> Iterator[None]:
+        """For inspection (tests, benches), never from an event loop."""
         fcntl.lockf(self._fd, fcntl.LOCK_EX)
         try:
+            self._apply_pending()
             yield
         finally:
-            fcntl.lockf(self._fd, fcntl.LOCK_UN)
+            self._unlock()
+
+    @property
+    def pending(self) -> int:
+        """Releases this process made while the table was busy, not applied yet."""
+        return len(self._pending)
+
+    def _apply_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for worker, key in pending:
+            self._release(worker, key)
+
+    def flush(self) -> bool:
+        """Apply the releases kept while the table was busy; False: still busy, try again."""
+        if not self._pending:
+            return True
+        if not self._try_lock():
+            return False
+        try:
+            self._apply_pending()
+        finally:
+            self._unlock()
+        return True
 
     # --- slots ---------------------------------------------------------------------------------
     def _read(self, i: int) -> tuple[bytes, bool, list[int]]:
@@ -118,67 +197,93 @@ class ConnectionTable:
         return list(self._total.unpack_from(self._map, 0))
 
     # --- what workers and the supervisor do ----------------------------------------------------
-    def admit(self, worker: int, key: bytes, max_total: int, max_per_ip: int) -> bool:
-        with self._locked():
-            totals = self._totals()
-            if sum(totals) >= max_total:
-                return False
-            i, found = self._find(key)
-            if i < 0:
-                return False
-            counts = self._read(i)[2] if found else [0] * self.workers
-            if sum(counts) >= max_per_ip:
-                return False
-            counts[worker] += 1
+    def admit(self, worker: int, key: bytes, max_total: int, max_per_ip: int) -> bool | None:
+        """Count one more connection of `key` on `worker` if both limits allow it (True) or
+        not (False). None: busy, the lock was not to be had without waiting; nothing counted."""
+        if not self._try_lock():
+            return None
+        try:
+            self._apply_pending()
+            return self._admit(worker, key, max_total, max_per_ip)
+        finally:
+            self._unlock()
+
+    def _admit(self, worker: int, key: bytes, max_total: int, max_per_ip: int) -> bool:
+        totals = self._totals()
+        if sum(totals) >= max_total:
+            return False
+        i, found = self._find(key)
+        if i < 0:
+            return False
+        counts = self._read(i)[2] if found else [0] * self.workers
+        if sum(counts) >= max_per_ip:
+            return False
+        counts[worker] += 1
+        self._write(i, key, True, counts)
+        totals[worker] += 1
+        self._total.pack_into(self._map, 0, *totals)
+        return True
+
+    def release(self, worker: int, key: bytes) -> bool:
+        """Count one connection of `key` on `worker` less. False: the table was busy and the
+        release is kept for `flush` (or the next admit or release) to apply."""
+        self._pending.append((worker, key))
+        return self.flush()
+
+    def _release(self, worker: int, key: bytes) -> None:
+        totals = self._totals()
+        totals[worker] = max(totals[worker] - 1, 0)
+        self._total.pack_into(self._map, 0, *totals)
+        i, found = self._find(key)
+        if not found:
+            return
+        counts = self._read(i)[2]
+        counts[worker] = max(counts[worker] - 1, 0)
+        if any(counts):
             self._write(i, key, True, counts)
-            totals[worker] += 1
-            self._total.pack_into(self._map, 0, *totals)
-            return True
+        else:
+            self._delete(i)
 
-    def release(self, worker: int, key: bytes) -> None:
-        with self._locked():
-            totals = self._totals()
-            totals[worker] = max(totals[worker] - 1, 0)
-            self._total.pack_into(self._map, 0, *totals)
-            i, found = self._find(key)
-            if not found:
-                return
-            counts = self._read(i)[2]
-            counts[worker] = max(counts[worker] - 1, 0)
-            if any(counts):
-                self._write(i, key, True, counts)
-            else:
-                self._delete(i)
-
-    def forget_worker(self, worker: int) -> None:
+    def forget_worker(self, worker: int) -> bool:
         """A worker is gone, and its connections with it: drop its counts, and rebuild the
-        table from what is left (merging any slot a kill mid-update left twice)."""
-        with self._locked():
-            totals = self._totals()
-            totals[worker] = 0
-            self._total.pack_into(self._map, 0, *totals)
-            live: dict[bytes, list[int]] = {}
-            for i in range(self.slots):
-                key, used, counts = self._read(i)
-                if not used:
-                    continue
-                counts[worker] = 0
-                if any(counts):
-                    merged = live.setdefault(key, [0] * self.workers)
-                    for w, n in enumerate(counts):
-                        merged[w] = max(merged[w], n)
-            empty = [0] * self.workers
-            for i in range(self.slots):
-                self._write(i, b"\0" * _KEY, False, empty)
-            for key, counts in live.items():
-                i, _ = self._find(key)
-                self._write(i, key, True, counts)
+        table from what is left (merging any slot a kill mid-update left twice). False: the
+        table was busy (another worker holds the lock): call again before the worker's
+        successor starts. The supervisor must not wait either: a stopped holder would keep
+        it from the heartbeat that replaces that holder."""
+        if not self._try_lock():
+            return False
+        try:
+            self._forget_worker(worker)
+        finally:
+            self._unlock()
+        return True
+
+    def _forget_worker(self, worker: int) -> None:
+        totals = self._totals()
+        totals[worker] = 0
+        self._total.pack_into(self._map, 0, *totals)
+        live: dict[bytes, list[int]] = {}
+        for i in range(self.slots):
+            key, used, counts = self._read(i)
+            if not used:
+                continue
+            counts[worker] = 0
+            if any(counts):
+                merged = live.setdefault(key, [0] * self.workers)
+                for w, n in enumerate(counts):
+                    merged[w] = max(merged[w], n)
+        empty = [0] * self.workers
+        for i in range(self.slots):
+            self._write(i, b"\0" * _KEY, False, empty)
+        for key, counts in live.items():
+            i, _ = self._find(key)
+            self._write(i, key, True, counts)
 
     def open_connections(self) -> int:
-        with self._locked():
+        with self._locked_blocking():
             return sum(self._totals())
 
     def count(self, key: bytes) -> int:
-        with self._locked():
+        with self._locked_blocking():
             i, found = self._find(key)
             return sum(self._read(i)[2]) if found else 0

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from smtpguard.events.mailbox import MailboxServer
     from smtpguard.events.sources import Sources
     from smtpguard.events.web import EventsServer
+    from smtpguard.heartbeat import Answerer
     from smtpguard.workers import WorkerRole
 
 log = logging.getLogger("smtpguard.server")
@@ -171,6 +172,8 @@ class Server:
         self.draining = False
         self.orphaned = asyncio.Event()
         """Set when this worker's supervisor is gone: the worker drains and exits."""
+        self.heartbeat: Answerer | None = None
+        """A worker's answers to its supervisor's heartbeat, until the very end of stop()."""
 
     @property
     def singleton(self) -> bool:
@@ -263,6 +266,7 @@ class Server:
             self._tasks.append(asyncio.create_task(self._purge()))
         if self.role is not None:
             self._tasks.append(asyncio.create_task(self._watch_supervisor()))
+            self.heartbeat = self.role.answer_heartbeats(self._supervisor_gone)
         self._start_prober(config, secrets)
         log.info(
             "smtpguard started",
@@ -583,7 +587,11 @@ class Server:
         # (PR_SET_PDEATHSIG is Linux-only): look once a second.
         while not self.role.orphaned():  # noqa: ASYNC110
             await asyncio.sleep(1.0)
-        log.error("the supervisor is gone; stopping this worker")
+        self._supervisor_gone()
+
+    def _supervisor_gone(self) -> None:
+        if not self.orphaned.is_set():
+            log.error("the supervisor is gone; stopping this worker")
         self.orphaned.set()
 
     async def _purge(self) -> None:
@@ -664,6 +672,8 @@ class Server:
             await asyncio.sleep(0)
         if self.store is not None:
             await self.store.close()
+        if self.heartbeat is not None:
+            self.heartbeat.close()
         self._stopped.set()
         log.info("smtpguard stopped")
 

@@ -22,7 +22,12 @@ and every restarted worker, read), and each worker is sent SIGUSR1 to reload it.
 ignore SIGHUP, so a signal sent to the whole process group is not applied twice.
 
 A worker that dies is started again (smtpguard/policy/restart.py decides when), logged
-with its exit status; its ledger leases cover what it had in flight.
+with its exit status; its ledger leases cover what it had in flight. A worker that is
+alive but whose event loop no longer answers the heartbeat for `workers_heartbeat`
+(smtpguard/heartbeat.py) is killed, and then restarted like any dead one.
+
+The run directory (smtpguard/run_dir.py) is removed at exit; one left by a supervisor
+killed with `kill -9` is removed at the next start.
 """
 
 from __future__ import annotations
@@ -35,7 +40,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,8 +48,10 @@ from types import FrameType
 from smtpguard import notify
 from smtpguard.config import Config, ConfigError, loads, provider_secrets, worker_count
 from smtpguard.connection_table import ConnectionTable
+from smtpguard.heartbeat import Beat
 from smtpguard.metrics import count_refused_reload, fold_dead_worker
 from smtpguard.policy.restart import after_exit
+from smtpguard.run_dir import RunDir, remove_leftovers
 from smtpguard.workers import ENV, INHERIT, REUSEPORT, WorkerRole, bound_socket, reuseport_available
 
 log = logging.getLogger("smtpguard.supervisor")
@@ -70,6 +76,12 @@ class Slot:
     reload_pending: bool = False
     """A reload arrived while it was starting: it gets SIGUSR1 once it is ready (before
     that, SIGUSR1 would kill it: its handler is not installed yet)."""
+    beat: Beat | None = None
+    wedged: bool = False
+    """Killed for its silence: its exit is logged as such."""
+    counted: bool = False
+    """Its dead predecessor's connections are still in the shared table (the table was
+    busy when it died): cleared before this slot starts again."""
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -96,10 +108,12 @@ def _worker_signals() -> None:
 
 
 class Supervisor:
-    def __init__(self, config: Config, config_path: Path, run_dir: Path) -> None:
+    def __init__(self, config: Config, config_path: Path, run_dir: Path, lock_fd: int = -1) -> None:
         self.config = config
         self.config_path = config_path
         self.run_dir = run_dir
+        self.lock_fd = lock_fd
+        """The run directory's lock (run_dir.py), which every worker inherits."""
         self.count = worker_count(config.workers)
         self.mode = REUSEPORT if reuseport_available() else INHERIT
         self.sockets: list[socket.socket] = []
@@ -162,7 +176,7 @@ class Supervisor:
         self.sockets.append(sock)
         return host, port, sock.fileno() if self.mode == INHERIT else -1
 
-    def _role(self, index: int) -> WorkerRole:
+    def _role(self, index: int, heartbeat: int) -> WorkerRole:
         return WorkerRole(
             index=index,
             count=self.count,
@@ -171,19 +185,32 @@ class Supervisor:
             listen=self.listen,
             metrics=self.metrics,
             supervisor=os.getpid(),
+            heartbeat=heartbeat,
         )
 
     def _spawn(self, slot: Slot) -> None:
-        env = {**os.environ, ENV: self._role(slot.index).to_env()}
+        beat, theirs = Beat.pair()
+        env = {**os.environ, ENV: self._role(slot.index, theirs.fileno()).to_env()}
         env["PROMETHEUS_MULTIPROC_DIR"] = str(self.run_dir / "metrics")
         env.pop("NOTIFY_SOCKET", None)  # systemd hears from the supervisor only
         fds = [fd for _, _, fd in [*self.listen, *([self.metrics] if self.metrics else [])] if fd >= 0]
-        slot.proc = subprocess.Popen(
-            [sys.executable, "-m", "smtpguard", "serve", "-c", str(self.run_dir / "config.yaml")],
-            env=env,
-            pass_fds=fds,
-            preexec_fn=_worker_signals,
-        )
+        fds.append(theirs.fileno())
+        if self.lock_fd >= 0:
+            fds.append(self.lock_fd)
+        try:
+            slot.proc = subprocess.Popen(
+                [sys.executable, "-m", "smtpguard", "serve", "-c", str(self.run_dir / "config.yaml")],
+                env=env,
+                pass_fds=fds,
+                preexec_fn=_worker_signals,
+            )
+        except BaseException:
+            beat.close()
+            raise
+        finally:
+            theirs.close()
+        slot.beat = beat
+        slot.wedged = False
         slot.started = time.monotonic()
         slot.ready = False
         slot.reload_pending = False  # it reads the current config.yaml at start
@@ -251,13 +278,19 @@ class Supervisor:
     def _watch(self, slot: Slot, now: float) -> None:
         proc = slot.proc
         if proc is None:
-            if slot.due is not None and now >= slot.due and not self.stopping:
+            if slot.counted and self.table is not None:
+                slot.counted = not self.table.forget_worker(slot.index)
+            if slot.due is not None and now >= slot.due and not self.stopping and not slot.counted:
                 self._spawn(slot)
             return
         code = proc.poll()
         if code is None:
-            if not slot.ready and (self.run_dir / "ready" / str(proc.pid)).exists():
+            if slot.ready:
+                self._heartbeat(slot, proc, now)
+            elif (self.run_dir / "ready" / str(proc.pid)).exists():
                 slot.ready = slot.ever_ready = True
+                if slot.beat is not None:
+                    slot.beat.restart(now)
                 log.info("worker ready", extra={"worker": slot.index, "pid": proc.pid})
                 if slot.reload_pending:
                     slot.reload_pending = False
@@ -268,10 +301,13 @@ class Supervisor:
                     notify.ready(f"serving {len(self.config.zones)} zone(s) with {self.count} workers")
             return
         slot.proc = None
+        if slot.beat is not None:
+            slot.beat.close()
+            slot.beat = None
         if self.stopping and code in (-signal.SIGTERM, -signal.SIGINT) and not slot.ready:
             code = 0  # stopped while still starting (SIGINT: a Ctrl-C to the group): nothing to drain
         slot.exits.append(code)
-        self._forget(proc.pid, slot.index)
+        self._forget(proc.pid, slot)
         uptime = now - slot.started
         if self.stopping:
             # The exit status answers "did every worker stop cleanly": a worker that had
@@ -299,14 +335,37 @@ class Supervisor:
             extra={
                 "worker": slot.index,
                 "pid": proc.pid,
-                "status": _describe(code),
+                "status": _describe(code) + (" (missed its heartbeat)" if slot.wedged else ""),
                 "uptime_s": round(uptime, 1),
                 "restart_in_s": restart.delay,
                 "quick_exits": restart.streak,
             },
         )
 
-    def _forget(self, pid: int, index: int) -> None:
+    def _heartbeat(self, slot: Slot, proc: subprocess.Popen[bytes], now: float) -> None:
+        if slot.beat is None or slot.wedged:
+            return
+        heartbeat = self.config.workers_heartbeat
+        silent = slot.beat.tick(now, heartbeat)
+        if silent <= heartbeat:
+            return
+        # SIGKILL: a stopped process cannot run a SIGTERM handler, and a wedged loop would
+        # never drain. Its sockets close with it, so the kernel stops handing it
+        # connections; its leases cover what it had in flight, as after any kill -9.
+        log.error(
+            "worker missed its heartbeat; killing it",
+            extra={
+                "worker": slot.index,
+                "pid": proc.pid,
+                "silent_s": round(silent, 1),
+                "heartbeat_s": heartbeat,
+            },
+        )
+        slot.wedged = True
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+
+    def _forget(self, pid: int, slot: Slot) -> None:
         """A dead worker's connections are closed and its live gauges mean nothing now."""
         from prometheus_client import multiprocess
 
@@ -319,7 +378,7 @@ class Supervisor:
         with contextlib.suppress(FileNotFoundError):
             (self.run_dir / "ready" / str(pid)).unlink()
         if self.table is not None:
-            self.table.forget_worker(index)
+            slot.counted = not self.table.forget_worker(slot.index)
 
     def _reload(self) -> None:
         notify.reloading()
@@ -369,10 +428,12 @@ class Supervisor:
 
 
 def supervise(config: Config, config_path: Path) -> int:
-    run_dir = Path(tempfile.mkdtemp(prefix="smtpguard-workers-"))
+    for path in remove_leftovers():
+        log.warning("removed the run directory of a supervisor that is gone", extra={"path": str(path)})
+    run_dir = RunDir.create()
     try:
-        supervisor = Supervisor(config, config_path, run_dir)
+        supervisor = Supervisor(config, config_path, run_dir.path, run_dir.lock_fd)
         supervisor.prepare()
         return supervisor.run()
     finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.remove()

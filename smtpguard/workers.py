@@ -3,7 +3,7 @@
 The supervisor (smtpguard/supervisor.py) starts each worker as `smtpguard serve` with
 SMTPGUARD_WORKER in its environment (JSON: index, count, the run directory, the resolved
 listener ports, how to share them). The worker then runs the same Server as `workers: 1`,
-with four differences, all asked of the `WorkerRole` here:
+with five differences, all asked of the `WorkerRole` here:
 
 - its listening sockets join the supervisor's SO_REUSEPORT group (or are inherited from
   it where the platform has no SO_REUSEPORT), so the kernel spreads connections;
@@ -11,19 +11,27 @@ with four differences, all asked of the `WorkerRole` here:
 - jobs that must run once per host (the ledger purge, the store-derived gauges, the
   provider-event and console listeners) run only in worker 0;
 - metrics go to prometheus_client's multiprocess files, and any worker answering a scrape
-  reports the sum (the metrics port is in the SO_REUSEPORT group too).
+  reports the sum (the metrics port is in the SO_REUSEPORT group too);
+- its event loop answers the supervisor's heartbeat (smtpguard/heartbeat.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import socket
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from smtpguard.connection_table import ConnectionTable, address_key
+from smtpguard.heartbeat import Answerer
 from smtpguard.listener import Connections
+
+log = logging.getLogger("smtpguard.workers")
 
 ENV = "SMTPGUARD_WORKER"
 REUSEPORT = "reuseport"
@@ -72,6 +80,8 @@ class WorkerRole:
     metrics: tuple[str, int, int] | None
     supervisor: int
     """The supervisor's pid: a worker whose parent changed stops (its supervisor died)."""
+    heartbeat: int = -1
+    """The inherited fd of this worker's end of the heartbeat (smtpguard/heartbeat.py)."""
 
     @property
     def singleton(self) -> bool:
@@ -102,6 +112,7 @@ class WorkerRole:
                 "listen": self.listen,
                 "metrics": self.metrics,
                 "supervisor": self.supervisor,
+                "heartbeat": self.heartbeat,
             }
         )
 
@@ -120,6 +131,7 @@ class WorkerRole:
             listen=[(str(h), int(p), int(fd)) for h, p, fd in d["listen"]],
             metrics=(str(metrics[0]), int(metrics[1]), int(metrics[2])) if metrics else None,
             supervisor=int(d["supervisor"]),
+            heartbeat=int(d.get("heartbeat", -1)),
         )
 
     def _socket(self, host: str, port: int, fd: int) -> socket.socket:
@@ -146,20 +158,46 @@ class WorkerRole:
         """Listening, store open: the supervisor tells systemd once every worker is."""
         (self.run_dir / "ready" / str(os.getpid())).touch()
 
+    def answer_heartbeats(self, on_gone: Callable[[], None]) -> Answerer | None:
+        """Answer the supervisor's pings from the running loop (None: no heartbeat fd)."""
+        return Answerer(self.heartbeat, on_gone) if self.heartbeat >= 0 else None
+
     def orphaned(self) -> bool:
         return os.getppid() != self.supervisor
 
 
 class SharedConnections(Connections):
-    """The listener's connection counts, with the limits checked against every worker's."""
+    """The listener's connection counts, with the limits checked against every worker's.
+
+    When the shared table is busy (its lock held past a few tries: a worker stopped while it
+    held it), a connection is judged on this worker's own counts instead, so the limits are
+    per worker, not per host, until the table is free: a stalled neighbour costs precision
+    for a moment, never this worker's event loop. Such a connection is released here only."""
+
+    FLUSH_AFTER = 0.05
+    """Seconds between tries to apply releases the busy table could not take."""
 
     def __init__(self, table: ConnectionTable, worker: int) -> None:
         super().__init__()
         self.table = table
         self.worker = worker
+        self.unshared: Counter[str] = Counter()
+        """Connections admitted on this worker's counts alone while the table was busy."""
+        self._flush: asyncio.TimerHandle | None = None
+        self._busy_logged = False
 
     def admit(self, ip: str, max_total: int, max_per_ip: int) -> bool:
-        if not self.table.admit(self.worker, address_key(ip), max_total, max_per_ip):
+        got = self.table.admit(self.worker, address_key(ip), max_total, max_per_ip)
+        if got is None:
+            if not self._busy_logged:
+                self._busy_logged = True
+                log.warning("connection table busy: this worker counts its own connections until it is free")
+            if not super().admit(ip, max_total, max_per_ip):
+                return False
+            self.unshared[ip] += 1
+            return True
+        self._busy_logged = False
+        if not got:
             return False
         self.total += 1
         self.per_ip[ip] += 1
@@ -167,4 +205,24 @@ class SharedConnections(Connections):
 
     def release(self, ip: str) -> None:
         super().release(ip)
-        self.table.release(self.worker, address_key(ip))
+        if self.unshared[ip] > 0:
+            self.unshared[ip] -= 1
+            if not self.unshared[ip]:
+                del self.unshared[ip]
+            return
+        if not self.table.release(self.worker, address_key(ip)):
+            self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        if self._flush is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop (a stop): the next admit or release applies it
+        self._flush = loop.call_later(self.FLUSH_AFTER, self._retry_flush)
+
+    def _retry_flush(self) -> None:
+        self._flush = None
+        if not self.table.flush():
+            self._schedule_flush()

@@ -447,9 +447,12 @@ class RedisStore:
             for name in ("appendonly", "appendfsync", "maxmemory-policy", "maxmemory"):
                 got.update({str(k): str(v) for k, v in (await self._r.config_get(name)).items()})
         except ResponseError as e:
+            # Fail closed: an unverifiable store is judged as an unsafe one (store.unsafe
+            # turns this into a warning, as for any other finding).
             return [
                 f"CONFIG GET is refused ({e}), so appendonly, appendfsync and "
-                "maxmemory-policy cannot be checked"
+                "maxmemory-policy cannot be checked; grant the store's Redis user +config|get "
+                "(docs/redis.md, Security)"
             ]
         problems = []
         if got.get("appendonly") != "yes":
