@@ -112,6 +112,9 @@ class Record:
     lost_until: float | None = None
     """Until then that owner may still be in DATA with the provider (its lease plus the
     route's send timeout): `resolve --as retry` before it could send the event twice."""
+    via: str | None = None
+    """The provider the current attempt's DATA went to (noted with data_sent, before any
+    outcome): how its provider's events find a record still in flight or left unknown."""
     rcpt_tags: tuple[str, ...] = ()
     """A short hash of each envelope recipient (senders.recipient_tag): a provider event
     suppresses an address only if it was one of them, without the ledger keeping them."""
@@ -152,6 +155,7 @@ class Record:
             "unrefunded": list(self.unrefunded),
             "username": self.username,
             "attempts": [_attempt_to_dict(a) for a in self.attempts],
+            **({"via": self.via} if self.via is not None else {}),
             "audit": [
                 {
                     "at": e.at,
@@ -189,6 +193,7 @@ class Record:
             expires_at=d.get("expires_at"),
             lost_owner=d.get("lost_owner"),
             lost_until=d.get("lost_until"),
+            via=d.get("via"),
             rcpt_tags=tuple(d.get("rcpt_tags", ())),
             unrefunded=tuple(d.get("unrefunded", ())),
             username=d.get("username"),
@@ -428,6 +433,7 @@ def _fresh(sub: Submission, now: float, s: LedgerSettings) -> Record:
         owner=sub.instance,
         lease_until=now + s.lease,
         phase=Phase.BEFORE_DATA,
+        via=None,
     )
 
 
@@ -460,6 +466,7 @@ def _retry(existing: Record, sub: Submission, now: float, s: LedgerSettings) -> 
         owner=sub.instance,
         lease_until=now + s.lease,
         phase=Phase.BEFORE_DATA,
+        via=None,
         next_attempt_at=None,
         message_id=sub.message_id or existing.message_id,
         rcpt_tags=existing.rcpt_tags or sub.rcpt_tags,
@@ -501,11 +508,15 @@ def owns(rec: Record, attempt_id: str) -> bool:
     return rec.state is State.IN_FLIGHT and rec.sg_id == attempt_id
 
 
-def mark_data_sent(rec: Record, attempt_id: str, now: float, s: LedgerSettings) -> Record | None:
-    """Persisted before DATA: from here a crash means `unknown`, never a blind retry."""
+def mark_data_sent(
+    rec: Record, attempt_id: str, now: float, s: LedgerSettings, provider: str | None = None
+) -> Record | None:
+    """Persisted before DATA: from here a crash means `unknown`, never a blind retry.
+    `provider` is where the DATA goes: its events find the record before the outcome is
+    written, and after a lost lease (DESIGN.md §18)."""
     if not owns(rec, attempt_id):
         return None
-    return _bump(rec, now, phase=Phase.DATA_SENT, lease_until=now + s.lease)
+    return _bump(rec, now, phase=Phase.DATA_SENT, lease_until=now + s.lease, via=provider)
 
 
 def renew_lease(rec: Record, attempt_id: str, now: float, s: LedgerSettings) -> Record | None:
@@ -710,6 +721,7 @@ def on_claim(rec: Record, attempt_id: str, instance: str, now: float, s: LedgerS
         owner=instance,
         lease_until=now + s.lease,
         phase=Phase.BEFORE_DATA,
+        via=None,
         next_attempt_at=None,
     )
     # An in_flight record here lost its worker before DATA: its unit goes back.
