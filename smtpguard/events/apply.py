@@ -62,8 +62,11 @@ class Applier:
         if in_flight_through(record, provider):
             return Applied.RETRY_LATER, record
         reason, effect = effect_of(event, record.rcpt_tags)
+        event_id = event.event_id
         if not trusted:
-            reason, effect = None, "unverified"
+            # Its own id: an unverified copy that came first must not make the genuine
+            # report a duplicate of it.
+            reason, effect, event_id = None, "unverified", f"unverified:{event_id}"
         stored = StoredEvent(
             at=event.at,
             source=event.source,
@@ -71,7 +74,7 @@ class Applier:
             provider_type=event.provider_type,
             recipient=event.recipient,
             status=event.status,
-            id=event.event_id,
+            id=event_id,
             effect=effect,
             received_at=self.clock(),
         )

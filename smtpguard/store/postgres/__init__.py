@@ -695,7 +695,7 @@ class PostgresStore:
         if field == "message_id":
             column, wanted = "{t}.mid", bare_message_id(value)
         elif field == "sg_id":
-            column, wanted = "substring({t}.data from '\"sg_id\":\"([^\"]*)\"')", value.strip()
+            column, wanted = 'substring({t}.data from \'"sg_id":"([^"]*)"\')', value.strip()
         else:
             column, wanted = "{t}.uid", value.strip()
         # The other-zone test is part of the query, before the LIMIT (DESIGN.md §18).
