@@ -16,6 +16,9 @@ import pytest
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 
+from smtpguard.events.apply import Applied, Applier
+from smtpguard.events.model import Kind as EventKind
+from smtpguard.events.model import Match, ProviderEvent
 from smtpguard.policy import ledger
 from smtpguard.policy.ledger import LedgerSettings, Record, State, Submission
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached, Caps, cap_check, month_of
@@ -1345,6 +1348,41 @@ async def test_a_message_id_in_two_zones_finds_both(store: Store) -> None:
         rec = replace(fresh("k", zone=zone), message_id="<shared@x>")
         assert await store.reserve(rec, None, None, False) == Reserved()
     assert sorted(r.zone for r in await store.find_records("message_id", "shared@x")) == ["acme", "globex"]
+
+
+def through(rec: Record, provider: str = "primary") -> Record:
+    """The record with its attempt's outcome written: delivered by `provider`."""
+    sent = ledger.Attempt(rec.sg_id, rec.updated_at, "inst-1", provider, "data_sent", "delivered")
+    return replace(rec, attempts=(sent,))
+
+
+async def test_a_message_id_shared_by_two_zones_matches_neither_however_many_share_it(store: Store) -> None:
+    # 101 records of one zone hold the id before one of another zone: a limit of 100 rows
+    # read before the one-zone rule would see only the first zone and match its record.
+    for i in range(101):
+        rec = through(replace(settled(fresh(f"k{i:03d}"), NOW + i), message_id="<shared@x>"))
+        assert await store.reserve(rec, None, None, False) == Reserved()
+    other = through(replace(settled(fresh("g", zone="globex"), NOW + 200), message_id="<shared@x>"))
+    assert await store.reserve(other, None, None, False) == Reserved()
+    assert await store.records_for_event("message_id", "shared@x") == []
+    applier = Applier(store, lambda: {"acme", "globex"}, lambda: NOW + 300)
+    bounce = ProviderEvent(
+        "mg", EventKind.BOUNCE, "failed/permanent", "gone@example.net", "5.1.1", NOW + 250, "ev-1",
+        Match(message_ids=("<shared@x>",)),
+    )  # fmt: skip
+    assert await applier.apply("primary", bounce) == (Applied.UNMATCHED, None)
+    for zone in ("acme", "globex"):
+        assert await store.suppress_list(zone) == []
+    assert await store.provider_events("acme", "k000") == []
+    assert await store.provider_events("globex", "g") == []
+    # One zone only: its records, newest first.
+    for i in range(3):
+        rec = through(replace(settled(fresh(f"u{i}"), NOW + 400 + i), message_id="<one-zone@x>"))
+        assert await store.reserve(rec, None, None, False) == Reserved()
+    found = [r.key for r in await store.records_for_event("message_id", "<one-zone@x>")]
+    assert found[0] == "u2" and sorted(found) == (
+        ["u2"] if isinstance(store, RedisStore) else ["u0", "u1", "u2"]
+    )
 
 
 async def test_an_event_is_applied_once_with_its_suppression(store: Store) -> None:
