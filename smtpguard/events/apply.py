@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable, Collection
 from enum import StrEnum
 
-from smtpguard.events.model import Match, ProviderEvent, StoredEvent, effect_of
+from smtpguard.events.model import Match, ProviderEvent, StoredEvent, effect_of, key_of_tag
 from smtpguard.policy.ledger import Phase, Record, State
 from smtpguard.store import Store
 from smtpguard.store.base import IdField
@@ -87,7 +87,10 @@ class Applier:
 
     async def find(self, provider: str, match: Match) -> Record | None:
         zones = self.zones()
-        for qualified in match.keys:
+        for tag in match.keys:
+            qualified = key_of_tag(tag)
+            if qualified is None:
+                continue
             zone, sep, key = qualified.partition(":")
             if sep and zone in zones:
                 record = await self.store.get(zone, key)
