@@ -1385,6 +1385,39 @@ async def test_a_message_id_shared_by_two_zones_matches_neither_however_many_sha
     )
 
 
+async def test_an_event_for_a_send_in_flight_is_retry_later_and_after_a_lost_lease_it_matches(
+    store: Store,
+) -> None:
+    s = LedgerSettings()
+    rec = fresh("k")
+    assert await store.reserve(rec, None, None, False) == Reserved()
+    sending = ledger.mark_data_sent(rec, rec.sg_id, NOW + 1, s, "primary")
+    assert sending is not None and await store.put(sending, rec.version) is None
+    applier = Applier(store, lambda: {"acme"}, lambda: NOW + 2)
+
+    def bounce(event_id: str) -> ProviderEvent:
+        return ProviderEvent(
+            "mg", EventKind.BOUNCE, "failed/permanent", None, "5.1.1", NOW + 2, event_id,
+            Match(keys=("acme:k",), message_ids=("<k@test>",)),
+        )  # fmt: skip
+
+    # The final dot is with primary, its outcome not written: retry later, nothing kept.
+    assert (await applier.apply("primary", bounce("e1")))[0] is Applied.RETRY_LATER
+    assert await store.provider_events("acme", "k") == []
+    # Another provider's source cannot have the message: unmatched.
+    assert (await applier.apply("standby", bounce("e2")))[0] is Applied.UNMATCHED
+    # The owner's lease runs out before it writes the outcome: unknown, and still matched
+    # through the provider its DATA went to, whatever became of the lease.
+    later = NOW + s.lease + 5
+    sub = Submission("acme", "k", "fp:k", "att:again", "inst-2", "<k@test>")
+    verdict = ledger.decide(sending, sub, later, s)
+    assert isinstance(verdict, ledger.Transition) and verdict.record.state is State.UNKNOWN
+    assert await store.put(verdict.record, sending.version) is None
+    assert (await applier.apply("primary", bounce("e3")))[0] is Applied.APPLIED
+    assert [e.id for e in await store.provider_events("acme", "k")] == ["e3"]
+    assert (await applier.apply("standby", bounce("e4")))[0] is Applied.UNMATCHED
+
+
 async def test_an_event_is_applied_once_with_its_suppression(store: Store) -> None:
     before = await store.suppression_versions("acme")
     assert await store.apply_event(

@@ -377,7 +377,7 @@ def _lost_after_dot(rec: Record, now: float, s: LedgerSettings) -> Record:
         attempt_id=f"{rec.sg_id}:lost",
         at=now,
         instance=rec.owner or "?",
-        provider=None,
+        provider=rec.via,
         phase=Phase.DATA_SENT.value,
         outcome="unknown",
         text="lease lost after the data_sent note: the final dot may have reached the provider",
