@@ -497,9 +497,10 @@ class Submitter:
         async def renew() -> None:
             await write(lambda r: ledger.renew_lease(r, sub.attempt_id, self.clock(), s))
 
-        if self.verp is not None:
+        if self.verp is not None and env.sender:
             # Every provider of the route (failover and standby too) sends with the token,
-            # so a report about this attempt can prove it is one (DESIGN.md §18).
+            # so a report about this attempt can prove it is one (DESIGN.md §18). A null
+            # sender (<>, a message that must never be bounced) stays null.
             env = replace(env, sender=verp.sender(self.verp.secret, sub.attempt_id, self.verp.domain))
         held = self.leases.hold(renew, s.lease)
         try:

@@ -48,7 +48,8 @@ def key_of_tag(value: str) -> str | None:
         return value
     text = value[len(ENCODED_TAG) :]
     try:
-        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode("utf-8", "surrogateescape")
+        raw = base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True)
+        return raw.decode("utf-8", "surrogateescape") or None
     except (binascii.Error, ValueError):
         return None
 
