@@ -307,6 +307,8 @@ class Submitter:
             max_age,
             tuple(sorted({recipient_tag(r) for r in rcpt_tos})),
             principal.username,
+            # Kept where VERP replaces it on the wire (DESIGN.md §18).
+            sender=mail_from if self.verp is not None else None,
         )
         settings = self.settings(zone)
         try:

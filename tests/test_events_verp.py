@@ -184,6 +184,7 @@ async def test_every_relayed_message_leaves_with_a_verp_sender_through_every_pro
             record = await guard.store.get(zone, key)
             assert record is not None and record.sg_id == m.group(1)
             assert [a.provider for a in record.attempts][-1] == "standby"
+            assert record.sender == header_from  # the client's envelope sender, kept
             assert got.header("From") == header_from  # the header From is never touched
 
 

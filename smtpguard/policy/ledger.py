@@ -112,6 +112,9 @@ class Record:
     lost_until: float | None = None
     """Until then that owner may still be in DATA with the provider (its lease plus the
     route's send timeout): `resolve --as retry` before it could send the event twice."""
+    sender: str | None = None
+    """The client's envelope sender (MAIL FROM), kept when relayed mail leaves with a VERP
+    sender instead (DESIGN.md §18); None otherwise."""
     via: str | None = None
     """The provider the current attempt's DATA went to (noted with data_sent, before any
     outcome): how its provider's events find a record still in flight or left unknown."""
@@ -156,6 +159,7 @@ class Record:
             "username": self.username,
             "attempts": [_attempt_to_dict(a) for a in self.attempts],
             **({"via": self.via} if self.via is not None else {}),
+            **({"sender": self.sender} if self.sender is not None else {}),
             "audit": [
                 {
                     "at": e.at,
@@ -194,6 +198,7 @@ class Record:
             lost_owner=d.get("lost_owner"),
             lost_until=d.get("lost_until"),
             via=d.get("via"),
+            sender=d.get("sender"),
             rcpt_tags=tuple(d.get("rcpt_tags", ())),
             unrefunded=tuple(d.get("unrefunded", ())),
             username=d.get("username"),
@@ -242,6 +247,8 @@ class Submission:
     username: str | None = None
     """The SMTP user who submitted it: its own caps (DESIGN.md §16) are counted when the
     message is sent, which in store-and-forward is long after the session."""
+    sender: str | None = None
+    """The client's envelope sender, kept when VERP replaces it on the wire (§18)."""
 
 
 # --- verdicts --------------------------------------------------------------------------------
@@ -417,6 +424,7 @@ def _fresh(sub: Submission, now: float, s: LedgerSettings) -> Record:
         "rcpt_tags": sub.rcpt_tags,
         "valid_until": now + s.derive_window if sub.derived else None,
         "username": sub.username,
+        "sender": sub.sender,
     }
     if sub.lane is not None:
         return Record(
@@ -454,6 +462,7 @@ def _retry(existing: Record, sub: Submission, now: float, s: LedgerSettings) -> 
             message_id=sub.message_id or existing.message_id,
             rcpt_tags=existing.rcpt_tags or sub.rcpt_tags,
             username=sub.username or existing.username,
+        sender=sub.sender or existing.sender,
             lane=sub.lane,
             queue_id=sub.attempt_id,
             expires_at=now + sub.max_age if sub.max_age is not None else None,
@@ -471,6 +480,7 @@ def _retry(existing: Record, sub: Submission, now: float, s: LedgerSettings) -> 
         message_id=sub.message_id or existing.message_id,
         rcpt_tags=existing.rcpt_tags or sub.rcpt_tags,
         username=sub.username or existing.username,
+        sender=sub.sender or existing.sender,
     )
 
 
