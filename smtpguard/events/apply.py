@@ -1,10 +1,12 @@
 """Find the ledger record a provider event is about, and apply the event to it (§13).
 
 Matching is restricted to records the event's provider could have sent: the record has an
-attempt through the source's `provider`. It tries the zone-qualified key the provider
-echoed, then the Message-ID, then the upstream id from the provider's 250; an id that names
-records in two zones (two clients chose the same Message-ID) is not trusted and the next
-way is tried. An event that finds no record changes nothing; one about a send still in
+attempt through the source's `provider`, or its current attempt's DATA went there. It tries
+the zone-qualified key smtpguard wrote and the provider echoed, then smtpguard's attempt
+id, the upstream id from the provider's 250, and last the Message-ID; an id that names
+records in two zones (two clients chose the same Message-ID), or records sent through
+another provider too, is not trusted and the next way is tried — the store applies the
+two-zone rule in its query, so no row limit hides the other zone (DESIGN.md §18). An event that finds no record changes nothing; one about a send still in
 flight is answered "retry later" (DESIGN.md §18).
 """
 
