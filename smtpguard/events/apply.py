@@ -6,8 +6,9 @@ the zone-qualified key smtpguard wrote and the provider echoed, then smtpguard's
 id, the upstream id from the provider's 250, and last the Message-ID; an id that names
 records in two zones (two clients chose the same Message-ID), or records sent through
 another provider too, is not trusted and the next way is tried — the store applies the
-two-zone rule in its query, so no row limit hides the other zone (DESIGN.md §18). An event that finds no record changes nothing; one about a send still in
-flight is answered "retry later" (DESIGN.md §18).
+two-zone rule in its query, so no row limit hides the other zone (DESIGN.md §18). An event
+that finds no record changes nothing; one about a send still in flight is answered "retry
+later".
 """
 
 from __future__ import annotations
