@@ -462,7 +462,7 @@ def _retry(existing: Record, sub: Submission, now: float, s: LedgerSettings) -> 
             message_id=sub.message_id or existing.message_id,
             rcpt_tags=existing.rcpt_tags or sub.rcpt_tags,
             username=sub.username or existing.username,
-        sender=sub.sender or existing.sender,
+            sender=sub.sender or existing.sender,
             lane=sub.lane,
             queue_id=sub.attempt_id,
             expires_at=now + sub.max_age if sub.max_age is not None else None,
