@@ -674,6 +674,9 @@ SOURCE_KINDS = ("mailgun", "sendgrid", "svix", "postmark", "ses")
 _SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
+_VERP_DOMAIN = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,63}\.?$")
+
+
 class MailboxConfig(_Strict):
     """RFC 3464 DSNs and RFC 5965 ARF reports mailed to `address` at the `listen` listener."""
 
@@ -682,12 +685,34 @@ class MailboxConfig(_Strict):
     provider: str
     """Events from this mailbox match records relayed through this provider."""
     max_message_size: Size = 1_000_000
+    domain: str | None = None
+    """The VERP domain (DESIGN.md §18), whose MX points at this listener: relayed mail
+    leaves with the envelope sender `b+TOKEN@DOMAIN`, and only a report mailed to a token
+    that verifies has effects. Without it, reports join a record's history only."""
+    secret_env: str | None = None
+    """The secret the tokens are signed with (HMAC-SHA256); needed with `domain`."""
+    secret_file: FilePath | None = None
 
     @field_validator("listen")
     @classmethod
     def _listen(cls, v: str) -> str:
         _host_port(v)
         return v
+
+    @field_validator("domain")
+    @classmethod
+    def _domain(cls, v: str | None) -> str | None:
+        if v is not None and not _VERP_DOMAIN.match(v):
+            raise ValueError(f"VERP domain {v!r} is not a DNS name (letters, digits, - and .)")
+        return v
+
+    @model_validator(mode="after")
+    def _verp_secret(self) -> MailboxConfig:
+        if self.secret_env and self.secret_file:
+            raise FieldProblem(("secret_file",), "give secret_env or secret_file, not both")
+        if self.domain and not (self.secret_env or self.secret_file):
+            raise FieldProblem(("domain",), "domain needs secret_env or secret_file (never inline)")
+        return self
 
     @field_validator("address")
     @classmethod

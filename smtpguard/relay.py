@@ -41,6 +41,8 @@ log = logging.getLogger("smtpguard.relay")
 
 Health = Literal["ok", "fail", "trip"]
 BeforeData = Callable[[], Awaitable[None]]
+MarkSent = Callable[[str], Awaitable[None]]
+"""The route's data_sent note, told which provider the DATA goes to."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -853,7 +855,7 @@ class Route:
             return None
         return await self.gate.blocked_route(p.name for p in self.providers_for(zone))
 
-    async def send(self, env: Envelope, before_data: BeforeData) -> Outcome:
+    async def send(self, env: Envelope, before_data: MarkSent) -> Outcome:
         outcome, waits = await self._walk(env, before_data)
         if waits and outcome.kind is Kind.UNAVAILABLE:
             # Nothing was sent only because of throttling: say when to come back, so queued
@@ -861,7 +863,7 @@ class Route:
             return replace(outcome, wait_until=min(waits))
         return outcome
 
-    async def _walk(self, env: Envelope, before_data: BeforeData) -> tuple[Outcome, list[float]]:
+    async def _walk(self, env: Envelope, before_data: MarkSent) -> tuple[Outcome, list[float]]:
         fallback: Outcome | None = None
         unavailable = skipped = False
         waits: list[float] = []
@@ -885,7 +887,7 @@ class Route:
                         self.breakers[p.name] = self.breakers[p.name].release_probe()
                         waits.append(until)
                         continue
-                result = await self._attempt(p, env, before_data)
+                result = await self._attempt(p, env, _noting(before_data, p.name))
                 if result.rate_limited:
                     if gate is not None:
                         waits.append(await gate.throttle(p.name, result.outcome.reply))
@@ -969,6 +971,13 @@ class Route:
 
 async def _noop() -> None:
     return None
+
+
+def _noting(mark: MarkSent, provider: str) -> BeforeData:
+    async def before_data() -> None:
+        await mark(provider)
+
+    return before_data
 
 
 def build_providers(

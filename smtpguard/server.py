@@ -33,6 +33,7 @@ from smtpguard.recipient_domains import RecipientDomains
 from smtpguard.relay import Route, SmtpProvider, build_providers
 from smtpguard.store import Store, StoreUnavailable, store_from_url
 from smtpguard.submission import Principal, Result, Submitter
+from smtpguard.verp import VerpKey, verp_key
 
 if TYPE_CHECKING:
     from smtpguard.console.app import Console
@@ -152,6 +153,7 @@ class Server:
         self.worker: DeliveryWorker | None = None
         self.events: EventsServer | None = None
         self.mailbox: MailboxServer | None = None
+        self.verp: VerpKey | None = None
         self.console: Console | None = None
         self.event_applier: Applier | None = None
         self._background: set[asyncio.Future[None]] = set()
@@ -193,6 +195,7 @@ class Server:
     async def start(self) -> None:
         config = self.config
         secrets = provider_secrets(config)
+        self.verp = verp_key(config)
         sources = _event_sources(config)
         ssl_ctx = self.ssl_ctx = self.tls_current = tls_context(config)
         if ssl_ctx is not None:
@@ -218,6 +221,7 @@ class Server:
             # counters (the fleet's) after its own sends and in the gauge loop for all.
             self.cap_alerts = CapAlerts(lambda: self.config, self.store, self.metrics, self.clock)
         submitter = Submitter(config, self.store, self.route, self.instance, self.hostname, self.clock)
+        submitter.verp = self.verp
         self.submitter = submitter
         self._ensure_worker()
         self.handler = Handler(
@@ -296,8 +300,9 @@ class Server:
         if config.events.mailbox is not None:
             from smtpguard.events.mailbox import MailboxServer
 
+            mailbox = config.events.mailbox
             self.mailbox = MailboxServer(
-                config.events.mailbox, self.event_applier, self.hostname, self.metrics.provider_event
+                mailbox, self.event_applier, self.hostname, self.metrics.provider_event, self.verp
             )
             await self.mailbox.start()
             log.info(

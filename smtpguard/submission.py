@@ -17,12 +17,12 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from smtpguard import replies
 from smtpguard.class_pauses import ClassPauses
 from smtpguard.config import Config, ZoneConfig
-from smtpguard.policy import ledger
+from smtpguard.policy import ledger, verp
 from smtpguard.policy.eventkey import event_key, message_id_for
 from smtpguard.policy.fingerprint import fingerprint
 from smtpguard.policy.ledger import LedgerSettings, Phase, Record, State, Submission
@@ -52,6 +52,7 @@ from smtpguard.store import (
     StoreUnavailable,
 )
 from smtpguard.suppression import SuppressionCache
+from smtpguard.verp import VerpKey
 
 log = logging.getLogger("smtpguard.decision")
 
@@ -237,6 +238,8 @@ class Submitter:
         self.class_pauses = ClassPauses(store)
         self.on_enqueue: Callable[[], None] | None = None
         """Called after a store-and-forward acceptance, to wake the local delivery worker."""
+        self.verp: VerpKey | None = None
+        """With `events.mailbox.domain`: relayed mail's envelope sender carries a token."""
 
     async def submit(
         self, principal: Principal, mail_from: str, rcpt_tos: list[str], raw: bytes, smtputf8: bool = False
@@ -304,6 +307,8 @@ class Submitter:
             max_age,
             tuple(sorted({recipient_tag(r) for r in rcpt_tos})),
             principal.username,
+            # Kept where VERP replaces it on the wire (DESIGN.md §18).
+            sender=mail_from if self.verp is not None else None,
         )
         settings = self.settings(zone)
         try:
@@ -488,12 +493,17 @@ class Submitter:
                     raise LeaseLost()
                 state["rec"] = new
 
-        async def before_data() -> None:
-            await write(lambda r: ledger.mark_data_sent(r, sub.attempt_id, self.clock(), s))
+        async def before_data(provider: str) -> None:
+            await write(lambda r: ledger.mark_data_sent(r, sub.attempt_id, self.clock(), s, provider))
 
         async def renew() -> None:
             await write(lambda r: ledger.renew_lease(r, sub.attempt_id, self.clock(), s))
 
+        if self.verp is not None and env.sender:
+            # Every provider of the route (failover and standby too) sends with the token,
+            # so a report about this attempt can prove it is one (DESIGN.md §18). A null
+            # sender (<>, a message that must never be bounced) stays null.
+            env = replace(env, sender=verp.sender(self.verp.secret, sub.attempt_id, self.verp.domain))
         held = self.leases.hold(renew, s.lease)
         try:
             outcome = await self.route.send(env, before_data)

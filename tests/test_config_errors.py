@@ -314,3 +314,29 @@ def test_probe_waits_are_jittered_within_ten_percent() -> None:
     waits = [jittered(300.0, rng) for _ in range(200)]
     assert all(270.0 <= w <= 330.0 for w in waits)
     assert len({round(w) for w in waits}) > 20  # not one fixed offset shared by every instance
+
+
+@pytest.mark.parametrize(
+    ("mailbox", "path", "problem"),
+    [
+        ({"domain": "verp.guard.example"}, "events.mailbox.domain", "domain needs secret_env or secret_file"),
+        (
+            {"domain": "not a domain", "secret_env": "S"},
+            "events.mailbox.domain",
+            "VERP domain 'not a domain' is not a DNS name",
+        ),
+        (
+            {"domain": "verp.guard.example", "secret_env": "S", "secret_file": "/etc/hostname"},
+            "events.mailbox.secret_file",
+            "give secret_env or secret_file, not both",
+        ),
+    ],
+)
+def test_a_bad_verp_setting_names_its_path_and_line(
+    mailbox: dict[str, str], path: str, problem: str, tmp: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    box = {"listen": "127.0.0.1:2526", "address": "bounces@guard.test", "provider": "primary", **mailbox}
+    text = write_config(tmp / "v.yaml", base_config(tmp, 2525, events={"mailbox": box})).read_text()
+    err = check(tmp, text, capsys)
+    field = path.rsplit(".", 1)[1]
+    assert f"{path} (line {line_of(text, f'{field}:')}): " in err and problem in err, err

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session
 
 from tests.dns_support import NsdServer, nsd, txt
@@ -86,6 +87,11 @@ RECORDS = [
     "_dmarc.mixednull IN TXT " + txt("v=DMARC1; p=none"),
     "txtonly IN TXT " + txt("v=spf1 -all"),
     "_dmarc.txtonly IN TXT " + txt("v=DMARC1; rua=mailto:d@txtonly.test"),
+    # VERP domains of the events mailbox: one in place, one that cannot take reports
+    "verp.good IN TXT " + txt("v=spf1 include:_spf.primary.test -all"),
+    "verp.good IN MX 10 mx1.good.test.",
+    "verp.bad IN MX 0 .",
+    "verp.bad IN TXT " + txt("not spf"),
 ]
 
 
@@ -402,6 +408,41 @@ async def test_spf_on_the_providers_return_path_subdomain(tmp: Path, dns_server:
     # Looked for in the sender domain's own record, the same mechanism is not there.
     assert row(doc, "spf", "good.test", "apex")["status"] == "error"
     assert code == 1
+
+
+@pytest.mark.parametrize("domain", ["verp.good.test", "verp.bad.test"])
+async def test_the_verp_domain_mx_and_spf_for_each_provider(
+    domain: str, tmp: Path, dns_server: NsdServer
+) -> None:
+    providers = [
+        provider("primary", free_port(), spf="include:_spf.primary.test"),
+        provider("standby", free_port(), spf="include:spf.standby.test"),
+    ]
+    path = doctor_config(tmp, dns_server, providers)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["events"] = {
+        "mailbox": {
+            "listen": "127.0.0.1:0",
+            "address": "bounces@guard.test",
+            "provider": "primary",
+            "domain": domain,
+            "secret_env": "SMTPGUARD_TEST_VERP_SECRET",
+        }
+    }
+    write_config(path, cfg)
+    code, out, err = await doctor(path, "--json", "--zone", "good", "--no-probe")
+    doc = json.loads(out)
+    primary, standby = row(doc, "spf", domain, "primary"), row(doc, "spf", domain, "standby")
+    mx = row(doc, "mx", domain, None)
+    assert all(r["detail"].startswith("VERP domain: ") for r in (primary, standby, mx))
+    if domain == "verp.good.test":
+        assert (primary["status"], standby["status"], mx["status"]) == ("ok", "error", "ok"), doc
+        assert "include:spf.standby.test is not reached" in standby["detail"]
+        assert "mx1.good.test" in mx["detail"]
+    else:
+        assert (primary["status"], standby["status"], mx["status"]) == ("error", "error", "error"), doc
+        assert "null MX" in mx["detail"]
+    assert code == 1, err
 
 
 # --- the probe: AUTH and certificates --------------------------------------------------------

@@ -71,12 +71,36 @@ def arf(original_headers: str, feedback: str = "abuse") -> bytes:
     ).encode()
 
 
+VERP_DOMAIN = "verp.guard.test"
+VERP_SECRET_ENV = "SMTPGUARD_TEST_VERP_SECRET"
+
+
+def mailbox_config(verp: bool = True) -> dict[str, Any]:
+    mailbox: dict[str, Any] = {"listen": "127.0.0.1:0", "address": MAILBOX, "provider": "primary"}
+    if verp:
+        mailbox |= {"domain": VERP_DOMAIN, "secret_env": VERP_SECRET_ENV}
+    return mailbox
+
+
+@pytest.fixture(autouse=True)
+def verp_secret(monkeypatch: pytest.MonkeyPatch) -> str:
+    secret = "verp-test-secret-0123456789"
+    monkeypatch.setenv(VERP_SECRET_ENV, secret)
+    return secret
+
+
 @pytest.fixture
 async def guard(tmp: Path, upstream: Upstream) -> Any:
-    mailbox = {"listen": "127.0.0.1:0", "address": MAILBOX, "provider": "primary"}
-    cfg = base_config(tmp, upstream.port, events={"mailbox": mailbox})
+    cfg = base_config(tmp, upstream.port, events={"mailbox": mailbox_config()})
     async with running_guard(cfg) as server:
         yield server
+
+
+def bounce_address(upstream: Upstream) -> str:
+    """The envelope sender the upstream saw last: where a genuine report goes back to."""
+    sender = upstream.received[-1].mail_from
+    assert sender.startswith("b+") and sender.endswith("@" + VERP_DOMAIN), sender
+    return sender
 
 
 def mailbox_port(guard: Server) -> int:
@@ -103,7 +127,8 @@ async def test_a_dsn_for_a_relayed_message_suppresses_the_recipient(
 ) -> None:
     message_id, _ = await sent(guard, upstream, "invoice:1")
     headers = upstream.received[0].content.split(b"\r\n\r\n", 1)[0].decode()
-    assert (await deliver(guard, dsn(headers)))[0] == 250
+    bounces = bounce_address(upstream)
+    assert (await deliver(guard, dsn(headers), bounces))[0] == 250
     assert await suppressed(guard, "acme") == {RCPT: "bounce 5.1.1 via mailbox"}
     assert guard.store is not None
     (event,) = await guard.store.provider_events("acme", "invoice:1")
@@ -115,7 +140,7 @@ async def test_a_dsn_for_a_relayed_message_suppresses_the_recipient(
     )
     assert message_id in headers
     # The same report delivered again (an MTA retrying after a lost 250) changes nothing.
-    assert (await deliver(guard, dsn(headers)))[0] == 250
+    assert (await deliver(guard, dsn(headers), bounces))[0] == 250
     assert len(await guard.store.provider_events("acme", "invoice:1")) == 1
 
 
@@ -132,7 +157,7 @@ async def test_other_dsn_actions_join_the_history_only(
 ) -> None:
     await sent(guard, upstream, "invoice:1")
     headers = upstream.received[0].content.split(b"\r\n\r\n", 1)[0].decode()
-    assert (await deliver(guard, dsn(headers, action, status)))[0] == 250
+    assert (await deliver(guard, dsn(headers, action, status), bounce_address(upstream)))[0] == 250
     assert await suppressed(guard, "acme") == {}
     assert guard.store is not None
     assert [e.type for e in await guard.store.provider_events("acme", "invoice:1")] == [meaning]
@@ -141,14 +166,14 @@ async def test_other_dsn_actions_join_the_history_only(
 async def test_an_arf_abuse_report_is_a_complaint(guard: Server, upstream: Upstream) -> None:
     await sent(guard, upstream, "newsletter:1")
     headers = upstream.received[0].content.split(b"\r\n\r\n", 1)[0].decode()
-    assert (await deliver(guard, arf(headers)))[0] == 250
+    assert (await deliver(guard, arf(headers), bounce_address(upstream)))[0] == 250
     assert await suppressed(guard, "acme") == {RCPT: "complaint via mailbox"}
 
 
 async def test_an_arf_not_spam_report_is_history_only(guard: Server, upstream: Upstream) -> None:
     await sent(guard, upstream, "newsletter:1")
     headers = upstream.received[0].content.split(b"\r\n\r\n", 1)[0].decode()
-    assert (await deliver(guard, arf(headers, feedback="not-spam")))[0] == 250
+    assert (await deliver(guard, arf(headers, feedback="not-spam"), bounce_address(upstream)))[0] == 250
     assert await suppressed(guard, "acme") == {}
 
 
@@ -177,9 +202,11 @@ async def test_a_forged_report_for_an_address_the_message_never_went_to_suppress
 ) -> None:
     await sent(guard, upstream, "invoice:1")
     headers = upstream.received[0].content.split(b"\r\n\r\n", 1)[0].decode()
-    assert (await deliver(guard, dsn(headers, to="ceo@acme-customer.example")))[0] == 250
-    assert (await deliver(guard, dsn(headers, to="<>")))[0] == 250
+    bounces = bounce_address(upstream)
+    assert (await deliver(guard, dsn(headers, to="ceo@acme-customer.example"), bounces))[0] == 250
+    assert (await deliver(guard, dsn(headers, to="<>"), bounces))[0] == 250
     assert await suppressed(guard, "acme") == {}
     assert guard.store is not None
     effects = [(e.recipient, e.effect) for e in await guard.store.provider_events("acme", "invoice:1")]
-    assert effects == [("ceo@acme-customer.example", "not_a_recipient"), (None, "history")]
+    # At a token that verifies, but not one of the message's recipients: unverified.
+    assert effects == [("ceo@acme-customer.example", "unverified"), (None, "history")]

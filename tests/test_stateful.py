@@ -25,6 +25,11 @@ After every step:
  4. Own writes: no submission loses a lease that nobody else took.
  6. Errors before DATA: an event is `unknown` only if its final dot went out, or its
     instance was killed after noting data_sent.
+ 7. Provider events (§13, §18; tests/stateful_events.py): a bounce arrives at any moment
+    relative to its send — before it, held after the data_sent note or after the final dot
+    with the 250 not yet written, after the outcome, for a key never sent — through the
+    record's provider or another: in flight it is retry-later and stores nothing; it is
+    applied once, to its own zone's record only; a stranger is never suppressed.
 
 Runs with the `ci` profile by default; scripts/stateful runs the `long` one.
 """
@@ -61,6 +66,7 @@ from smtpguard.store import QueueEntry, Store, store_from_url
 from smtpguard.submission import Principal, Result, Submitter
 from tests.hypothesis_profiles import stateful_settings
 from tests.postgres_support import PostgresServer, reset
+from tests.stateful_events import STRANGER, EventModel, deliver_and_check
 from tests.stateful_support import (
     BEHAVIOURS,
     Clock,
@@ -413,6 +419,7 @@ WORKER_PHASES = st.sampled_from(
     ["claimed", "taken", "consumed", "before_mark", "after_mark", "mail", "after_dot"]
 )
 STALLS = st.sampled_from([1.0, 7.0, 31.0])
+EVENT_MOMENTS = st.sampled_from(["now", "after_mark", "after_dot"])
 THEN = st.sampled_from(["resubmit", "other_worker"])
 OPERATOR_ACTIONS = st.sampled_from(
     ["resolve_delivered", "resolve_retry", "release", "queue_retry", "queue_drop"]
@@ -437,6 +444,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.generation = {"a": 0, "b": 0}
         self.configs: dict[str, Config] = {}
         self.direct: Store | None = None
+        self.events = EventModel()
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self.h.run(coro)
@@ -735,6 +743,57 @@ class LedgerMachine(RuleBasedStateMachine):
                 self._client_result(who, msg, outcome)
             elif isinstance(outcome, list):
                 self.run(self._collect(who, outcome))
+
+    @rule(
+        slot=SLOTS,
+        msg=MSGS,
+        when=EVENT_MOMENTS,
+        to=st.sampled_from([RCPTS[0], STRANGER]),
+        via=st.sampled_from(["primary", "elsewhere"]),
+        again=st.booleans(),
+    )
+    @_marks_failure
+    def provider_event(self, slot: str, msg: Msg, when: str, to: str, via: str, again: bool) -> None:
+        """A provider's bounce for this event arrives `now`, or while a submission of it is
+        held after its data_sent note or after the final dot (its 250 not yet written);
+        tests/stateful_events.py says what must hold (DESIGN.md §18)."""
+        inst = self.instances[slot]
+        if when == "now":
+            note(self.run(self._provider_event(msg, to, via, again)))
+            return
+        result = self.run(self._event_while_held(inst, msg, when, to, via, again))
+        self._client_result(inst, msg, result)
+
+    async def _provider_event(self, msg: Msg, to: str, via: str, again: bool) -> str:
+        assert self.direct is not None
+        line = await deliver_and_check(
+            self.direct, self.events, ZONES, msg.zone, msg.key, to, via, self.clock(), again
+        )
+        for inst in self.instances.values():
+            inst.submitter.suppressions.invalidate(msg.zone)
+        return line
+
+    async def _event_while_held(
+        self, inst: Instance, msg: Msg, phase: str, to: str, via: str, again: bool
+    ) -> Result:
+        gate, disarm = self._arm(inst, phase)
+        task = spawn_as(inst.name, self._submit(inst, msg, None))
+        reached = asyncio.ensure_future(gate.reached.wait())
+        done, _ = await asyncio.wait({task, reached}, timeout=20, return_when=asyncio.FIRST_COMPLETED)
+        if not done:
+            raise RuntimeError(f"{inst.name}: the submission neither reached {phase} nor ended")
+        if gate.reached.is_set():
+            async with asyncio.timeout(5):
+                await inst.proxy.answered()
+            note(f"held at {phase}: " + await self._provider_event(msg, to, via, again))
+            gate.release.set()
+        else:
+            reached.cancel()
+            disarm()
+            note(await self._provider_event(msg, to, via, again))
+        async with asyncio.timeout(20):
+            result: Result = await task
+        return result
 
     @rule(slot=SLOTS)
     @_marks_failure

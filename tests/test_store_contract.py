@@ -16,6 +16,9 @@ import pytest
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 
+from smtpguard.events.apply import Applied, Applier
+from smtpguard.events.model import Kind as EventKind
+from smtpguard.events.model import Match, ProviderEvent
 from smtpguard.policy import ledger
 from smtpguard.policy.ledger import LedgerSettings, Record, State, Submission
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached, Caps, cap_check, month_of
@@ -1345,6 +1348,74 @@ async def test_a_message_id_in_two_zones_finds_both(store: Store) -> None:
         rec = replace(fresh("k", zone=zone), message_id="<shared@x>")
         assert await store.reserve(rec, None, None, False) == Reserved()
     assert sorted(r.zone for r in await store.find_records("message_id", "shared@x")) == ["acme", "globex"]
+
+
+def through(rec: Record, provider: str = "primary") -> Record:
+    """The record with its attempt's outcome written: delivered by `provider`."""
+    sent = ledger.Attempt(rec.sg_id, rec.updated_at, "inst-1", provider, "data_sent", "delivered")
+    return replace(rec, attempts=(sent,))
+
+
+async def test_a_message_id_shared_by_two_zones_matches_neither_however_many_share_it(store: Store) -> None:
+    # 101 records of one zone hold the id before one of another zone: a limit of 100 rows
+    # read before the one-zone rule would see only the first zone and match its record.
+    for i in range(101):
+        rec = through(replace(settled(fresh(f"k{i:03d}"), NOW + i), message_id="<shared@x>"))
+        assert await store.reserve(rec, None, None, False) == Reserved()
+    other = through(replace(settled(fresh("g", zone="globex"), NOW + 200), message_id="<shared@x>"))
+    assert await store.reserve(other, None, None, False) == Reserved()
+    assert await store.records_for_event("message_id", "shared@x") == []
+    applier = Applier(store, lambda: {"acme", "globex"}, lambda: NOW + 300)
+    bounce = ProviderEvent(
+        "mg", EventKind.BOUNCE, "failed/permanent", "gone@example.net", "5.1.1", NOW + 250, "ev-1",
+        Match(message_ids=("<shared@x>",)),
+    )  # fmt: skip
+    assert await applier.apply("primary", bounce) == (Applied.UNMATCHED, None)
+    for zone in ("acme", "globex"):
+        assert await store.suppress_list(zone) == []
+    assert await store.provider_events("acme", "k000") == []
+    assert await store.provider_events("globex", "g") == []
+    # One zone only: its records, newest first.
+    for i in range(3):
+        rec = through(replace(settled(fresh(f"u{i}"), NOW + 400 + i), message_id="<one-zone@x>"))
+        assert await store.reserve(rec, None, None, False) == Reserved()
+    found = [r.key for r in await store.records_for_event("message_id", "<one-zone@x>")]
+    assert found[0] == "u2" and sorted(found) == (
+        ["u2"] if isinstance(store, RedisStore) else ["u0", "u1", "u2"]
+    )
+
+
+async def test_an_event_for_a_send_in_flight_is_retry_later_and_after_a_lost_lease_it_matches(
+    store: Store,
+) -> None:
+    s = LedgerSettings()
+    rec = fresh("k")
+    assert await store.reserve(rec, None, None, False) == Reserved()
+    sending = ledger.mark_data_sent(rec, rec.sg_id, NOW + 1, s, "primary")
+    assert sending is not None and await store.put(sending, rec.version) is None
+    applier = Applier(store, lambda: {"acme"}, lambda: NOW + 2)
+
+    def bounce(event_id: str) -> ProviderEvent:
+        return ProviderEvent(
+            "mg", EventKind.BOUNCE, "failed/permanent", None, "5.1.1", NOW + 2, event_id,
+            Match(keys=("acme:k",), message_ids=("<k@test>",)),
+        )  # fmt: skip
+
+    # The final dot is with primary, its outcome not written: retry later, nothing kept.
+    assert (await applier.apply("primary", bounce("e1")))[0] is Applied.RETRY_LATER
+    assert await store.provider_events("acme", "k") == []
+    # Another provider's source cannot have the message: unmatched.
+    assert (await applier.apply("standby", bounce("e2")))[0] is Applied.UNMATCHED
+    # The owner's lease runs out before it writes the outcome: unknown, and still matched
+    # through the provider its DATA went to, whatever became of the lease.
+    later = NOW + s.lease + 5
+    sub = Submission("acme", "k", "fp:k", "att:again", "inst-2", "<k@test>")
+    verdict = ledger.decide(sending, sub, later, s)
+    assert isinstance(verdict, ledger.Transition) and verdict.record.state is State.UNKNOWN
+    assert await store.put(verdict.record, sending.version) is None
+    assert (await applier.apply("primary", bounce("e3")))[0] is Applied.APPLIED
+    assert [e.id for e in await store.provider_events("acme", "k")] == ["e3"]
+    assert (await applier.apply("standby", bounce("e4")))[0] is Applied.UNMATCHED
 
 
 async def test_an_event_is_applied_once_with_its_suppression(store: Store) -> None:

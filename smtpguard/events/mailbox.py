@@ -5,6 +5,10 @@ Reports come from other MTAs, which do not authenticate, so this is a listener o
 and takes no AUTH: it accepts mail for exactly one address, relays nothing, and keeps
 nothing but the events read out of a report. A message that is not a report is accepted
 (refusing it would make the sender bounce a bounce) and counted.
+
+An MX takes mail from anyone, so a report proves nothing by what it quotes. It has effects
+only when mailed to the VERP address its message left with (`b+TOKEN@DOMAIN`, DESIGN.md
+§18) and only for that message's recipients; anything else is history marked `unverified`.
 """
 
 from __future__ import annotations
@@ -17,10 +21,14 @@ from collections.abc import Callable
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
 from smtpguard.config import MailboxConfig
-from smtpguard.events.apply import Applier, log_applied
+from smtpguard.events.apply import Applied, Applier, log_applied
+from smtpguard.events.model import ProviderEvent
 from smtpguard.events.reports import NotAReport, read_report
-from smtpguard.policy.senders import suppression_key
+from smtpguard.policy import verp
+from smtpguard.policy.ledger import Record
+from smtpguard.policy.senders import recipient_tag, suppression_key
 from smtpguard.store import StoreUnavailable
+from smtpguard.verp import VerpKey
 
 log = logging.getLogger("smtpguard.events")
 
@@ -30,17 +38,29 @@ SOURCE = "mailbox"
 
 class ReportHandler:
     def __init__(
-        self, cfg: MailboxConfig, applier: Applier, observe: Callable[[str, str, str], None]
+        self,
+        cfg: MailboxConfig,
+        applier: Applier,
+        observe: Callable[[str, str, str], None],
+        key: VerpKey | None = None,
     ) -> None:
         self.cfg = cfg
         self.applier = applier
         self.observe = observe
+        self.key = key
         self._address = suppression_key(cfg.address)
+
+    def _addressed(self, address: str) -> verp.Addressed:
+        if self.key is None:
+            return verp.Addressed(False)
+        return verp.read_address(address, self.key.domain, self.key.secret)
 
     async def handle_RCPT(
         self, server: SMTP, session: Session, envelope: Envelope, address: str, options: list[str]
     ) -> str:
-        if suppression_key(address) != self._address:
+        # A VERP address is taken whether or not its token verifies: a report to a bad
+        # token joins the history as unverified, and refusing it would bounce a bounce.
+        if suppression_key(address) != self._address and not self._addressed(address).verp:
             return "550 5.1.1 this server takes delivery reports for one address only"
         envelope.rcpt_tos.append(address)
         return "250 2.1.5 OK"
@@ -53,23 +73,57 @@ class ReportHandler:
             self.observe(SOURCE, "-", "not_a_report")
             log.info("mail to the events mailbox is not a report", extra={"reason": str(e)})
             return "250 2.0.0 accepted (not a delivery or feedback report)"
+        tokens = {a.sg_id for a in map(self._addressed, envelope.rcpt_tos) if a.sg_id is not None}
+        provider = self.cfg.provider
+        retry = False
         try:
+            # One verified token names the record; anything else (no token, a tampered one,
+            # two that disagree) falls back to the ids the report quotes, which anyone who
+            # saw the message can quote: history only.
+            verified = await self._record_of(tokens.pop()) if len(tokens) == 1 else None
             for event in events:
-                outcome, record = await self.applier.apply(self.cfg.provider, event)
+                if verified is not None:
+                    outcome, record = await self.applier.apply_to(
+                        provider, verified, event, trusted=_was_recipient(verified, event)
+                    )
+                else:
+                    found = await self.applier.find(provider, event.match)
+                    outcome, record = await self.applier.apply_to(provider, found, event, trusted=False)
+                retry = retry or outcome is Applied.RETRY_LATER
                 self.observe(SOURCE, event.kind.value, outcome.value)
                 log_applied(SOURCE, event, outcome, record)
         except StoreUnavailable as e:
             log.error("report not applied: store unavailable", extra={"error": str(e)})
             return "451 4.3.0 store unavailable, try again later"
+        if retry:
+            # Its message's outcome is not written yet: the reporting MTA retries later, and
+            # what was applied now counts as a duplicate then.
+            return "451 4.3.2 the reported message is still being sent, try again later"
         return "250 2.0.0 report accepted"
+
+    async def _record_of(self, sg_id: str) -> Record | None:
+        found = [r for r in await self.applier.store.records_for_event("sg_id", sg_id) if r.sg_id == sg_id]
+        return found[0] if len(found) == 1 else None
+
+
+def _was_recipient(record: Record, event: ProviderEvent) -> bool:
+    """A report at a verified token suppresses only an address that message was sent to."""
+    if event.recipient is None:
+        return True
+    return recipient_tag(event.recipient) in record.rcpt_tags
 
 
 class MailboxServer:
     def __init__(
-        self, cfg: MailboxConfig, applier: Applier, hostname: str, observe: Callable[[str, str, str], None]
+        self,
+        cfg: MailboxConfig,
+        applier: Applier,
+        hostname: str,
+        observe: Callable[[str, str, str], None],
+        key: VerpKey | None = None,
     ) -> None:
         self.cfg = cfg
-        self.handler = ReportHandler(cfg, applier, observe)
+        self.handler = ReportHandler(cfg, applier, observe, key)
         self.hostname = hostname
         self._server: asyncio.Server | None = None
         self.port = 0

@@ -6,8 +6,11 @@ says what each one does; the store applies it atomically.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -21,6 +24,46 @@ ID_HEADER = "X-Smtpguard-Id"
 """Where the provider echoes the message's headers instead (SES, Resend, a DSN's returned
 headers): the id of the attempt that sent it, which names its record. Not the key: these
 headers reach the recipient, and a key often carries an order or customer id."""
+
+
+ENCODED_TAG = "~b64:"
+"""Prefix of a zone-qualified key written base64url-encoded (a key that is not printable
+ASCII cannot be a header value). `~` is no zone name's first character, so no plain
+`zone:key` reads as an encoded one."""
+_TAG_MAX = 900
+"""A tag longer than this would not fit an RFC 5322 line with its field name."""
+
+
+def tag_value(qualified_key: str) -> str:
+    """The value smtpguard writes as its tag: the key itself, or encoded, never none."""
+    if qualified_key.isascii() and qualified_key.isprintable() and len(qualified_key) <= _TAG_MAX:
+        return qualified_key
+    raw = base64.urlsafe_b64encode(qualified_key.encode("utf-8", "surrogateescape"))
+    return ENCODED_TAG + raw.decode("ascii").rstrip("=")
+
+
+def key_of_tag(value: str) -> str | None:
+    """The zone-qualified key a tag names (tag_value's inverse); None when it is malformed."""
+    if not value.startswith(ENCODED_TAG):
+        return value
+    text = value[len(ENCODED_TAG) :]
+    try:
+        raw = base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True)
+        return raw.decode("utf-8", "surrogateescape") or None
+    except (binascii.Error, ValueError):
+        return None
+
+
+_PUNCTUATION = re.compile(r"[\s_.\-]+")
+_OUR_NAMES = re.compile(r"^(x)?(pmmetadata)?smtpguard(key|id)$")
+
+
+def is_our_tag_name(name: str) -> bool:
+    """Whether a header or custom-variable name is one of smtpguard's tag names in any case
+    or punctuation (`X-Smtpguard-Id`, `smtpguard-key`, `SMTPGuard.Key`,
+    `X-PM-Metadata-smtpguard-key`, …): a client's copy is removed before relay, since a
+    provider may echo a look-alike as if it were ours."""
+    return _OUR_NAMES.match(_PUNCTUATION.sub("", name.lower())) is not None
 
 
 class Kind(StrEnum):

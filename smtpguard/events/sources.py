@@ -403,7 +403,8 @@ class Postmark(_Base):
             if isinstance(event_id, int | str) and event_id != ""
             else content_id(p),
             match=Match(
-                keys=_strs(metadata.get(KEY_FIELD), metadata.get(KEY_FIELD.replace("_", "-"))),
+                # Only the spelling smtpguard writes: a look-alike is the client's (§18).
+                keys=_strs(metadata.get(KEY_FIELD)),
                 upstream_ids=_strs(p.get("MessageID")),
             ),
         )

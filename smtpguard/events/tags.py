@@ -6,10 +6,13 @@ and echo the zone-qualified key in every event. SES and Resend echo the message'
 which also reach the recipient, so there the header carries only the sending attempt's
 smtpguard id (X-Smtpguard-Id), never the key.
 
-What a client wrote is never trusted as ours: its X-Smtpguard-Id, X-Smtpguard-Key and
-X-PM-Metadata-smtpguard_key fields are removed, and in the JSON headers the
-`smtpguard_key` member is overwritten (or removed, when there is no key to put), so one
-zone cannot point events at another zone's records. Pure: bytes in, bytes out.
+What a client wrote is never trusted as ours: every field whose name is one of ours in any
+case or punctuation (X-Smtpguard-Id, X-Smtpguard-Key, X-PM-Metadata-smtpguard-key,
+X-PM-Metadata-SMTPGuard.Key, …) is removed, and in the JSON headers every look-alike of
+the `smtpguard_key` member is removed before ours is written, so one zone cannot point
+events at another zone's records (DESIGN.md §18: tags have one spelling). A key that
+cannot be a header value is written encoded (model.tag_value), never left out. Pure: bytes
+in, bytes out.
 """
 
 from __future__ import annotations
@@ -17,22 +20,23 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from smtpguard.events.model import ID_HEADER, KEY_FIELD
+from smtpguard.events.model import ID_HEADER, KEY_FIELD, is_our_tag_name, tag_value
 
 _POSTMARK = f"X-PM-Metadata-{KEY_FIELD}"
-_OURS = {ID_HEADER.lower().encode(), b"x-smtpguard-key", _POSTMARK.lower().encode()}
 _JSON_HEADERS = {"mailgun": "X-Mailgun-Variables", "sendgrid": "X-SMTPAPI"}
+_HINT = b"smtpguard"
+"""Every name is_our_tag_name accepts holds these letters in order, with punctuation
+between them at most: the fast path looks for the word with punctuation removed."""
 
 
 def tagged(kind: str | None, qualified_key: str | None, attempt_id: str, content: bytes) -> bytes:
     """The message as relayed through a provider whose events a source of `kind` reads
     (None: no source reads them; only a client's forged fields are removed)."""
     head, sep, body = content.partition(b"\r\n\r\n")
-    lowered = head.lower()
-    if kind is None and not any(m in lowered for m in (b"x-smtpguard-", _POSTMARK.lower().encode())):
+    if kind is None and _HINT not in _squeezed(head):
         return content  # the common case, untouched
-    key = qualified_key if qualified_key is not None and qualified_key.isascii() else None
-    fields = [f for f in _fields(head) if _name(f) not in _OURS]
+    key = tag_value(qualified_key) if qualified_key is not None else None
+    fields = [f for f in _fields(head) if not is_our_tag_name(_name(f).decode("latin-1"))]
     added: list[bytes] = []
     json_header = _JSON_HEADERS.get(kind or "")
     if json_header is not None:
@@ -56,6 +60,10 @@ def _fields(head: bytes) -> list[bytes]:
         else:
             out.append(line)
     return out
+
+
+def _squeezed(head: bytes) -> bytes:
+    return head.lower().replace(b"-", b"").replace(b"_", b"").replace(b".", b"")
 
 
 def _name(field: bytes) -> bytes:
@@ -82,13 +90,12 @@ def _take(fields: list[bytes], name: bytes) -> tuple[list[bytes], Any]:
 def _merge(kind: str, client: Any, key: str | None) -> dict[str, Any] | None:
     doc: dict[str, Any] = dict(client) if isinstance(client, dict) else {}
     if kind == "mailgun":
-        doc.pop(KEY_FIELD, None)
+        doc = _without_ours(doc)
         if key is not None:
             doc[KEY_FIELD] = key
         return doc or None
     args = doc.get("unique_args")
-    unique: dict[str, Any] = dict(args) if isinstance(args, dict) else {}
-    unique.pop(KEY_FIELD, None)
+    unique: dict[str, Any] = _without_ours(args) if isinstance(args, dict) else {}
     if key is not None:
         unique[KEY_FIELD] = key
     if unique:
@@ -96,6 +103,10 @@ def _merge(kind: str, client: Any, key: str | None) -> dict[str, Any] | None:
     else:
         doc.pop("unique_args", None)
     return doc or None
+
+
+def _without_ours(members: dict[Any, Any]) -> dict[str, Any]:
+    return {str(k): v for k, v in members.items() if not is_our_tag_name(str(k))}
 
 
 def _fold(line: str, width: int = 900) -> bytes:

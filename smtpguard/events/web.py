@@ -137,6 +137,10 @@ class EventsServer:
                 "provider event not applied: store unavailable", extra={"source": name, "error": str(e)}
             )
             return _reply(503, "store unavailable; retry")
+        if counts.pop(Applied.RETRY_LATER.value):
+            # A message still being sent: the provider retries, and the events applied now
+            # are duplicates then (DESIGN.md §18).
+            return _reply(503, "the message is still being sent; retry")
         return web.json_response({"status": "ok", **counts})
 
 

@@ -112,6 +112,12 @@ class Record:
     lost_until: float | None = None
     """Until then that owner may still be in DATA with the provider (its lease plus the
     route's send timeout): `resolve --as retry` before it could send the event twice."""
+    sender: str | None = None
+    """The client's envelope sender (MAIL FROM), kept when relayed mail leaves with a VERP
+    sender instead (DESIGN.md §18); None otherwise."""
+    via: str | None = None
+    """The provider the current attempt's DATA went to (noted with data_sent, before any
+    outcome): how its provider's events find a record still in flight or left unknown."""
     rcpt_tags: tuple[str, ...] = ()
     """A short hash of each envelope recipient (senders.recipient_tag): a provider event
     suppresses an address only if it was one of them, without the ledger keeping them."""
@@ -152,6 +158,8 @@ class Record:
             "unrefunded": list(self.unrefunded),
             "username": self.username,
             "attempts": [_attempt_to_dict(a) for a in self.attempts],
+            **({"via": self.via} if self.via is not None else {}),
+            **({"sender": self.sender} if self.sender is not None else {}),
             "audit": [
                 {
                     "at": e.at,
@@ -189,6 +197,8 @@ class Record:
             expires_at=d.get("expires_at"),
             lost_owner=d.get("lost_owner"),
             lost_until=d.get("lost_until"),
+            via=d.get("via"),
+            sender=d.get("sender"),
             rcpt_tags=tuple(d.get("rcpt_tags", ())),
             unrefunded=tuple(d.get("unrefunded", ())),
             username=d.get("username"),
@@ -237,6 +247,8 @@ class Submission:
     username: str | None = None
     """The SMTP user who submitted it: its own caps (DESIGN.md §16) are counted when the
     message is sent, which in store-and-forward is long after the session."""
+    sender: str | None = None
+    """The client's envelope sender, kept when VERP replaces it on the wire (§18)."""
 
 
 # --- verdicts --------------------------------------------------------------------------------
@@ -372,7 +384,7 @@ def _lost_after_dot(rec: Record, now: float, s: LedgerSettings) -> Record:
         attempt_id=f"{rec.sg_id}:lost",
         at=now,
         instance=rec.owner or "?",
-        provider=None,
+        provider=rec.via,
         phase=Phase.DATA_SENT.value,
         outcome="unknown",
         text="lease lost after the data_sent note: the final dot may have reached the provider",
@@ -412,6 +424,7 @@ def _fresh(sub: Submission, now: float, s: LedgerSettings) -> Record:
         "rcpt_tags": sub.rcpt_tags,
         "valid_until": now + s.derive_window if sub.derived else None,
         "username": sub.username,
+        "sender": sub.sender,
     }
     if sub.lane is not None:
         return Record(
@@ -428,6 +441,7 @@ def _fresh(sub: Submission, now: float, s: LedgerSettings) -> Record:
         owner=sub.instance,
         lease_until=now + s.lease,
         phase=Phase.BEFORE_DATA,
+        via=None,
     )
 
 
@@ -448,6 +462,7 @@ def _retry(existing: Record, sub: Submission, now: float, s: LedgerSettings) -> 
             message_id=sub.message_id or existing.message_id,
             rcpt_tags=existing.rcpt_tags or sub.rcpt_tags,
             username=sub.username or existing.username,
+            sender=sub.sender or existing.sender,
             lane=sub.lane,
             queue_id=sub.attempt_id,
             expires_at=now + sub.max_age if sub.max_age is not None else None,
@@ -460,10 +475,12 @@ def _retry(existing: Record, sub: Submission, now: float, s: LedgerSettings) -> 
         owner=sub.instance,
         lease_until=now + s.lease,
         phase=Phase.BEFORE_DATA,
+        via=None,
         next_attempt_at=None,
         message_id=sub.message_id or existing.message_id,
         rcpt_tags=existing.rcpt_tags or sub.rcpt_tags,
         username=sub.username or existing.username,
+        sender=sub.sender or existing.sender,
     )
 
 
@@ -501,11 +518,15 @@ def owns(rec: Record, attempt_id: str) -> bool:
     return rec.state is State.IN_FLIGHT and rec.sg_id == attempt_id
 
 
-def mark_data_sent(rec: Record, attempt_id: str, now: float, s: LedgerSettings) -> Record | None:
-    """Persisted before DATA: from here a crash means `unknown`, never a blind retry."""
+def mark_data_sent(
+    rec: Record, attempt_id: str, now: float, s: LedgerSettings, provider: str | None = None
+) -> Record | None:
+    """Persisted before DATA: from here a crash means `unknown`, never a blind retry.
+    `provider` is where the DATA goes: its events find the record before the outcome is
+    written, and after a lost lease (DESIGN.md §18)."""
     if not owns(rec, attempt_id):
         return None
-    return _bump(rec, now, phase=Phase.DATA_SENT, lease_until=now + s.lease)
+    return _bump(rec, now, phase=Phase.DATA_SENT, lease_until=now + s.lease, via=provider)
 
 
 def renew_lease(rec: Record, attempt_id: str, now: float, s: LedgerSettings) -> Record | None:
@@ -710,6 +731,7 @@ def on_claim(rec: Record, attempt_id: str, instance: str, now: float, s: LedgerS
         owner=instance,
         lease_until=now + s.lease,
         phase=Phase.BEFORE_DATA,
+        via=None,
         next_attempt_at=None,
     )
     # An in_flight record here lost its worker before DATA: its unit goes back.

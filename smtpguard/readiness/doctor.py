@@ -84,6 +84,26 @@ async def check_domain(
     return out
 
 
+async def check_verp_domain(
+    lookups: Lookups, domain: str, providers: list[SmtpProviderConfig]
+) -> list[Finding]:
+    """The VERP domain of `events.mailbox` (DESIGN.md §18): mail sent with `b+TOKEN@DOMAIN`
+    needs that domain's SPF to authorise each provider (where the provider keeps the
+    envelope sender), and an MX that takes the reports back."""
+    out: list[Finding] = []
+    for p in providers:
+        status, detail = verdicts.judge_spf(await lookups.spf_tree(domain), p.spf)
+        out.append(Finding("spf", None, domain, p.name, status, f"VERP domain: {detail}"))
+    mx = await lookups.get("MX", domain)
+    a = aaaa = None
+    if mx.status == "nodata":
+        await lookups.fetch([("A", domain), ("AAAA", domain)])
+        a, aaaa = lookups.known[("A", domain)], lookups.known[("AAAA", domain)]
+    status, detail = verdicts.judge_mx(mx, None, a, aaaa)
+    out.append(Finding("mx", None, domain, None, status, f"VERP domain: {detail}"))
+    return out
+
+
 def organisational_domain(domain: str) -> str:
     """The last two labels: RFC 7489's organisational domain without the public suffix
     list, right for `notify.acme.example`, too short for `shop.example.co.uk` (whose own
@@ -128,6 +148,9 @@ async def run(
         for z in zones
         for domain in verdicts.sender_domains(config.zones[z].senders)
     ]
+    mailbox = config.events.mailbox if config.events is not None else None
+    if mailbox is not None and mailbox.domain is not None:
+        jobs.append(check_verp_domain(lookups, mailbox.domain.rstrip("."), senders))
     findings: list[Finding] = []
     for part in await asyncio.gather(*jobs):
         findings.extend(part)

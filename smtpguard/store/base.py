@@ -272,6 +272,12 @@ class Store(Protocol):
         """Records, in any zone, whose sg_id (the id in smtpguard's replies), message_id
         (either form, see id_forms) or upstream_id is `value` (an index lookup; at most 100)."""
 
+    async def records_for_event(self, field: IdField, value: str) -> list[Record]:
+        """The records a provider event naming `value` may be about: as find_records, but
+        when records of two zones hold the id, none (an id two zones share names neither,
+        however many records share it; decided in the query, not after a limit). Newest
+        first, at most 100."""
+
     async def apply_event(self, zone: str, key: str, event: StoredEvent, suppress_reason: str | None) -> bool:
         """Atomically, once per (zone, event.source, event.id): add the event to the
         record's history and, with a reason, put event.recipient on the zone's list (an

@@ -884,6 +884,25 @@ class SQLiteStore:
 
         return await self._read(op)
 
+    async def records_for_event(self, field: IdField, value: str) -> list[Record]:
+        column = _ID_COLUMNS[field]
+        forms = id_forms(field, value)
+
+        def op(c: sqlite3.Connection) -> list[Record]:
+            marks = ", ".join("?" * len(forms))
+            # The other-zone test is part of the query, before the LIMIT: however many
+            # records of one zone hold the id, one record of another zone voids them all.
+            rows = c.execute(
+                f"SELECT data FROM events WHERE json_extract(data, '$.{column}') IN ({marks}) "
+                f"AND NOT EXISTS (SELECT 1 FROM events other "
+                f"WHERE json_extract(other.data, '$.{column}') IN ({marks}) AND other.zone <> events.zone) "
+                "ORDER BY updated_at DESC LIMIT 100",
+                [*forms, *forms],
+            ).fetchall()
+            return [Record.from_dict(json.loads(row[0])) for row in rows]
+
+        return await self._read(op)
+
     async def apply_event(self, zone: str, key: str, event: StoredEvent, suppress_reason: str | None) -> bool:
         data = json.dumps(event.to_dict(), separators=(",", ":"))
 

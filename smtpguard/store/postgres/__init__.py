@@ -691,6 +691,24 @@ class PostgresStore:
             return [Record.from_dict(json.loads(data)) for (data,) in await cur.fetchall()]
 
     @_translated
+    async def records_for_event(self, field: IdField, value: str) -> list[Record]:
+        if field == "message_id":
+            column, wanted = "{t}.mid", bare_message_id(value)
+        elif field == "sg_id":
+            column, wanted = 'substring({t}.data from \'"sg_id":"([^"]*)"\')', value.strip()
+        else:
+            column, wanted = "{t}.uid", value.strip()
+        # The other-zone test is part of the query, before the LIMIT (DESIGN.md §18).
+        sql = (
+            f"SELECT e.data FROM events e WHERE {column.format(t='e')} = %s AND NOT EXISTS "
+            f"(SELECT 1 FROM events o WHERE {column.format(t='o')} = %s AND o.zone <> e.zone) "
+            "ORDER BY e.updated_at DESC LIMIT 100"
+        )
+        async with self._conn() as conn:
+            cur = await conn.execute(sql, (wanted, wanted))
+            return [Record.from_dict(json.loads(data)) for (data,) in await cur.fetchall()]
+
+    @_translated
     async def apply_event(self, zone: str, key: str, event: StoredEvent, suppress_reason: str | None) -> bool:
         async with self._tx() as conn:
             added = await _one(
