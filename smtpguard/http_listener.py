@@ -26,6 +26,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.http_parser import RawRequestMessage
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
@@ -120,6 +121,23 @@ class _LimitedHandler(RequestHandler):
         if transport is not None and not self._headers_in:
             transport.write(_SLOW)
         self.force_close()
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        exc = kw.get("exc_info")
+        if isinstance(exc, HttpProcessingError):
+            # A request aiohttp's parser refused (400: a header too long, Content-Length with
+            # Transfer-Encoding, a bare LF): the client's doing, one line, no traceback.
+            # Anything else (a bug of ours) keeps aiohttp's traceback.
+            logging.getLogger(self._listener.logger).info(
+                "malformed HTTP request refused",
+                extra={
+                    "listener": self._listener.name,
+                    "client_ip": self._listener_ip(self.transport),
+                    "error": f"{type(exc).__name__}: {exc.message}"[:200],
+                },
+            )
+            return
+        super().log_exception(*args, **kw)
 
     @staticmethod
     def _listener_ip(transport: asyncio.BaseTransport | None) -> str:

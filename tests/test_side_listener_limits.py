@@ -223,3 +223,29 @@ def test_the_limits_have_defaults_and_bad_values_name_their_line(tmp: Path, sect
             loads(text)
         line = next(i for i, t in enumerate(text.splitlines(), 1) if t.strip().startswith(f"{key}:"))
         assert any(f": {section}.{key} (line {line})" in p for p in e.value.problems), e.value.problems
+
+
+MALFORMED = {
+    "header line over 8190 bytes": b"POST /login HTTP/1.1\r\nHost: a\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n",
+    "Content-Length with Transfer-Encoding": (
+        b"POST /login HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+    ),
+    "bare LF line ends": b"POST /login HTTP/1.1\nHost: a\nContent-Length: 0\n\n",
+    "200 header fields": b"GET /login HTTP/1.1\r\n"
+    + b"".join(b"X%d: y\r\n" % i for i in range(200))
+    + b"\r\n",
+}
+
+
+@pytest.mark.parametrize("listener", ["events", "console"])
+async def test_malformed_http_is_400_and_one_log_line_without_a_traceback(
+    guard: Server, listener: str, caplog: pytest.LogCaptureFixture, no_tracebacks: None
+) -> None:
+    for request in MALFORMED.values():
+        reader, writer = await connect(port_of(guard, listener))
+        writer.write(request)
+        _, got = await closed_after(reader, writer)
+        assert got.startswith(b"HTTP/1.0 400") or got.startswith(b"HTTP/1.1 400"), got[:80]
+    lines = [r for r in caplog.records if r.getMessage() == "malformed HTTP request refused"]
+    assert len(lines) == len(MALFORMED)
+    assert {getattr(r, "listener", None) for r in lines} == {listener}
