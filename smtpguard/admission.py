@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
@@ -67,14 +69,22 @@ def peer_ip(transport: asyncio.BaseTransport) -> str:
     return str(peer[0]) if isinstance(peer, tuple) and peer else "?"
 
 
+WARN_EVERY = 60.0
+"""A listener at its cap says so in the log at most this often (an attack is not a log flood)."""
+
+
 class Admission:
     """Open connections of one listener, in total and per client; admit or refuse."""
 
-    def __init__(self, limits: ListenerLimits) -> None:
+    def __init__(self, limits: ListenerLimits, name: str = "", logger: str = "smtpguard") -> None:
         self.limits = limits
+        self.name = name
+        """The listener's config section (events, console, events.mailbox): log lines name it."""
+        self.logger = logger
         self.total = 0
         self.per_client: Counter[str] = Counter()
         self.refused = 0
+        self._warned = -WARN_EVERY
 
     def admit(self, ip: str) -> str | None:
         """The bucket the connection is counted under, or None when it is refused."""
@@ -84,6 +94,7 @@ class Admission:
             or self.per_client[bucket] >= self.limits.max_connections_per_ip
         ):
             self.refused += 1
+            self._warn(ip)
             return None
         self.total += 1
         self.per_client[bucket] += 1
@@ -94,3 +105,20 @@ class Admission:
         self.per_client[bucket] -= 1
         if self.per_client[bucket] <= 0:
             del self.per_client[bucket]
+
+    def _warn(self, ip: str) -> None:
+        now = time.monotonic()
+        if now - self._warned < WARN_EVERY:
+            return
+        self._warned = now
+        logging.getLogger(self.logger).warning(
+            "connection refused: the listener is at its connection cap",
+            extra={
+                "listener": self.name,
+                "client_ip": ip,
+                "open": self.total,
+                "refused": self.refused,
+                "max_connections": self.limits.max_connections,
+                "max_connections_per_ip": self.limits.max_connections_per_ip,
+            },
+        )

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-import time
 from typing import Any
 
 from aiohttp import web
@@ -36,8 +35,6 @@ from smtpguard.admission import Admission, ListenerLimits, peer_ip
 
 LINGER = 2.0
 """After a response, the unread rest of a body is read and dropped this long at most."""
-WARN_EVERY = 60.0
-"""A listener at its cap says so in the log at most this often (an attack is not a log flood)."""
 
 _BUSY = (
     b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nRetry-After: 5\r\n"
@@ -64,7 +61,6 @@ class _LimitedHandler(RequestHandler):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         bucket = self._listener.admission.admit(peer_ip(transport))
         if bucket is None:
-            self._listener.refused(peer_ip(transport))
             transport.write(_BUSY)  # type: ignore[attr-defined]
             transport.close()
             return
@@ -81,7 +77,9 @@ class _LimitedHandler(RequestHandler):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if data and not self._reading and self._bucket is not None:
+        if self._bucket is None:
+            return  # refused, or already gone
+        if data and not self._reading:
             # The first byte of a request: from here its headers and body have read_timeout,
             # however slowly they trickle in.
             self._reading = True
@@ -153,11 +151,10 @@ class LimitedListener:
         self.name = name
         """The listener's config section (events, console): log lines name it."""
         self.logger = logger
-        self.admission = Admission(limits)
+        self.admission = Admission(limits, name, logger)
         self.port = 0
         self._runner: web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
-        self._warned = 0.0
         self._handler_args: dict[str, Any] = {
             # No access log: a webhook URL may carry a token in its query string.
             "access_log": None,
@@ -206,19 +203,3 @@ class LimitedListener:
             # Closes the open connections and waits for the requests in progress.
             await self._runner.cleanup()
             self._runner = None
-
-    def refused(self, ip: str) -> None:
-        now = time.monotonic()
-        if now - self._warned >= WARN_EVERY:
-            self._warned = now
-            logging.getLogger(self.logger).warning(
-                "connection refused: the listener is at its connection cap",
-                extra={
-                    "listener": self.name,
-                    "client_ip": ip,
-                    "open": self.admission.total,
-                    "refused": self.admission.refused,
-                    "max_connections": self.limits.max_connections,
-                    "max_connections_per_ip": self.limits.max_connections_per_ip,
-                },
-            )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -162,7 +163,10 @@ async def _refused(reader: asyncio.StreamReader) -> bool:
 
 
 @pytest.mark.parametrize("listener", LISTENERS)
-async def test_the_caps_refuse_at_accept_and_give_slots_back(guard: Server, listener: str) -> None:
+async def test_the_caps_refuse_at_accept_and_give_slots_back(
+    guard: Server, listener: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
     port = port_of(guard, listener)
     a = [await connect(port, "127.0.0.10") for _ in range(4)]
     # The fourth from one address is over max_connections_per_ip (3).
@@ -185,6 +189,11 @@ async def test_the_caps_refuse_at_accept_and_give_slots_back(guard: Server, list
         assert not await _refused(r)
     for _, writer in [*a, *b, (r, w)]:
         writer.close()
+    # Two refusals, one warning: a listener under attack does not flood the log.
+    warnings = [
+        m for m in caplog.messages if m == "connection refused: the listener is at its connection cap"
+    ]
+    assert len(warnings) == 1
 
 
 def test_an_ipv6_client_is_counted_by_its_64() -> None:

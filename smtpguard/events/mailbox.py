@@ -145,7 +145,7 @@ class MailboxServer:
         self.handler = ReportHandler(cfg, applier, observe)
         self.hostname = hostname
         self.limits = ListenerLimits.of(cfg)
-        self.admission = Admission(self.limits)
+        self.admission = Admission(self.limits, "events.mailbox", log.name)
         self._server: asyncio.Server | None = None
         self.port = 0
 
