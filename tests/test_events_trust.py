@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from smtpguard.console.views import iso
 from smtpguard.server import Server
 from tests import events_support as ev
 from tests.console_support import Operator
@@ -195,3 +196,12 @@ async def test_a_body_abandoned_mid_way_is_one_log_line(
     # The listener is unharmed: the whole request is applied (unmatched: no such message).
     status, doc = await ev.post(events_port(guard), "ses", signed)
     assert (status, doc.get("unmatched")) == (200, 1), doc
+
+
+def test_a_time_stored_before_the_check_renders_instead_of_failing_the_page() -> None:
+    """A store written by an earlier release may hold `inf` (or a year past 9999): the
+    console shows it as invalid rather than answering 500."""
+    assert iso(float("inf")) == "invalid time (inf)"
+    assert iso(float("nan")) == "invalid time (nan)"
+    assert iso(1e300).startswith("invalid time")
+    assert iso(0.0) == "1970-01-01T00:00:00Z"
