@@ -3,7 +3,7 @@ connections to the events port, the console or the mailbox, while a genuine sign
 is answered 200 within 2 s and applied, and an SMTP submission gets its 250 and reaches the
 upstream exactly once.
 
-smtpguard runs as its own process with a file-descriptor limit (prlimit) below what 600
+smtpguard runs as its own process with a file-descriptor limit (RLIMIT_NOFILE) below what 600
 connections need: without caps the flood used up the descriptors and the SMTP listener
 stopped accepting; without per-request deadlines 64 body tricklers held every webhook slot
 (503 for every source). The listeners run with their default limits (256 in total, 32 per
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -45,6 +46,14 @@ IDLE = TRICKLE = 300
 NOFILE = 512
 """Below the ~650 descriptors 600 admitted connections take, well above the ~220 the caps
 let the flood take (5 addresses, 32 each, plus smtpguard's own)."""
+WITH_NOFILE = (
+    sys.executable,
+    "-c",
+    "import os, resource, sys; "
+    f"resource.setrlimit(resource.RLIMIT_NOFILE, ({NOFILE}, {NOFILE})); "
+    "os.execv(sys.argv[1], sys.argv[1:])",
+)
+"""Runs serve under the lowered limit (what `prlimit --nofile` does, without needing it)."""
 PER_IP = 32
 ANSWER_WITHIN = 2.0
 
@@ -78,9 +87,7 @@ async def guard(tmp: Path, upstream: Upstream, keys: ev.Keys) -> AsyncIterator[d
             "operators": [{"username": "alice", "password_hash": password_hash("pw-alice-1")}],
         },
     )
-    proc = GuardProcess(
-        write_config(tmp / "guard.yaml", cfg), tmp / "guard.log", ("prlimit", f"--nofile={NOFILE}:{NOFILE}")
-    )
+    proc = GuardProcess(write_config(tmp / "guard.yaml", cfg), tmp / "guard.log", WITH_NOFILE)
     proc.start()
     try:
         for port in ports.values():
