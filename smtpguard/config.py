@@ -677,7 +677,20 @@ _SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _VERP_DOMAIN = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,63}\.?$")
 
 
-class MailboxConfig(_Strict):
+class SideListenerLimits(_Strict):
+    """Limits of a listener open to strangers: the events webhooks, the console, the
+    mailbox (DESIGN.md §18; smtpguard/admission.py)."""
+
+    max_connections: int = Field(256, ge=1)
+    max_connections_per_ip: int = Field(32, ge=1)
+    """Counted per IPv4 address and per IPv6 /64."""
+    read_timeout: Duration = Field(10.0, gt=0)
+    """From a request's (a command's) first byte to its last, body included."""
+    idle_timeout: Duration = Field(15.0, gt=0)
+    """A connection that sends nothing this long is closed (HTTP keep-alive included)."""
+
+
+class MailboxConfig(SideListenerLimits):
     """RFC 3464 DSNs and RFC 5965 ARF reports mailed to `address` at the `listen` listener."""
 
     listen: str
@@ -723,7 +736,7 @@ class MailboxConfig(_Strict):
         return v
 
 
-class EventsConfig(_Strict):
+class EventsConfig(SideListenerLimits):
     address: str | None = None
     """The webhook listener (HTTP; put TLS in front of it, as for any webhook receiver)."""
     max_body: Size = 1_000_000
@@ -771,7 +784,7 @@ def _proxy_network(value: str) -> str:
     return value
 
 
-class ConsoleConfig(_Strict):
+class ConsoleConfig(SideListenerLimits):
     """The operator's console in the browser (DESIGN.md §14, §18)."""
 
     address: str = "127.0.0.1:9590"

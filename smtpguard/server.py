@@ -283,6 +283,7 @@ class Server:
 
     async def _start_events(self, config: Config, sources: Sources) -> None:
         """The provider-event listener (§13)."""
+        from smtpguard.admission import ListenerLimits
         from smtpguard.events.apply import Applier
         from smtpguard.events.web import EventsServer
 
@@ -293,7 +294,13 @@ class Server:
         if config.events.address is not None:
             host, _, port = config.events.address.rpartition(":")
             self.events = EventsServer(
-                sources, self.event_applier, config.events.max_body, self.clock, self.metrics.provider_event
+                sources,
+                self.event_applier,
+                config.events.max_body,
+                self.clock,
+                self.metrics.provider_event,
+                ListenerLimits.of(config.events),
+                lambda: self.config.limits,
             )
             await self.events.start(host.strip("[]"), int(port))
             log.info("events listening", extra={"address": config.events.address, "port": self.events.port})
@@ -836,11 +843,14 @@ def _event_tags(config: Config) -> dict[str, str]:
     return tags
 
 
+_LISTENER_LIMITS = ("max_connections", "max_connections_per_ip", "read_timeout", "idle_timeout")
+
+
 def _events_restart_changes(old: Config, new: Config) -> list[str]:
     """The events settings bound at start that a reload cannot change."""
     before, after = old.events, new.events
     changed = []
-    for name in ("address", "max_body", "mailbox"):
+    for name in ("address", "max_body", "mailbox", *_LISTENER_LIMITS):
         if getattr(before, name, None) != getattr(after, name, None):
             changed.append(f"events.{name}")
     return changed

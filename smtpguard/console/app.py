@@ -26,10 +26,12 @@ import jinja2
 from aiohttp import web
 
 from smtpguard import desk
+from smtpguard.admission import ListenerLimits
 from smtpguard.config import Config, ConsoleConfig, OperatorConfig
 from smtpguard.console import trust, views
 from smtpguard.console.logins import LoginLimiter
 from smtpguard.console.sessions import COOKIE, LOGIN_COOKIE, Session, Sessions, fingerprint
+from smtpguard.http_listener import LimitedListener
 from smtpguard.passwords import Verifier
 from smtpguard.policy.senders import address_problem, normalize_address
 from smtpguard.store import Store, StoreUnavailable
@@ -88,7 +90,7 @@ class Console:
         r.add_get("/suppression/{zone}", self.suppression)
         r.add_post("/suppression/{zone}/{action:add|remove}", self.suppression_change)
         r.add_get("/queue", self.queue)
-        self._runner: web.AppRunner | None = None
+        self._listener: LimitedListener | None = None
         self.port = 0
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -98,19 +100,15 @@ class Console:
             ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ctx.minimum_version = ssl.TLSVersion.TLSv1_2
             ctx.load_cert_chain(self.settings.tls.cert, self.settings.tls.key)
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        site = web.TCPSite(
-            self._runner, self.settings.host, self.settings.port, ssl_context=ctx, reuse_address=True
-        )
-        await site.start()
-        sockets = getattr(site._server, "sockets", None) or []
-        self.port = sockets[0].getsockname()[1] if sockets else self.settings.port
+        # The connection caps, read_timeout and idle_timeout of console.* (http_listener.py).
+        self._listener = LimitedListener(self.app, ListenerLimits.of(self.settings), "console", log.name)
+        await self._listener.start(self.settings.host, self.settings.port, ctx)
+        self.port = self._listener.port
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._listener is not None:
+            await self._listener.stop()
+            self._listener = None
 
     # --- security ----------------------------------------------------------------------------
     @web.middleware

@@ -24,7 +24,11 @@ AUDIT_READ = 10_000
 def iso(epoch: float | None) -> str:
     if epoch is None:
         return "-"
-    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+    try:
+        return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+    except (OverflowError, ValueError, OSError):
+        # A time stored before events refused implausible ones (`1e400`): shown, not a 500.
+        return f"invalid time ({epoch!r})"
 
 
 @dataclass

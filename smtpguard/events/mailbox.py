@@ -17,9 +17,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import Any, cast
 
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
+from smtpguard import replies
+from smtpguard.admission import Admission, ListenerLimits, peer_ip
 from smtpguard.config import MailboxConfig
 from smtpguard.events.apply import Applied, Applier, log_applied
 from smtpguard.events.model import ProviderEvent
@@ -113,6 +116,76 @@ def _was_recipient(record: Record, event: ProviderEvent) -> bool:
     return recipient_tag(event.recipient) in record.rcpt_tags
 
 
+class _MailboxSMTP(SMTP):
+    """aiosmtpd's SMTP for one mailbox connection, admitted and timed by its listener
+    (DESIGN.md §18): idle_timeout between commands, read_timeout from a command's (or a
+    message's) first byte to its end, however slowly it trickles."""
+
+    def __init__(
+        self, handler: ReportHandler, admission: Admission, limits: ListenerLimits, **kw: Any
+    ) -> None:
+        self._admission = admission
+        self._limits = limits
+        self._bucket: str | None = None
+        self._refused = False
+        self._reading = False
+        super().__init__(handler, timeout=limits.idle_timeout, **kw)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self.transport is None and self._bucket is None:
+            bucket = self._admission.admit(peer_ip(transport))
+            if bucket is None:
+                self._refused = True
+                cast(asyncio.Transport, transport).write(f"{replies.GREETING_BUSY}\r\n".encode())
+                transport.close()
+                return
+            self._bucket = bucket
+        super().connection_made(transport)
+
+    def connection_lost(self, error: Exception | None) -> None:
+        if self._refused:
+            return
+        if self._bucket is not None:
+            self._admission.release(self._bucket)
+            self._bucket = None
+        super().connection_lost(error)
+
+    def eof_received(self) -> bool | None:
+        if self._refused:
+            return None
+        result: bool | None = super().eof_received()
+        return result
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if data and not self._reading and self.transport is not None:
+            self._reading = True
+            self._reset_timeout(self._limits.read_timeout)
+        super().data_received(data)
+
+    def _reset_timeout(self, duration: float | None = None) -> None:
+        # aiosmtpd calls this without a duration at connect and after each command line:
+        # the connection is between commands, so idle_timeout.
+        if duration is None:
+            self._reading = False
+        super()._reset_timeout(duration)
+
+    def _set_post_data_state(self) -> None:
+        super()._set_post_data_state()  # type: ignore[no-untyped-call]
+        # The message is in and answered: the client is between commands again.
+        self._reset_timeout()
+
+    def _timeout_cb(self) -> None:
+        log.info(
+            "events mailbox: connection timed out",
+            extra={"client_ip": peer_ip(self.transport) if self.transport else "?", "reading": self._reading},
+        )
+        if self.transport is not None and not self.transport.is_closing():
+            cast(asyncio.Transport, self.transport).write(f"{replies.IDLE_TIMEOUT}\r\n".encode())
+        super()._timeout_cb()  # type: ignore[no-untyped-call]
+
+
 class MailboxServer:
     def __init__(
         self,
@@ -125,6 +198,8 @@ class MailboxServer:
         self.cfg = cfg
         self.handler = ReportHandler(cfg, applier, observe, key)
         self.hostname = hostname
+        self.limits = ListenerLimits.of(cfg)
+        self.admission = Admission(self.limits, "events.mailbox", log.name)
         self._server: asyncio.Server | None = None
         self.port = 0
 
@@ -132,8 +207,10 @@ class MailboxServer:
         host, _, port = self.cfg.listen.rpartition(":")
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: SMTP(
+            lambda: _MailboxSMTP(
                 self.handler,
+                self.admission,
+                self.limits,
                 hostname=self.hostname,
                 ident="smtpguard events mailbox",
                 data_size_limit=self.cfg.max_message_size,

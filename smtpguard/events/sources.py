@@ -14,7 +14,6 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,6 +29,7 @@ from smtpguard.config import (
 )
 from smtpguard.events import signatures
 from smtpguard.events.model import ID_HEADER, KEY_FIELD, Kind, Malformed, Match, ProviderEvent, content_id
+from smtpguard.events.times import epoch, event_time
 
 
 class Rejected(Exception):
@@ -116,24 +116,6 @@ def _strs(*values: Any) -> tuple[str, ...]:
     return tuple(v for v in values if isinstance(v, str) and v)
 
 
-def _epoch(value: Any) -> float:
-    """Unix seconds, or an ISO 8601 time as Postmark, Resend and SNS write them."""
-    if isinstance(value, bool):
-        raise Malformed("a timestamp is not a number or an ISO 8601 time")
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-        try:
-            return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-        except ValueError:
-            pass
-    raise Malformed(f"timestamp {value!r} is not a number or an ISO 8601 time")
-
-
 def _header(headers: Mapping[str, str], name: str) -> str:
     value = headers.get(name)
     if not value:
@@ -189,9 +171,9 @@ class Mailgun(_Base):
             hashlib.sha256(body).hexdigest(),
             float(timestamp) + self.tolerance,
         )
-        return Verified([self._event(data)], nonce=nonce)
+        return Verified([self._event(data, now)], nonce=nonce)
 
-    def _event(self, data: dict[str, Any]) -> ProviderEvent:
+    def _event(self, data: dict[str, Any], now: float) -> ProviderEvent:
         event = _str(data.get("event"))
         if event is None:
             raise Malformed("event-data.event is missing")
@@ -216,7 +198,7 @@ class Mailgun(_Base):
             provider_type=event if event != "failed" else f"failed/{data.get('severity', '')}",
             recipient=_str(data.get("recipient")),
             status=code,
-            at=_epoch(data.get("timestamp", 0)),
+            at=event_time(data.get("timestamp"), "event-data.timestamp", now),
             event_id=_str(data.get("id")) or content_id(data),
             match=Match(
                 keys=_strs(variables.get(KEY_FIELD)), message_ids=_strs(msg_headers.get("message-id"))
@@ -257,9 +239,9 @@ class Sendgrid(_Base):
         payload = _json(body)
         if not isinstance(payload, list):
             raise Rejected(400, "the body is not a JSON array of events")
-        return Verified([self._event(_obj(e, "an event")) for e in payload])
+        return Verified([self._event(_obj(e, "an event"), now) for e in payload])
 
-    def _event(self, e: dict[str, Any]) -> ProviderEvent:
+    def _event(self, e: dict[str, Any], now: float) -> ProviderEvent:
         event = _str(e.get("event"))
         if event is None:
             raise Malformed("an event has no `event`")
@@ -280,7 +262,7 @@ class Sendgrid(_Base):
             provider_type=event,
             recipient=_str(e.get("email")),
             status=str(e.get("status") or ""),
-            at=_epoch(e.get("timestamp", 0)),
+            at=event_time(e.get("timestamp"), "timestamp", now),
             event_id=_str(e.get("sg_event_id")) or content_id(e),
             match=Match(
                 keys=_strs(e.get(KEY_FIELD)), message_ids=_strs(e.get("smtp-id")), upstream_ids=upstream
@@ -316,9 +298,9 @@ class Svix(_Base):
         except ValueError:
             raise Rejected(401, "svix-timestamp is not a number") from None
         payload = _json_object(body)
-        return Verified(self._events(payload, msg_id))
+        return Verified(self._events(payload, msg_id, now))
 
-    def _events(self, payload: dict[str, Any], msg_id: str) -> list[ProviderEvent]:
+    def _events(self, payload: dict[str, Any], msg_id: str, now: float) -> list[ProviderEvent]:
         event = _str(payload.get("type"))
         if event is None:
             raise Malformed("`type` is missing")
@@ -343,7 +325,7 @@ class Svix(_Base):
             # The event names the email, not which of its recipients bounced or complained:
             # suppressing all of them would punish the ones who did not.
             kind = Kind.OTHER
-        at = _epoch(payload.get("created_at") or data.get("created_at") or 0)
+        at = event_time(payload.get("created_at") or data.get("created_at"), "created_at", now)
         return [
             ProviderEvent(
                 self.name,
@@ -360,6 +342,7 @@ class Svix(_Base):
 
 
 # --- Postmark --------------------------------------------------------------------------------
+_POSTMARK_TIMES = ("BouncedAt", "DeliveredAt", "ReceivedAt", "ChangedAt")
 @dataclass(frozen=True, slots=True)
 class Postmark(_Base):
     username: str
@@ -373,9 +356,9 @@ class Postmark(_Base):
     def verify(self, body: bytes, headers: Mapping[str, str], now: float) -> Verified:
         self.precheck(headers)
         payload = _json_object(body)
-        return Verified([self._event(payload)])
+        return Verified([self._event(payload, now)])
 
-    def _event(self, p: dict[str, Any]) -> ProviderEvent:
+    def _event(self, p: dict[str, Any], now: float) -> ProviderEvent:
         record_type = _str(p.get("RecordType"))
         if record_type is None:
             raise Malformed("`RecordType` is missing")
@@ -390,7 +373,7 @@ class Postmark(_Base):
             kind = Kind.OTHER
         metadata = p.get("Metadata") if isinstance(p.get("Metadata"), dict) else {}
         assert isinstance(metadata, dict)
-        at = p.get("BouncedAt") or p.get("DeliveredAt") or p.get("ReceivedAt") or p.get("ChangedAt") or 0
+        stamp = next((f for f in _POSTMARK_TIMES if p.get(f)), "BouncedAt")
         event_id = p.get("ID")
         return ProviderEvent(
             source=self.name,
@@ -398,7 +381,7 @@ class Postmark(_Base):
             provider_type=record_type if not bounce_type else f"{record_type}/{bounce_type}",
             recipient=_str(p.get("Email")) or _str(p.get("Recipient")),
             status=bounce_type if record_type == "Bounce" else "",
-            at=_epoch(at),
+            at=event_time(p.get(stamp), stamp, now),
             event_id=f"{record_type}:{event_id}"
             if isinstance(event_id, int | str) and event_id != ""
             else content_id(p),
@@ -411,6 +394,13 @@ class Postmark(_Base):
 
 
 # --- Amazon SES through SNS ------------------------------------------------------------------
+_SES_SECTIONS = {
+    "Bounce": "bounce",
+    "Complaint": "complaint",
+    "Delivery": "delivery",
+    "DeliveryDelay": "deliveryDelay",
+}
+"""Where each SES event keeps its own time (the field a refused time is named by)."""
 _SNS_SIGNED = {
     "Notification": ("Message", "MessageId", "Subject", "Timestamp", "TopicArn", "Type"),
     "SubscriptionConfirmation": (
@@ -470,7 +460,7 @@ class Ses(_Base):
         if envelope.get("TopicArn") != self.topic_arn:
             raise Rejected(403, f"TopicArn {envelope.get('TopicArn')!r} is not this source's topic")
         try:
-            self._fresh(_epoch(envelope.get("Timestamp")), now)
+            self._fresh(epoch(envelope.get("Timestamp"), "Timestamp"), now)
         except Malformed:
             raise Rejected(401, "Timestamp is not an ISO 8601 time") from None
         if kind != "Notification":
@@ -481,9 +471,9 @@ class Ses(_Base):
             message = json.loads(str(envelope.get("Message")))
         except ValueError:
             raise Malformed("Message is not JSON (enable raw SES notifications, not plain text)") from None
-        return Verified(self._events(_obj(message, "Message"), message_id))
+        return Verified(self._events(_obj(message, "Message"), message_id, now))
 
-    def _events(self, m: dict[str, Any], message_id: str) -> list[ProviderEvent]:
+    def _events(self, m: dict[str, Any], message_id: str, now: float) -> list[ProviderEvent]:
         event = _str(m.get("notificationType")) or _str(m.get("eventType"))
         if event is None:
             raise Malformed("notificationType (or eventType) is missing")
@@ -526,11 +516,10 @@ class Ses(_Base):
                     for r in section.get("delayedRecipients") or []
                     if isinstance(r, dict)
                 ]
-        at = _epoch(
-            section.get("timestamp")
-            if isinstance(section, dict) and section.get("timestamp")
-            else mail.get("timestamp") or 0
-        )
+        if isinstance(section, dict) and section.get("timestamp"):
+            at = event_time(section.get("timestamp"), f"{_SES_SECTIONS.get(event, 'bounce')}.timestamp", now)
+        else:
+            at = event_time(mail.get("timestamp"), "mail.timestamp", now)
         return [
             ProviderEvent(self.name, kind, event, rcpt, status, at, f"{message_id}:{i}", match)
             for i, (rcpt, status) in enumerate(found or [(None, "")])

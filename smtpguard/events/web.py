@@ -11,23 +11,28 @@ the provider's retry applies the rest while the applied ones count as duplicates
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
 
+from smtpguard.admission import ListenerLimits, client_bucket
+from smtpguard.config import LimitsConfig
 from smtpguard.events.apply import Applied, Applier, log_applied
 from smtpguard.events.model import Malformed
 from smtpguard.events.sources import Rejected, Source, Sources
+from smtpguard.http_listener import LimitedListener
 from smtpguard.store import StoreUnavailable
 
 log = logging.getLogger("smtpguard.events")
 
-MAX_CONCURRENT = 64
-"""Requests read and applied at once; more get 503 and the provider retries. Bounds what
-unauthenticated clients can hold: MAX_CONCURRENT times max_body of memory."""
-READ_TIMEOUT = 30.0
+MAX_APPLYING = 16
+"""Verified requests of one source applied at once; more get 503 and the provider retries.
+Per source, so that one source's burst never takes another's turn at the store. Reading a
+body holds no such slot: a client trickling its body holds only its own connection, for
+at most read_timeout, within the connection caps (http_listener.py)."""
 
 Observe = Callable[[str, str, str], None]
 """(source, type, outcome) → count it."""
@@ -41,58 +46,125 @@ class EventsServer:
         max_body: int,
         clock: Callable[[], float],
         observe: Observe,
+        limits: ListenerLimits | None = None,
+        auth_limits: Callable[[], LimitsConfig] = LimitsConfig,
     ) -> None:
         self.sources = sources
         self.applier = applier
         self.clock = clock
         self.observe = observe
-        self._runner: web.AppRunner | None = None
-        self._slots = asyncio.Semaphore(MAX_CONCURRENT)
+        self.auth_limits = auth_limits
+        """`limits.auth_failures` within `auth_failure_window`, as the running config has it."""
+        self._applying: dict[str, asyncio.Semaphore] = {}
+        self._auth_turns: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self.port = 0
         self.app = web.Application(client_max_size=max_body)
         self.app.router.add_post("/events/{name}", self._handle)
+        self.listener = LimitedListener(self.app, limits or ListenerLimits(), "events", log.name)
 
     async def start(self, host: str, port: int) -> None:
-        # No access log: a webhook URL may carry a token in its query string.
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, reuse_address=True)
-        await site.start()
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        self.port = sockets[0].getsockname()[1] if sockets else port
+        await self.listener.start(host, port)
+        self.port = self.listener.port
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        await self.listener.stop()
 
     async def _handle(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
         source = self.sources.get(name)
         if source is None:
             return _reply(404, f"no event source named {name!r}")
+        if source.kind == "postmark":
+            refused = await self._basic_auth(request, name, source)
+            if refused is not None:
+                return refused
+        else:
+            try:
+                source.precheck(request.headers)
+            except Rejected as e:
+                self.observe(name, "-", f"rejected_{e.status}")
+                return _reply(e.status, e.reason)
         try:
-            source.precheck(request.headers)
-        except Rejected as e:
-            self.observe(name, "-", f"rejected_{e.status}")
-            return _reply(e.status, e.reason)
-        if self._slots.locked():
-            self.observe(name, "-", "busy")
-            return _reply(503, "too many requests in progress; retry")
-        async with self._slots:
-            return await self._read_and_apply(request, name, source)
-
-    async def _read_and_apply(self, request: web.Request, name: str, source: Source) -> web.Response:
-        try:
-            async with asyncio.timeout(READ_TIMEOUT):
-                body = await request.read()
+            body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             self.observe(name, "-", "too_large")
             return _reply(413, "the body is over events.max_body")
-        except TimeoutError:
-            self.observe(name, "-", "timeout")
-            return _reply(408, "the body did not arrive in time")
+        except (ConnectionError, OSError) as e:
+            # The client went away mid-body (or read_timeout closed it): nobody is left to
+            # answer, and nothing was applied.
+            self.observe(name, "-", "aborted")
+            log.info(
+                "provider event body aborted",
+                extra={"source": name, "client_ip": request.remote, "error": type(e).__name__},
+            )
+            return _reply(400, "the body was not received whole")
+        slots = self._applying.setdefault(name, asyncio.Semaphore(MAX_APPLYING))
+        if slots.locked():
+            self.observe(name, "-", "busy")
+            return _reply(503, "too many requests in progress; retry")
+        async with slots:
+            return await self._verify_and_apply(request, name, source, body)
+
+    async def _basic_auth(self, request: web.Request, name: str, source: Source) -> web.Response | None:
+        """Postmark's webhook credentials are a password anyone can guess at: failures are
+        limited per client address like SMTP AUTH (`limits.auth_failures` within
+        `auth_failure_window`, then 429), in a count of their own (`events:ADDRESS`), so a
+        webhook's guesser cannot lock an SMTP client of the same address out of AUTH."""
+        ip = request.remote or "?"
+        bucket = f"events:{client_bucket(ip)}"
+        limits = self.auth_limits()
+        window = limits.auth_failure_window
+        store = self.applier.store
+        async with self._auth_turn(bucket):
+            now = self.clock()
+            try:
+                if await store.auth_failures(bucket, now, window) >= limits.auth_failures:
+                    self.observe(name, "-", "rejected_429")
+                    log.warning(
+                        "provider event refused: too many HTTP Basic failures from this address",
+                        extra={"source": name, "client_ip": ip},
+                    )
+                    return _reply(
+                        429,
+                        "too many failed credentials from this address; retry later",
+                        {"Retry-After": str(int(window))},
+                    )
+                try:
+                    source.precheck(request.headers)
+                    return None
+                except Rejected as e:
+                    refusal = e
+                failures = await store.auth_failure(bucket, now, window)
+            except StoreUnavailable as e:
+                log.error(
+                    "provider event not checked: store unavailable", extra={"source": name, "error": str(e)}
+                )
+                return _reply(503, "store unavailable; retry")
+        self.observe(name, "-", f"rejected_{refusal.status}")
+        # The reason only, never the header: it carries the password that was tried.
+        log.warning(
+            "provider event refused: HTTP Basic credentials",
+            extra={"source": name, "client_ip": ip, "reason": refusal.reason, "failures": failures},
+        )
+        return _reply(refusal.status, refusal.reason)
+
+    @contextlib.asynccontextmanager
+    async def _auth_turn(self, bucket: str) -> AsyncIterator[None]:
+        """One check at a time per address: parallel guesses must not all pass the count
+        before the first failure is in it."""
+        lock, waiting = self._auth_turns.setdefault(bucket, (asyncio.Lock(), [0]))
+        waiting[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            waiting[0] -= 1
+            if not waiting[0]:
+                del self._auth_turns[bucket]
+
+    async def _verify_and_apply(
+        self, request: web.Request, name: str, source: Source, body: bytes
+    ) -> web.Response:
         try:
             verified = source.verify(body, request.headers, self.clock())
         except Rejected as e:
@@ -144,6 +216,6 @@ class EventsServer:
         return web.json_response({"status": "ok", **counts})
 
 
-def _reply(status: int, reason: str) -> web.Response:
+def _reply(status: int, reason: str, headers: dict[str, str] | None = None) -> web.Response:
     body: dict[str, Any] = {"status": "error", "error": reason}
-    return web.json_response(body, status=status)
+    return web.json_response(body, status=status, headers=headers)

@@ -1,0 +1,124 @@
+"""Connection caps of the side listeners: the events webhooks, the console, the mailbox.
+
+Each of them is open to strangers (providers, browsers, other MTAs) and each connection
+costs a file descriptor. Without a cap, idle connections to one of them use up the
+process's descriptors and the SMTP submission listener, in the same process, stops
+accepting. So every side listener admits at most `max_connections` at once, and at most
+`max_connections_per_ip` from one client address, refused at accept, before a byte is read.
+
+An IPv6 client is counted by its /64: one host usually holds a whole /64, so counting
+single addresses would give it 2^64 per-address allowances.
+
+The side listeners run in one process (worker 0, workers.py), so the counts are plain
+in-memory counters; the SMTP listener's own counts are global across workers
+(connection_table.py) and are not these.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class HasListenerLimits(Protocol):
+    @property
+    def max_connections(self) -> int: ...
+    @property
+    def max_connections_per_ip(self) -> int: ...
+    @property
+    def read_timeout(self) -> float: ...
+    @property
+    def idle_timeout(self) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ListenerLimits:
+    max_connections: int = 256
+    max_connections_per_ip: int = 32
+    read_timeout: float = 10.0
+    """From the first byte of a request (or command) to its last: headers and body."""
+    idle_timeout: float = 15.0
+    """A connection that sends nothing for this long (before its first request or between
+    keep-alive requests) is closed."""
+
+    @classmethod
+    def of(cls, cfg: HasListenerLimits) -> ListenerLimits:
+        return cls(cfg.max_connections, cfg.max_connections_per_ip, cfg.read_timeout, cfg.idle_timeout)
+
+
+def client_bucket(ip: str) -> str:
+    """What one client's connections are counted under: its IPv4 address, its IPv6 /64."""
+    try:
+        addr = ipaddress.ip_address(ip.split("%", 1)[0])
+    except ValueError:
+        return ip
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return str(addr.ipv4_mapped)
+        return str(ipaddress.IPv6Network((addr, 64), strict=False))
+    return str(addr)
+
+
+def peer_ip(transport: asyncio.BaseTransport) -> str:
+    peer = transport.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+
+
+WARN_EVERY = 60.0
+"""A listener at its cap says so in the log at most this often (an attack is not a log flood)."""
+
+
+class Admission:
+    """Open connections of one listener, in total and per client; admit or refuse."""
+
+    def __init__(self, limits: ListenerLimits, name: str = "", logger: str = "smtpguard") -> None:
+        self.limits = limits
+        self.name = name
+        """The listener's config section (events, console, events.mailbox): log lines name it."""
+        self.logger = logger
+        self.total = 0
+        self.per_client: Counter[str] = Counter()
+        self.refused = 0
+        self._warned = -WARN_EVERY
+
+    def admit(self, ip: str) -> str | None:
+        """The bucket the connection is counted under, or None when it is refused."""
+        bucket = client_bucket(ip)
+        if (
+            self.total >= self.limits.max_connections
+            or self.per_client[bucket] >= self.limits.max_connections_per_ip
+        ):
+            self.refused += 1
+            self._warn(ip)
+            return None
+        self.total += 1
+        self.per_client[bucket] += 1
+        return bucket
+
+    def release(self, bucket: str) -> None:
+        self.total = max(self.total - 1, 0)
+        self.per_client[bucket] -= 1
+        if self.per_client[bucket] <= 0:
+            del self.per_client[bucket]
+
+    def _warn(self, ip: str) -> None:
+        now = time.monotonic()
+        if now - self._warned < WARN_EVERY:
+            return
+        self._warned = now
+        logging.getLogger(self.logger).warning(
+            "connection refused: the listener is at its connection cap",
+            extra={
+                "listener": self.name,
+                "client_ip": ip,
+                "open": self.total,
+                "refused": self.refused,
+                "max_connections": self.limits.max_connections,
+                "max_connections_per_ip": self.limits.max_connections_per_ip,
+            },
+        )

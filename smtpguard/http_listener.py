@@ -1,0 +1,205 @@
+"""An aiohttp listener with the side listeners' limits: the events webhooks and the console.
+
+aiohttp parses HTTP and serves the application; this module only configures it and adds
+what aiohttp has no knob for (DESIGN.md §18):
+
+- connection caps (admission.py), checked when the connection is accepted: over a cap the
+  client gets `503` and the socket is closed before anything is parsed;
+- `read_timeout`, a deadline from the first byte of a request to the last byte of its
+  body: aiohttp has none for the request headers, so a client sending a byte a second
+  would hold its connection as long as it liked;
+- `idle_timeout`, for a connection that sends nothing: before its first request (our own
+  timer) and between keep-alive requests (aiohttp's `keepalive_timeout`).
+
+The hooks are the handler's own protocol callbacks (connection_made, data_received,
+connection_lost) and the server's `request_factory`, called once a request's headers are
+in; its payload's `on_eof` tells when the body is complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from typing import Any
+
+from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.streams import StreamReader
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+
+from smtpguard.admission import Admission, ListenerLimits, peer_ip
+
+LINGER = 2.0
+"""After a response, the unread rest of a body is read and dropped this long at most."""
+
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nRetry-After: 5\r\n"
+    b"Content-Type: text/plain\r\nContent-Length: 30\r\n\r\ntoo many connections; retry.\r\n"
+)
+_SLOW = (
+    b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\n"
+    b"Content-Type: text/plain\r\nContent-Length: 43\r\n\r\nthe request did not arrive in read_timeout\r\n"
+)
+
+
+class _LimitedHandler(RequestHandler):
+    """aiohttp's protocol for one connection, admitted and timed by its listener."""
+
+    def __init__(self, listener: LimitedListener, manager: web.Server, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._listener = listener
+        self._bucket: str | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._reading = False
+        """A request is arriving: its first byte is in, its body is not complete yet."""
+        self._headers_in = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        bucket = self._listener.admission.admit(peer_ip(transport))
+        if bucket is None:
+            transport.write(_BUSY)  # type: ignore[attr-defined]
+            transport.close()
+            return
+        self._bucket = bucket
+        super().connection_made(transport)
+        self._arm(self._listener.limits.idle_timeout, self._idle)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._bucket is None:
+            return  # refused at connection_made: nothing of aiohttp's was started
+        self._listener.admission.release(self._bucket)
+        self._bucket = None
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._bucket is None:
+            return  # refused, or already gone
+        if data and not self._reading:
+            # The first byte of a request: from here its headers and body have read_timeout,
+            # however slowly they trickle in.
+            self._reading = True
+            self._headers_in = False
+            self._arm(self._listener.limits.read_timeout, self._too_slow)
+        super().data_received(data)
+
+    def request_read(self) -> None:
+        """The request's body is complete (called through its payload's on_eof)."""
+        self._reading = False
+        self._disarm()
+
+    def headers_read(self) -> None:
+        self._headers_in = True
+
+    def _arm(self, delay: float, then: Any) -> None:
+        self._disarm()
+        self._timer = self._loop.call_later(delay, then)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _idle(self) -> None:
+        self._timer = None
+        if not self._reading:
+            self.force_close()
+
+    def _too_slow(self) -> None:
+        self._timer = None
+        transport = self.transport
+        logging.getLogger(self._listener.logger).info(
+            "request not received within read_timeout",
+            extra={"listener": self._listener.name, "client_ip": self._listener_ip(transport)},
+        )
+        if transport is not None and not self._headers_in:
+            transport.write(_SLOW)
+        self.force_close()
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        exc = kw.get("exc_info")
+        if isinstance(exc, HttpProcessingError):
+            # A request aiohttp's parser refused (400: a header too long, Content-Length with
+            # Transfer-Encoding, a bare LF): the client's doing, one line, no traceback.
+            # Anything else (a bug of ours) keeps aiohttp's traceback.
+            logging.getLogger(self._listener.logger).info(
+                "malformed HTTP request refused",
+                extra={
+                    "listener": self._listener.name,
+                    "client_ip": self._listener_ip(self.transport),
+                    "error": f"{type(exc).__name__}: {exc.message}"[:200],
+                },
+            )
+            return
+        super().log_exception(*args, **kw)
+
+    @staticmethod
+    def _listener_ip(transport: asyncio.BaseTransport | None) -> str:
+        return peer_ip(transport) if transport is not None else "?"
+
+
+class LimitedListener:
+    """One aiohttp application on one address, with the side listeners' limits."""
+
+    def __init__(self, app: web.Application, limits: ListenerLimits, name: str, logger: str) -> None:
+        self.app = app
+        self.limits = limits
+        self.name = name
+        """The listener's config section (events, console): log lines name it."""
+        self.logger = logger
+        self.admission = Admission(limits, name, logger)
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._handler_args: dict[str, Any] = {
+            # No access log: a webhook URL may carry a token in its query string.
+            "access_log": None,
+            "keepalive_timeout": limits.idle_timeout,
+            "lingering_time": min(LINGER, limits.read_timeout),
+        }
+
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> None:
+        self._runner = web.AppRunner(self.app, handle_signals=False, **self._handler_args)
+        await self._runner.setup()
+        server = self._runner.server
+        assert server is not None
+        make_request = server.request_factory
+
+        def request_factory(
+            message: RawRequestMessage,
+            payload: StreamReader,
+            protocol: RequestHandler,
+            writer: AbstractStreamWriter,
+            task: asyncio.Task[None],
+        ) -> BaseRequest:
+            if isinstance(protocol, _LimitedHandler):
+                protocol.headers_read()
+                payload.on_eof(protocol.request_read)
+            return make_request(message, payload, protocol, writer, task)
+
+        server.request_factory = request_factory
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _LimitedHandler(self, server, loop=loop, **self._handler_args),
+            host,
+            port,
+            ssl=ssl_context,
+            # A TLS handshake happens before the connection is admitted (asyncio calls
+            # connection_made after it): it gets read_timeout too.
+            ssl_handshake_timeout=self.limits.read_timeout if ssl_context is not None else None,
+            reuse_address=True,
+        )
+        self.port = self._server.sockets[0].getsockname()[1] if self._server.sockets else port
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self._runner is not None:
+            # Closes the open connections and waits for the requests in progress.
+            await self._runner.cleanup()
+            self._runner = None
