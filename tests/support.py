@@ -684,6 +684,8 @@ class LostReplyProxy:
         self._match = b""
         self._times = 0
         self._each_once = False
+        self._then_down = 0.0
+        self._down_until = 0.0
         self._seen: set[bytes] = set()
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.StreamWriter] = set()
@@ -692,8 +694,14 @@ class LostReplyProxy:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def lose(self, match: bytes, times: int = 1, each_once: bool = False) -> None:
+    def lose(self, match: bytes, times: int = 1, each_once: bool = False, then_down: float = 0.0) -> None:
+        """`then_down`: after a lost reply, the store is unreachable for that many seconds
+        (every connection reset, new ones refused), as while a failover is under way."""
         self._match, self._times, self._each_once = match, times, each_once
+        self._then_down = then_down
+
+    def _is_down(self) -> bool:
+        return time.monotonic() < self._down_until
 
     def _doom(self, data: bytes) -> bool:
         if self._times <= 0 or self._match not in data:
@@ -717,6 +725,9 @@ class LostReplyProxy:
                 await asyncio.wait_for(self._server.wait_closed(), 2)
 
     async def _client(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        if self._is_down():
+            cw.transport.abort()
+            return
         try:
             ur, uw = await asyncio.open_connection("127.0.0.1", self.redis_port)
         except OSError:
@@ -727,6 +738,10 @@ class LostReplyProxy:
 
         async def upward() -> None:
             while data := await cr.read(65536):
+                if self._is_down():
+                    cw.transport.abort()
+                    uw.close()
+                    return
                 if self._doom(data):
                     doomed.set()
                 uw.write(data)
@@ -735,9 +750,12 @@ class LostReplyProxy:
 
         async def downward() -> None:
             while data := await ur.read(65536):
-                if doomed.is_set():
+                if doomed.is_set() or self._is_down():
                     # The request ran in Redis; its reply never arrives: reset the client.
-                    self.lost += 1
+                    if doomed.is_set():
+                        self.lost += 1
+                        if self._then_down:
+                            self._down_until = time.monotonic() + self._then_down
                     cw.transport.abort()
                     uw.close()
                     return
