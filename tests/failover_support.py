@@ -62,7 +62,10 @@ async def storm(
     after: float = 4.0,
     settle: float = 10.0,
     prefix: str = "fo",
+    drain: Callable[[], Awaitable[None]] | None = None,
 ) -> StormCount:
+    """`drain`: awaited before counting what the upstream received (store-and-forward: until
+    the queue is empty)."""
     count = StormCount()
     answered_at: dict[str, float] = {}
     open_keys: dict[str, list[Reply]] = {}
@@ -117,6 +120,8 @@ async def storm(
     count.resent_answers = Counter(
         "250 duplicate" if r.code == 250 and "duplicate" in r.text else _label(r) for r in resent
     )
+    if drain is not None:
+        await drain()
     sent = Counter(upstream.event_keys())
     count.upstream = sum(sent.values())
     count.duplicates = {str(k): n for k, n in sent.items() if n > 1}
