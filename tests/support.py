@@ -494,21 +494,31 @@ async def send(
 
 # --- a serve process (restart, crash and multi-instance tests) -------------------------------
 class GuardProcess:
-    def __init__(self, config_path: Path, log_path: Path, prefix: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, config_path: Path, log_path: Path, prefix: tuple[str, ...] = (), src: Path | None = None
+    ) -> None:
         self.config_path = config_path
         self.log_path = log_path
         self.prefix = prefix
         """Runs serve under this command, e.g. ("faketime", "-f", "-90s") for a skewed host."""
+        self.src = src
+        """Runs the smtpguard package of this source tree (another release, from `git
+        archive`) with this checkout's interpreter and dependencies."""
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.src is not None:
+            # `python -m` puts its working directory first on sys.path, ahead of the venv's
+            # editable install of this checkout.
+            env["PYTHONPATH"] = str(self.src)
         self.proc = subprocess.Popen(
             [*self.prefix, sys.executable, "-m", "smtpguard", "serve", "-c", str(self.config_path)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
+            cwd=self.src,
             # A group of its own: a prefix such as faketime forks serve as its child, and a
             # signal to the prefix alone would leave serve running after the test.
             start_new_session=True,

@@ -34,12 +34,15 @@ from smtpguard.cli import main
 from smtpguard.config import loads
 from smtpguard.policy.ledger import State
 from smtpguard.readiness.store import store_findings
+from smtpguard.store import StoreUnavailable
 from smtpguard.store.postgres import PostgresStore
 from tests.failover_support import storm
 from tests.postgres_support import PostgresServer
 from tests.support import (
+    OTHER_PASSWORD,
     Behaviour,
     GuardProcess,
+    Reply,
     Upstream,
     base_config,
     free_port,
@@ -107,11 +110,23 @@ def guard_config(tmp: Path, upstream: Upstream, url: str, delivery: str = "relay
     return cfg
 
 
-@pytest.mark.parametrize(
-    ("delivery", "promote_after"), [("relay", 1.0), ("relay", 12.0), ("queue", 12.0)]
-)
+def mixed_config(tmp: Path, upstream: Upstream, url: str) -> dict[str, Any]:
+    """Both modes in one storm: zone acme relays, zone globex stores and forwards."""
+    cfg = guard_config(tmp, upstream, url)
+    cfg["zones"]["globex"].update(
+        plan="unlimited", hourly_cap=1_000_000, monthly_cap=1_000_000, delivery="queue"
+    )
+    cfg["queue"] = {"poll_interval": "100ms", "backoff": {"base": "1s", "max": "2s"}}
+    return cfg
+
+
+def zone_of(key: str) -> str:
+    return "acme" if int(key.rsplit(":", 1)[1]) % 2 else "globex"
+
+
+@pytest.mark.parametrize("promote_after", [1.0, 12.0])
 async def test_primary_killed_mid_storm_standby_promoted_nothing_twice_nothing_lost(
-    tmp: Path, upstream: Upstream, delivery: str, promote_after: float
+    tmp: Path, upstream: Upstream, promote_after: float
 ) -> None:
     started = time.monotonic()
     # The provider takes a moment after the dot, so sessions are between the data_sent note
@@ -119,63 +134,85 @@ async def test_primary_killed_mid_storm_standby_promoted_nothing_twice_nothing_l
     upstream.handler.default = Behaviour(hang_after_dot=0.05)
     guard: GuardProcess | None = None
     with pair(synchronous=True) as (primary, standby):
+        url = url_of(primary, standby)
+        states = PostgresStore(url)
         try:
-            url = url_of(primary, standby)
             port = free_port()
-            cfg = guard_config(tmp, upstream, url, delivery)
+            cfg = mixed_config(tmp, upstream, url)
             cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
             guard = GuardProcess(write_config(tmp / "a.yaml", cfg), tmp / "a.log")
             guard.start()
             await guard.wait_port(port)
+            await states.open()
 
             async def fail_over() -> None:
                 await asyncio.to_thread(primary.kill)
                 await asyncio.sleep(promote_after)
                 await asyncio.to_thread(standby.promote)
 
+            async def submit(key: str) -> Reply:
+                if zone_of(key) == "acme":
+                    return await send(port, message(key), timeout=60)
+                sender = "billing@globex.example"
+                return await send(
+                    port, message(key, sender=sender), user="globex-app", password=OTHER_PASSWORD,
+                    sender=sender, timeout=60,
+                )  # fmt: skip
+
             async def drain() -> None:
                 # Store-and-forward: every queued entry delivered (or held) before counting.
                 deadline = time.monotonic() + 30
+                counts: dict[str, int] = {}
                 while time.monotonic() < deadline:
-                    counts = await states.state_counts("acme")
-                    if not counts.get(State.QUEUED.value) and not counts.get(State.IN_FLIGHT.value):
-                        return
+                    with contextlib.suppress(StoreUnavailable):
+                        counts = await states.state_counts("globex")
+                        if not counts.get(State.QUEUED.value) and not counts.get(State.IN_FLIGHT.value):
+                            return
                     await asyncio.sleep(0.2)
                 raise AssertionError(f"the queue did not drain within 30 s: {counts}")
 
-            states = PostgresStore(url)
             # Keys still open after the storm are retried until their lease has run out (then
             # they are retryable, or held as unknown) and a little more.
             count = await storm(
                 port, upstream, fail_over, workers=WORKERS, settle=LEASE + 6.0, prefix="pgfo",
-                after=3.0, drain=drain if delivery == "queue" else None,
+                before=1.5, after=3.0, drain=drain, submit=submit,
             )  # fmt: skip
-            await states.open()
-            try:
-                held = {k: (r.state.value if (r := await states.get("acme", k)) else None) for k in count.held}
-                unknown = await states.list_records("acme", State.UNKNOWN.value, None, None, 100_000)
-            finally:
-                await states.close()
+            held: dict[str, str | None] = {}
+            for k in count.held:
+                r = await states.get(zone_of(k), k)
+                held[k] = r.state.value if r else None
+            unknown = [
+                r
+                for zone in ("acme", "globex")
+                for r in await states.list_records(zone, State.UNKNOWN.value, None, None, 100_000)
+            ]
+            queued = sum(1 for k in count.ok if zone_of(k) == "globex")
             sent = set(upstream.event_keys())
             never_sent_unknown = sorted(r.key for r in unknown if r.key not in sent)
-            print(f"postgres failover ({delivery}; primary kill -9, standby promoted {promote_after:g} s "
-                  f"later): {count.summary()}; held states {held}; unknown {len(unknown)}, of them never "
-                  f"sent {len(never_sent_unknown)}; test ran {time.monotonic() - started:.1f} s")  # fmt: skip
+            print(
+                f"postgres failover (relay and queue; primary kill -9, standby promoted "
+                f"{promote_after:g} s later): {count.summary()}; of the 250s {queued} queued; held "
+                f"states {held}; unknown {len(unknown)}, of them never sent {len(never_sent_unknown)}; "
+                f"test ran {time.monotonic() - started:.1f} s"
+            )
             assert count.duplicates == {}
             assert count.lost == []
             assert never_sent_unknown == []
+            assert queued > 0 and len(count.ok) - queued > 0
             assert count.first_250_after is not None, "no session reached the new primary"
             # Held: only events whose outcome write was lost after the dot may have gone.
             assert all(s == State.UNKNOWN.value for s in held.values()), held
             # In-flight sessions got 451 4.3.0 or their outcome; a client's own retry of a key
             # still leased meanwhile hears 451 4.7.1 (in flight).
-            assert set(count.replies) <= {"451 4.3.0", "451 4.7.1"} | {k for k in count.replies if "client" in k}
+            expected = {"451 4.3.0", "451 4.7.1"}
+            assert set(count.replies) <= expected | {k for k in count.replies if "client" in k}
             assert all("duplicate" in a for a in count.resent_answers), count.resent_answers
         except BaseException:
             if guard is not None:
                 print(f"--- a.log ---\n{guard.log_path.read_text()[-4000:]}")
             raise
         finally:
+            await states.close()
             if guard is not None:
                 await asyncio.to_thread(guard.stop)
 
@@ -187,7 +224,9 @@ def serve(path: Path) -> tuple[int, str]:
     return code, err.getvalue()
 
 
-async def test_an_asynchronous_standby_is_refused_at_start_unless_unsafe(tmp: Path, upstream: Upstream) -> None:
+async def test_an_asynchronous_standby_is_refused_at_start_unless_unsafe(
+    tmp: Path, upstream: Upstream
+) -> None:
     with pair(synchronous=False) as (primary, standby):
         url = url_of(primary, standby)
         cfg = guard_config(tmp, upstream, url)
@@ -231,7 +270,8 @@ async def test_an_old_primary_restarted_read_write_is_fenced(
         primary.start()
         with psycopg.connect(primary.url, autocommit=True) as conn:
             assert conn.execute("SELECT pg_is_in_recovery()").fetchone() == (False,)
-        # libpq would take the old primary: it is first in the URL and accepts writes. Its standby is gone with the failover: serving takes unsafe, which never turns
+        # libpq would take the old primary: it is first in the URL and accepts writes. Its
+        # standby is gone with the failover: serving takes unsafe, which never turns
         # fencing off.
         cfg["store"]["unsafe"] = True
         async with running_guard(cfg) as guard:
