@@ -189,7 +189,7 @@ async def test_a_store_of_an_earlier_release_is_migrated_while_that_release_keep
                 i += 1
 
         writers = [asyncio.create_task(writer(n)) for n in range(4)]
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(0.5)
         new_port = free_port()
         new_cfg = write_config(tmp / "new.yaml", config_for(tmp, upstream.port, url, "new", new_port))
         t0 = time.monotonic()
@@ -204,7 +204,7 @@ async def test_a_store_of_an_earlier_release_is_migrated_while_that_release_keep
             new.start()
             await new.wait_port(new_port, timeout=60)
         t1 = time.monotonic()
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(0.5)
         stop.set()
         await asyncio.gather(*writers)
         assert version_of(url) == LATEST
