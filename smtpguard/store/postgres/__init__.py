@@ -61,8 +61,8 @@ from smtpguard.store.base import (
     ZoneAudit,
 )
 from smtpguard.store.postgres import fencing
-from smtpguard.store.postgres.migrate import MIGRATIONS, SchemaBehind, migrate
-from smtpguard.store.postgres.replication import FACTS_SQL, ServerFacts, failover_problem
+from smtpguard.store.postgres.migrate import MIGRATIONS, SchemaBehind, migrate_on_own_connection
+from smtpguard.store.postgres.replication import FACTS_SQL, Replication, ServerFacts, failover_problem
 
 log = logging.getLogger("smtpguard.store")
 
@@ -74,7 +74,6 @@ _TIMEOUT = 2.0
 """Deadline of one store operation, of taking a connection from the pool, and of a connect."""
 POOL_SIZE = 32
 """Connections one process keeps at most (store.pool_size): each worker is a process."""
-_WARN_EVERY = 60.0
 _CLOCK_SAMPLE_EVERY = 10.0
 _WINDOW_KEEP = 2 * HOUR
 _SLOTS = 16
@@ -139,10 +138,7 @@ class PostgresStore:
         self._pool_size = pool_size
         self._kwargs: dict[str, Any] = {}
         self._fence = fencing.Fence(url, {})
-        self.synchronous: bool | None = None
-        """A synchronous standby streaming, as the last new connection or watch saw it
-        (None: not known, this role may not read pg_stat_replication)."""
-        self._unsynced_warned = float("-inf")
+        self._replication = Replication(self._fence.multi_host)
         self._watch_task: asyncio.Task[None] | None = None
         self._migrate_task: asyncio.Task[None] | None = None
         self._unfit: str | None = None
@@ -234,23 +230,25 @@ class PostgresStore:
         self._check_task = asyncio.create_task(self._pool.check())
 
     # --- schema, replication and fencing at connection setup (DESIGN.md §18) -----------------
+    @property
+    def synchronous(self) -> bool | None:
+        """A synchronous standby streaming, as the last new connection or watch saw it
+        (None: not known, this role may not read pg_stat_replication)."""
+        return self._replication.synchronous
+
     async def _migrate_at_open(self) -> bool:
         """Migrate on a connection of its own, outside any call's deadline. False: no
         server answered (the caller retries in the background)."""
         try:
-            conn = await psycopg.AsyncConnection.connect(await self._fence.conninfo(), **self._kwargs)
-        except (psycopg.OperationalError, OSError):
-            return False
-        try:
-            async with conn:
-                await migrate(conn)
+            conninfo = await self._fence.conninfo()
+            done = await migrate_on_own_connection(conninfo, self._kwargs)
         except SchemaBehind as e:
             self._unfit = str(e)
             raise StoreUnfit(str(e)) from None
-        except (psycopg.OperationalError, OSError):
-            return False
-        self._migrated = True
-        return True
+        except psycopg.OperationalError:
+            return False  # fenced: no server to write to yet
+        self._migrated = done is not None
+        return self._migrated
 
     async def _migrate_later(self) -> None:
         while not self._migrated:
@@ -271,26 +269,7 @@ class PostgresStore:
         assert row is not None
         facts = ServerFacts.of(row)
         self._fence.admit(facts)
-        self._note_replication(facts)
-
-    def _note_replication(self, facts: ServerFacts) -> None:
-        self.synchronous = facts.synchronous
-        if not self._fence.multi_host:
-            return
-        if self.synchronous is False:
-            # Refusing the only surviving copy would turn a failover into an outage: keep
-            # writing, and say so until a synchronous standby is back.
-            now = time.monotonic()
-            if now - self._unsynced_warned >= _WARN_EVERY:
-                self._unsynced_warned = now
-                log.warning(
-                    "postgresql: no synchronous standby; a failover now may lose acknowledged "
-                    "writes (send them again)",
-                    extra={"problem": failover_problem(facts) or "no synchronous standby is streaming"},
-                )
-        elif self._unsynced_warned > float("-inf"):
-            self._unsynced_warned = float("-inf")
-            log.info("postgresql: a synchronous standby is back")
+        self._replication.note(facts)
 
     async def _watch(self) -> None:
         """Fencing and replication, every CHECK_EVERY while nothing else asks."""
@@ -303,8 +282,7 @@ class PostgresStore:
                         # Connections made before may reach a server now fenced.
                         await self._pool.drain()
             with contextlib.suppress(StoreUnavailable):
-                facts = await self._facts()
-                self._note_replication(facts)
+                self._replication.note(await self._facts())
 
     @_translated
     async def _facts(self) -> ServerFacts:
@@ -356,7 +334,7 @@ class PostgresStore:
         problems = []
         if self._fence.multi_host:
             facts = await self._facts()
-            self._note_replication(facts)
+            self._replication.note(facts)
             problem = failover_problem(facts)
             if problem is not None:
                 problems.append(problem)

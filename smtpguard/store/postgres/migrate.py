@@ -44,7 +44,8 @@ _INDEX = re.compile(r"^CREATE (UNIQUE )?INDEX (\w+) ON (\w+)\b[^;]*;[ \t]*\n?", 
 
 
 class SchemaBehind(Exception):
-    """The schema is older than this release and this role may not bring it up to date."""
+    """The schema is older than this release and this role may not bring it up to date
+    (or a migration failed: the message says which)."""
 
 
 @dataclass(frozen=True)
@@ -151,3 +152,18 @@ def _behind(role: str, version: int, e: psycopg.Error) -> str:
         f"{role!r} may not change it ({why}): run `smtpguard migrate -c FILE` as the schema's "
         "owner (docs/stores.md)"
     )
+
+
+async def migrate_on_own_connection(conninfo: str, kwargs: dict[str, Any]) -> Migrated | None:
+    """Connect, migrate, disconnect. None: no server answered (try again later)."""
+    try:
+        conn = await psycopg.AsyncConnection.connect(conninfo, **kwargs)
+    except (psycopg.OperationalError, OSError):
+        return None
+    try:
+        async with conn:
+            return await migrate(conn)
+    except (psycopg.OperationalError, OSError):
+        return None
+    except psycopg.Error as e:
+        raise SchemaBehind(f"postgresql: migrating the schema failed: {type(e).__name__}: {e}".strip()) from e

@@ -11,8 +11,13 @@ whose sync_state only roles with pg_read_all_stats (pg_monitor) may read.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger("smtpguard.store")
+WARN_EVERY = 60.0
 
 WAITS_FOR_STANDBY = ("on", "remote_write", "remote_apply")
 
@@ -83,3 +88,31 @@ def failover_problem(facts: ServerFacts) -> str | None:
             f"(use one of {', '.join(WAITS_FOR_STANDBY)})"
         )
     return None
+
+
+class Replication:
+    """What the last new connection (or the store's watch) saw of synchronous replication."""
+
+    def __init__(self, failover_configured: bool) -> None:
+        self.failover_configured = failover_configured
+        self.synchronous: bool | None = None
+        self._warned = float("-inf")
+
+    def note(self, facts: ServerFacts) -> None:
+        self.synchronous = facts.synchronous
+        if not self.failover_configured:
+            return
+        if self.synchronous is False:
+            # Refusing the only surviving copy would turn a failover into an outage: keep
+            # writing, and say so until a synchronous standby is back.
+            now = time.monotonic()
+            if now - self._warned >= WARN_EVERY:
+                self._warned = now
+                log.warning(
+                    "postgresql: no synchronous standby; a failover now may lose acknowledged "
+                    "writes (send them again)",
+                    extra={"problem": failover_problem(facts) or "no synchronous standby is streaming"},
+                )
+        elif self._warned > float("-inf"):
+            self._warned = float("-inf")
+            log.info("postgresql: a synchronous standby is back")

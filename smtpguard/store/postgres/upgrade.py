@@ -10,7 +10,7 @@ import psycopg
 
 from smtpguard.store.base import StoreUnavailable, StoreUnfit
 from smtpguard.store.postgres.fencing import Fence
-from smtpguard.store.postgres.migrate import Migrated, SchemaBehind, migrate
+from smtpguard.store.postgres.migrate import Migrated, SchemaBehind, migrate_on_own_connection
 
 
 async def run_migrations(url: str, password: str | None) -> Migrated:
@@ -19,10 +19,11 @@ async def run_migrations(url: str, password: str | None) -> Migrated:
         kwargs["password"] = password
     fence = Fence(url, kwargs)
     try:
-        conn = await psycopg.AsyncConnection.connect(await fence.conninfo(), **kwargs)
-        async with conn:
-            return await migrate(conn)
+        done = await migrate_on_own_connection(await fence.conninfo(), kwargs)
     except SchemaBehind as e:
         raise StoreUnfit(str(e)) from None
-    except psycopg.Error as e:
-        raise StoreUnavailable(f"postgresql: {type(e).__name__}: {str(e).strip()[:300]}") from e
+    except psycopg.OperationalError as e:  # fenced: no server to write to
+        raise StoreUnavailable(str(e)) from e
+    if done is None:
+        raise StoreUnavailable("postgresql: no server of store.url answered")
+    return done
