@@ -144,6 +144,8 @@ async def test_primary_killed_mid_storm_standby_promoted_nothing_twice_nothing_l
             guard.start()
             await guard.wait_port(port)
             await states.open()
+            await states.ping()
+            assert states.synchronous is True, "the standby streams synchronously"
 
             async def fail_over() -> None:
                 await asyncio.to_thread(primary.kill)
@@ -177,6 +179,12 @@ async def test_primary_killed_mid_storm_standby_promoted_nothing_twice_nothing_l
                 port, upstream, fail_over, workers=WORKERS, settle=LEASE + 6.0, prefix="pgfo",
                 before=1.5, after=3.0, drain=drain, submit=submit,
             )  # fmt: skip
+            # After the failover: writing on, and known to be without a synchronous standby.
+            deadline = time.monotonic() + 8
+            while states.synchronous is not False and time.monotonic() < deadline:
+                await states.ping()
+                await asyncio.sleep(0.2)
+            assert states.synchronous is False
             held: dict[str, str | None] = {}
             for k in count.held:
                 r = await states.get(zone_of(k), k)
@@ -279,6 +287,8 @@ async def test_an_old_primary_restarted_read_write_is_fenced(
             again = await send(guard.ports[0], message("fence:0"))
             assert guard.store is not None
             assert getattr(guard.store, "synchronous", None) is False
+            metrics = guard.metrics.render().decode()
+        assert 'smtpguard_store_synchronous{store="postgresql"} 0.0' in metrics
         findings = await store_findings(loads(write_config(path, cfg).read_text()))
         on_old = _count(primary, "fence:%")
         on_new = _count(standby, "fence:%")
