@@ -308,3 +308,27 @@ def _count(server: PostgresServer, pattern: str) -> int:
         row = conn.execute("SELECT count(*) FROM events WHERE key LIKE %s", (pattern,)).fetchone()
     assert row is not None
     return int(row[0])
+
+
+async def test_two_writable_servers_that_cannot_be_told_apart_are_written_to_neither(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two clusters (two system identifiers) both accepting writes: which holds the fleet's
+    ledger cannot be known, so neither is written (the same as two servers on one timeline,
+    policy/fencing.py): 451 4.3.0, nothing sent."""
+    caplog.set_level(logging.INFO, logger="smtpguard.store")
+    other = PostgresServer(name="other")
+    try:
+        other.init()
+        other.start()
+        cfg = guard_config(tmp, upstream, url_of(postgres_server, other))
+        cfg["store"]["unsafe"] = True
+        async with running_guard(cfg) as guard:
+            reply = await send(guard.ports[0], message("twins:1"))
+        findings = await store_findings(loads(write_config(tmp / "t.yaml", cfg).read_text()))
+    finally:
+        other.remove()
+    assert reply.code == 451 and reply.text.startswith("4.3.0"), str(reply)
+    assert upstream.event_keys() == []
+    assert "servers of different clusters accept writes" in caplog.text
+    assert findings[0].status == "error" and "different clusters" in findings[0].detail

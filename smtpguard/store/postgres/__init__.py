@@ -142,6 +142,7 @@ class PostgresStore:
         self._watch_task: asyncio.Task[None] | None = None
         self._migrate_task: asyncio.Task[None] | None = None
         self._unfit: str | None = None
+        self._waiting: str | None = None
         self._pool: AsyncConnectionPool[Conn] | None = None
         self._mono: Callable[[], float] = time.monotonic
         self._offset: float | None = None
@@ -209,7 +210,9 @@ class PostgresStore:
         if self._pool is None:
             raise StoreUnavailable("store is not open")
         if not self._migrated:
-            raise StoreUnavailable(self._unfit or "postgresql: schema not checked yet (no server answered)")
+            raise StoreUnavailable(
+                self._unfit or f"postgresql: schema not checked yet ({self._waiting or 'no server answered'})"
+            )
         async with self._pool.connection() as conn:
             yield conn
 
@@ -245,8 +248,9 @@ class PostgresStore:
         except SchemaBehind as e:
             self._unfit = str(e)
             raise StoreUnfit(str(e)) from None
-        except psycopg.OperationalError:
-            return False  # fenced: no server to write to yet
+        except psycopg.OperationalError as e:
+            self._waiting = str(e)  # fenced: no server to write to yet
+            return False
         self._migrated = done is not None
         return self._migrated
 
