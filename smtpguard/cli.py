@@ -35,7 +35,7 @@ from smtpguard.config import DEFAULT_CONFIG, Config, ConfigError, ZoneConfig, lo
 from smtpguard.policy import ledger
 from smtpguard.policy.limits import Caps, caps_for, month_of, user_caps_for
 from smtpguard.policy.senders import address_problem, normalize_address
-from smtpguard.store import Store, StoreMissing, StoreUnavailable, store_from_url
+from smtpguard.store import Store, StoreMissing, StoreUnavailable, StoreUnfit, store_from_url
 from smtpguard.store.base import CapUsage, IdField, StoredEvent, ZoneAudit
 from smtpguard.units import parse_duration
 
@@ -735,6 +735,37 @@ def _user_caps(zc: ZoneConfig, caps: Caps, usage: dict[str, CapUsage]) -> list[d
     return out
 
 
+def cmd_migrate(args: argparse.Namespace) -> int:
+    config = _config(args)
+    if not config.store.url.startswith(("postgresql://", "postgres://")):
+        doc: dict[str, Any] = {"store": config.store.url.split("://")[0], "migrated": False}
+        if args.json:
+            emit(doc)
+        else:
+            print("smtpguard: nothing to migrate: only a PostgreSQL store has migrations to run ahead")
+        return EXIT_OK
+    from smtpguard.store.postgres.upgrade import run_migrations
+
+    password = read_secret(config.store.password_env, config.store.password_file, "store")
+    done = asyncio.run(run_migrations(config.store.url, password))
+    doc = {
+        "store": "postgresql",
+        "migrated": done.after > done.before,
+        "from": done.before,
+        "to": done.after,
+        "concurrently": list(done.concurrent),
+        "seconds": round(done.seconds, 3),
+    }
+    if args.json:
+        emit(doc)
+    elif done.after > done.before:
+        built = f"; built concurrently: {', '.join(done.concurrent)}" if done.concurrent else ""
+        print(f"schema version {done.before} → {done.after} in {done.seconds:.1f} s{built}")
+    else:
+        print(f"schema version {done.after}: current, nothing to do")
+    return EXIT_OK
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     """DESIGN.md §12. Exit 0 no check is an error, 1 one is, 2 bad config or usage."""
     from smtpguard.readiness import doctor
@@ -1038,6 +1069,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--zone", help="check this zone only")
     sp.add_argument("--no-probe", action="store_true", help="DNS checks only; no provider connection")
+    cmd(
+        "migrate",
+        cmd_migrate,
+        "bring the PostgreSQL store's schema up to this release",
+        "Run this release's schema migrations now (DESIGN.md §18), ahead of a rolling "
+        "upgrade: instances of the previous release keep serving meanwhile; large index "
+        "builds run concurrently. Needs a role that may change the schema; `serve` runs the "
+        "same at start. SQLite and Redis stores have nothing to run. Exit 0 when the schema "
+        "is current, 4 when the store is unreachable or the role may not change it.",
+    )
     sp = cmd(
         "sink",
         cmd_sink,
@@ -1079,7 +1120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CLIError as e:
         print(f"smtpguard: {e}", file=sys.stderr)
         return e.code
-    except StoreMissing as e:
+    except (StoreMissing, StoreUnfit) as e:
         print(f"smtpguard: {e}", file=sys.stderr)
         return EXIT_STORE
     except StoreUnavailable as e:

@@ -171,6 +171,10 @@ class StoreConfig(_Strict):
     refuses such a store unless this is set (docs/stores.md)."""
 
     wait: StoreWait | None = None
+    pool_size: int | None = Field(None, ge=1, le=1000)
+    """PostgreSQL only: the most connections each process (each of `workers`) keeps to the
+    server; default 32. The server's max_connections must cover pool_size * workers *
+    instances, plus the CLI's and a migration's few (docs/stores.md)."""
 
     @field_validator("url")
     @classmethod
@@ -190,6 +194,8 @@ class StoreConfig(_Strict):
     def _wait_is_for_redis(self) -> StoreConfig:
         if self.wait is not None and not self.url.startswith(("redis://", "rediss://", "redis+sentinel://")):
             raise ValueError("store.wait is for Redis (WAIT); PostgreSQL waits as synchronous_commit says")
+        if self.pool_size is not None and not self.url.startswith(("postgresql://", "postgres://")):
+            raise FieldProblem(("pool_size",), "store.pool_size is for PostgreSQL (a connection pool)")
         return self
 
 

@@ -237,6 +237,14 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",  # the store's count, exported by worker 0 alone
         )
+        self.synchronous = Gauge(
+            "smtpguard_store_synchronous",
+            "1 while a synchronous standby of the PostgreSQL store is streaming, 0 while none is; "
+            "absent where the store's role may not read pg_stat_replication (pg_monitor)",
+            ["store"],
+            registry=r,
+            multiprocess_mode="livemax",  # the store's state, exported by worker 0 alone
+        )
         self.reloads = Counter(
             "smtpguard_config_reloads",
             RELOADS_HELP,
@@ -290,6 +298,13 @@ class Metrics:
             self._depth_labels = set(depth)
         for (zname, lane), n in depth.items():
             self.queue_depth.labels(zname, lane).set(n)
+
+    def store_synchronous(self, synchronous: bool | None) -> None:
+        if synchronous is None:
+            with contextlib.suppress(KeyError):
+                self.synchronous.remove("postgresql")
+            return
+        self.synchronous.labels("postgresql").set(1 if synchronous else 0)
 
     def ledger_records(self, zone: str, counts: dict[str, int]) -> None:
         for state in State:

@@ -31,7 +31,7 @@ from smtpguard.readiness.dns import DnsClient
 from smtpguard.readiness.prober import Prober
 from smtpguard.recipient_domains import RecipientDomains
 from smtpguard.relay import Route, SmtpProvider, build_providers
-from smtpguard.store import Store, StoreUnavailable, store_from_url
+from smtpguard.store import ReportsReplication, Store, StoreUnavailable, StoreUnfit, store_from_url
 from smtpguard.submission import Principal, Result, Submitter
 from smtpguard.verp import VerpKey, verp_key
 
@@ -204,9 +204,15 @@ class Server:
         password = read_secret(config.store.password_env, config.store.password_file, "store")
         wait = config.store.wait
         self.store = store_from_url(
-            config.store.url, password=password, wait=(wait.replicas, wait.timeout) if wait else None
+            config.store.url,
+            password=password,
+            wait=(wait.replicas, wait.timeout) if wait else None,
+            pool_size=config.store.pool_size,
         )
-        await self.store.open()
+        try:
+            await self.store.open()
+        except StoreUnfit as e:
+            raise ConfigError([f"store: {e}"]) from None
         try:
             problems = await self.store.durability_problems()
         except StoreUnavailable:
@@ -529,6 +535,8 @@ class Server:
                 self.metrics.event("store_error:gauges")
             else:
                 self.metrics.queue_depths(depth)
+            if isinstance(self.store, ReportsReplication):
+                self.metrics.store_synchronous(self.store.synchronous)
             now = self.clock()
             if self.cap_alerts is not None:
                 self.cap_alerts.prune()

@@ -55,6 +55,9 @@ from smtpguard.suppression import SuppressionCache
 from smtpguard.verp import VerpKey
 
 log = logging.getLogger("smtpguard.decision")
+_SETTLE_TRIES = 20
+"""Attempts at writing an outcome (about 30 s of back-off): enough to outlast a store
+failover, so neither a provider's answer nor a "not sent" is left to read `unknown`."""
 
 WAIT_POLL = 0.05
 
@@ -509,16 +512,18 @@ class Submitter:
             outcome = await self.route.send(env, before_data)
         except (LeaseLost, StoreUnavailable) as e:
             # Stopped before DATA: nothing reached a provider, so the cap unit goes back.
-            await self.refund(sub.zone, sub.attempt_id)
             if isinstance(e, LeaseLost):
+                await self.refund(sub.zone, sub.attempt_id)
                 return Result(replies.in_flight(sub.key), "lease_lost", sub.key)
             # The data_sent note (or a renewal) may have landed with only its reply lost:
             # left so, the event would read `unknown` after its lease though no DATA was
-            # sent (DESIGN.md §11.6). Record what is known, briefly; a store that stays
-            # down leaves it to the lease.
+            # sent (DESIGN.md §11.6, §18). "Not sent" is written first, with a 250's retry
+            # budget (a store failover takes seconds, and the refund's own retries came
+            # first and ate them), then the unit goes back.
             unsent = Outcome(Kind.UNAVAILABLE, None, detail=f"store: {e}"[:200], data_sent=False)
             self.leases.release(held)
-            await self._settle(state["rec"], sub, unsent, s, retry_delay, tries=3)
+            await self._settle(state["rec"], sub, unsent, s, retry_delay)
+            await self.refund(sub.zone, sub.attempt_id)
             raise
         except Exception as e:
             # A defect, not an SMTP outcome (providers translate every SMTP and OS error).
@@ -566,14 +571,13 @@ class Submitter:
         outcome: Outcome,
         s: LedgerSettings,
         retry_delay: float | None = None,
-        tries: int = 20,
     ) -> None:
         """Write the outcome durably. The provider has already answered, so this is retried
         rather than abandoned: a lost 250 would later read as `unknown`, never a resend.
         If the record vanished meanwhile (a Redis failover or eviction), the outcome is
         written back from the last copy we held, so the next duplicate is still caught."""
         current: Record | None = rec
-        for attempt in range(tries):
+        for attempt in range(_SETTLE_TRIES):
             if current is None:
                 log.warning(
                     "ledger record vanished while relaying; writing its outcome back",

@@ -62,7 +62,17 @@ async def storm(
     after: float = 4.0,
     settle: float = 10.0,
     prefix: str = "fo",
+    drain: Callable[[], Awaitable[None]] | None = None,
+    submit: Callable[[str], Awaitable[Reply]] | None = None,
 ) -> StormCount:
+    """`drain`: awaited before counting what the upstream received (store-and-forward: until
+    the queue is empty). `submit`: how a key is sent (its zone, its user); by default as
+    acme-app in zone acme."""
+
+    async def default_submit(key: str) -> Reply:
+        return await send(port, message(key), timeout=60)
+
+    submit_key = submit or default_submit
     count = StormCount()
     answered_at: dict[str, float] = {}
     open_keys: dict[str, list[Reply]] = {}
@@ -78,7 +88,7 @@ async def storm(
             open_keys[key] = []
             while time.monotonic() < settle_by:
                 try:
-                    reply = await send(port, message(key), timeout=60)
+                    reply = await submit_key(key)
                 except Exception as e:  # a session cut mid-way: retried like a 4xx
                     reply = Reply(0, f"client error {type(e).__name__}")
                 open_keys[key].append(reply)
@@ -111,12 +121,14 @@ async def storm(
 
     async def resend(key: str) -> Reply:
         async with gate:
-            return await send(port, message(key), timeout=60)
+            return await submit_key(key)
 
     resent = await asyncio.gather(*(resend(k) for k in sorted(count.ok)))
     count.resent_answers = Counter(
         "250 duplicate" if r.code == 250 and "duplicate" in r.text else _label(r) for r in resent
     )
+    if drain is not None:
+        await drain()
     sent = Counter(upstream.event_keys())
     count.upstream = sum(sent.values())
     count.duplicates = {str(k): n for k, n in sent.items() if n > 1}

@@ -494,21 +494,31 @@ async def send(
 
 # --- a serve process (restart, crash and multi-instance tests) -------------------------------
 class GuardProcess:
-    def __init__(self, config_path: Path, log_path: Path, prefix: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, config_path: Path, log_path: Path, prefix: tuple[str, ...] = (), src: Path | None = None
+    ) -> None:
         self.config_path = config_path
         self.log_path = log_path
         self.prefix = prefix
         """Runs serve under this command, e.g. ("faketime", "-f", "-90s") for a skewed host."""
+        self.src = src
+        """Runs the smtpguard package of this source tree (another release, from `git
+        archive`) with this checkout's interpreter and dependencies."""
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.src is not None:
+            # `python -m` puts its working directory first on sys.path, ahead of the venv's
+            # editable install of this checkout.
+            env["PYTHONPATH"] = str(self.src)
         self.proc = subprocess.Popen(
             [*self.prefix, sys.executable, "-m", "smtpguard", "serve", "-c", str(self.config_path)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
+            cwd=self.src,
             # A group of its own: a prefix such as faketime forks serve as its child, and a
             # signal to the prefix alone would leave serve running after the test.
             start_new_session=True,
@@ -684,6 +694,8 @@ class LostReplyProxy:
         self._match = b""
         self._times = 0
         self._each_once = False
+        self._then_down = 0.0
+        self._down_until = 0.0
         self._seen: set[bytes] = set()
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.StreamWriter] = set()
@@ -692,8 +704,14 @@ class LostReplyProxy:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def lose(self, match: bytes, times: int = 1, each_once: bool = False) -> None:
+    def lose(self, match: bytes, times: int = 1, each_once: bool = False, then_down: float = 0.0) -> None:
+        """`then_down`: after a lost reply, the store is unreachable for that many seconds
+        (every connection reset, new ones refused), as while a failover is under way."""
         self._match, self._times, self._each_once = match, times, each_once
+        self._then_down = then_down
+
+    def _is_down(self) -> bool:
+        return time.monotonic() < self._down_until
 
     def _doom(self, data: bytes) -> bool:
         if self._times <= 0 or self._match not in data:
@@ -717,6 +735,9 @@ class LostReplyProxy:
                 await asyncio.wait_for(self._server.wait_closed(), 2)
 
     async def _client(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        if self._is_down():
+            cw.transport.abort()
+            return
         try:
             ur, uw = await asyncio.open_connection("127.0.0.1", self.redis_port)
         except OSError:
@@ -727,6 +748,10 @@ class LostReplyProxy:
 
         async def upward() -> None:
             while data := await cr.read(65536):
+                if self._is_down():
+                    cw.transport.abort()
+                    uw.close()
+                    return
                 if self._doom(data):
                     doomed.set()
                 uw.write(data)
@@ -735,9 +760,12 @@ class LostReplyProxy:
 
         async def downward() -> None:
             while data := await ur.read(65536):
-                if doomed.is_set():
+                if doomed.is_set() or self._is_down():
                     # The request ran in Redis; its reply never arrives: reset the client.
-                    self.lost += 1
+                    if doomed.is_set():
+                        self.lost += 1
+                        if self._then_down:
+                            self._down_until = time.monotonic() + self._then_down
                     cw.transport.abort()
                     uw.close()
                     return

@@ -340,3 +340,33 @@ def test_a_bad_verp_setting_names_its_path_and_line(
     err = check(tmp, text, capsys)
     field = path.rsplit(".", 1)[1]
     assert f"{path} (line {line_of(text, f'{field}:')}): " in err and problem in err, err
+
+
+@pytest.mark.parametrize(
+    ("url", "size", "expected"),
+    [
+        ("postgresql://sg@db1,db2/sg?target_session_attrs=read-write", "0", "must be at least 1, got 0"),
+        ("postgresql://sg@db1/sg", "1001", "1000"),
+        ("sqlite:///state.db", "8", "store.pool_size is for PostgreSQL"),
+    ],
+)
+def test_store_pool_size_is_validated_naming_its_line(
+    tmp: Path, capsys: pytest.CaptureFixture[str], url: str, size: str, expected: str
+) -> None:
+    cfg = base_config(tmp, 2525)
+    cfg["store"] = {"url": url, "pool_size": 1}
+    text = write_config(tmp / "p.yaml", cfg).read_text().replace("pool_size: 1", f"pool_size: {size}")
+    err = check(tmp, text, capsys)
+    assert f"store.pool_size (line {line_of(text, f'pool_size: {size}')})" in err, err
+    assert expected in err, err
+
+
+def test_store_pool_size_sizes_the_postgresql_pool(tmp: Path) -> None:
+    from smtpguard.store import store_from_url
+
+    cfg = base_config(tmp, 2525)
+    cfg["store"] = {"url": "postgresql://sg@db1/sg", "pool_size": 5}
+    config = loads(write_config(tmp / "p.yaml", cfg).read_text())
+    assert config.store.pool_size == 5
+    store = store_from_url(config.store.url, pool_size=config.store.pool_size)
+    assert store._pool_size == 5  # type: ignore[attr-defined]

@@ -26,7 +26,7 @@ from smtpguard.cli import main
 from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.limits import month_of
 from smtpguard.server import Server
-from smtpguard.store import Store
+from smtpguard.store import Store, StoreUnavailable
 from tests.support import (
     Behaviour,
     FakeClock,
@@ -493,3 +493,43 @@ async def test_a_provider_lost_before_354_is_retryable_and_refunded(tmp: Path, s
     assert first.code == 451 and first.text.startswith("4.4.1"), str(first)
     assert rec.state is State.DEFERRED and [a.outcome for a in rec.attempts] == ["unavailable"]
     assert (usage.hour, usage.month) == (0, 0)
+
+
+@pytest.mark.parametrize("delivery", ["relay", "queue"])
+async def test_a_lost_data_sent_note_then_a_store_outage_ends_not_sent(
+    tmp: Path, upstream: Upstream, lossy_redis: LostReplyProxy, delivery: str
+) -> None:
+    """DESIGN.md §18 "Nothing sent is never unknown": the data_sent note lands but its reply
+    is lost, and the store stays unreachable for 2 s (a failover). Nothing reached DATA, so
+    the attempt must read "not sent" (unavailable: retried), never `unknown`, and the event
+    is then sent exactly once with one cap unit."""
+    cfg = config(tmp, upstream, lossy_redis.url, zones__acme__delivery=delivery)
+    cfg["event_key"]["lease"] = "30s"  # so nothing here can pass by a lease running out
+    async with running_guard(cfg) as guard:
+        assert guard.store is not None
+        lossy_redis.lose(b'"phase":"data_sent"', times=1, then_down=2.0)
+        first = await send(guard.ports[0], message("inv:down"), timeout=60)
+        deadline = time.monotonic() + 20
+        rec: Record | None = None
+        while time.monotonic() < deadline:
+            with contextlib.suppress(StoreUnavailable):
+                rec = await record(guard, "inv:down")
+                if rec.attempts:
+                    break
+            await asyncio.sleep(0.1)
+        assert rec is not None and rec.attempts, "no attempt written within 20 s"
+        assert upstream.handler.data_commands == 0
+        if delivery == "relay":
+            assert first.code == 451, str(first)
+            again = await send(guard.ports[0], message("inv:down"))
+            assert again.code == 250, str(again)
+        else:
+            assert first.code == 250 and "queued" in first.text, str(first)
+        done = await until_state(guard.store, "inv:down", State.DELIVERED, timeout=15)
+        now = guard.clock()
+        usage = await guard.store.cap_usage("acme", now, month_of(now))
+    assert lossy_redis.lost == 1
+    assert rec.attempts[0].outcome == "unavailable", rec.attempts
+    assert [a.outcome for a in done.attempts] == ["unavailable", "delivered"]
+    assert upstream.event_keys() == ["inv:down"]
+    assert (usage.hour, usage.month) == (1, 1)

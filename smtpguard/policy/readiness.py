@@ -15,7 +15,7 @@ from smtpguard.policy.dnsdata import Lookup, is_null_mx, mx_records
 from smtpguard.policy.spf import SpfTree, normalise
 
 Status = Literal["ok", "warning", "error"]
-CheckName = Literal["spf", "dkim", "dmarc", "mx", "probe"]
+CheckName = Literal["spf", "dkim", "dmarc", "mx", "probe", "store"]
 CERT_WARNING_DAYS = 14
 _RANK = {"ok": 0, "warning": 1, "error": 2}
 

@@ -20,6 +20,7 @@ from smtpguard.policy.dnsdata import Lookup
 from smtpguard.policy.readiness import Finding, ProbeResult
 from smtpguard.readiness.dns import DnsClient
 from smtpguard.readiness.probe import probe
+from smtpguard.readiness.store import store_findings
 
 _MAX_SPF_ROUNDS = 12
 """More rounds than the 10-term limit can need: each round follows at least one term."""
@@ -156,6 +157,7 @@ async def run(
         findings.extend(part)
     if probes:
         findings.extend(await probe_findings(config, helo, clock))
+    findings.extend(await store_findings(config))
     return findings
 
 

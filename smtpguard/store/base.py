@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from smtpguard.events.model import StoredEvent as StoredEvent  # re-exported for the backends
 from smtpguard.events.model import bare_message_id
@@ -39,6 +39,21 @@ from smtpguard.policy.throttle import Slot as Slot  # re-exported for the backen
 
 class StoreUnavailable(Exception):
     """The backend cannot be reached or refused the write: answer 451 4.3.0, send nothing."""
+
+
+class StoreUnfit(Exception):
+    """The backend answers, but this instance must not serve on it: a schema older than
+    this release that its role may not upgrade. `serve` exits naming the problem."""
+
+
+@runtime_checkable
+class ReportsReplication(Protocol):
+    """A backend that knows whether a synchronous standby holds every write (PostgreSQL)."""
+
+    @property
+    def synchronous(self) -> bool | None:
+        """True: a synchronous standby is streaming; False: none; None: not known (the
+        role may not read it)."""
 
 
 class StoreMissing(StoreUnavailable):
@@ -368,12 +383,13 @@ def store_from_url(
     read_only: bool = False,
     create: bool = True,
     wait: tuple[int, float] | None = None,
+    pool_size: int | None = None,
 ) -> Store:
     """The backend for `url`. `read_only`: the caller only reads (history, stats, lists) and
     the backend may open itself so; `create=False`: a store that does not exist yet is
     StoreMissing rather than created empty (every CLI command). A backend with nothing to
     create (a server) ignores both. `wait`: (replicas, timeout in seconds) for Redis's WAIT
-    after each ledger write."""
+    after each ledger write. `pool_size`: PostgreSQL's most connections per process."""
     scheme = url.split(":", 1)[0]
     target = BACKENDS.get(scheme)
     if target is None:
@@ -388,6 +404,8 @@ def store_from_url(
             f"the {scheme} store needs the {e.name} package: pip install 'smtpguard[{extra}]'"
         ) from None
     factory = getattr(imported, cls)
-    extra_args = {"wait": wait} if wait is not None else {}
+    extra_args: dict[str, object] = {"wait": wait} if wait is not None else {}
+    if pool_size is not None:
+        extra_args["pool_size"] = pool_size
     store: Store = factory(url, password=password, read_only=read_only, create=create, **extra_args)
     return store

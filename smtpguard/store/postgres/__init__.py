@@ -24,10 +24,10 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from importlib import resources
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import psycopg
@@ -56,9 +56,15 @@ from smtpguard.store.base import (
     Slot,
     StoredEvent,
     StoreUnavailable,
+    StoreUnfit,
     Suppression,
     ZoneAudit,
 )
+from smtpguard.store.postgres import fencing
+from smtpguard.store.postgres.migrate import MIGRATIONS, SchemaBehind, migrate_on_own_connection
+from smtpguard.store.postgres.replication import FACTS_SQL, Replication, ServerFacts, failover_problem
+
+log = logging.getLogger("smtpguard.store")
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -66,7 +72,8 @@ Conn = AsyncConnection[tuple[Any, ...]]
 
 _TIMEOUT = 2.0
 """Deadline of one store operation, of taking a connection from the pool, and of a connect."""
-_POOL_MAX = 32
+POOL_SIZE = 32
+"""Connections one process keeps at most (store.pool_size): each worker is a process."""
 _CLOCK_SAMPLE_EVERY = 10.0
 _WINDOW_KEEP = 2 * HOUR
 _SLOTS = 16
@@ -74,15 +81,7 @@ _SLOTS = 16
 caps are far (see _consume)."""
 _SETTLED_EXCLUDED = (State.IN_FLIGHT.value, State.QUEUED.value)
 
-# Each migration runs once, in order, in one transaction with the version it brings; an
-# advisory lock keeps instances starting together from running one twice. The SQL lives in
-# migrations/NNNN_*.sql beside this module: add a file, never edit one that has shipped.
-_MIGRATIONS: list[str] = [
-    f.read_text()
-    for f in sorted(resources.files(__name__).joinpath("migrations").iterdir(), key=lambda f: f.name)
-    if f.name.endswith(".sql")
-]
-_MIGRATION_LOCK = 0x736D7470  # 'smtp': pg_advisory_xact_lock key for the migrations
+_MIGRATIONS = MIGRATIONS  # migrate.py runs them, once, at open
 
 
 def _translated(
@@ -126,11 +125,24 @@ def _text(value: str | None) -> str | None:
 
 class PostgresStore:
     def __init__(
-        self, url: str, password: str | None = None, read_only: bool = False, create: bool = True
+        self,
+        url: str,
+        password: str | None = None,
+        read_only: bool = False,
+        create: bool = True,
+        pool_size: int = POOL_SIZE,
     ) -> None:
         # read_only and create concern a store file; a PostgreSQL server has none to create.
         self.url = url
         self._password = password
+        self._pool_size = pool_size
+        self._kwargs: dict[str, Any] = {}
+        self._fence = fencing.Fence(url, {})
+        self._replication = Replication(self._fence.multi_host)
+        self._watch_task: asyncio.Task[None] | None = None
+        self._migrate_task: asyncio.Task[None] | None = None
+        self._unfit: str | None = None
+        self._waiting: str | None = None
         self._pool: AsyncConnectionPool[Conn] | None = None
         self._mono: Callable[[], float] = time.monotonic
         self._offset: float | None = None
@@ -142,9 +154,10 @@ class PostgresStore:
 
     # --- plumbing ----------------------------------------------------------------------------
     async def open(self) -> None:
-        """Build the pool and apply the schema migrations. Connections are made on use, so
-        an instance started while no read-write server answers starts anyway, answers 451,
-        migrates and recovers once one does."""
+        """Apply the schema migrations (migrate.py: no deadline) and build the pool.
+        Connections are made on use, so an instance started while no read-write server
+        answers starts anyway, answers 451, migrates and recovers once one does. A schema
+        behind that this role may not upgrade is StoreUnfit, naming the role."""
         if self._pool is not None:
             return
         params = conninfo_to_dict(self.url)
@@ -153,11 +166,16 @@ class PostgresStore:
             kwargs["connect_timeout"] = int(_TIMEOUT)
         if self._password is not None:
             kwargs["password"] = self._password
+        self._kwargs = kwargs
+        self._fence = fencing.Fence(self.url, kwargs)
+        if not await self._migrate_at_open():
+            self._migrate_task = asyncio.create_task(self._migrate_later())
         pool: AsyncConnectionPool[Conn] = AsyncConnectionPool(
-            self.url,
+            self._fence.conninfo,
             min_size=1,
-            max_size=_POOL_MAX,
+            max_size=self._pool_size,
             kwargs=kwargs,
+            configure=self._configure,
             open=False,
             timeout=_TIMEOUT,
             # A failed connect is retried for this long, then given up; the next caller that
@@ -169,18 +187,20 @@ class PostgresStore:
         )
         await pool.open(wait=False)
         self._pool = pool
-        with contextlib.suppress(StoreUnavailable):
-            await self._migrate()
-            await self.sync_clock()
+        if self._migrated:
+            with contextlib.suppress(StoreUnavailable):
+                await self.sync_clock()
         self._clock_task = asyncio.create_task(self._track_clock())
+        if self._fence.multi_host:
+            self._watch_task = asyncio.create_task(self._watch())
 
     async def close(self) -> None:
-        for task in (self._clock_task, self._check_task):
+        for task in (self._clock_task, self._check_task, self._watch_task, self._migrate_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self._clock_task = self._check_task = None
+        self._clock_task = self._check_task = self._watch_task = self._migrate_task = None
         if self._pool is not None:
             pool, self._pool = self._pool, None
             await pool.close(timeout=1.0)
@@ -190,7 +210,9 @@ class PostgresStore:
         if self._pool is None:
             raise StoreUnavailable("store is not open")
         if not self._migrated:
-            await self._migrate_now()
+            raise StoreUnavailable(
+                self._unfit or f"postgresql: schema not checked yet ({self._waiting or 'no server answered'})"
+            )
         async with self._pool.connection() as conn:
             yield conn
 
@@ -205,25 +227,73 @@ class PostgresStore:
         """A connection failed: check the idle ones in the background, so the pool drops
         every connection to a server that is gone (a failover) rather than handing each to
         one more session."""
+        self._fence.stale()
         if self._pool is None or (self._check_task is not None and not self._check_task.done()):
             return
         self._check_task = asyncio.create_task(self._pool.check())
 
-    @_translated
-    async def _migrate(self) -> None:
-        await self._migrate_now()
+    # --- schema, replication and fencing at connection setup (DESIGN.md §18) -----------------
+    @property
+    def synchronous(self) -> bool | None:
+        """A synchronous standby streaming, as the last new connection or watch saw it
+        (None: not known, this role may not read pg_stat_replication)."""
+        return self._replication.synchronous
 
-    async def _migrate_now(self) -> None:
-        assert self._pool is not None
-        async with self._pool.connection() as conn, conn.transaction():
-            await conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
-            await conn.execute("CREATE TABLE IF NOT EXISTS smtpguard_schema (version integer NOT NULL)")
-            row = await (await conn.execute("SELECT max(version) FROM smtpguard_schema")).fetchone()
-            done = int(row[0]) if row and row[0] is not None else 0
-            for version, sql in enumerate(_MIGRATIONS[done:], start=done + 1):
-                await conn.execute(sql)
-                await conn.execute("INSERT INTO smtpguard_schema (version) VALUES (%s)", (version,))
-        self._migrated = True
+    async def _migrate_at_open(self) -> bool:
+        """Migrate on a connection of its own, outside any call's deadline. False: no
+        server answered (the caller retries in the background)."""
+        try:
+            conninfo = await self._fence.conninfo()
+            done = await migrate_on_own_connection(conninfo, self._kwargs)
+        except SchemaBehind as e:
+            self._unfit = str(e)
+            raise StoreUnfit(str(e)) from None
+        except psycopg.OperationalError as e:
+            self._waiting = str(e)  # fenced: no server to write to yet
+            return False
+        self._migrated = done is not None
+        return self._migrated
+
+    async def _migrate_later(self) -> None:
+        while not self._migrated:
+            await asyncio.sleep(1.0)
+            try:
+                done = await self._migrate_at_open()
+            except StoreUnfit as e:
+                log.critical("store unusable: %s", e)
+                return  # every call answers 451 naming the role (see _conn)
+            if done:
+                with contextlib.suppress(StoreUnavailable):
+                    await self.sync_clock()
+
+    async def _configure(self, conn: Conn) -> None:
+        """Every new pooled connection: on the server fencing allows, and what its
+        replication promises now (one query)."""
+        row = await (await conn.execute(FACTS_SQL)).fetchone()
+        assert row is not None
+        facts = ServerFacts.of(row)
+        self._fence.admit(facts)
+        self._replication.note(facts)
+
+    async def _watch(self) -> None:
+        """Fencing and replication, every CHECK_EVERY while nothing else asks."""
+        while True:
+            await asyncio.sleep(fencing.CHECK_EVERY)
+            with contextlib.suppress(psycopg.Error, OSError):
+                if await self._fence.refresh() and self._pool is not None:
+                    choice = self._fence.choice
+                    if choice.refuse or choice.fenced:
+                        # Connections made before may reach a server now fenced.
+                        await self._pool.drain()
+            with contextlib.suppress(StoreUnavailable):
+                self._replication.note(await self._facts())
+
+    @_translated
+    async def _facts(self) -> ServerFacts:
+        async with self._conn() as conn:
+            row = await (await conn.execute(FACTS_SQL)).fetchone()
+        assert row is not None
+        return ServerFacts.of(row)
 
     # --- the store's clock (DESIGN.md §11.5) --------------------------------------------------
     def now(self) -> float:
@@ -266,6 +336,12 @@ class PostgresStore:
             )
             got = {str(name): str(value) for name, value in await cur.fetchall()}
         problems = []
+        if self._fence.multi_host:
+            facts = await self._facts()
+            self._replication.note(facts)
+            problem = failover_problem(facts)
+            if problem is not None:
+                problems.append(problem)
         if got.get("fsync") != "on":
             problems.append(f"postgresql fsync is {got.get('fsync')!r}, not 'on': a crash forgets events")
         if got.get("full_page_writes") != "on":
