@@ -7,10 +7,11 @@ https://www.twilio.com/docs/sendgrid/api-reference/email-activity/filter-message
 (GET /v3/messages/{msg_id}: `events` with `event_name` and `processed`, and `unique_args`),
 https://www.twilio.com/docs/sendgrid/for-developers/sending-email/getting-started-email-activity-api
 (the query language: `unique_args['NAME']="VALUE"`, `last_event_time BETWEEN TIMESTAMP "…" AND
-TIMESTAMP "…"`) and https://www.twilio.com/docs/sendgrid/api-reference/bounces-api,
-…/spam-reports-api, …/suppressions-unsubscribes (GET /v3/suppression/{bounces,spam_reports,
-unsubscribes} with `start_time`, `end_time` in epoch seconds, `limit`, `offset`; answer a list
-of `{created, email, reason?, status?}`).
+TIMESTAMP "…"`) and https://www.twilio.com/docs/sendgrid/api-reference/bounces-api/retrieve-all-bounces,
+…/spam-reports-api/retrieve-all-spam-reports,
+…/suppressions-global-suppressions/retrieve-all-global-suppressions
+(GET /v3/suppression/{bounces,spam_reports,unsubscribes} with `start_time`, `end_time` in
+epoch seconds, `limit`, `offset`; answer a list of `{created, email, reason?, status?}`).
 
 The list answer shows neither the send time nor smtpguard's tag, and `last_event_time` may be
 hours after the send (a deferred delivery): each candidate's details give the `processed`
