@@ -3,6 +3,10 @@ events that prove acceptance; and a property over arbitrary logs."""
 
 from __future__ import annotations
 
+import ast
+import sys
+from pathlib import Path
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -242,3 +246,19 @@ def test_verdicts_rest_on_evidence(
     for e in mine:  # what matched is this provider's, in the window, and ours
         assert e.provider == "primary" and abs(e.at - T0) <= WINDOW
         assert (e.tag is not None and e.tag == tag) or (e.tag is None and mid is not None)
+
+
+def test_the_policy_imports_only_the_standard_library() -> None:
+    """Pure (STYLE.md): no asyncio, no aiohttp, no store, and the clock is a parameter."""
+    import smtpguard.policy.verdicts as module
+
+    tree = ast.parse(Path(module.__file__).read_text())
+    imported = {
+        (node.module or "") if isinstance(node, ast.ImportFrom) else alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    }
+    roots = {name.split(".")[0] for name in imported}
+    assert roots <= sys.stdlib_module_names | {"__future__"}, roots
+    assert not roots & {"asyncio", "time", "socket", "threading"}

@@ -12,15 +12,18 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import yaml
 
+from smtpguard.config import ConfigError, loads
 from smtpguard.policy.verdicts import Attempt, LogKind, VerdictKind, ingested_past, verdict
+from smtpguard.verdicts import api_key, client_for
 from smtpguard.verdicts.http import ApiAuthRefused, ApiMalformed, ApiUnavailable, Retry
 from smtpguard.verdicts.mailgun import MailgunLog
 from smtpguard.verdicts.model import LogApi, Reported
 from smtpguard.verdicts.postmark import PostmarkLog
 from smtpguard.verdicts.sendgrid import SendgridLog
 from tests.provider_api_fakes import FakeMailgun, FakePostmark, FakeSendgrid
-from tests.support import FakeClock
+from tests.support import FakeClock, base_config
 
 KEY = "key-3ax6xnjp29jd6fds4gc373sgvjxteol0"
 FAST = Retry(attempts=4, backoff=0.02, backoff_max=0.1, retry_after_max=5.0)
@@ -360,3 +363,67 @@ async def test_each_api_reports_bounces_complaints_and_unsubscribes(
         (Reported.COMPLAINT, "angry@example.com"),
     ]
     assert got["sendgrid"] == got["mailgun"]
+
+
+# --- from config ----------------------------------------------------------------------------
+async def test_clients_are_built_from_config_with_the_key_from_env_or_file(
+    tmp_path: Any,
+    mailgun: FakeMailgun,
+    postmark: FakePostmark,
+    sendgrid: FakeSendgrid,
+    now: Now,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+
+    monkeypatch.setenv("MAILGUN_API_KEY", KEY)
+    (tmp_path / "pm.token").write_text(KEY + "\n")
+    monkeypatch.setenv("SENDGRID_API_KEY", KEY)
+    cfg = base_config(tmp_path, 2525)
+    first = cfg["providers"][0]
+    cfg["providers"] = [
+        dict(
+            first,
+            name="mg",
+            api={
+                "kind": "mailgun",
+                "key_env": "MAILGUN_API_KEY",
+                "domain": mailgun.domain,
+                "base_url": mailgun.base_url,
+            },
+        ),
+        dict(
+            first,
+            name="pm",
+            api={"kind": "postmark", "token_file": str(tmp_path / "pm.token"), "base_url": postmark.base_url},
+        ),
+        dict(
+            first,
+            name="sg",
+            api={
+                "kind": "sendgrid",
+                "key_env": "SENDGRID_API_KEY",
+                "base_url": sendgrid.base_url,
+                "max_connections": 2,
+                "timeout": "3s",
+            },
+        ),
+    ]
+    config = loads(yaml.safe_dump(cfg))
+    kinds = []
+    for i, p in enumerate(config.providers):
+        api = p.api  # type: ignore[union-attr]
+        assert api is not None
+        client = client_for(p.name, api, api_key(api, f"providers[{i}].api"), wall=now)
+        kinds.append(type(client).__name__)
+        async with client:  # type: ignore[attr-defined]
+            assert await client.accepted_since(now.t) == []
+    assert kinds == ["MailgunLog", "PostmarkLog", "SendgridLog"]
+    assert all(r.authorised for f in (mailgun, postmark, sendgrid) for r in f.requests)
+    assert [len(f.requests) for f in (mailgun, postmark, sendgrid)] == [1, 1, 1]
+    monkeypatch.delenv("SENDGRID_API_KEY")
+    sg_api = config.providers[2].api  # type: ignore[union-attr]
+    assert sg_api is not None
+    with pytest.raises(
+        ConfigError, match=r"providers\[2\]\.api: environment variable SENDGRID_API_KEY is not set"
+    ):
+        api_key(sg_api, "providers[2].api")
