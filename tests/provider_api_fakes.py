@@ -19,11 +19,13 @@ documented request and response shapes, and refuse what the provider would refus
 Every fake: a wrong or missing credential is 401 in the provider's own body; `fail(status,
 times, retry_after)` answers the next requests with that status (429 with `Retry-After`,
 500); an entry added with `delay` becomes visible only that many seconds later on the fake's
-clock (eventual consistency); `requests` records what was asked and when.
+clock (eventual consistency); `stall` delays every answer (a slow API); `requests` records
+what was asked and when, `most_in_flight` how many requests were open at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import re
@@ -65,6 +67,10 @@ class FakeApi:
         self.clock = clock
         self.requests: list[Seen] = []
         self._faults: list[tuple[int, str | None]] = []
+        self.stall = 0.0
+        """Seconds every answer waits before it is written (a slow or hung API)."""
+        self.in_flight = 0
+        self.most_in_flight = 0
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -87,7 +93,7 @@ class FakeApi:
     async def start(self) -> FakeApi:
         app = web.Application(middlewares=[self._gate])
         self.routes(app)
-        self._runner = web.AppRunner(app)
+        self._runner = web.AppRunner(app, shutdown_timeout=1.0)  # a stalled answer never holds stop()
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
@@ -111,6 +117,16 @@ class FakeApi:
     async def _gate(self, request: web.Request, handler: Any) -> web.StreamResponse:
         ok = self.authorised(request)
         self.requests.append(Seen(request.path, dict(request.query), time.monotonic(), ok))
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            if self.stall:
+                await asyncio.sleep(self.stall)
+            return await self._answer_gated(request, handler, ok)
+        finally:
+            self.in_flight -= 1
+
+    async def _answer_gated(self, request: web.Request, handler: Any, ok: bool) -> web.StreamResponse:
         if not ok:
             return self.unauthorised()
         if self._faults:

@@ -4,6 +4,7 @@ the API key in no log line, exception or repr. Every count is of requests the fa
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import socket
@@ -309,6 +310,10 @@ async def test_the_key_is_in_no_log_exception_or_repr(
         sg_client(sendgrid, now),
         mg_client(mailgun, now, key=KEY[::-1]),  # a wrong key: 401
     ]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    clients.append(SendgridLog(provider="down", base_url=f"http://127.0.0.1:{closed}", key=KEY, retry=FAST))
     for client in clients:
         texts += [repr(client), str(client), str(client.__dict__)]
         async with client:
@@ -427,3 +432,24 @@ async def test_clients_are_built_from_config_with_the_key_from_env_or_file(
         ConfigError, match=r"providers\[2\]\.api: environment variable SENDGRID_API_KEY is not set"
     ):
         api_key(sg_api, "providers[2].api")
+
+
+# --- timeout and connection limit -----------------------------------------------------------
+async def test_a_hung_api_times_out_within_the_bound(mailgun: FakeMailgun, now: Now) -> None:
+    mailgun.stall = 5.0
+    async with mg_client(mailgun, now, timeout=0.2) as client:
+        started = time.monotonic()
+        with pytest.raises(ApiUnavailable, match=r"after 4 requests \(TimeoutError\)"):
+            await client.entries(Attempt("primary", now.t, "acme:1", "<a@x>"))
+        took = time.monotonic() - started
+    assert len(mailgun.requests) == 4
+    assert 0.8 <= took < 3.0  # four timeouts of 0.2 s and three short backoffs, never the 5 s stall
+    assert client.errors["network"] == 4
+
+
+async def test_one_client_keeps_at_most_max_connections_open(postmark: FakePostmark, now: Now) -> None:
+    postmark.stall = 0.2
+    async with pm_client(postmark, now, max_connections=2) as client:
+        await asyncio.gather(*(client.accepted_since(now.t) for _ in range(6)))
+    assert len(postmark.requests) == 6
+    assert postmark.most_in_flight == 2

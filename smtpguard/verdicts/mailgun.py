@@ -67,6 +67,8 @@ class MailgunLog(ApiClient):
         return out
 
     async def entries(self, attempt: Attempt) -> list[LogEntry]:
+        if attempt.tag is None and attempt.message_id is None:
+            return []  # nothing could match: not worth ten pages of the window
         params = {
             "begin": f"{attempt.at - WINDOW:.0f}",
             "end": f"{attempt.at + WINDOW:.0f}",
@@ -79,7 +81,9 @@ class MailgunLog(ApiClient):
         return [e for e in map(self._entry, await self._items(params)) if e is not None]
 
     async def accepted_since(self, at: float) -> list[LogEntry]:
-        params = {"begin": f"{at:.0f}", "ascending": "yes", "event": "accepted", "limit": "5"}
+        # One accepted event per recipient: a page of 100, so a message to many recipients
+        # (all ours, no proof) does not hide the next message's acceptance.
+        params = {"begin": f"{at:.0f}", "ascending": "yes", "event": "accepted", "limit": "100"}
         return [e for e in map(self._entry, await self._items(params, max_pages=1)) if e is not None]
 
     async def reported_since(self, since: float, until: float) -> list[ReportedEvent]:
