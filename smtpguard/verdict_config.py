@@ -36,6 +36,8 @@ DEFAULT_BASE_URLS = {
 https://api.eu.sendgrid.com."""
 
 
+# config.py imports this module into its schema, so the few lines of its base (strict
+# models, file paths, durations, loopback) are repeated here rather than imported back.
 def _path(value: object) -> object:
     return Path(value) if isinstance(value, str) and value else value
 
