@@ -459,9 +459,11 @@ class FakeSendgrid(FakeApi):
         dropped: str | None = None,
         delivered_after: float | None = None,
         delay: float = 0.0,
+        details_delay: float = 0.0,
     ) -> dict[str, Any]:
         """A message processed at `at`; `dropped`: dropped with that reason; `delivered_after`:
-        delivered that many seconds later (its last_event_time)."""
+        delivered that many seconds later (its last_event_time); `details_delay`: its details
+        answer 404 for that long after it is listed."""
         msg_id = f"{uuid.uuid4().hex[:22]}.filter0001p3las1-1234-5A023E36-1.0"
         events = [{"event_name": "processed", "processed": _iso(at)}]
         last, status = at, "processed"
@@ -498,7 +500,10 @@ class FakeSendgrid(FakeApi):
             "outbound_ip": "127.0.0.2",
             "outbound_ip_type": "shared",
         }
-        self.messages.append(Stored(summary, last, self.clock() + delay, {"detail": detail}))
+        listed = self.clock() + delay
+        self.messages.append(
+            Stored(summary, last, listed, {"detail": detail, "details_at": listed + details_delay})
+        )
         return detail
 
     def add_suppression(
@@ -558,7 +563,7 @@ class FakeSendgrid(FakeApi):
 
     async def _message(self, request: web.Request) -> web.Response:
         for s in self.visible(self.messages):
-            if s.item["msg_id"] == request.match_info["msg_id"]:
+            if s.item["msg_id"] == request.match_info["msg_id"] and s.meta["details_at"] <= self.clock():
                 return web.json_response(s.meta["detail"])
         return self.error(404, "Not Found")
 

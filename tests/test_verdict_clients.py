@@ -18,7 +18,7 @@ import yaml
 from smtpguard.config import ConfigError, loads
 from smtpguard.policy.verdicts import Attempt, LogKind, VerdictKind, ingested_past, verdict
 from smtpguard.verdicts import api_key, client_for
-from smtpguard.verdicts.http import ApiAuthRefused, ApiMalformed, ApiUnavailable, Retry
+from smtpguard.verdicts.http import ApiAuthRefused, ApiError, ApiMalformed, ApiUnavailable, Retry, retry_after
 from smtpguard.verdicts.mailgun import MailgunLog
 from smtpguard.verdicts.model import LogApi, Reported
 from smtpguard.verdicts.postmark import PostmarkLog
@@ -453,3 +453,36 @@ async def test_one_client_keeps_at_most_max_connections_open(postmark: FakePostm
         await asyncio.gather(*(client.accepted_since(now.t) for _ in range(6)))
     assert len(postmark.requests) == 6
     assert postmark.most_in_flight == 2
+
+
+async def test_sendgrid_details_not_yet_there_are_none_yet_not_an_error(
+    sendgrid: FakeSendgrid, now: Now
+) -> None:
+    t = now.t
+    sendgrid.add_message(t + 1, tag="acme:1", details_delay=60)
+    attempt = Attempt("primary", t, "acme:1", None)
+    async with sg_client(sendgrid, now) as client:
+        assert (await judge(client, attempt, t + 120)).kind is VerdictKind.NONE_YET
+        now.t += 60
+        assert (await judge(client, attempt, t + 120)).kind is VerdictKind.ACCEPTED
+    assert client.errors["unavailable"] == 0
+
+
+async def test_another_refusal_is_not_retried(mailgun: FakeMailgun, now: Now) -> None:
+    client = MailgunLog(
+        provider="primary", base_url=mailgun.base_url, key=KEY, domain="other.example", retry=FAST
+    )
+    async with client:
+        with pytest.raises(ApiError, match="answered HTTP 404"):
+            await client.entries(Attempt("primary", now.t, "acme:1", "<a@x>"))
+    assert len(mailgun.requests) == 1
+
+
+def test_retry_after_reads_seconds_and_http_dates() -> None:
+    t = 1_700_000_000.0
+    assert retry_after("7", t) == 7.0
+    assert retry_after(" 0 ", t) == 0.0
+    assert retry_after("Tue, 14 Nov 2023 22:13:50 GMT", t) == pytest.approx(30.0)
+    assert retry_after("Tue, 14 Nov 2023 22:13:00 GMT", t) == 0.0  # already past
+    for bad in (None, "", "soon", "-5", "1.5"):
+        assert retry_after(bad, t) is None

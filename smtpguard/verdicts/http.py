@@ -42,6 +42,12 @@ class ApiUnavailable(ApiError):
     kind = "unavailable"
 
 
+class ApiNotFound(ApiError):
+    """404: what was asked for is not there (yet: logs are eventually consistent)."""
+
+    kind = "not_found"
+
+
 class ApiMalformed(ApiError):
     """The API answered something its documentation does not describe."""
 
@@ -199,6 +205,8 @@ class ApiClient:
                 wait = self._backoff(attempt)
                 last = f"HTTP {status}"
                 continue
+            if status == 404:
+                raise ApiNotFound(f"{self.provider}: {where} answered HTTP 404")
             self.errors["refused"] += 1
             raise ApiError(f"{self.provider}: {where} answered HTTP {status}")
         self.errors["unavailable"] += 1

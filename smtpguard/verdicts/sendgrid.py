@@ -26,7 +26,7 @@ from typing import Any
 
 from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind
 from smtpguard.verdict_config import SendgridApi
-from smtpguard.verdicts.http import ApiClient, ApiMalformed, Credential, field, need_list
+from smtpguard.verdicts.http import ApiClient, ApiMalformed, ApiNotFound, Credential, field, need_list
 from smtpguard.verdicts.model import Reported, ReportedEvent, iso_utc, parse_time
 
 KEY_FIELD = "smtpguard_key"
@@ -89,7 +89,10 @@ class SendgridLog(ApiClient):
         msg_id = field(msg, "msg_id")
         if not isinstance(msg_id, str) or not msg_id or "/" in msg_id:
             return None
-        detail = await self.get_json(f"/v3/messages/{msg_id}")
+        try:
+            detail = await self.get_json(f"/v3/messages/{msg_id}")
+        except ApiNotFound:
+            return None  # listed before its details are: the next look reads them
         events = need_list(detail, "events", self.provider)
         processed = [
             parse_time(field(e, "processed")) for e in events if field(e, "event_name") == "processed"
