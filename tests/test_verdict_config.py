@@ -121,30 +121,30 @@ def test_a_bad_api_section_names_its_path_and_line(
 
 
 @pytest.mark.parametrize(
-    ("verdicts", "needle", "message"),
+    ("verdicts", "line_text", "message"),
     [
-        ({"every": "5s"}, "every", "verdicts.every (line {line}): must be at least 30"),
-        ({"after": "40m"}, "after", "verdicts (line {line}): absent_after (1800s) is before the first look"),
+        ({"every": "5s"}, "  every: 5s", "verdicts.every (line {line}): must be at least 30"),
+        (
+            {"after": "40m"},
+            "verdicts:",
+            "verdicts (line {line}): absent_after (1800s) is before the first look",
+        ),
         (
             {"absent_after": "2h", "give_up": "1h"},
             "verdicts:",
             "verdicts (line {line}): give_up (3600s) must be later than absent_after (7200s)",
         ),
-        ({"give_up": "soon"}, "give_up", "verdicts.give_up (line {line}):"),
-        ({"every": "5m", "retries": 3}, "retries", "verdicts.retries (line {line}): unknown key"),
+        ({"give_up": "soon"}, "  give_up: soon", "verdicts.give_up (line {line}):"),
+        ({"every": "5m", "retries": 3}, "  retries: 3", "verdicts.retries (line {line}): unknown key"),
     ],
 )
 def test_bad_verdict_timings_name_their_path_and_line(
-    tmp: Path, capsys: pytest.CaptureFixture[str], verdicts: dict[str, Any], needle: str, message: str
+    tmp: Path, capsys: pytest.CaptureFixture[str], verdicts: dict[str, Any], line_text: str, message: str
 ) -> None:
     cfg = cfg_with(tmp, {"kind": "postmark", "token_env": "T"}, verdicts=verdicts)
     rc, text, err = run_check(tmp, cfg, capsys)
     assert rc == 1
-    # "after" also appears in absent_after: the verdicts section's own line for that key
-    line = line_of(text, f"  {needle}") if needle != "verdicts:" else line_of(text, needle)
-    if message.startswith("verdicts (line"):
-        line = line_of(text, "verdicts:")
-    assert message.format(line=line) in err, err
+    assert message.format(line=line_of(text, line_text)) in err, err
 
 
 def test_reconcile_without_any_api_is_refused(tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
