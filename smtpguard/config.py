@@ -39,6 +39,7 @@ from smtpguard.policy.limits import PLANS
 from smtpguard.policy.senders import address_problem
 from smtpguard.policy.throttle import CONNECTION_WAIT, RATE_WAIT
 from smtpguard.units import parse_duration, parse_rate, parse_size
+from smtpguard.verdict_config import ApiConfig, ReconcileConfig, VerdictsConfig, api_problem
 
 DEFAULT_CONFIG = "conf/smtpguard.yaml"
 
@@ -401,6 +402,8 @@ class SmtpProviderConfig(_Strict):
     throttle_backoff: Duration = Field(60.0, gt=0)
     """How long a rate-limit reply (421, or 451 4.7.x saying rate/too many) keeps every
     instance off this provider, instead of counting against its circuit."""
+    api: ApiConfig | None = None
+    """The provider's log API, asked for verdicts and reconciliation (DESIGN.md §19)."""
 
     @field_validator("dkim_selectors")
     @classmethod
@@ -847,6 +850,8 @@ class Config(_Strict):
     metrics: MetricsConfig | None = None
     events: EventsConfig | None = None
     console: ConsoleConfig | None = None
+    verdicts: VerdictsConfig | None = None
+    reconcile: ReconcileConfig | None = None
     log: LogConfig = LogConfig()
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     """auto: uvloop when installed (the `fast` extra), else asyncio's own loop."""
@@ -961,6 +966,14 @@ class Config(_Strict):
                 if user.username == username:
                     return zname, user
         return None
+
+    @model_validator(mode="after")
+    def _verdict_checks(self) -> Config:
+        with_api = sum(1 for p in self.providers if isinstance(p, SmtpProviderConfig) and p.api is not None)
+        problem = api_problem(with_api, self.reconcile)
+        if problem:
+            raise FieldProblem(("reconcile",), problem)
+        return self
 
 
 # --- loading ---------------------------------------------------------------------------------

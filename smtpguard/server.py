@@ -33,6 +33,7 @@ from smtpguard.recipient_domains import RecipientDomains
 from smtpguard.relay import Route, SmtpProvider, build_providers
 from smtpguard.store import ReportsReplication, Store, StoreUnavailable, StoreUnfit, store_from_url
 from smtpguard.submission import Principal, Result, Submitter
+from smtpguard.verdict_config import not_yet_applied
 from smtpguard.verp import VerpKey, verp_key
 
 if TYPE_CHECKING:
@@ -286,6 +287,12 @@ class Server:
                 "event_loop": type(loop).__module__.split(".")[0],
             },
         )
+        configured = not_yet_applied(config)
+        if configured is not None and self.singleton:
+            log.warning(
+                "verdicts are configured but not yet applied: unknown outcomes still wait for an operator",
+                extra=configured,
+            )
 
     async def _start_events(self, config: Config, sources: Sources) -> None:
         """The provider-event listener (§13)."""

@@ -1,0 +1,201 @@
+"""Verdicts: what a provider's own log proves about an `unknown` outcome (DESIGN.md §19).
+
+Pure: the log entries are already fetched and typed, and every time is an argument. The
+verdict loop, `smtpguard verdict` and the webhook path all ask `verdict()`; they differ only
+in how they gathered the entries.
+
+The rules, in the order they are tried:
+
+1. An entry *matches* the attempt when it went through the attempt's provider, lies within
+   the attempt's time ± WINDOW, and carries smtpguard's tag for the record, or carries no tag
+   of its own and the attempt's Message-ID. An entry with someone else's tag never matches,
+   whatever its Message-ID: a client may reuse a Message-ID, a tag is smtpguard's.
+2. A matching acceptance is `accepted`, with the log's upstream id.
+3. A matching refusal or drop at acceptance, and no matching acceptance, is `refused`: the
+   provider will not deliver it, and a resend would be refused again. An acceptance wins
+   when both match (an earlier attempt refused, a later one taken): `failed` invites the
+   application to send the message another way, which would be the duplicate this product
+   exists to prevent, while `delivered` for a message the provider then dropped is what its
+   webhook or reconciliation reports next.
+4. Nothing matching: `not_accepted` only once `absent_after` has passed since the attempt
+   *and* the log already shows a later acceptance of another message through the same
+   provider (proof that it has ingested past the attempt; logs are eventually consistent).
+   This is the one verdict that leads to a send, so it needs both.
+5. Otherwise `none_yet`, or `gave_up` once `give_up` has passed: the loop stops and the
+   record waits for an operator. Past `give_up` evidence of acceptance or refusal still
+   settles (it sends nothing), but absence never does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+
+WINDOW = 600.0
+"""Seconds either side of the attempt's time within which a log entry may be its message:
+wide enough for clock skew and the provider's queueing, narrow enough that a Message-ID a
+client reused a day later is not taken for this one."""
+
+
+class LogKind(StrEnum):
+    """What one log entry says happened when the provider took (or would not take) a message."""
+
+    ACCEPTED = "accepted"
+    REFUSED = "refused"
+    """Refused at acceptance (Mailgun `rejected`)."""
+    DROPPED = "dropped"
+    """Taken, then dropped without a delivery attempt (SendGrid `dropped`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LogEntry:
+    """One entry of a provider's log, as a client (smtpguard/verdicts/) reduces it."""
+
+    provider: str
+    """smtpguard's name for the provider whose log this is (providers[].name)."""
+    kind: LogKind
+    at: float
+    """Unix seconds, as the log gives them."""
+    message_id: str | None = None
+    """The Message-ID header the log shows, with or without the surrounding <>."""
+    tag: str | None = None
+    """smtpguard's tag as the log echoes it (the zone-qualified event key), if any."""
+    upstream_id: str | None = None
+    """The provider's own id for the message (what its 250 named)."""
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """The sending attempt whose outcome is unknown."""
+
+    provider: str
+    at: float
+    """When the final dot went: the attempt's time."""
+    tag: str | None
+    message_id: str | None
+
+
+class VerdictKind(StrEnum):
+    """Also the `verdict` label of smtpguard_verdicts_total, so its values are bounded."""
+
+    ACCEPTED = "accepted"
+    REFUSED = "refused"
+    NOT_ACCEPTED = "not_accepted"
+    NONE_YET = "none_yet"
+    GAVE_UP = "gave_up"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    kind: VerdictKind
+    upstream_id: str | None = None
+    """accepted: the provider's id from the log (may be None when the log shows none)."""
+    reason: str | None = None
+    """refused: the log's reason."""
+    entry: LogEntry | None = None
+    """The entry the verdict rests on (accepted, refused)."""
+
+    @property
+    def settles(self) -> bool:
+        """Does the record leave `unknown`?"""
+        return self.kind in (VerdictKind.ACCEPTED, VerdictKind.REFUSED, VerdictKind.NOT_ACCEPTED)
+
+
+def bare_message_id(value: str | None) -> str | None:
+    """A Message-ID compared without the surrounding <> and blanks (§13)."""
+    if value is None:
+        return None
+    bare = value.strip().removeprefix("<").removesuffix(">").strip()
+    return bare or None
+
+
+def matches(attempt: Attempt, entry: LogEntry) -> bool:
+    """Is this log entry about the attempt's message? (rule 1 above)"""
+    if entry.provider != attempt.provider or abs(entry.at - attempt.at) > WINDOW:
+        return False
+    if entry.tag is not None:
+        return attempt.tag is not None and entry.tag == attempt.tag
+    ours = bare_message_id(attempt.message_id)
+    return ours is not None and bare_message_id(entry.message_id) == ours
+
+
+def ingested_past(attempt: Attempt, entries: Iterable[LogEntry]) -> bool:
+    """The ingestion proof from entries a client fetched: an acceptance of another message,
+    through the same provider, logged later than the attempt."""
+    return any(
+        e.provider == attempt.provider
+        and e.kind is LogKind.ACCEPTED
+        and e.at > attempt.at
+        and not matches(attempt, e)
+        for e in entries
+    )
+
+
+def verdict(
+    attempt: Attempt,
+    entries: Iterable[LogEntry],
+    *,
+    now: float,
+    absent_after: float,
+    give_up: float,
+    proof_of_ingestion: bool,
+) -> Verdict:
+    """The §19 table for one record. `proof_of_ingestion`: the log already holds an acceptance
+    through the same provider later than the attempt (see `ingested_past`)."""
+    mine = [e for e in entries if matches(attempt, e)]
+    acceptance = _earliest(e for e in mine if e.kind is LogKind.ACCEPTED)
+    if acceptance is not None:
+        return Verdict(VerdictKind.ACCEPTED, acceptance.upstream_id, None, acceptance)
+    refusal = _earliest(e for e in mine if e.kind in (LogKind.REFUSED, LogKind.DROPPED))
+    if refusal is not None:
+        return Verdict(
+            VerdictKind.REFUSED, refusal.upstream_id, refusal.reason or refusal.kind.value, refusal
+        )
+    if now >= attempt.at + give_up:
+        return Verdict(VerdictKind.GAVE_UP)
+    if now >= attempt.at + absent_after and proof_of_ingestion:
+        return Verdict(VerdictKind.NOT_ACCEPTED)
+    return Verdict(VerdictKind.NONE_YET)
+
+
+def _earliest(entries: Iterable[LogEntry]) -> LogEntry | None:
+    return min(entries, key=lambda e: e.at, default=None)
+
+
+# --- when to look ---------------------------------------------------------------------------
+def next_look(
+    unknown_since: float, last_look: float | None, *, after: float, every: float, give_up: float
+) -> float | None:
+    """When the loop next asks the provider's log about a record that turned `unknown` at
+    `unknown_since` and was last asked at `last_look` (None: never). None: never again (past
+    `give_up`, the record is the operator's)."""
+    due = unknown_since + after if last_look is None else max(last_look + every, unknown_since + after)
+    return due if due < unknown_since + give_up else None
+
+
+def due(
+    unknown_since: float, last_look: float | None, now: float, *, after: float, every: float, give_up: float
+) -> bool:
+    at = next_look(unknown_since, last_look, after=after, every=every, give_up=give_up)
+    return at is not None and now >= at
+
+
+# --- webhooks that prove acceptance ---------------------------------------------------------
+ACCEPTING_EVENTS: dict[str, frozenset[str]] = {
+    "mailgun": frozenset({"accepted", "delivered"}),
+    "sendgrid": frozenset({"processed", "delivered"}),
+    "svix": frozenset({"email.sent", "email.delivered"}),  # Resend delivers through Svix
+    "postmark": frozenset({"Delivery"}),
+    "ses": frozenset({"Send", "Delivery"}),
+}
+"""Per §13 source kind, the provider's own event type names that prove the provider took
+the message (its 250 was given, whatever the reply's fate on the way back)."""
+
+
+def proves_acceptance(source_kind: str, provider_type: str) -> bool:
+    """Does a signed event of this source kind and provider event type settle an `unknown`
+    record as accepted? Spelling is the provider's: Postmark's RecordType and SES's
+    eventType/notificationType are capitalised, the others are not."""
+    return provider_type in ACCEPTING_EVENTS.get(source_kind, frozenset())

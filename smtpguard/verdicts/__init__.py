@@ -1,0 +1,45 @@
+"""Clients of the providers' log APIs (DESIGN.md §19): each asks its provider's documented
+API and reduces the answer to the typed entries smtpguard.policy.verdicts judges.
+
+Every client offers the same three calls:
+- `entries(attempt)`: what the log holds that may be the attempt's message;
+- `accepted_since(at)`: a few acceptances logged after `at` (the ingestion proof);
+- `reported_since(since)`: bounces, complaints and unsubscribes for reconciliation.
+
+`client_for(name, api, key)` builds one from config, imported on use (uvicorn's registry):
+aiohttp is an optional dependency (the `events` extra), needed only when an api is configured.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from smtpguard.verdict_config import MailgunApi, PostmarkApi, SendgridApi
+    from smtpguard.verdicts.model import LogApi
+
+CLIENTS = {
+    "mailgun": "smtpguard.verdicts.mailgun:MailgunLog",
+    "postmark": "smtpguard.verdicts.postmark:PostmarkLog",
+    "sendgrid": "smtpguard.verdicts.sendgrid:SendgridLog",
+}
+
+
+def client_for(provider: str, api: MailgunApi | PostmarkApi | SendgridApi, key: str, **kw: Any) -> LogApi:
+    module, _, name = CLIENTS[api.kind].partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    client: LogApi = cls.from_config(provider, api, key, **kw)
+    return client
+
+
+def api_key(api: MailgunApi | PostmarkApi | SendgridApi, what: str) -> str:
+    """The api's key or token, read now from its environment variable or file."""
+    from smtpguard.config import ConfigError, read_secret
+
+    env = getattr(api, "key_env", None) or getattr(api, "token_env", None)
+    file = getattr(api, "key_file", None) or getattr(api, "token_file", None)
+    value = read_secret(env, file, what)
+    if not value:
+        raise ConfigError([f"{what}: the API key is empty"])
+    return value

@@ -1,0 +1,269 @@
+"""What the three log-API clients share: one aiohttp session per API, with a timeout and a
+connection limit; `429` honoured; a bounded retry of `5xx` and network errors; `401`/`403`
+logged once an hour and counted; paging bounded in pages. Errors become smtpguard's own
+(`ApiAuthRefused`, `ApiUnavailable`, `ApiMalformed`) here and nowhere else.
+
+The API key is held by `Credential`, whose repr and str hide it, and goes only into the
+headers of requests to the configured `base_url`: a paging link that points anywhere else is
+refused rather than followed, and no log line, exception or repr is built from the headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Self
+from urllib.parse import urlsplit
+
+import aiohttp
+
+log = logging.getLogger("smtpguard.verdicts")
+
+AUTH_LOG_EVERY = 3600.0
+"""A refused key is logged once an hour per API, not once per record asked about."""
+
+
+class ApiError(Exception):
+    """The API could not answer; `kind` is the `kind` label of the error counter."""
+
+    kind = "error"
+
+
+class ApiAuthRefused(ApiError):
+    kind = "auth"
+
+
+class ApiUnavailable(ApiError):
+    kind = "unavailable"
+
+
+class ApiNotFound(ApiError):
+    """404: what was asked for is not there (yet: logs are eventually consistent)."""
+
+    kind = "not_found"
+
+
+class ApiMalformed(ApiError):
+    """The API answered something its documentation does not describe."""
+
+    kind = "malformed"
+
+
+class Credential:
+    """A secret that never prints itself."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Credential(<hidden>)"
+
+    __str__ = __repr__
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    attempts: int = 4
+    """Requests per call at most, the first included."""
+    backoff: float = 0.5
+    """Seconds before the first retry without a Retry-After; doubled each time."""
+    backoff_max: float = 30.0
+    retry_after_max: float = 60.0
+    """A longer Retry-After is not waited for inside one call: the API is unavailable now,
+    and the verdict loop asks again at its next look."""
+
+
+def retry_after(value: str | None, now: float) -> float | None:
+    """Seconds from a Retry-After header (delta-seconds or an HTTP-date, RFC 9110 §10.2.3)."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - now)
+
+
+class ApiClient:
+    """One provider API. `headers` hold the credential; `provider` is smtpguard's name for the
+    provider (for logs and counters); `clock` is monotonic, `wall` is Unix time."""
+
+    def __init__(
+        self,
+        *,
+        provider: str,
+        base_url: str,
+        auth: Callable[[], Mapping[str, str]],
+        timeout: float = 10.0,
+        max_connections: int = 4,
+        retry: Retry = Retry(),
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.provider = provider
+        self.base_url = base_url.rstrip("/")
+        self._origin = _origin(self.base_url)
+        self._auth = auth
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._max_connections = max_connections
+        self._retry = retry
+        self._clock = clock
+        self._wall = wall
+        self._sleep = sleep
+        self._session: aiohttp.ClientSession | None = None
+        self._auth_logged_at: float | None = None
+        self.errors: Counter[str] = Counter()
+        """Per error kind (auth, rate_limited, server, network, malformed, unavailable)."""
+        self.requests = 0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(provider={self.provider!r}, base_url={self.base_url!r})"
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self._max_connections)
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=self._timeout, headers={"Accept": "application/json"}
+            )
+        return self._session
+
+    def url(self, path_or_url: str) -> str:
+        """A path under base_url, or an absolute URL (a paging link) on base_url's origin."""
+        if "://" not in path_or_url:
+            return self.base_url + path_or_url
+        if _origin(path_or_url) != self._origin:
+            self.errors["malformed"] += 1
+            raise ApiMalformed(f"{self.provider}: a paging link points off the API's base_url; not followed")
+        return path_or_url
+
+    async def get_json(self, path_or_url: str, params: Mapping[str, str] | None = None) -> Any:
+        """GET and decode JSON, honouring 429 and retrying 5xx and network errors (bounded)."""
+        url = self.url(path_or_url)
+        where = urlsplit(url).path
+        last = "no answer"
+        wait = 0.0
+        for attempt in range(self._retry.attempts):
+            if attempt:
+                await self._sleep(wait)
+            self.requests += 1
+            try:
+                async with self._client().get(url, params=params, headers=self._auth()) as resp:
+                    status = resp.status
+                    if status == 200:
+                        try:
+                            return await resp.json(content_type=None)
+                        except ValueError:
+                            self.errors["malformed"] += 1
+                            raise ApiMalformed(
+                                f"{self.provider}: {where} answered 200 with no JSON"
+                            ) from None
+                    header = resp.headers.get("Retry-After")
+            except (aiohttp.ClientError, TimeoutError) as e:
+                # type(e) only: aiohttp's texts name the URL, and a URL may carry a filter value
+                self.errors["network"] += 1
+                last = f"{type(e).__name__}"
+                wait = self._backoff(attempt)
+                continue
+            if status in (401, 403):
+                self._auth_refused(status, where)
+            if status == 429:
+                self.errors["rate_limited"] += 1
+                told = retry_after(header, self._wall())
+                last = "429 Too Many Requests"
+                if told is not None and told > self._retry.retry_after_max:
+                    last += f", Retry-After {told:g}s"
+                    break
+                wait = self._backoff(attempt) if told is None else told
+                continue
+            if status >= 500:
+                self.errors["server"] += 1
+                wait = self._backoff(attempt)
+                last = f"HTTP {status}"
+                continue
+            if status == 404:
+                raise ApiNotFound(f"{self.provider}: {where} answered HTTP 404")
+            self.errors["refused"] += 1
+            raise ApiError(f"{self.provider}: {where} answered HTTP {status}")
+        self.errors["unavailable"] += 1
+        raise ApiUnavailable(f"{self.provider}: {where} unavailable after {attempt + 1} requests ({last})")
+
+    def _backoff(self, attempt: int) -> float:
+        return float(min(self._retry.backoff * (2**attempt), self._retry.backoff_max))
+
+    def _auth_refused(self, status: int, where: str) -> None:
+        self.errors["auth"] += 1
+        now = self._clock()
+        if self._auth_logged_at is None or now - self._auth_logged_at >= AUTH_LOG_EVERY:
+            self._auth_logged_at = now
+            log.warning(
+                "provider API refused smtpguard's credentials; verdicts for it wait",
+                extra={"provider": self.provider, "status": status, "path": where},
+            )
+        raise ApiAuthRefused(f"{self.provider}: {where} answered HTTP {status} (credentials refused)")
+
+    async def pages(
+        self,
+        first: tuple[str, Mapping[str, str] | None],
+        following: Callable[[Any, int], tuple[str, Mapping[str, str] | None] | None],
+        max_pages: int,
+    ) -> AsyncIterator[Any]:
+        """Each page's decoded body, first request first; `following(body, n)` gives the next
+        request after the n-th page (1-based), or None when the last page is reached."""
+        request: tuple[str, Mapping[str, str] | None] | None = first
+        n = 0
+        while request is not None and n < max_pages:
+            body = await self.get_json(*request)
+            n += 1
+            yield body
+            request = following(body, n)
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    return parts.scheme, (parts.hostname or "").lower(), parts.port
+
+
+def field(obj: Any, *path: str | int) -> Any:
+    """obj[path[0]][path[1]]…, or None where the shape differs: providers leave fields out."""
+    for part in path:
+        if isinstance(part, int):
+            obj = obj[part] if isinstance(obj, list) and -len(obj) <= part < len(obj) else None
+        else:
+            obj = obj.get(part) if isinstance(obj, dict) else None
+        if obj is None:
+            return None
+    return obj
+
+
+def need_list(body: Any, key: str | None, provider: str) -> list[Any]:
+    """The documented list in a response (body[key], or the body itself), or ApiMalformed."""
+    value = body if key is None else field(body, key)
+    if not isinstance(value, list):
+        where = f"`{key}`" if key else "a list"
+        raise ApiMalformed(f"{provider}: the response has no {where}")
+    return value

@@ -1,0 +1,149 @@
+"""Mailgun's Events API: GET {base_url}/v3/DOMAIN/events, HTTP Basic `api:KEY`.
+
+Documented at https://documentation.mailgun.com/docs/mailgun/api-reference/send/mailgun/events
+and https://documentation.mailgun.com/docs/mailgun/user-manual/events/ (time range, filter
+expressions, paging): filters `message-id` (the Message-ID without <>), `event` (a filter
+expression: `accepted OR rejected`), `begin`/`end` in epoch seconds, `limit` (at most 300);
+the answer is `{"items": [...], "paging": {"next": URL, ...}}`, and the range is traversed by
+requesting `paging.next` until a page comes back empty.
+
+An item's `event`: `accepted` (Mailgun took the message), `rejected` (refused at acceptance,
+with `reject.reason`); `failed` with `severity: permanent`, `complained`, `unsubscribed` for
+reconciliation. smtpguard's tag is `user-variables.smtpguard_key` (X-Mailgun-Variables).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+from smtpguard.policy.verdicts import WINDOW, Attempt, LogEntry, LogKind, bare_message_id
+from smtpguard.verdict_config import MailgunApi
+from smtpguard.verdicts.http import ApiClient, Credential, field, need_list
+from smtpguard.verdicts.model import Reported, ReportedEvent, parse_time
+
+KEY_FIELD = "smtpguard_key"
+PAGE = 300
+MAX_PAGES = 10
+_KINDS = {"accepted": LogKind.ACCEPTED, "rejected": LogKind.REFUSED}
+
+
+class MailgunLog(ApiClient):
+    def __init__(self, *, provider: str, base_url: str, key: str, domain: str, **kw: Any) -> None:
+        secret = Credential("Basic " + base64.b64encode(f"api:{key}".encode()).decode("ascii"))
+        super().__init__(
+            provider=provider, base_url=base_url, auth=lambda: {"Authorization": secret.reveal()}, **kw
+        )
+        self.domain = domain
+
+    @classmethod
+    def from_config(cls, provider: str, api: MailgunApi, key: str, **kw: Any) -> MailgunLog:
+        return cls(
+            provider=provider,
+            base_url=api.url("mailgun"),
+            key=key,
+            domain=api.domain,
+            timeout=api.timeout,
+            max_connections=api.max_connections,
+            **kw,
+        )
+
+    @property
+    def _path(self) -> str:
+        return f"/v3/{self.domain}/events"
+
+    async def _items(self, params: Mapping[str, str], max_pages: int = MAX_PAGES) -> list[Any]:
+        out: list[Any] = []
+
+        def following(body: Any, _n: int) -> tuple[str, None] | None:
+            nxt = field(body, "paging", "next")
+            # Mailgun's last page is the empty one; its `next` is always present.
+            return (nxt, None) if isinstance(nxt, str) and field(body, "items") else None
+
+        async for body in self.pages((self._path, params), following, max_pages):
+            out.extend(need_list(body, "items", self.provider))
+        return out
+
+    async def entries(self, attempt: Attempt) -> list[LogEntry]:
+        if attempt.tag is None and attempt.message_id is None:
+            return []  # nothing could match: not worth ten pages of the window
+        params = {
+            "begin": f"{attempt.at - WINDOW:.0f}",
+            "end": f"{attempt.at + WINDOW:.0f}",
+            "event": "accepted OR rejected",
+            "limit": str(PAGE),
+        }
+        mid = bare_message_id(attempt.message_id)
+        if mid is not None:
+            params["message-id"] = mid
+        return [e for e in map(self._entry, await self._items(params)) if e is not None]
+
+    async def accepted_since(self, at: float) -> list[LogEntry]:
+        # One accepted event per recipient: a page of 100, so a message to many recipients
+        # (all ours, no proof) does not hide the next message's acceptance.
+        params = {"begin": f"{at:.0f}", "ascending": "yes", "event": "accepted", "limit": "100"}
+        return [e for e in map(self._entry, await self._items(params, max_pages=1)) if e is not None]
+
+    async def reported_since(self, since: float, until: float) -> list[ReportedEvent]:
+        params = {
+            "begin": f"{since:.0f}",
+            "end": f"{until:.0f}",
+            "event": "failed OR complained OR unsubscribed",
+            "limit": str(PAGE),
+        }
+        return [r for r in map(self._reported, await self._items(params)) if r is not None]
+
+    def _entry(self, item: Any) -> LogEntry | None:
+        kind = _KINDS.get(str(field(item, "event")))
+        at = parse_time(field(item, "timestamp"))
+        if kind is None or at is None:
+            return None
+        mid = field(item, "message", "headers", "message-id")
+        tag = field(item, "user-variables", KEY_FIELD)
+        reason = field(item, "reject", "reason") if kind is LogKind.REFUSED else None
+        return LogEntry(
+            provider=self.provider,
+            kind=kind,
+            at=at,
+            message_id=mid if isinstance(mid, str) else None,
+            tag=tag if isinstance(tag, str) else None,
+            # Mailgun names a message by its Message-ID; its 250 carries no other id.
+            upstream_id=bare_message_id(mid) if isinstance(mid, str) else None,
+            reason=reason if isinstance(reason, str) else "",
+        )
+
+    def _reported(self, item: Any) -> ReportedEvent | None:
+        event = str(field(item, "event"))
+        if event == "failed":
+            if field(item, "severity") != "permanent":
+                return None
+            kind = Reported.BOUNCE
+        elif event == "complained":
+            kind = Reported.COMPLAINT
+        elif event == "unsubscribed":
+            kind = Reported.UNSUBSCRIBE
+        else:
+            return None
+        recipient, at = field(item, "recipient"), parse_time(field(item, "timestamp"))
+        if not isinstance(recipient, str) or at is None:
+            return None
+        mid = field(item, "message", "headers", "message-id")
+        tag = field(item, "user-variables", KEY_FIELD)
+        ident = field(item, "id")
+        if not isinstance(ident, str):
+            ident = hashlib.sha256(f"{event}|{recipient}|{at}|{mid}".encode()).hexdigest()[:32]
+        code = field(item, "delivery-status", "code")
+        return ReportedEvent(
+            provider=self.provider,
+            kind=kind,
+            recipient=recipient,
+            at=at,
+            id=ident,
+            provider_type=event,
+            status=str(code) if code is not None else "",
+            message_id=mid if isinstance(mid, str) else None,
+            upstream_id=bare_message_id(mid) if isinstance(mid, str) else None,
+            tag=tag if isinstance(tag, str) else None,
+        )

@@ -1,0 +1,80 @@
+"""The calls every log-API client offers, and what reconciliation brings back."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Protocol
+
+from smtpguard.policy.verdicts import Attempt, LogEntry
+
+
+class Reported(StrEnum):
+    """The §13 effects reconciliation can bring: the suppressing ones."""
+
+    BOUNCE = "bounce"
+    COMPLAINT = "complaint"
+    UNSUBSCRIBE = "unsubscribe"
+
+
+@dataclass(frozen=True, slots=True)
+class ReportedEvent:
+    """A bounce, complaint or unsubscribe read from an API, for the webhook path (§13)."""
+
+    provider: str
+    kind: Reported
+    recipient: str
+    at: float
+    id: str
+    """The provider's id for the event, else one made of its fields: the same event read
+    twice, or also brought by a webhook, is applied once."""
+    provider_type: str
+    status: str = ""
+    message_id: str | None = None
+    upstream_id: str | None = None
+    tag: str | None = None
+
+
+class LogApi(Protocol):
+    provider: str
+    errors: Counter[str]
+    requests: int
+
+    async def entries(self, attempt: Attempt) -> list[LogEntry]:
+        """What the log holds within the attempt's time ± WINDOW that may be its message
+        (the policy decides which match)."""
+        ...
+
+    async def accepted_since(self, at: float) -> list[LogEntry]:
+        """A few acceptances logged after `at`, the earliest the API can give cheaply."""
+        ...
+
+    async def reported_since(self, since: float, until: float) -> list[ReportedEvent]:
+        """Bounces, complaints and unsubscribes logged in [since, until)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def iso_utc(t: float) -> str:
+    """2017-10-13T18:56:21Z, the form SendGrid's and Postmark's examples use."""
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(value: object) -> float | None:
+    """Unix seconds from epoch seconds or an ISO 8601 time (a zone-less one read as UTC)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        when = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.timestamp()

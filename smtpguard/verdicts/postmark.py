@@ -1,0 +1,133 @@
+"""Postmark's Messages and Bounces APIs, header `X-Postmark-Server-Token`.
+
+Documented at https://postmarkapp.com/developer/api/messages-api (outbound message search:
+GET /messages/outbound with `count` (at most 500) and `offset` required, `recipient`,
+`fromdate`/`todate`, `metadata_NAME=VALUE`; answer `{"TotalCount": n, "Messages": [...]}`,
+newest first, each with `MessageID`, `Status`, `ReceivedAt`, `Metadata`) and
+https://postmarkapp.com/developer/api/bounce-api (GET /bounces with `count`, `offset`,
+`fromdate`, `todate`; answer `{"TotalCount": n, "Bounces": [...]}` with `ID`, `Type`,
+`MessageID`, `Email`, `BouncedAt`).
+
+Every message in the outbound search was taken by Postmark: the search lists no refusals.
+It does not show the Message-ID header either, so a record is found by smtpguard's tag
+(`metadata_smtpguard_key`, from X-PM-Metadata-smtpguard_key); the upstream id is Postmark's
+`MessageID`, the one its 250 names. Postmark reads `fromdate`/`todate` in its own time zone
+(US Eastern), so the date filter is widened by a day each side and the window is applied to
+`ReceivedAt`, which carries its offset.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from smtpguard.policy.verdicts import WINDOW, Attempt, LogEntry, LogKind
+from smtpguard.verdict_config import PostmarkApi
+from smtpguard.verdicts.http import ApiClient, Credential, field, need_list
+from smtpguard.verdicts.model import Reported, ReportedEvent, iso_utc, parse_time
+
+KEY_FIELD = "smtpguard_key"
+PAGE = 500
+MAX_PAGES = 10
+DAY = 86400.0
+_BOUNCES = {"HardBounce": Reported.BOUNCE, "SpamComplaint": Reported.COMPLAINT}
+
+
+def _day(t: float) -> str:
+    return iso_utc(t)[:19]  # Postmark's examples: 2014-02-01T10:00:00, no zone
+
+
+class PostmarkLog(ApiClient):
+    def __init__(self, *, provider: str, base_url: str, key: str, **kw: Any) -> None:
+        secret = Credential(key)
+        super().__init__(
+            provider=provider,
+            base_url=base_url,
+            auth=lambda: {"X-Postmark-Server-Token": secret.reveal()},
+            **kw,
+        )
+
+    @classmethod
+    def from_config(cls, provider: str, api: PostmarkApi, key: str, **kw: Any) -> PostmarkLog:
+        return cls(
+            provider=provider,
+            base_url=api.url("postmark"),
+            key=key,
+            timeout=api.timeout,
+            max_connections=api.max_connections,
+            **kw,
+        )
+
+    async def _list(
+        self, path: str, key: str, params: dict[str, str], max_pages: int = MAX_PAGES
+    ) -> list[Any]:
+        out: list[Any] = []
+        base = {**params, "count": str(PAGE)}
+
+        def following(body: Any, n: int) -> tuple[str, dict[str, str]] | None:
+            total = field(body, "TotalCount")
+            offset = n * PAGE
+            # Postmark serves at most 10,000 of a search (offset + count).
+            if not isinstance(total, int) or offset >= total or offset + PAGE > 10_000:
+                return None
+            return path, {**base, "offset": str(offset)}
+
+        async for body in self.pages((path, {**base, "offset": "0"}), following, max_pages):
+            out.extend(need_list(body, key, self.provider))
+        return out
+
+    async def entries(self, attempt: Attempt) -> list[LogEntry]:
+        if attempt.tag is None:
+            return []  # the search cannot find a message by its Message-ID
+        params = {
+            f"metadata_{KEY_FIELD}": attempt.tag,
+            "fromdate": _day(attempt.at - WINDOW - DAY),
+            "todate": _day(attempt.at + WINDOW + DAY),
+        }
+        items = await self._list("/messages/outbound", "Messages", params)
+        return [e for e in map(self._entry, items) if e is not None]
+
+    async def accepted_since(self, at: float) -> list[LogEntry]:
+        body = await self.get_json(
+            "/messages/outbound", {"count": "5", "offset": "0", "fromdate": _day(at - DAY)}
+        )
+        entries = (self._entry(m) for m in need_list(body, "Messages", self.provider))
+        return [e for e in entries if e is not None and e.at > at]
+
+    async def reported_since(self, since: float, until: float) -> list[ReportedEvent]:
+        params = {"fromdate": _day(since - DAY), "todate": _day(until + DAY)}
+        items = await self._list("/bounces", "Bounces", params)
+        out = [r for r in map(self._reported, items) if r is not None]
+        return [r for r in out if since <= r.at < until]
+
+    def _entry(self, item: Any) -> LogEntry | None:
+        at = parse_time(field(item, "ReceivedAt"))
+        mid = field(item, "MessageID")
+        if at is None or not isinstance(mid, str):
+            return None
+        tag = field(item, "Metadata", KEY_FIELD)
+        return LogEntry(
+            provider=self.provider,
+            kind=LogKind.ACCEPTED,
+            at=at,
+            tag=tag if isinstance(tag, str) else None,
+            upstream_id=mid,
+        )
+
+    def _reported(self, item: Any) -> ReportedEvent | None:
+        btype = field(item, "Type")
+        kind = _BOUNCES.get(btype) if isinstance(btype, str) else None
+        email, at, ident = field(item, "Email"), parse_time(field(item, "BouncedAt")), field(item, "ID")
+        if kind is None or not isinstance(email, str) or at is None or ident is None:
+            return None
+        mid = field(item, "MessageID")
+        code = field(item, "TypeCode")
+        return ReportedEvent(
+            provider=self.provider,
+            kind=kind,
+            recipient=email,
+            at=at,
+            id=f"postmark-bounce-{ident}",
+            provider_type=str(btype),
+            status=str(code) if code is not None else "",
+            upstream_id=mid if isinstance(mid, str) else None,
+        )

@@ -1,0 +1,149 @@
+"""SendGrid's Email Activity and suppression APIs, `Authorization: Bearer KEY`.
+
+Documented at https://www.twilio.com/docs/sendgrid/api-reference/email-activity/filter-all-messages
+(GET /v3/messages with `query` and `limit` (at most 1000); answer `{"messages": [...]}`, each
+with `msg_id`, `status` (processed, delivered, not_delivered), `last_event_time`),
+https://www.twilio.com/docs/sendgrid/api-reference/email-activity/filter-messages-by-message-id
+(GET /v3/messages/{msg_id}: `events` with `event_name` and `processed`, and `unique_args`),
+https://www.twilio.com/docs/sendgrid/for-developers/sending-email/getting-started-email-activity-api
+(the query language: `unique_args['NAME']="VALUE"`, `last_event_time BETWEEN TIMESTAMP "…" AND
+TIMESTAMP "…"`) and https://www.twilio.com/docs/sendgrid/api-reference/bounces-api/retrieve-all-bounces,
+…/spam-reports-api/retrieve-all-spam-reports,
+…/suppressions-global-suppressions/retrieve-all-global-suppressions
+(GET /v3/suppression/{bounces,spam_reports,unsubscribes} with `start_time`, `end_time` in
+epoch seconds, `limit`, `offset`; answer a list of `{created, email, reason?, status?}`).
+
+The list answer shows neither the send time nor smtpguard's tag, and `last_event_time` may be
+hours after the send (a deferred delivery): each candidate's details give the `processed`
+time (what the ±10 min window is about), the tag and whether it was `dropped`. SendGrid allows
+6 Email Activity requests a minute, so at most MAX_DETAILS candidates are read per look.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind
+from smtpguard.verdict_config import SendgridApi
+from smtpguard.verdicts.http import ApiClient, ApiMalformed, ApiNotFound, Credential, field, need_list
+from smtpguard.verdicts.model import Reported, ReportedEvent, iso_utc, parse_time
+
+KEY_FIELD = "smtpguard_key"
+MAX_DETAILS = 3
+PAGE = 500
+MAX_PAGES = 10
+_SUPPRESSIONS = {
+    "bounces": Reported.BOUNCE,
+    "spam_reports": Reported.COMPLAINT,
+    "unsubscribes": Reported.UNSUBSCRIBE,
+}
+
+
+def _quoted(value: str) -> str:
+    # The query language quotes with "; a tag is smtpguard's own and ASCII, but a quote in a
+    # key must not end the string early.
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+class SendgridLog(ApiClient):
+    def __init__(self, *, provider: str, base_url: str, key: str, **kw: Any) -> None:
+        secret = Credential("Bearer " + key)
+        super().__init__(
+            provider=provider, base_url=base_url, auth=lambda: {"Authorization": secret.reveal()}, **kw
+        )
+
+    @classmethod
+    def from_config(cls, provider: str, api: SendgridApi, key: str, **kw: Any) -> SendgridLog:
+        return cls(
+            provider=provider,
+            base_url=api.url("sendgrid"),
+            key=key,
+            timeout=api.timeout,
+            max_connections=api.max_connections,
+            **kw,
+        )
+
+    async def entries(self, attempt: Attempt) -> list[LogEntry]:
+        if attempt.tag is None:
+            return []  # Email Activity cannot be searched by Message-ID
+        query = f"unique_args['{KEY_FIELD}']={_quoted(attempt.tag)}"
+        body = await self.get_json("/v3/messages", {"query": query, "limit": "10"})
+        out: list[LogEntry] = []
+        for msg in need_list(body, "messages", self.provider)[:MAX_DETAILS]:
+            entry = await self._details(msg)
+            if entry is not None:
+                out.append(entry)
+        return out
+
+    async def accepted_since(self, at: float) -> list[LogEntry]:
+        query = f'last_event_time BETWEEN TIMESTAMP "{iso_utc(at)}" AND TIMESTAMP "{iso_utc(self._wall())}"'
+        body = await self.get_json("/v3/messages", {"query": query, "limit": "10"})
+        for msg in need_list(body, "messages", self.provider)[:MAX_DETAILS]:
+            entry = await self._details(msg)
+            if entry is not None and entry.kind is LogKind.ACCEPTED and entry.at > at:
+                return [entry]
+        return []
+
+    async def _details(self, msg: Any) -> LogEntry | None:
+        msg_id = field(msg, "msg_id")
+        if not isinstance(msg_id, str) or not msg_id or "/" in msg_id:
+            return None
+        try:
+            detail = await self.get_json(f"/v3/messages/{msg_id}")
+        except ApiNotFound:
+            return None  # listed before its details are: the next look reads them
+        events = need_list(detail, "events", self.provider)
+        processed = [
+            parse_time(field(e, "processed")) for e in events if field(e, "event_name") == "processed"
+        ]
+        times = [t for t in processed if t is not None]
+        dropped = next((e for e in events if field(e, "event_name") == "dropped"), None)
+        if not times and dropped is None:
+            return None
+        at = min(times) if times else parse_time(field(dropped, "processed"))
+        if at is None:
+            raise ApiMalformed(f"{self.provider}: message details without an event time")
+        tag = field(detail, "unique_args", KEY_FIELD)
+        reason = field(dropped, "reason") if dropped is not None else None
+        return LogEntry(
+            provider=self.provider,
+            kind=LogKind.DROPPED if dropped is not None else LogKind.ACCEPTED,
+            at=at,
+            tag=tag if isinstance(tag, str) else None,
+            upstream_id=msg_id,
+            reason=reason if isinstance(reason, str) else "",
+        )
+
+    async def reported_since(self, since: float, until: float) -> list[ReportedEvent]:
+        out: list[ReportedEvent] = []
+        for name, kind in _SUPPRESSIONS.items():
+            path = f"/v3/suppression/{name}"
+            params = {"start_time": f"{since:.0f}", "end_time": f"{until:.0f}", "limit": str(PAGE)}
+
+            def following(body: Any, n: int, path: str = path, params: dict[str, str] = params) -> Any:
+                return (path, {**params, "offset": str(n * PAGE)}) if len(body) >= PAGE else None
+
+            async for body in self.pages((path, {**params, "offset": "0"}), following, MAX_PAGES):
+                for row in need_list(body, None, self.provider):
+                    event = self._reported(row, name, kind)
+                    if event is not None:
+                        out.append(event)
+        return out
+
+    def _reported(self, row: Any, name: str, kind: Reported) -> ReportedEvent | None:
+        email, at = field(row, "email"), parse_time(field(row, "created"))
+        if not isinstance(email, str) or at is None:
+            return None
+        status = field(row, "status")
+        # The suppression lists give no event id: one made of the entry names it.
+        ident = hashlib.sha256(f"sendgrid|{name}|{email.lower()}|{at:.0f}".encode()).hexdigest()[:32]
+        return ReportedEvent(
+            provider=self.provider,
+            kind=kind,
+            recipient=email,
+            at=at,
+            id=ident,
+            provider_type=name,
+            status=status if isinstance(status, str) else "",
+        )
