@@ -13,9 +13,12 @@ once its holder is seen stopped): admit and release run in a worker's event loop
 worker stopped while it held the lock (SIGSTOP, until its heartbeat runs out) would
 otherwise freeze every other worker's loop with it, heartbeats included. The lock is held
 for a few microseconds, so the tries almost always succeed; when they do not, admit
-answers None (busy: the caller decides on its own counts) and a release is kept and
-applied under the next lock this process gets (`flush`). bench/connection_table.py
-measures both ways.
+answers None (busy: the caller decides on its own counts, and `keep`s the connection it
+admits so), and kept connections and releases are applied, in order, under the next lock
+this process gets (`flush`). A connection admitted while the table was busy is thereby
+counted in it as soon as it is free: the others are then held to the limits by it, so
+the limits are per worker for the busy moment only, not for as long as those connections
+last. bench/connection_table.py measures both ways.
 
 Layout: one int64 open-connection total per worker, then an open-addressing hash table
 (linear probing, backward-shift deletion, so no tombstones accumulate) of client
@@ -65,7 +68,8 @@ class ConnectionTable:
         if create:
             os.ftruncate(self._fd, size)
         self._map = mmap.mmap(self._fd, size)
-        self._pending: list[tuple[int, bytes]] = []
+        self._pending: list[tuple[int, int, bytes]] = []
+        """(+1: a connection kept while the table was busy, -1: a release), worker, key."""
 
     @classmethod
     def sized_for(
@@ -131,16 +135,19 @@ class ConnectionTable:
 
     @property
     def pending(self) -> int:
-        """Releases this process made while the table was busy, not applied yet."""
+        """Connections and releases this process kept while the table was busy, not applied yet."""
         return len(self._pending)
 
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []
-        for worker, key in pending:
-            self._release(worker, key)
+        for delta, worker, key in pending:
+            if delta > 0:
+                self._count(worker, key)
+            else:
+                self._release(worker, key)
 
     def flush(self) -> bool:
-        """Apply the releases kept while the table was busy; False: still busy, try again."""
+        """Apply what was kept while the table was busy; False: still busy, try again."""
         if not self._pending:
             return True
         if not self._try_lock():
@@ -209,25 +216,41 @@ class ConnectionTable:
             self._unlock()
 
     def _admit(self, worker: int, key: bytes, max_total: int, max_per_ip: int) -> bool:
-        totals = self._totals()
-        if sum(totals) >= max_total:
+        if sum(self._totals()) >= max_total:
             return False
         i, found = self._find(key)
         if i < 0:
             return False
-        counts = self._read(i)[2] if found else [0] * self.workers
-        if sum(counts) >= max_per_ip:
+        if found and sum(self._read(i)[2]) >= max_per_ip:
             return False
-        counts[worker] += 1
-        self._write(i, key, True, counts)
+        self._count(worker, key)
+        return True
+
+    def _count(self, worker: int, key: bytes) -> None:
+        """One more connection of `key` on `worker`, whatever the limits (it is open)."""
+        totals = self._totals()
         totals[worker] += 1
         self._total.pack_into(self._map, 0, *totals)
-        return True
+        i, found = self._find(key)
+        if i < 0:
+            return  # no slot left: counted in the total only; its release finds no slot either
+        counts = self._read(i)[2] if found else [0] * self.workers
+        counts[worker] += 1
+        self._write(i, key, True, counts)
+
+    def keep(self, worker: int, key: bytes) -> None:
+        """A connection of `key` was admitted on `worker`'s own counts (admit answered None):
+        count it in the table under the next lock this process gets (`flush`)."""
+        self._pending.append((1, worker, key))
 
     def release(self, worker: int, key: bytes) -> bool:
         """Count one connection of `key` on `worker` less. False: the table was busy and the
         release is kept for `flush` (or the next admit or release) to apply."""
-        self._pending.append((worker, key))
+        kept = (1, worker, key)
+        if kept in self._pending:
+            self._pending.remove(kept)  # it never reached the table: nothing to take back
+            return not self._pending or self.flush()
+        self._pending.append((-1, worker, key))
         return self.flush()
 
     def _release(self, worker: int, key: bytes) -> None:
