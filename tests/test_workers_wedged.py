@@ -24,7 +24,7 @@ import pytest
 
 from smtpguard.config import ConfigError, loads
 from smtpguard.connection_table import ConnectionTable, address_key
-from smtpguard.heartbeat import Beat
+from smtpguard.heartbeat import FIRST_ANSWER, Beat
 from smtpguard.run_dir import LOCK, PREFIX, RunDir, remove_leftovers
 from smtpguard.workers import SharedConnections
 from tests.support import GuardProcess, Reply, Upstream, base_config, free_port, message, send, write_config
@@ -57,11 +57,13 @@ def test_silence_is_counted_from_an_unanswered_ping_only() -> None:
             return len(pings)
         return 0
 
-    beat.restart(100.0)
-    assert beat.tick(100.0, 5.0) == 0.0  # nothing asked yet
-    assert beat.tick(101.0, 5.0) == 0.0  # asked now: nothing has waited yet
+    beat.restart(100.0)  # the worker started: its start is the first question
+    assert beat.tick(100.0, 5.0) == 0.0
+    assert beat.allowed(5.0) == FIRST_ANSWER  # it may still be importing
+    assert beat.tick(101.0, 5.0) == 1.0  # asked again; counted from the start
     assert answer() == 1
     assert beat.tick(101.5, 5.0) == 0.0  # answered
+    assert beat.allowed(5.0) == 5.0
     # The supervisor itself stopped for 100 s: it asked nothing, so no one is late.
     assert beat.tick(201.5, 5.0) == 0.0
     assert beat.tick(204.0, 5.0) == 2.5  # that ping still waits
@@ -235,6 +237,46 @@ async def test_a_stopped_worker_is_replaced_within_the_heartbeat(tmp: Path, upst
     assert all("duplicate" not in text for text, _ in results)
     assert [r.code for r in after] == [250] * 10
     assert counts == Counter([*keys, *(f"after:{i}" for i in range(10))])
+
+
+@pytest.mark.slow
+async def test_a_worker_stopped_before_it_is_ready_is_replaced(tmp: Path, upstream: Upstream) -> None:
+    """A restarted worker that wedges while it starts (here: SIGSTOP at once) answered no
+    heartbeat, and was never asked for one: its slot stayed dead, silently, until the stop,
+    which it then made unclean. Given FIRST_ANSWER for its first answer, it is replaced."""
+    async with pool(tmp, upstream, workers_heartbeat=f"{HEARTBEAT:g}s") as p:
+        old = p.worker_pids()[1]
+        os.kill(old, signal.SIGKILL)
+
+        def starting() -> list[int]:
+            return [
+                e["pid"]
+                for e in p.lines()
+                if e.get("msg") == "worker started" and e.get("worker") == 1 and e["pid"] != old
+            ]
+
+        await wait_for("worker 1 started again", starting, timeout=10)
+        stuck = starting()[0]
+        os.kill(stuck, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            await wait_for(
+                "the stuck worker replaced",
+                lambda: p.worker_pids()[1] not in (old, stuck),
+                timeout=FIRST_ANSWER + 10,
+            )
+            replaced = time.monotonic() - stopped
+            replies = await asyncio.gather(*(send(p.port, message(f"after:{i}")) for i in range(10)))
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stuck, signal.SIGKILL)
+        lines = p.lines()
+    missed = [e for e in lines if e.get("msg") == "worker missed its heartbeat; killing it"]
+    print(f"a worker stopped while starting: replaced {replaced:.1f} s after the stop")
+    assert [(e["worker"], e["pid"]) for e in missed] == [(1, stuck)]
+    assert FIRST_ANSWER <= missed[0]["silent_s"] <= FIRST_ANSWER + 1.0
+    assert [r.code for r in replies] == [250] * 10
+    assert Counter(upstream.event_keys()) == Counter(f"after:{i}" for i in range(10))
 
 
 # --- a killed supervisor's run directory ------------------------------------------------------
