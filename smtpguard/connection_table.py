@@ -36,6 +36,7 @@ import mmap
 import os
 import struct
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -68,8 +69,10 @@ class ConnectionTable:
         if create:
             os.ftruncate(self._fd, size)
         self._map = mmap.mmap(self._fd, size)
-        self._pending: list[tuple[int, int, bytes]] = []
-        """(+1: a connection kept while the table was busy, -1: a release), worker, key."""
+        self._kept: Counter[tuple[int, bytes]] = Counter()
+        """Connections admitted on a worker's own counts while the table was busy, by
+        (worker, key): counted, so a release of one not applied yet takes it back in O(1)."""
+        self._releases: list[tuple[int, bytes]] = []
 
     @classmethod
     def sized_for(
@@ -136,19 +139,22 @@ class ConnectionTable:
     @property
     def pending(self) -> int:
         """Connections and releases this process kept while the table was busy, not applied yet."""
-        return len(self._pending)
+        return self._kept.total() + len(self._releases)
 
     def _apply_pending(self) -> None:
-        pending, self._pending = self._pending, []
-        for delta, worker, key in pending:
-            if delta > 0:
+        # Kept connections first: every release kept is of one counted in the table already
+        # (a release of a kept one cancelled it), so the order within one lock is free.
+        kept, self._kept = self._kept, Counter()
+        releases, self._releases = self._releases, []
+        for (worker, key), n in kept.items():
+            for _ in range(n):
                 self._count(worker, key)
-            else:
-                self._release(worker, key)
+        for worker, key in releases:
+            self._release(worker, key)
 
     def flush(self) -> bool:
         """Apply what was kept while the table was busy; False: still busy, try again."""
-        if not self._pending:
+        if not self._kept and not self._releases:
             return True
         if not self._try_lock():
             return False
@@ -241,16 +247,17 @@ class ConnectionTable:
     def keep(self, worker: int, key: bytes) -> None:
         """A connection of `key` was admitted on `worker`'s own counts (admit answered None):
         count it in the table under the next lock this process gets (`flush`)."""
-        self._pending.append((1, worker, key))
+        self._kept[worker, key] += 1
 
     def release(self, worker: int, key: bytes) -> bool:
         """Count one connection of `key` on `worker` less. False: the table was busy and the
         release is kept for `flush` (or the next admit or release) to apply."""
-        kept = (1, worker, key)
-        if kept in self._pending:
-            self._pending.remove(kept)  # it never reached the table: nothing to take back
-            return not self._pending or self.flush()
-        self._pending.append((-1, worker, key))
+        if self._kept[worker, key] > 0:
+            self._kept[worker, key] -= 1  # it never reached the table: nothing to take back
+            if not self._kept[worker, key]:
+                del self._kept[worker, key]
+        else:
+            self._releases.append((worker, key))
         return self.flush()
 
     def _release(self, worker: int, key: bytes) -> None:
