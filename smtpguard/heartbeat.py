@@ -8,9 +8,10 @@ from the loop itself, so an answer proves the loop runs, not merely that the pro
 exists. The loop answers from the moment it runs, before the worker opens its store or
 listens, and the supervisor asks from the moment it starts the worker: a worker stuck while
 it starts is as wedged as one stuck later (its slot would serve no one, and a listener it
-opened would take its share of connections). No answer for `workers_heartbeat` (for the
-first one, at least FIRST_ANSWER) and the supervisor kills the worker (SIGKILL: a stopped
-process cannot handle SIGTERM), which closes its sockets, and starts another.
+opened would take its share of connections); the interpreter's imports before the loop
+runs take half a second, far inside the shortest `workers_heartbeat` (10s). No answer for
+`workers_heartbeat` and the supervisor kills the worker (SIGKILL: a stopped process cannot
+handle SIGTERM), which closes its sockets, and starts another.
 
 Either end seeing the socket closed learns its peer is gone: a worker whose supervisor
 died (`kill -9`) hears it at once, without waiting for its once-a-second look at its
@@ -25,10 +26,6 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
-FIRST_ANSWER = 10.0
-"""Seconds a worker is given from its start to its first answer, when workers_heartbeat is
-shorter: a fresh interpreter imports for a moment before its loop runs and can answer
-(half a second here), so a slow start is not a miss; a worker stuck while it starts is."""
 PING = b"?"
 ANSWER = b"!"
 
@@ -49,8 +46,6 @@ class Beat:
     """Monotonic time of the oldest ping not answered yet (None: all answered). Silence is
     counted from a ping sent, never from the last answer: a supervisor that was itself
     stopped or starved for a while sent nothing meanwhile, and must not blame its workers."""
-    answered: bool = False
-    """Whether the worker's loop ever answered (before that it may still be importing)."""
 
     @classmethod
     def pair(cls) -> tuple[Beat, socket.socket]:
@@ -72,7 +67,6 @@ class Beat:
             if not got:
                 break  # the worker's end is closed: its exit is noticed by its status
             self.waiting = None
-            self.answered = True
         if now - self.asked >= ping_interval(heartbeat):
             self.asked = now
             if self.waiting is None:
@@ -81,10 +75,6 @@ class Beat:
             with contextlib.suppress(BlockingIOError, InterruptedError, OSError):
                 self.sock.send(PING)
         return 0.0 if self.waiting is None else now - self.waiting
-
-    def allowed(self, heartbeat: float) -> float:
-        """The silence past which the worker is wedged."""
-        return heartbeat if self.answered else max(heartbeat, FIRST_ANSWER)
 
     def restart(self, now: float) -> None:
         """Start asking from now (the worker was just started)."""

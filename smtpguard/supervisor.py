@@ -349,7 +349,7 @@ class Supervisor:
             return
         heartbeat = self.config.workers_heartbeat
         silent = slot.beat.tick(now, heartbeat)
-        if silent <= slot.beat.allowed(heartbeat):
+        if silent <= heartbeat:
             return
         # SIGKILL: a stopped process cannot run a SIGTERM handler, and a wedged loop would
         # never drain. Its sockets close with it, so the kernel stops handing it

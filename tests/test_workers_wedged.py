@@ -24,21 +24,22 @@ import pytest
 
 from smtpguard.config import ConfigError, loads
 from smtpguard.connection_table import ConnectionTable, address_key
-from smtpguard.heartbeat import FIRST_ANSWER, Beat
+from smtpguard.heartbeat import Beat
 from smtpguard.run_dir import LOCK, PREFIX, RunDir, remove_leftovers
 from smtpguard.workers import SharedConnections
 from tests.support import GuardProcess, Reply, Upstream, base_config, free_port, message, send, write_config
 from tests.test_workers import Pool, _run_dir, pool, wait_for
 
-HEARTBEAT = 2.0
+HEARTBEAT = 10.0
+"""The shortest workers_heartbeat there is."""
 
 
 # --- the setting ------------------------------------------------------------------------------
 def test_workers_heartbeat_setting() -> None:
     cfg = base_config(Path("/tmp"), None)
     assert loads(json.dumps(cfg)).workers_heartbeat == 30.0
-    assert loads(json.dumps({**cfg, "workers_heartbeat": "5s"})).workers_heartbeat == 5.0
-    for bad, says in (("500ms", "at least 1.0"), ("2h", "at most 3600.0"), ("soon", "not a duration")):
+    assert loads(json.dumps({**cfg, "workers_heartbeat": "10s"})).workers_heartbeat == 10.0
+    for bad, says in (("9s", "at least 10.0"), ("2h", "at most 3600.0"), ("soon", "not a duration")):
         with pytest.raises(ConfigError) as e:
             loads(json.dumps({**cfg, "workers_heartbeat": bad}))
         assert e.value.problems[0].startswith("<config>: workers_heartbeat (line 1)"), e.value.problems
@@ -59,11 +60,9 @@ def test_silence_is_counted_from_an_unanswered_ping_only() -> None:
 
     beat.restart(100.0)  # the worker started: its start is the first question
     assert beat.tick(100.0, 5.0) == 0.0
-    assert beat.allowed(5.0) == FIRST_ANSWER  # it may still be importing
     assert beat.tick(101.0, 5.0) == 1.0  # asked again; counted from the start
     assert answer() == 1
     assert beat.tick(101.5, 5.0) == 0.0  # answered
-    assert beat.allowed(5.0) == 5.0
     # The supervisor itself stopped for 100 s: it asked nothing, so no one is late.
     assert beat.tick(201.5, 5.0) == 0.0
     assert beat.tick(204.0, 5.0) == 2.5  # that ping still waits
@@ -211,8 +210,8 @@ async def test_a_stopped_worker_is_replaced_within_the_heartbeat(tmp: Path, upst
             # Meanwhile: clients the kernel hands to the stopped worker wait for a greeting
             # until it is killed, then retry; the others are answered at once.
             keys = [f"wedged:{i}" for i in range(20)]
-            sends = [asyncio.create_task(_until_delivered(p.port, k, stopped + 40)) for k in keys]
-            await wait_for("worker 1 replaced", lambda: p.worker_pids()[1] != victim, timeout=30)
+            sends = [asyncio.create_task(_until_delivered(p.port, k, stopped + HEARTBEAT + 30)) for k in keys]
+            await wait_for("worker 1 replaced", lambda: p.worker_pids()[1] != victim, timeout=HEARTBEAT + 20)
             replaced = time.monotonic() - stopped
             results = await asyncio.gather(*sends)
             after = await asyncio.gather(*(send(p.port, message(f"after:{i}")) for i in range(10)))
@@ -230,7 +229,7 @@ async def test_a_stopped_worker_is_replaced_within_the_heartbeat(tmp: Path, upst
         f"{retried} of 20 clients retried; upstream {len(upstream.received)} messages"
     )
     assert [(e["worker"], e["pid"]) for e in missed] == [(1, victim)]
-    # Within the heartbeat: silence is judged every tick, an answer asked for every 0.4 s.
+    # Within the heartbeat: silence is judged every tick, an answer asked for every second.
     assert HEARTBEAT <= missed[0]["silent_s"] <= HEARTBEAT + 1.0
     assert [e["status"] for e in exits] == ["killed by SIGKILL (missed its heartbeat)"]
     assert p.worker_pids()[0] == survivor, "the running worker was replaced too"
@@ -243,7 +242,7 @@ async def test_a_stopped_worker_is_replaced_within_the_heartbeat(tmp: Path, upst
 async def test_a_worker_stopped_before_it_is_ready_is_replaced(tmp: Path, upstream: Upstream) -> None:
     """A restarted worker that wedges while it starts (here: SIGSTOP at once) answered no
     heartbeat, and was never asked for one: its slot stayed dead, silently, until the stop,
-    which it then made unclean. Given FIRST_ANSWER for its first answer, it is replaced."""
+    which it then made unclean. It is asked from its start, and replaced like any other."""
     async with pool(tmp, upstream, workers_heartbeat=f"{HEARTBEAT:g}s") as p:
         old = p.worker_pids()[1]
         os.kill(old, signal.SIGKILL)
@@ -263,7 +262,7 @@ async def test_a_worker_stopped_before_it_is_ready_is_replaced(tmp: Path, upstre
             await wait_for(
                 "the stuck worker replaced",
                 lambda: p.worker_pids()[1] not in (old, stuck),
-                timeout=FIRST_ANSWER + 10,
+                timeout=HEARTBEAT + 10,
             )
             replaced = time.monotonic() - stopped
             replies = await asyncio.gather(*(send(p.port, message(f"after:{i}")) for i in range(10)))
@@ -274,9 +273,37 @@ async def test_a_worker_stopped_before_it_is_ready_is_replaced(tmp: Path, upstre
     missed = [e for e in lines if e.get("msg") == "worker missed its heartbeat; killing it"]
     print(f"a worker stopped while starting: replaced {replaced:.1f} s after the stop")
     assert [(e["worker"], e["pid"]) for e in missed] == [(1, stuck)]
-    assert FIRST_ANSWER <= missed[0]["silent_s"] <= FIRST_ANSWER + 1.0
+    assert HEARTBEAT <= missed[0]["silent_s"] <= HEARTBEAT + 1.0
     assert [r.code for r in replies] == [250] * 10
     assert Counter(upstream.event_keys()) == Counter(f"after:{i}" for i in range(10))
+
+
+@pytest.mark.slow
+async def test_a_worker_busy_with_large_messages_at_the_shortest_heartbeat_is_not_killed(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """A message near limits.max_message_size holds its worker's loop for most of a second
+    (parsed in one turn), and messages whose DATA ends together add up: at the shortest
+    workers_heartbeat the config accepted (1s), a healthy worker was killed with every
+    session it held (the clients saw their connection cut). The shortest is now 10s."""
+    body = ("x" * 998 + "\n") * 24_000  # 24 MB, under the default 25 MB
+    provider = {**base_config(tmp, upstream.port)["providers"][0], "timeouts": {"data": "60s"}}
+    async with pool(tmp, upstream, workers_heartbeat=f"{HEARTBEAT:g}s", providers=[provider]) as p:
+        pids = p.worker_pids()
+        t0 = time.monotonic()
+        replies = await asyncio.gather(
+            *(send(p.port, message(f"large:{i}", body=body), timeout=90) for i in range(4)),
+            return_exceptions=True,
+        )
+        took = time.monotonic() - t0
+        lines = p.lines()
+        after = p.worker_pids()
+    missed = [e for e in lines if e.get("msg") == "worker missed its heartbeat; killing it"]
+    print(f"4 messages of 24 MB at once: {took:.1f} s; killed for silence: {[e['silent_s'] for e in missed]}")
+    assert missed == []
+    assert after == pids
+    assert [getattr(r, "code", repr(r)) for r in replies] == [250] * 4
+    assert Counter(upstream.event_keys()) == Counter(f"large:{i}" for i in range(4))
 
 
 # --- a killed supervisor's run directory ------------------------------------------------------
