@@ -13,9 +13,12 @@ once its holder is seen stopped): admit and release run in a worker's event loop
 worker stopped while it held the lock (SIGSTOP, until its heartbeat runs out) would
 otherwise freeze every other worker's loop with it, heartbeats included. The lock is held
 for a few microseconds, so the tries almost always succeed; when they do not, admit
-answers None (busy: the caller decides on its own counts) and a release is kept and
-applied under the next lock this process gets (`flush`). bench/connection_table.py
-measures both ways.
+answers None (busy: the caller decides on its own counts, and `keep`s the connection it
+admits so), and kept connections and releases are applied, in order, under the next lock
+this process gets (`flush`). A connection admitted while the table was busy is thereby
+counted in it as soon as it is free: the others are then held to the limits by it, so
+the limits are per worker for the busy moment only, not for as long as those connections
+last. bench/connection_table.py measures both ways.
 
 Layout: one int64 open-connection total per worker, then an open-addressing hash table
 (linear probing, backward-shift deletion, so no tombstones accumulate) of client
@@ -33,6 +36,7 @@ import mmap
 import os
 import struct
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -65,7 +69,10 @@ class ConnectionTable:
         if create:
             os.ftruncate(self._fd, size)
         self._map = mmap.mmap(self._fd, size)
-        self._pending: list[tuple[int, bytes]] = []
+        self._kept: Counter[tuple[int, bytes]] = Counter()
+        """Connections admitted on a worker's own counts while the table was busy, by
+        (worker, key): counted, so a release of one not applied yet takes it back in O(1)."""
+        self._releases: list[tuple[int, bytes]] = []
 
     @classmethod
     def sized_for(
@@ -131,17 +138,23 @@ class ConnectionTable:
 
     @property
     def pending(self) -> int:
-        """Releases this process made while the table was busy, not applied yet."""
-        return len(self._pending)
+        """Connections and releases this process kept while the table was busy, not applied yet."""
+        return self._kept.total() + len(self._releases)
 
     def _apply_pending(self) -> None:
-        pending, self._pending = self._pending, []
-        for worker, key in pending:
+        # Kept connections first: every release kept is of one counted in the table already
+        # (a release of a kept one cancelled it), so the order within one lock is free.
+        kept, self._kept = self._kept, Counter()
+        releases, self._releases = self._releases, []
+        for (worker, key), n in kept.items():
+            for _ in range(n):
+                self._count(worker, key)
+        for worker, key in releases:
             self._release(worker, key)
 
     def flush(self) -> bool:
-        """Apply the releases kept while the table was busy; False: still busy, try again."""
-        if not self._pending:
+        """Apply what was kept while the table was busy; False: still busy, try again."""
+        if not self._kept and not self._releases:
             return True
         if not self._try_lock():
             return False
@@ -209,25 +222,42 @@ class ConnectionTable:
             self._unlock()
 
     def _admit(self, worker: int, key: bytes, max_total: int, max_per_ip: int) -> bool:
-        totals = self._totals()
-        if sum(totals) >= max_total:
+        if sum(self._totals()) >= max_total:
             return False
         i, found = self._find(key)
         if i < 0:
             return False
-        counts = self._read(i)[2] if found else [0] * self.workers
-        if sum(counts) >= max_per_ip:
+        if found and sum(self._read(i)[2]) >= max_per_ip:
             return False
-        counts[worker] += 1
-        self._write(i, key, True, counts)
+        self._count(worker, key)
+        return True
+
+    def _count(self, worker: int, key: bytes) -> None:
+        """One more connection of `key` on `worker`, whatever the limits (it is open)."""
+        totals = self._totals()
         totals[worker] += 1
         self._total.pack_into(self._map, 0, *totals)
-        return True
+        i, found = self._find(key)
+        if i < 0:
+            return  # no slot left: counted in the total only; its release finds no slot either
+        counts = self._read(i)[2] if found else [0] * self.workers
+        counts[worker] += 1
+        self._write(i, key, True, counts)
+
+    def keep(self, worker: int, key: bytes) -> None:
+        """A connection of `key` was admitted on `worker`'s own counts (admit answered None):
+        count it in the table under the next lock this process gets (`flush`)."""
+        self._kept[worker, key] += 1
 
     def release(self, worker: int, key: bytes) -> bool:
         """Count one connection of `key` on `worker` less. False: the table was busy and the
         release is kept for `flush` (or the next admit or release) to apply."""
-        self._pending.append((worker, key))
+        if self._kept[worker, key] > 0:
+            self._kept[worker, key] -= 1  # it never reached the table: nothing to take back
+            if not self._kept[worker, key]:
+                del self._kept[worker, key]
+        else:
+            self._releases.append((worker, key))
         return self.flush()
 
     def _release(self, worker: int, key: bytes) -> None:

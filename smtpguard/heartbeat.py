@@ -5,8 +5,13 @@ still holds its share of the SO_REUSEPORT group: the kernel keeps handing it con
 that no one accepts. A dead worker is noticed by its exit; a wedged one only by its silence.
 So the supervisor asks, over one socketpair per worker, and the worker's loop answers,
 from the loop itself, so an answer proves the loop runs, not merely that the process
-exists. No answer for `workers_heartbeat` and the supervisor kills the worker (SIGKILL: a
-stopped process cannot handle SIGTERM), which closes its sockets, and starts another.
+exists. The loop answers from the moment it runs, before the worker opens its store or
+listens, and the supervisor asks from the moment it starts the worker: a worker stuck while
+it starts is as wedged as one stuck later (its slot would serve no one, and a listener it
+opened would take its share of connections); the interpreter's imports before the loop
+runs take half a second, far inside the shortest `workers_heartbeat` (10s). No answer for
+`workers_heartbeat` and the supervisor kills the worker (SIGKILL: a stopped process cannot
+handle SIGTERM), which closes its sockets, and starts another.
 
 Either end seeing the socket closed learns its peer is gone: a worker whose supervisor
 died (`kill -9`) hears it at once, without waiting for its once-a-second look at its
@@ -72,9 +77,9 @@ class Beat:
         return 0.0 if self.waiting is None else now - self.waiting
 
     def restart(self, now: float) -> None:
-        """Start asking from now (the worker just became ready)."""
+        """Start asking from now (the worker was just started)."""
         self.asked = now
-        self.waiting = None
+        self.waiting = now
 
     def close(self) -> None:
         self.sock.close()

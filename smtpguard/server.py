@@ -194,6 +194,9 @@ class Server:
         return time.time()
 
     async def start(self) -> None:
+        if self.role is not None:
+            # First: a worker stuck anywhere in its start is then replaced (heartbeat.py).
+            self.heartbeat = self.role.answer_heartbeats(self._supervisor_gone)
         config = self.config
         secrets = provider_secrets(config)
         self.verp = verp_key(config)
@@ -277,7 +280,6 @@ class Server:
             self._tasks.append(asyncio.create_task(self._purge()))
         if self.role is not None:
             self._tasks.append(asyncio.create_task(self._watch_supervisor()))
-            self.heartbeat = self.role.answer_heartbeats(self._supervisor_gone)
         self._start_prober(config, secrets)
         log.info(
             "smtpguard started",

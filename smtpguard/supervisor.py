@@ -212,6 +212,7 @@ class Supervisor:
         slot.beat = beat
         slot.wedged = False
         slot.started = time.monotonic()
+        beat.restart(slot.started)
         slot.ready = False
         slot.reload_pending = False  # it reads the current config.yaml at start
         slot.due = None
@@ -285,12 +286,9 @@ class Supervisor:
             return
         code = proc.poll()
         if code is None:
-            if slot.ready:
-                self._heartbeat(slot, proc, now)
-            elif (self.run_dir / "ready" / str(proc.pid)).exists():
+            self._heartbeat(slot, proc, now)
+            if not slot.ready and (self.run_dir / "ready" / str(proc.pid)).exists():
                 slot.ready = slot.ever_ready = True
-                if slot.beat is not None:
-                    slot.beat.restart(now)
                 log.info("worker ready", extra={"worker": slot.index, "pid": proc.pid})
                 if slot.reload_pending:
                     slot.reload_pending = False
@@ -322,7 +320,11 @@ class Supervisor:
             # worker shares (its own log lines above say which): stop, as workers: 1 would.
             log.error(
                 "worker failed to start; stopping",
-                extra={"worker": slot.index, "pid": proc.pid, "status": _describe(code)},
+                extra={
+                    "worker": slot.index,
+                    "pid": proc.pid,
+                    "status": _describe(code) + (" (missed its heartbeat)" if slot.wedged else ""),
+                },
             )
             self.failed = True
             self._stop("stopping: a worker failed to start")

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import socket
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,7 +171,8 @@ class SharedConnections(Connections):
     When the shared table is busy (its lock held past a few tries: a worker stopped while it
     held it), a connection is judged on this worker's own counts instead, so the limits are
     per worker, not per host, until the table is free: a stalled neighbour costs precision
-    for a moment, never this worker's event loop. Such a connection is released here only."""
+    for a moment, never this worker's event loop. Such a connection is kept and counted in
+    the table once it is free, so from then on every worker is held to the limits by it."""
 
     FLUSH_AFTER = 0.05
     """Seconds between tries to apply releases the busy table could not take."""
@@ -181,8 +181,6 @@ class SharedConnections(Connections):
         super().__init__()
         self.table = table
         self.worker = worker
-        self.unshared: Counter[str] = Counter()
-        """Connections admitted on this worker's counts alone while the table was busy."""
         self._flush: asyncio.TimerHandle | None = None
         self._busy_logged = False
 
@@ -194,7 +192,8 @@ class SharedConnections(Connections):
                 log.warning("connection table busy: this worker counts its own connections until it is free")
             if not super().admit(ip, max_total, max_per_ip):
                 return False
-            self.unshared[ip] += 1
+            self.table.keep(self.worker, address_key(ip))
+            self._schedule_flush()
             return True
         self._busy_logged = False
         if not got:
@@ -205,11 +204,6 @@ class SharedConnections(Connections):
 
     def release(self, ip: str) -> None:
         super().release(ip)
-        if self.unshared[ip] > 0:
-            self.unshared[ip] -= 1
-            if not self.unshared[ip]:
-                del self.unshared[ip]
-            return
         if not self.table.release(self.worker, address_key(ip)):
             self._schedule_flush()
 

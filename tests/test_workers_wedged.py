@@ -30,15 +30,16 @@ from smtpguard.workers import SharedConnections
 from tests.support import GuardProcess, Reply, Upstream, base_config, free_port, message, send, write_config
 from tests.test_workers import Pool, _run_dir, pool, wait_for
 
-HEARTBEAT = 2.0
+HEARTBEAT = 10.0
+"""The shortest workers_heartbeat there is."""
 
 
 # --- the setting ------------------------------------------------------------------------------
 def test_workers_heartbeat_setting() -> None:
     cfg = base_config(Path("/tmp"), None)
     assert loads(json.dumps(cfg)).workers_heartbeat == 30.0
-    assert loads(json.dumps({**cfg, "workers_heartbeat": "5s"})).workers_heartbeat == 5.0
-    for bad, says in (("500ms", "at least 1.0"), ("2h", "at most 3600.0"), ("soon", "not a duration")):
+    assert loads(json.dumps({**cfg, "workers_heartbeat": "10s"})).workers_heartbeat == 10.0
+    for bad, says in (("9s", "at least 10.0"), ("2h", "at most 3600.0"), ("soon", "not a duration")):
         with pytest.raises(ConfigError) as e:
             loads(json.dumps({**cfg, "workers_heartbeat": bad}))
         assert e.value.problems[0].startswith("<config>: workers_heartbeat (line 1)"), e.value.problems
@@ -57,9 +58,9 @@ def test_silence_is_counted_from_an_unanswered_ping_only() -> None:
             return len(pings)
         return 0
 
-    beat.restart(100.0)
-    assert beat.tick(100.0, 5.0) == 0.0  # nothing asked yet
-    assert beat.tick(101.0, 5.0) == 0.0  # asked now: nothing has waited yet
+    beat.restart(100.0)  # the worker started: its start is the first question
+    assert beat.tick(100.0, 5.0) == 0.0
+    assert beat.tick(101.0, 5.0) == 1.0  # asked again; counted from the start
     assert answer() == 1
     assert beat.tick(101.5, 5.0) == 0.0  # answered
     # The supervisor itself stopped for 100 s: it asked nothing, so no one is late.
@@ -118,9 +119,9 @@ async def test_a_stopped_lock_holder_blocks_no_event_loop(tmp: Path) -> None:
         took = time.perf_counter() - t0
         # Judged on this worker's counts: it holds one of 192.0.2.1's two.
         local = [shared.admit(one, 5, 2), shared.admit(one, 5, 2)]
-        shared.release(one)  # the connection admitted locally: the table is not touched
+        shared.release(one)  # the connection admitted locally: it never reached the table
         shared.release(one)  # one the table counted: kept until the table is free
-        assert (table.pending, shared.unshared[one]) == (1, 0)
+        assert table.pending == 1
     # The holder is gone; the kept release is applied on the loop's next try.
     await wait_for("the kept release applied", lambda: table.pending == 0, timeout=2)
     counts = (table.open_connections(), table.count(address_key(one)))
@@ -131,6 +132,39 @@ async def test_a_stopped_lock_holder_blocks_no_event_loop(tmp: Path) -> None:
     assert counts == (0, 0)
     assert shared.admit(one, 5, 2) and table.count(address_key(one)) == 1
     table.close()
+
+
+async def test_connections_admitted_while_the_table_was_busy_count_once_it_is_free(tmp: Path) -> None:
+    """A stopped holder makes every worker judge on its own counts; once the table is free
+    those connections must be in it, or each worker's share stays invisible to the others
+    for as long as those connections last and a per-IP cap of 2 lets 4 workers hold 10."""
+    path = tmp / "connections"
+    ConnectionTable.sized_for(path, workers=4, max_connections=10, create=True).close()
+    tables = [ConnectionTable.attach(path, 4) for _ in range(4)]
+    workers = [SharedConnections(t, worker=i) for i, t in enumerate(tables)]
+    one, cap = "192.0.2.7", 2
+    with held_lock(path):
+        during = [w.admit(one, 100, cap) for w in workers for _ in range(cap + 1)]
+    # The holder is gone: the connections kept meanwhile reach the table on the next try.
+    await wait_for("the kept admits applied", lambda: all(t.pending == 0 for t in tables), timeout=2)
+    after = [w.admit(one, 100, cap) for w in workers for _ in range(cap)]
+    open_at_once = sum(during) + sum(after)
+    counted = (tables[0].count(address_key(one)), tables[0].open_connections())
+    for w in workers:
+        for _ in range(w.per_ip[one]):
+            w.release(one)
+    await wait_for("every release applied", lambda: all(t.pending == 0 for t in tables), timeout=2)
+    left = (tables[0].count(address_key(one)), tables[0].open_connections())
+    print(
+        f"per-IP cap {cap}, 4 workers: {sum(during)} admitted while busy, {sum(after)} after; "
+        f"{open_at_once} open at once"
+    )
+    assert sum(during) == 4 * cap  # while busy: per worker, the documented bound
+    assert after == [False] * (4 * cap), "the table forgot what was admitted while it was busy"
+    assert counted == (4 * cap, 4 * cap)
+    assert left == (0, 0)
+    for t in tables:
+        t.close()
 
 
 def test_forget_worker_waits_for_no_stopped_holder(tmp: Path) -> None:
@@ -176,8 +210,8 @@ async def test_a_stopped_worker_is_replaced_within_the_heartbeat(tmp: Path, upst
             # Meanwhile: clients the kernel hands to the stopped worker wait for a greeting
             # until it is killed, then retry; the others are answered at once.
             keys = [f"wedged:{i}" for i in range(20)]
-            sends = [asyncio.create_task(_until_delivered(p.port, k, stopped + 40)) for k in keys]
-            await wait_for("worker 1 replaced", lambda: p.worker_pids()[1] != victim, timeout=30)
+            sends = [asyncio.create_task(_until_delivered(p.port, k, stopped + HEARTBEAT + 30)) for k in keys]
+            await wait_for("worker 1 replaced", lambda: p.worker_pids()[1] != victim, timeout=HEARTBEAT + 20)
             replaced = time.monotonic() - stopped
             results = await asyncio.gather(*sends)
             after = await asyncio.gather(*(send(p.port, message(f"after:{i}")) for i in range(10)))
@@ -195,13 +229,81 @@ async def test_a_stopped_worker_is_replaced_within_the_heartbeat(tmp: Path, upst
         f"{retried} of 20 clients retried; upstream {len(upstream.received)} messages"
     )
     assert [(e["worker"], e["pid"]) for e in missed] == [(1, victim)]
-    # Within the heartbeat: silence is judged every tick, an answer asked for every 0.4 s.
+    # Within the heartbeat: silence is judged every tick, an answer asked for every second.
     assert HEARTBEAT <= missed[0]["silent_s"] <= HEARTBEAT + 1.0
     assert [e["status"] for e in exits] == ["killed by SIGKILL (missed its heartbeat)"]
     assert p.worker_pids()[0] == survivor, "the running worker was replaced too"
     assert all("duplicate" not in text for text, _ in results)
     assert [r.code for r in after] == [250] * 10
     assert counts == Counter([*keys, *(f"after:{i}" for i in range(10))])
+
+
+@pytest.mark.slow
+async def test_a_worker_stopped_before_it_is_ready_is_replaced(tmp: Path, upstream: Upstream) -> None:
+    """A restarted worker that wedges while it starts (here: SIGSTOP at once) answered no
+    heartbeat, and was never asked for one: its slot stayed dead, silently, until the stop,
+    which it then made unclean. It is asked from its start, and replaced like any other."""
+    async with pool(tmp, upstream, workers_heartbeat=f"{HEARTBEAT:g}s") as p:
+        old = p.worker_pids()[1]
+        os.kill(old, signal.SIGKILL)
+
+        def starting() -> list[int]:
+            return [
+                e["pid"]
+                for e in p.lines()
+                if e.get("msg") == "worker started" and e.get("worker") == 1 and e["pid"] != old
+            ]
+
+        await wait_for("worker 1 started again", starting, timeout=10)
+        stuck = starting()[0]
+        os.kill(stuck, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            await wait_for(
+                "the stuck worker replaced",
+                lambda: p.worker_pids()[1] not in (old, stuck),
+                timeout=HEARTBEAT + 10,
+            )
+            replaced = time.monotonic() - stopped
+            replies = await asyncio.gather(*(send(p.port, message(f"after:{i}")) for i in range(10)))
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stuck, signal.SIGKILL)
+        lines = p.lines()
+    missed = [e for e in lines if e.get("msg") == "worker missed its heartbeat; killing it"]
+    print(f"a worker stopped while starting: replaced {replaced:.1f} s after the stop")
+    assert [(e["worker"], e["pid"]) for e in missed] == [(1, stuck)]
+    assert HEARTBEAT <= missed[0]["silent_s"] <= HEARTBEAT + 1.0
+    assert [r.code for r in replies] == [250] * 10
+    assert Counter(upstream.event_keys()) == Counter(f"after:{i}" for i in range(10))
+
+
+@pytest.mark.slow
+async def test_a_worker_busy_with_large_messages_at_the_shortest_heartbeat_is_not_killed(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """A message near limits.max_message_size holds its worker's loop for most of a second
+    (parsed in one turn), and messages whose DATA ends together add up: at the shortest
+    workers_heartbeat the config accepted (1s), a healthy worker was killed with every
+    session it held (the clients saw their connection cut). The shortest is now 10s."""
+    body = ("x" * 998 + "\n") * 24_000  # 24 MB, under the default 25 MB
+    provider = {**base_config(tmp, upstream.port)["providers"][0], "timeouts": {"data": "60s"}}
+    async with pool(tmp, upstream, workers_heartbeat=f"{HEARTBEAT:g}s", providers=[provider]) as p:
+        pids = p.worker_pids()
+        t0 = time.monotonic()
+        replies = await asyncio.gather(
+            *(send(p.port, message(f"large:{i}", body=body), timeout=90) for i in range(4)),
+            return_exceptions=True,
+        )
+        took = time.monotonic() - t0
+        lines = p.lines()
+        after = p.worker_pids()
+    missed = [e for e in lines if e.get("msg") == "worker missed its heartbeat; killing it"]
+    print(f"4 messages of 24 MB at once: {took:.1f} s; killed for silence: {[e['silent_s'] for e in missed]}")
+    assert missed == []
+    assert after == pids
+    assert [getattr(r, "code", repr(r)) for r in replies] == [250] * 4
+    assert Counter(upstream.event_keys()) == Counter(f"large:{i}" for i in range(4))
 
 
 # --- a killed supervisor's run directory ------------------------------------------------------

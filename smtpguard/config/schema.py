@@ -59,9 +59,11 @@ class Config(_Strict):
     """This instance's name in leases and history; default: hostname and process id."""
     workers: Annotated[int | Literal["auto"], BeforeValidator(_workers)] = 1
     """Worker processes behind one supervisor (DESIGN.md §17); auto: one per usable core."""
-    workers_heartbeat: Duration = Field(30.0, ge=1.0, le=3600.0)
+    workers_heartbeat: Duration = Field(30.0, ge=10.0, le=3600.0)
     """With workers: a worker whose event loop answers no heartbeat for this long is killed
-    and replaced (DESIGN.md §18)."""
+    and replaced (DESIGN.md §18). At least 10s: a healthy loop is held for most of a second
+    by each message near max_message_size, and messages that end together add up; a worker
+    killed for that cuts every session it holds."""
     zones: dict[str, ZoneConfig] = Field(min_length=1)
 
     @model_validator(mode="after")
