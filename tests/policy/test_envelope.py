@@ -1,0 +1,138 @@
+"""The MAIL and RCPT check order of DESIGN.md §3: one case per check, in the order applied.
+
+Each case's address fails its own check and every later one, so the reply shows which check
+comes first. The same table runs twice: over the wire, through a real client and a real
+in-process listener (the order the Handler applies), and against smtpguard.policy.envelope
+(the order as a pure rule). Suppression and the recipient-domain lookup (I/O, after the pure
+checks) are covered on the wire here and in tests/test_recipient_domains.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import aiosmtplib
+import pytest
+
+from smtpguard import replies
+from smtpguard.replies import Reply
+from tests.support import PASSWORD, Upstream, base_config, password_hash, running_guard
+
+LIMIT = 2
+FREE_PASSWORD = "free-zone-pass"
+ACME_SENDERS = ["billing@acme.example", "@notify.acme.example"]
+SUPPRESSED = "gone@example.com"
+
+
+@dataclass(frozen=True)
+class Case:
+    verb: Literal["MAIL", "RCPT"]
+    user: str
+    address: str
+    smtputf8: bool
+    reply: Reply
+    accepted: int = 0
+    """Recipients accepted in the transaction before this RCPT."""
+
+
+MAIL_CASES = [
+    # 1. the zone's plan has no send-as: before anything about the address.
+    Case("MAIL", "free-app", "jöe%x@nowhere.example", False, replies.send_as_disabled("initech")),
+    # 2. non-ASCII without SMTPUTF8: before the syntax (without it, it is not SMTP syntax).
+    Case(
+        "MAIL",
+        "acme-app",
+        "jöe%x@nowhere.example",
+        False,
+        replies.non_ascii_address("sender", "jöe%x@nowhere.example", "MAIL FROM did not declare SMTPUTF8"),
+    ),
+    # 3. the syntax: before the alias mapping.
+    Case(
+        "MAIL",
+        "acme-app",
+        "joe%x@nowhere.example",
+        False,
+        replies.bad_address("sender", "percent hack and bang paths are not accepted"),
+    ),
+    # 4. the alias mapping.
+    Case("MAIL", "acme-app", "joe@nowhere.example", False, replies.sender_not_allowed("joe@nowhere.example", "acme")),
+    # 5. accepted, with SMTPUTF8 on a route not yet known (the relay checks before DATA).
+    Case("MAIL", "acme-app", "jöe@notify.acme.example", True, replies.OK_SENDER),
+    Case("MAIL", "acme-app", "billing@acme.example", False, replies.OK_SENDER),
+]
+
+RCPT_CASES = [
+    # 1. the recipient limit: before anything about the address.
+    Case("RCPT", "acme-app", "jöe%x@nowhere.example", False, replies.too_many_recipients(LIMIT), accepted=LIMIT),
+    # 2. non-ASCII without SMTPUTF8.
+    Case(
+        "RCPT",
+        "acme-app",
+        "jöe%x@nowhere.example",
+        False,
+        replies.non_ascii_address("recipient", "jöe%x@nowhere.example", "MAIL FROM did not declare SMTPUTF8"),
+    ),
+    # 3. the syntax: before the suppression lookup.
+    Case(
+        "RCPT",
+        "acme-app",
+        "gone%x@example.com",
+        False,
+        replies.bad_address("recipient", "percent hack and bang paths are not accepted"),
+    ),
+    # 4. the suppression list (a store lookup, after every pure check).
+    Case("RCPT", "acme-app", SUPPRESSED, False, replies.suppressed(SUPPRESSED, "acme")),
+    # 5. accepted.
+    Case("RCPT", "acme-app", "zoë@example.org", True, replies.OK_RECIPIENT),
+    Case("RCPT", "acme-app", "customer@example.com", False, replies.OK_RECIPIENT, accepted=LIMIT - 1),
+]
+
+
+def _config(tmp: Path, upstream_port: int) -> dict[str, object]:
+    cfg = base_config(tmp, upstream_port, limits__max_recipients=LIMIT)
+    zones = cfg["zones"]
+    assert isinstance(zones, dict)
+    zones["initech"] = {
+        "plan": "free",
+        "senders": ["@initech.example"],
+        "users": [{"username": "free-app", "password_hash": password_hash(FREE_PASSWORD)}],
+    }
+    return cfg
+
+
+@pytest.fixture
+async def guard_port(tmp: Path, upstream: Upstream) -> AsyncIterator[int]:
+    async with running_guard(_config(tmp, upstream.port)) as guard:
+        await guard.store.suppress_add("acme", SUPPRESSED, "bounced", guard.clock())
+        yield guard.ports[0]
+
+
+async def _command(client: aiosmtplib.SMTP, line: str) -> Reply:
+    # Sent as bytes: aiosmtplib's own address checks would refuse some cases before the wire.
+    resp = await client.execute_command(line.encode())
+    enhanced, _, text = resp.message.partition(" ")
+    return Reply(resp.code, enhanced, text)
+
+
+async def _wire(port: int, case: Case) -> Reply:
+    client = aiosmtplib.SMTP(hostname="127.0.0.1", port=port, start_tls=False, timeout=10)
+    await client.connect()
+    try:
+        await client.login(case.user, FREE_PASSWORD if case.user == "free-app" else PASSWORD)
+        utf8 = " SMTPUTF8" if case.smtputf8 else ""
+        if case.verb == "MAIL":
+            return await _command(client, f"MAIL FROM:<{case.address}>{utf8}")
+        assert await _command(client, f"MAIL FROM:<billing@acme.example>{utf8}") == replies.OK_SENDER
+        for n in range(case.accepted):
+            assert await _command(client, f"RCPT TO:<r{n}@example.com>") == replies.OK_RECIPIENT
+        return await _command(client, f"RCPT TO:<{case.address}>")
+    finally:
+        client.close()
+
+
+async def test_the_listener_applies_the_checks_in_this_order(guard_port: int) -> None:
+    got = [await _wire(guard_port, case) for case in MAIL_CASES + RCPT_CASES]
+    assert got == [case.reply for case in MAIL_CASES + RCPT_CASES]
