@@ -58,7 +58,13 @@ MAIL_CASES = [
         replies.bad_address("sender", "percent hack and bang paths are not accepted"),
     ),
     # 4. the alias mapping.
-    Case("MAIL", "acme-app", "joe@nowhere.example", False, replies.sender_not_allowed("joe@nowhere.example", "acme")),
+    Case(
+        "MAIL",
+        "acme-app",
+        "joe@nowhere.example",
+        False,
+        replies.sender_not_allowed("joe@nowhere.example", "acme"),
+    ),
     # 5. accepted, with SMTPUTF8 on a route not yet known (the relay checks before DATA).
     Case("MAIL", "acme-app", "jöe@notify.acme.example", True, replies.OK_SENDER),
     Case("MAIL", "acme-app", "billing@acme.example", False, replies.OK_SENDER),
@@ -66,7 +72,9 @@ MAIL_CASES = [
 
 RCPT_CASES = [
     # 1. the recipient limit: before anything about the address.
-    Case("RCPT", "acme-app", "jöe%x@nowhere.example", False, replies.too_many_recipients(LIMIT), accepted=LIMIT),
+    Case(
+        "RCPT", "acme-app", "jöe%x@nowhere.example", False, replies.too_many_recipients(LIMIT), accepted=LIMIT
+    ),
     # 2. non-ASCII without SMTPUTF8.
     Case(
         "RCPT",
