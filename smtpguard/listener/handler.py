@@ -20,13 +20,8 @@ from smtpguard.config import Config, plan_send_as
 from smtpguard.connection_table import Connections
 from smtpguard.listener.protocol import GuardSMTP
 from smtpguard.passwords import Verifier
-from smtpguard.policy.senders import (
-    address_problem,
-    normalize_address,
-    route_offers_smtputf8,
-    sender_allowed,
-    smtputf8_refusal,
-)
+from smtpguard.policy.envelope import recipient_refusal, sender_refusal
+from smtpguard.policy.senders import normalize_address, route_offers_smtputf8
 from smtpguard.recipient_domains import RecipientDomains
 from smtpguard.replies import Reply
 from smtpguard.store import Store, StoreUnavailable
@@ -198,25 +193,17 @@ class Handler:
         if not isinstance(principal, Principal):
             return str(replies.AUTH_REQUIRED)
         zone = self.config.zones.get(principal.zone)
-        if zone is None or not plan_send_as(zone):
-            return self._refuse(principal, replies.send_as_disabled(principal.zone))
         # aiosmtpd has moved SMTPUTF8 from the parameters to envelope.smtp_utf8 already.
-        # Judged before the syntax: without it a non-ASCII address is not SMTP syntax at all.
-        unsendable = smtputf8_refusal(
-            address, "sender", envelope.smtp_utf8, self._route_smtputf8(principal.zone)
+        refusal = sender_refusal(
+            address,
+            principal.zone,
+            zone is not None and plan_send_as(zone),
+            zone.senders if zone is not None else (),
+            envelope.smtp_utf8,
+            self._route_smtputf8(principal.zone),
         )
-        if unsendable:
-            return self._refuse(principal, unsendable)
-        problem = address_problem(address)
-        if problem:
-            return self._refuse(
-                principal,
-                replies.bad_address("sender", problem)
-                if address
-                else replies.sender_not_allowed(address, principal.zone),
-            )
-        if not sender_allowed(address, zone.senders):
-            return self._refuse(principal, replies.sender_not_allowed(address, principal.zone))
+        if refusal is not None:
+            return self._refuse(principal, refusal.reply)
         envelope.mail_from = address
         envelope.mail_options.extend(mail_options)
         return str(replies.OK_SENDER)
@@ -232,18 +219,15 @@ class Handler:
         principal = session.auth_data
         if not isinstance(principal, Principal):
             return str(replies.AUTH_REQUIRED)
-        limit = self.config.limits.max_recipients
-        if len(envelope.rcpt_tos) >= limit:
-            return str(replies.too_many_recipients(limit))
-        # Each recipient on its own: those accepted before stay accepted (RFC 6531).
-        unsendable = smtputf8_refusal(
-            address, "recipient", envelope.smtp_utf8, self._route_smtputf8(principal.zone)
+        refusal = recipient_refusal(
+            address,
+            len(envelope.rcpt_tos),
+            self.config.limits.max_recipients,
+            envelope.smtp_utf8,
+            self._route_smtputf8(principal.zone),
         )
-        if unsendable:
-            return self._refuse(principal, unsendable)
-        problem = address_problem(address)
-        if problem:
-            return self._refuse(principal, replies.bad_address("recipient", problem))
+        if refusal is not None:
+            return self._refuse(principal, refusal.reply) if refusal.counted else str(refusal.reply)
         try:
             listed = await self.submitter.suppressions.find(principal.zone, address)
         except StoreUnavailable:

@@ -18,6 +18,7 @@ import aiosmtplib
 import pytest
 
 from smtpguard import replies
+from smtpguard.policy.envelope import Refusal, recipient_refusal, sender_refusal
 from smtpguard.replies import Reply
 from tests.support import PASSWORD, Upstream, base_config, password_hash, running_guard
 
@@ -144,3 +145,80 @@ async def _wire(port: int, case: Case) -> Reply:
 async def test_the_listener_applies_the_checks_in_this_order(guard_port: int) -> None:
     got = [await _wire(guard_port, case) for case in MAIL_CASES + RCPT_CASES]
     assert got == [case.reply for case in MAIL_CASES + RCPT_CASES]
+
+
+# --- the same order as a pure rule ------------------------------------------------------------
+ZONES = {"acme-app": ("acme", True, ACME_SENDERS), "free-app": ("initech", False, ["@initech.example"])}
+"""user → (zone, plan has send-as, aliases), as _config has them."""
+
+
+def _expected(case: Case) -> Refusal | None:
+    if case.reply.ok:
+        return None
+    return Refusal(case.reply, counted=case.reply != replies.too_many_recipients(LIMIT))
+
+
+def _pure(case: Case, route: bool | None = None) -> Refusal | None:
+    if case.verb == "MAIL":
+        zone, send_as, senders = ZONES[case.user]
+        return sender_refusal(case.address, zone, send_as, senders, case.smtputf8, route)
+    return recipient_refusal(case.address, case.accepted, LIMIT, case.smtputf8, route)
+
+
+# Cases the wire cannot bring to these checks (aiosmtpd refuses `<>` syntax first), and the
+# route's own answer about SMTPUTF8, which a wire case only learns after a relay.
+PURE_ONLY = [
+    (Case("MAIL", "acme-app", "", False, replies.sender_not_allowed("", "acme")), None),
+    (Case("RCPT", "acme-app", "", False, replies.bad_address("recipient", "empty address")), None),
+    (
+        Case(
+            "MAIL",
+            "acme-app",
+            "jöe@notify.acme.example",
+            True,
+            replies.non_ascii_address(
+                "sender", "jöe@notify.acme.example", "the upstream route does not offer SMTPUTF8"
+            ),
+        ),
+        False,
+    ),
+    (
+        Case(
+            "RCPT",
+            "acme-app",
+            "zoë@example.org",
+            True,
+            replies.non_ascii_address(
+                "recipient", "zoë@example.org", "the upstream route does not offer SMTPUTF8"
+            ),
+        ),
+        False,
+    ),
+    (Case("RCPT", "acme-app", "zoë@example.org", True, replies.OK_RECIPIENT), True),
+]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [c for c in MAIL_CASES + RCPT_CASES if c.address != SUPPRESSED],
+    ids=lambda c: f"{c.verb}:{c.address or '<>'}:{c.reply.code}",
+)
+def test_the_pure_rule_gives_the_listeners_reply(case: Case) -> None:
+    assert _pure(case) == _expected(case)
+
+
+@pytest.mark.parametrize(("case", "route"), PURE_ONLY, ids=lambda c: getattr(c, "address", str(c)))
+def test_the_pure_rule_beyond_the_wire_cases(case: Case, route: bool | None) -> None:
+    assert _pure(case, route) == _expected(case)
+
+
+def test_the_suppressed_address_passes_every_pure_check() -> None:
+    """The suppression list is looked up after the pure checks: the pure rule accepts it."""
+    assert recipient_refusal(SUPPRESSED, 0, LIMIT, False, None) is None
+
+
+def test_only_the_recipient_limit_goes_uncounted() -> None:
+    refusals = [_pure(c) for c in MAIL_CASES + RCPT_CASES if c.address != SUPPRESSED]
+    uncounted = [r.reply for r in refusals if r is not None and not r.counted]
+    assert uncounted == [replies.too_many_recipients(LIMIT)]
+    assert sum(r is not None and r.counted for r in refusals) == 4 + 2  # MAIL, RCPT
