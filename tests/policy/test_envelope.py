@@ -142,9 +142,11 @@ async def _wire(port: int, case: Case) -> Reply:
         client.close()
 
 
-async def test_the_listener_applies_the_checks_in_this_order(guard_port: int) -> None:
+async def test_the_listener_applies_the_checks_in_this_order(guard_port: int, upstream: Upstream) -> None:
     got = [await _wire(guard_port, case) for case in MAIL_CASES + RCPT_CASES]
     assert got == [case.reply for case in MAIL_CASES + RCPT_CASES]
+    # Envelope checks answer alone: nothing reached the upstream.
+    assert upstream.handler.transactions == 0
 
 
 # --- the same order as a pure rule ------------------------------------------------------------
