@@ -9,6 +9,7 @@ checks) are covered on the wire here and in tests/test_recipient_domains.py.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,10 +17,12 @@ from typing import Literal
 
 import aiosmtplib
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from smtpguard import replies
 from smtpguard.policy.envelope import Refusal, recipient_refusal, sender_refusal
 from smtpguard.replies import Reply
+from smtpguard.server import Server
 from tests.support import PASSWORD, Upstream, base_config, password_hash, running_guard
 
 LIMIT = 2
@@ -113,10 +116,29 @@ def _config(tmp: Path, upstream_port: int) -> dict[str, object]:
 
 
 @pytest.fixture
-async def guard_port(tmp: Path, upstream: Upstream) -> AsyncIterator[int]:
-    async with running_guard(_config(tmp, upstream.port)) as guard:
-        await guard.store.suppress_add("acme", SUPPRESSED, "bounced", guard.clock())
-        yield guard.ports[0]
+async def guard(tmp: Path, upstream: Upstream) -> AsyncIterator[Server]:
+    cfg = _config(tmp, upstream.port)
+    cfg["metrics"] = {"address": "127.0.0.1:0"}
+    async with running_guard(cfg) as server:
+        await server.store.suppress_add("acme", SUPPRESSED, "bounced", server.clock())
+        yield server
+
+
+async def _rejected_envelopes(metrics_port: int) -> dict[str, float]:
+    """smtpguard_submissions_total{decision="rejected:envelope"} per zone, from /metrics."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", metrics_port)
+    writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    await writer.drain()
+    data = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    head, _, body = data.decode().partition("\r\n\r\n")
+    assert head.split()[1] == "200", head
+    return {
+        s.labels["zone"]: s.value
+        for family in text_string_to_metric_families(body)
+        for s in family.samples
+        if s.name == "smtpguard_submissions_total" and s.labels.get("decision") == "rejected:envelope"
+    }
 
 
 async def _command(client: aiosmtplib.SMTP, line: str) -> Reply:
@@ -142,9 +164,13 @@ async def _wire(port: int, case: Case) -> Reply:
         client.close()
 
 
-async def test_the_listener_applies_the_checks_in_this_order(guard_port: int, upstream: Upstream) -> None:
-    got = [await _wire(guard_port, case) for case in MAIL_CASES + RCPT_CASES]
+async def test_the_listener_applies_the_checks_in_this_order(guard: Server, upstream: Upstream) -> None:
+    got = [await _wire(guard.ports[0], case) for case in MAIL_CASES + RCPT_CASES]
     assert got == [case.reply for case in MAIL_CASES + RCPT_CASES]
+    # Every refusal but the recipient limit counts as a rejected envelope: acme's three at
+    # MAIL and three at RCPT (the suppressed one too), initech's send-as.
+    assert guard.health is not None
+    assert await _rejected_envelopes(guard.health.port) == {"acme": 6.0, "initech": 1.0}
     # Envelope checks answer alone: nothing reached the upstream.
     assert upstream.handler.transactions == 0
 
