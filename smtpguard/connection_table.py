@@ -317,3 +317,24 @@ class ConnectionTable:
         with self._locked_blocking():
             i, found = self._find(key)
             return sum(self._read(i)[2]) if found else 0
+
+
+class Connections:
+    """Open connections, total and per client IP, shared by every listener."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.per_ip: Counter[str] = Counter()
+
+    def admit(self, ip: str, max_total: int, max_per_ip: int) -> bool:
+        if self.total >= max_total or self.per_ip[ip] >= max_per_ip:
+            return False
+        self.total += 1
+        self.per_ip[ip] += 1
+        return True
+
+    def release(self, ip: str) -> None:
+        self.total -= 1
+        self.per_ip[ip] -= 1
+        if self.per_ip[ip] <= 0:
+            del self.per_ip[ip]

@@ -1,0 +1,342 @@
+"""aiosmtpd handler: session hooks gather inputs, ask policy/ (through submission.py), reply.
+
+The SMTP protocol itself, narrowed where smtpguard's contract is stricter, is protocol.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+from aiosmtpd.smtp import SMTP, AuthResult, Envelope, Session, TLSSetupException
+
+from smtpguard import replies
+from smtpguard.config import Config, plan_send_as
+from smtpguard.connection_table import Connections
+from smtpguard.listener.protocol import GuardSMTP
+from smtpguard.passwords import Verifier
+from smtpguard.policy.envelope import recipient_refusal, sender_refusal
+from smtpguard.policy.senders import normalize_address, route_offers_smtputf8
+from smtpguard.recipient_domains import RecipientDomains
+from smtpguard.replies import Reply
+from smtpguard.store import Store, StoreUnavailable
+from smtpguard.submission import Principal, Result, Submitter
+
+log = logging.getLogger("smtpguard.listener")
+
+
+class Handler:
+    """aiosmtpd handler: AUTH, MAIL, RCPT, DATA hooks for one smtpguard instance."""
+
+    def __init__(
+        self,
+        submitter: Submitter,
+        store: Store,
+        verifier: Verifier,
+        on_result: Callable[[Principal | None, Result, float], None],
+        clock: Callable[[], float] = time.time,
+        recipient_domains: RecipientDomains | None = None,
+        observe: Callable[[str], None] | None = None,
+    ) -> None:
+        self.submitter = submitter
+        self.recipient_domains = recipient_domains
+        """The RCPT domain check of zones with `recipient_domains: check` (DESIGN.md §12)."""
+        self.store = store
+        self.verifier = verifier
+        self.connections = Connections()
+        self.on_result = on_result
+        self.clock = clock
+        self.observe = observe or (lambda event: None)
+        """Events for metrics: auth_failure, auth_lockout, store_error:<where>."""
+        self.active = 0
+        """Submissions between end of DATA and their reply (graceful stop waits for them)."""
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.draining = False
+        self._submissions: set[asyncio.Task[str]] = set()
+        self._auth_turns: dict[str, _Turn] = {}
+
+    @property
+    def config(self) -> Config:
+        return self.submitter.config
+
+    def admit(self, ip: str) -> bool:
+        limits = self.config.limits
+        return not self.draining and self.connections.admit(
+            ip, limits.max_connections, limits.max_connections_per_ip
+        )
+
+    # --- AUTH --------------------------------------------------------------------------------
+    async def auth_PLAIN(self, server: SMTP, args: list[str]) -> AuthResult:
+        if len(args) == 1:
+            blob = await _challenge(server, "")
+        else:
+            blob = await _initial_response(server, args[1])
+        if blob is None:
+            return AuthResult(success=False, handled=True)
+        parts = blob.split(b"\x00")
+        if len(parts) != 3:
+            await server.push(str(replies.AUTH_BAD_PLAIN))
+            return AuthResult(success=False, handled=True)
+        return await self._authenticate(server, parts[1], parts[2])
+
+    async def auth_LOGIN(self, server: SMTP, args: list[str]) -> AuthResult:
+        if len(args) == 1:
+            login = await _challenge(server, "Username:")
+        else:
+            login = await _initial_response(server, args[1])
+        if login is None:
+            return AuthResult(success=False, handled=True)
+        password = await _challenge(server, "Password:")
+        if password is None:
+            return AuthResult(success=False, handled=True)
+        return await self._authenticate(server, login, password)
+
+    async def _authenticate(self, server: SMTP, login: bytes, password: bytes) -> AuthResult:
+        ip = _peer_ip(server.session)
+        # One verification at a time per client IP: N parallel connections must not each
+        # pass the failure check before any of them has recorded its failure.
+        async with self._auth_turn(ip):
+            if isinstance(server, GuardSMTP):
+                async with server.working():
+                    return await self._authenticate_one(server, ip, login, password)
+            return await self._authenticate_one(server, ip, login, password)
+
+    async def _authenticate_one(self, server: SMTP, ip: str, login: bytes, password: bytes) -> AuthResult:
+        limits = self.config.limits
+        try:
+            if (
+                await self.store.auth_failures(ip, self.clock(), limits.auth_failure_window)
+                >= limits.auth_failures
+            ):
+                return await self._lock_out(server, ip)
+            username = login.decode("utf-8", "replace")
+            found = self.config.user_zone(username)
+            try:
+                secret: str | None = password.decode("utf-8")
+            except UnicodeDecodeError:
+                # No hash-password output can match bytes that are not UTF-8; still pay the
+                # full verification so the reply time says nothing.
+                secret = None
+            ok = await self.verifier.verify_any(
+                username,
+                found[1].hashes if found and secret is not None else (),
+                secret or "",
+                pad_to=_most_hashes(self.config),
+            )
+            if ok and found and secret is not None:
+                principal = Principal(found[0], username, ip, _session_id(server.session))
+                return AuthResult(success=True, auth_data=principal)
+            failures = await self.store.auth_failure(ip, self.clock(), limits.auth_failure_window)
+        except StoreUnavailable:
+            self.observe("store_error:auth")
+            return AuthResult(success=False, handled=False, message=str(replies.STORE_UNAVAILABLE))
+        self.observe("auth_failure")
+        log.info(
+            "authentication failed",
+            extra={"client_ip": ip, "session": _session_id(server.session), "failures": failures},
+        )
+        if failures >= limits.auth_failures:
+            return await self._lock_out(server, ip)
+        return AuthResult(success=False, handled=False, message=str(replies.AUTH_INVALID))
+
+    @contextlib.asynccontextmanager
+    async def _auth_turn(self, ip: str) -> AsyncIterator[None]:
+        turn = self._auth_turns.get(ip)
+        if turn is None:
+            turn = self._auth_turns[ip] = _Turn()
+        turn.waiting += 1
+        try:
+            async with turn.lock:
+                yield
+        finally:
+            turn.waiting -= 1
+            if not turn.waiting:
+                del self._auth_turns[ip]
+
+    async def _lock_out(self, server: SMTP, ip: str) -> AuthResult:
+        self.observe("auth_lockout")
+        log.warning("AUTH locked out", extra={"client_ip": ip, "session": _session_id(server.session)})
+        if isinstance(server, GuardSMTP):
+            server.hang_up(replies.AUTH_LOCKED)
+        else:
+            await server.push(str(replies.AUTH_LOCKED))
+            if server.transport is not None:
+                server.transport.close()
+        return AuthResult(success=False, handled=True)
+
+    async def handle_exception(self, error: Exception) -> str:
+        """aiosmtpd's fallback would log a traceback and echo the exception text to the
+        client; only a real bug deserves the first, and nobody the second."""
+        if isinstance(error, TLSSetupException):
+            # aiosmtpd closes the connection without sending this.
+            log.info("TLS handshake failed", extra={"error": type(error.__cause__).__name__})
+            return str(replies.TLS_FAILED)
+        log.error("unexpected error in an SMTP session", exc_info=error)
+        return str(replies.INTERNAL_ERROR)
+
+    # --- envelope ----------------------------------------------------------------------------
+    async def handle_MAIL(
+        self,
+        server: SMTP,
+        session: Session,
+        envelope: Envelope,
+        address: str,
+        mail_options: list[str],
+    ) -> str:
+        principal = session.auth_data
+        if not isinstance(principal, Principal):
+            return str(replies.AUTH_REQUIRED)
+        zone = self.config.zones.get(principal.zone)
+        # aiosmtpd has moved SMTPUTF8 from the parameters to envelope.smtp_utf8 already.
+        refusal = sender_refusal(
+            address,
+            principal.zone,
+            zone is not None and plan_send_as(zone),
+            zone.senders if zone is not None else (),
+            envelope.smtp_utf8,
+            self._route_smtputf8(principal.zone),
+        )
+        if refusal is not None:
+            return self._refuse(principal, refusal.reply)
+        envelope.mail_from = address
+        envelope.mail_options.extend(mail_options)
+        return str(replies.OK_SENDER)
+
+    async def handle_RCPT(
+        self,
+        server: SMTP,
+        session: Session,
+        envelope: Envelope,
+        address: str,
+        rcpt_options: list[str],
+    ) -> str:
+        principal = session.auth_data
+        if not isinstance(principal, Principal):
+            return str(replies.AUTH_REQUIRED)
+        refusal = recipient_refusal(
+            address,
+            len(envelope.rcpt_tos),
+            self.config.limits.max_recipients,
+            envelope.smtp_utf8,
+            self._route_smtputf8(principal.zone),
+        )
+        if refusal is not None:
+            return self._refuse(principal, refusal.reply) if refusal.counted else str(refusal.reply)
+        try:
+            listed = await self.submitter.suppressions.find(principal.zone, address)
+        except StoreUnavailable:
+            self.observe("store_error:rcpt")
+            return str(replies.STORE_UNAVAILABLE)
+        if listed:
+            return self._refuse(principal, replies.suppressed(address, listed))
+        zone = self.config.zones.get(principal.zone)
+        if zone is not None and zone.recipient_domains == "check" and self.recipient_domains is not None:
+            unroutable = await self.recipient_domains.refusal(address)
+            if unroutable is not None:
+                return self._refuse(principal, unroutable)
+        envelope.rcpt_tos.append(normalize_address(address))
+        envelope.rcpt_options.extend(rcpt_options)
+        return str(replies.OK_RECIPIENT)
+
+    def _route_smtputf8(self, zone: str) -> bool | None:
+        """What the last EHLOs of the zone's route (its own `providers`, else the top-level
+        one) said about SMTPUTF8 (read per command: a reload replaces the route, and a
+        relay may just have learnt a provider's answer)."""
+        return route_offers_smtputf8(p.smtputf8 for p in self.submitter.route.providers_for(zone))
+
+    def _refuse(self, principal: Principal, reply: Reply) -> str:
+        self.on_result(principal, Result(reply, "rejected:envelope"), 0.0)
+        return str(reply)
+
+    # --- DATA --------------------------------------------------------------------------------
+    async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        principal = session.auth_data
+        if not isinstance(principal, Principal):
+            return str(replies.AUTH_REQUIRED)
+        if self.draining:
+            return str(replies.SHUTTING_DOWN)
+        self.active += 1
+        self.idle.clear()
+        task = asyncio.create_task(
+            self._submit(
+                principal,
+                envelope.mail_from,
+                list(envelope.rcpt_tos),
+                envelope.original_content or b"",
+                bool(envelope.smtp_utf8),
+            )
+        )
+        self._submissions.add(task)
+        task.add_done_callback(self._submissions.discard)
+        # A client that hangs up after its final dot must not abandon a relay half done: the
+        # submission runs to its recorded outcome, whoever is left to hear the reply.
+        reply = await asyncio.shield(task)
+        return reply
+
+    async def _submit(
+        self, principal: Principal, mail_from: str, rcpt_tos: list[str], raw: bytes, smtputf8: bool
+    ) -> str:
+        started = time.perf_counter()
+        try:
+            result = await self.submitter.submit(principal, mail_from, rcpt_tos, raw, smtputf8)
+        except Exception:
+            log.exception(
+                "internal error while handling a submission",
+                extra={
+                    "zone": principal.zone,
+                    "client_ip": principal.client_ip,
+                    "session": principal.session,
+                },
+            )
+            result = Result(replies.INTERNAL_ERROR, "internal_error")
+        finally:
+            self.active -= 1
+            if not self.active:
+                self.idle.set()
+        self.on_result(principal, result, time.perf_counter() - started)
+        return str(result.reply)
+
+
+class _Turn:
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.waiting = 0
+
+
+async def _challenge(server: SMTP, prompt: str) -> bytes | None:
+    """One AUTH challenge; None when the client aborted or sent no usable answer (replied).
+    An over-long answer reaches challenge_auth as GuardSMTP's stand-in line: not base64."""
+    blob = await server.challenge_auth(prompt)
+    return blob if isinstance(blob, bytes) else None
+
+
+async def _initial_response(server: SMTP, arg: str) -> bytes | None:
+    try:
+        return base64.b64decode(arg.encode(), validate=True)
+    except (binascii.Error, ValueError):
+        await server.push(str(replies.AUTH_BAD_BASE64))
+        return None
+
+
+def _session_id(session: Session | None) -> str | None:
+    sid = getattr(session, "id", None)
+    return sid if isinstance(sid, str) else None
+
+
+def _peer_ip(session: Session | None) -> str:
+    peer = getattr(session, "peer", None)
+    if isinstance(peer, tuple) and peer:
+        return str(peer[0])
+    return "?"
+
+
+def _most_hashes(config: Config) -> int:
+    """The most password hashes any user holds (2 during a rotation): every failed AUTH
+    costs that many verifications, so its time does not tell which usernames exist."""
+    return max((len(u.hashes) for z in config.zones.values() for u in z.users), default=1)
