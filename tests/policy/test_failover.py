@@ -12,19 +12,23 @@ from dataclasses import dataclass
 
 import pytest
 
-from smtpguard.policy.breaker import Circuit
-from smtpguard.policy.outcome import Kind, Outcome
-from smtpguard.relay import (
+from smtpguard.policy.breaker import Breaker, Circuit
+from smtpguard.policy.failover import (
     Attempted,
-    Envelope,
-    Route,
-    _before_dot_reply,
-    _connections_busy,
-    _rate_limited,
-    _refused_all,
-    _unavailable,
-    _unknown,
+    Walk,
+    after_retry,
+    before_dot_reply,
+    connections_busy,
+    health_after,
+    rate_limited,
+    refused_all,
+    reply_class,
+    retries_same,
+    unavailable,
+    unknown,
 )
+from smtpguard.policy.outcome import Kind, Outcome
+from smtpguard.policy.throttle import CONNECTION_WAIT
 from smtpguard.replies import Reply
 
 NOW = 1000.0
@@ -32,7 +36,7 @@ NOW = 1000.0
 
 # --- part A: each answer, at its stage, as an Attempted -----------------------------------------
 def test_unavailable_before_data_may_fail_over_and_counts_against_the_circuit() -> None:
-    a = _unavailable("a", "connect: OSError: refused")
+    a = unavailable("a", "connect: OSError: refused")
     assert a == Attempted(
         Outcome(Kind.UNAVAILABLE, "a", detail="connect: OSError: refused", data_sent=False),
         failover=True,
@@ -41,7 +45,7 @@ def test_unavailable_before_data_may_fail_over_and_counts_against_the_circuit() 
 
 
 def test_unavailable_for_the_messages_fault_leaves_the_circuit_alone() -> None:
-    a = _unavailable("a", "before DATA: ValueError: x", health="ok")
+    a = unavailable("a", "before DATA: ValueError: x", health="ok")
     assert a.failover and a.health == "ok" and a.outcome.kind is Kind.UNAVAILABLE
 
 
@@ -60,7 +64,7 @@ def test_unavailable_for_the_messages_fault_leaves_the_circuit_alone() -> None:
 def test_a_reply_before_the_dot(
     code: int, text: str, kind: Kind, failover: bool, health: str, limited: bool
 ) -> None:
-    a = _before_dot_reply("a", code, text)
+    a = before_dot_reply("a", code, text)
     assert (a.outcome.kind, a.failover, a.health, a.rate_limited) == (kind, failover, health, limited)
     assert a.outcome.data_sent is False and a.outcome.provider == "a"
     assert a.outcome.reply is not None and a.outcome.reply.code == code
@@ -68,7 +72,7 @@ def test_a_reply_before_the_dot(
 
 def test_a_rate_limit_is_unavailable_with_the_providers_reply() -> None:
     reply = Reply(421, "4.7.0", "slow down")
-    a = _rate_limited("a", reply)
+    a = rate_limited("a", reply)
     assert a == Attempted(
         Outcome(Kind.UNAVAILABLE, "a", reply, detail=f"rate limited: {reply}", data_sent=False),
         failover=True,
@@ -78,7 +82,7 @@ def test_a_rate_limit_is_unavailable_with_the_providers_reply() -> None:
 
 
 def test_no_connection_slot_tried_nothing() -> None:
-    a = _connections_busy("a")
+    a = connections_busy("a")
     assert a.busy and a.failover and a.health == "ok" and not a.rate_limited
     assert a.outcome == Outcome(
         Kind.UNAVAILABLE, "a", detail="max_connections in use on every instance", data_sent=False
@@ -87,7 +91,7 @@ def test_no_connection_slot_tried_nothing() -> None:
 
 def test_unknown_after_data_is_never_failed_over() -> None:
     rejected = [("x@example.org", Reply(550, "5.1.1", "no"))]
-    a = _unknown("a", TimeoutError("read"), rejected)
+    a = unknown("a", "TimeoutError: read", rejected)
     assert a == Attempted(
         Outcome(
             Kind.UNKNOWN,
@@ -103,30 +107,30 @@ def test_unknown_after_data_is_never_failed_over() -> None:
 
 def test_every_recipient_refused_for_good_fails_with_the_first_reply() -> None:
     first, second = Reply(550, "5.1.1", "no such user"), Reply(553, "5.1.3", "bad address")
-    a = _refused_all("a", [("x@example.org", first), ("y@example.org", second)])
+    a = refused_all("a", [("x@example.org", first), ("y@example.org", second)])
     assert (a.outcome.kind, a.outcome.reply, a.failover, a.health) == (Kind.FAILED, first, False, "ok")
     assert a.outcome.data_sent is False and len(a.outcome.rejected) == 2
 
 
 def test_one_recipient_refused_for_now_defers_the_whole_event_and_may_fail_over() -> None:
     temp = Reply(450, "4.2.0", "mailbox busy")
-    a = _refused_all("a", [("x@example.org", Reply(550, "5.1.1", "no")), ("y@example.org", temp)])
+    a = refused_all("a", [("x@example.org", Reply(550, "5.1.1", "no")), ("y@example.org", temp)])
     assert (a.outcome.kind, a.outcome.reply, a.failover, a.health) == (Kind.DEFERRED, temp, True, "ok")
 
 
 def test_a_recipient_refused_with_a_rate_limit_throttles() -> None:
     temp = Reply(451, "4.7.0", "too many messages")
-    a = _refused_all("a", [("y@example.org", temp)])
+    a = refused_all("a", [("y@example.org", temp)])
     assert a.rate_limited and a.failover and a.outcome.kind is Kind.UNAVAILABLE
 
 
 # --- part B: the route's choice ------------------------------------------------------------------
 REFUSED = Reply(550, "5.1.1", "no such user")
 UTF8 = Reply(553, "5.6.7", "a does not offer SMTPUTF8")
-GONE = _unavailable("a", "connect: OSError: refused")
-DEFER_BEFORE = _before_dot_reply("a", 450, "4.2.0 mailbox busy")
-LIMITED = _rate_limited("a", Reply(421, "4.7.0", "slow down"))
-BUSY = _connections_busy("a")
+GONE = unavailable("a", "connect: OSError: refused")
+DEFER_BEFORE = before_dot_reply("a", 450, "4.2.0 mailbox busy")
+LIMITED = rate_limited("a", Reply(421, "4.7.0", "slow down"))
+BUSY = connections_busy("a")
 AUTH = Attempted(
     Outcome(
         Kind.UNAVAILABLE, "a", Reply(535, "5.7.8", "bad"), detail="upstream AUTH refused", data_sent=False
@@ -135,7 +139,7 @@ AUTH = Attempted(
     health="trip",
 )
 NO_UTF8 = Attempted(Outcome(Kind.FAILED, "a", UTF8, data_sent=False), failover=True, health="ok")
-FAIL_BEFORE = _before_dot_reply("a", 550, "5.1.1 no such user")
+FAIL_BEFORE = before_dot_reply("a", 550, "5.1.1 no such user")
 DELIVERED = Attempted(
     Outcome(Kind.DELIVERED, "a", Reply(250, "2.0.0", "ok"), data_sent=True), failover=False, health="ok"
 )
@@ -145,12 +149,12 @@ DEFER_AFTER = Attempted(
 FAIL_AFTER = Attempted(
     Outcome(Kind.FAILED, "a", Reply(554, "5.6.0", "bad message"), data_sent=True), failover=False, health="ok"
 )
-UNKNOWN = _unknown("a", TimeoutError("read"), [])
+UNKNOWN = unknown("a", "TimeoutError: read", [])
 
 B_DELIVERS = Attempted(
     Outcome(Kind.DELIVERED, "b", Reply(250, "2.0.0", "ok"), data_sent=True), failover=False, health="ok"
 )
-B_LIMITED = _rate_limited("b", Reply(421, "4.7.0", "slow down"))
+B_LIMITED = rate_limited("b", Reply(421, "4.7.0", "slow down"))
 
 
 @dataclass(frozen=True)
@@ -230,49 +234,40 @@ ROWS = {
 }
 
 
-@dataclass
-class Scripted:
-    """A provider that answers from a script: the route's inputs, with no connection."""
+def walk(row: Row) -> tuple[Outcome, bool, Circuit]:
+    """The route's walk over a then b, as the policy decides it. A rate limit is noted as the
+    gate would answer it without a store (usable again now); a busy pool as CONNECTION_WAIT."""
+    w = Walk()
+    circuit_a = Breaker(1, 60)
 
-    name: str
-    answers: list[Attempted]
-    idempotent: bool = False
-    smtputf8: bool | None = True
-    sent: int = 0
+    def note(result: Attempted) -> None:
+        if result.rate_limited:
+            w.throttled(NOW)
+        elif result.busy:
+            w.throttled(NOW + CONNECTION_WAIT)
 
-    async def send(self, env: Envelope, before_data: object) -> Attempted:
-        self.sent += 1
-        return self.answers.pop(0)
-
-    async def close(self) -> None:
-        return None
-
-
-ENV = Envelope("z", "k", "att", "s@example.org", ("r@example.org",), b"Subject: x\r\n\r\nx\r\n")
-
-
-async def _mark(provider: str) -> None:
-    return None
-
-
-async def walk(row: Row) -> tuple[Outcome, bool, Circuit]:
-    a = Scripted("a", [row.first, *([row.retry] if row.retry else [])], idempotent=row.idempotent)
-    providers = [a]
-    b = Scripted("b", [B_LIMITED if row.rest == "limited" else B_DELIVERS])
-    if row.rest != "none":
-        providers.append(b)
-    route = Route(providers, threshold=1, cooldown=60, clock=lambda: NOW)
-    if row.rest == "open":
-        route.breakers["b"] = route.breakers["b"].trip(NOW)
-
-    outcome = await route.send(ENV, _mark)
-    assert a.sent == (2 if row.retry else 1)
-    return outcome, b.sent == 1, route.breakers["a"].circuit
+    result = row.first
+    note(result)
+    circuit_a = health_after(circuit_a, result.health, NOW)
+    assert retries_same(result, row.idempotent) is (row.retry is not None)
+    if row.retry is not None:
+        circuit_a = health_after(circuit_a, row.retry.health, NOW)
+        result = after_retry(result, row.retry)
+    ended = w.tried(result)
+    b_tried = False
+    if ended is None and row.rest == "open":
+        w.circuit_open()
+    elif ended is None and row.rest != "none":
+        b_tried = True
+        second = B_LIMITED if row.rest == "limited" else B_DELIVERS
+        note(second)
+        ended = w.tried(second)
+    return w.end(ended if ended is not None else w.exhausted()), b_tried, circuit_a.circuit
 
 
 @pytest.mark.parametrize("row", ROWS.values(), ids=ROWS.keys())
-async def test_the_route_table(row: Row) -> None:
-    outcome, b_tried, a_circuit = await walk(row)
+def test_the_route_table(row: Row) -> None:
+    outcome, b_tried, a_circuit = walk(row)
     assert (outcome.kind, outcome.provider, b_tried, outcome.wait_until, a_circuit) == (
         row.kind,
         row.provider,
@@ -282,19 +277,48 @@ async def test_the_route_table(row: Row) -> None:
     )
 
 
-async def test_every_circuit_open_tries_nothing_and_says_so() -> None:
-    a = Scripted("a", [DELIVERED])
-    route = Route([a], threshold=1, cooldown=60, clock=lambda: NOW)
-    route.breakers["a"] = route.breakers["a"].trip(NOW)
-    outcome = await route.send(ENV, _mark)
-    assert a.sent == 0
-    assert outcome == Outcome(
+def test_every_circuit_open_tries_nothing_and_says_so() -> None:
+    w = Walk()
+    w.circuit_open()
+    assert w.end(w.exhausted()) == Outcome(
         Kind.UNAVAILABLE, None, detail="every provider circuit is open", data_sent=False
     )
 
 
-async def test_a_refusal_for_what_one_provider_lacks_is_retryable_while_another_is_out() -> None:
-    outcome, _, _ = await walk(ROWS["no-smtputf8-open"])
+def test_every_provider_throttled_says_when_to_come_back() -> None:
+    w = Walk()
+    w.throttled(NOW + 5)
+    w.throttled(NOW + 2)
+    assert w.end(w.exhausted()) == Outcome(
+        Kind.UNAVAILABLE, None, detail="every provider is throttled", data_sent=False, wait_until=NOW + 2
+    )
+
+
+def test_throttled_and_open_circuits_name_the_circuits() -> None:
+    w = Walk()
+    w.throttled(NOW + 5)
+    w.circuit_open()
+    outcome = w.end(w.exhausted())
+    assert (outcome.detail, outcome.wait_until) == ("every provider circuit is open", NOW + 5)
+
+
+def test_a_refusal_for_what_one_provider_lacks_is_retryable_while_another_is_out() -> None:
+    outcome, _, _ = walk(ROWS["no-smtputf8-open"])
     assert outcome == Outcome(
         Kind.UNAVAILABLE, "a", detail=f"{UTF8}; another provider unavailable", data_sent=False
     )
+
+
+@pytest.mark.parametrize(
+    ("outcome", "label"),
+    [
+        (Outcome(Kind.DELIVERED, "a", Reply(250, "2.0.0", "ok")), "2xx"),
+        (Outcome(Kind.DEFERRED, "a", Reply(451, "4.3.0", "later")), "4xx"),
+        (Outcome(Kind.FAILED, "a", Reply(554, "5.6.0", "no")), "5xx"),
+        (Outcome(Kind.UNKNOWN, "a"), "unknown"),
+        (Outcome(Kind.UNAVAILABLE, "a", Reply(421, "4.7.0", "slow")), "unavailable"),
+        (Outcome(Kind.FAILED, "a"), "failed"),
+    ],
+)
+def test_the_upstream_metric_label(outcome: Outcome, label: str) -> None:
+    assert reply_class(outcome) == label
