@@ -1,0 +1,492 @@
+"""The SMTP upstream: one provider's connection pool and its MAIL…DATA transaction
+(DESIGN.md §6, §11.6, §16).
+
+Every aiosmtplib and OS exception is translated here, in one place, into an Attempted value
+(policy/failover.py decides what each answer means). Any other exception is too, by how far
+the transaction got: before DATA `unavailable` (nothing was sent), once DATA has started
+`unknown`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import aiosmtplib
+
+from smtpguard.config import ConfigError, SmtpProviderConfig, read_secret
+from smtpguard.events.tags import tagged
+from smtpguard.policy.eventkey import qualified_key
+from smtpguard.policy.failover import (
+    Attempted,
+    auth_refused,
+    before_dot_reply,
+    connections_busy,
+    data_reply,
+    lost_at_data,
+    rate_limited,
+    refused_all,
+    smtputf8_missing,
+    unavailable,
+    unknown,
+)
+from smtpguard.policy.outcome import Kind, Outcome, queue_id, upstream_reply
+from smtpguard.policy.strip import without_headers
+from smtpguard.policy.throttle import is_rate_limit
+from smtpguard.provider_gate import IDLE_HOLD, ConnectionSlots
+from smtpguard.relay.base import BeforeData, Envelope, describe, log_unexpected
+from smtpguard.replies import Reply
+
+log = logging.getLogger("smtpguard.relay")
+
+
+class SmtpProvider:
+    def __init__(
+        self, cfg: SmtpProviderConfig, password: str | None, helo: str, event_tag: str | None = None
+    ) -> None:
+        self.name = cfg.name
+        self.event_tag = event_tag
+        """The kind of the event source reading this provider's webhooks: its custom-variable
+        header carries the event key back (events/tags.py)."""
+        self.cfg = cfg
+        self.idempotent = cfg.idempotency_header is not None
+        self.smtputf8: bool | None = None
+        self._password = password
+        self._previous: str | None = None
+        """The secret in use before the last re-read (a retry after a 535 may need it)."""
+        self._helo = cfg.helo_name or helo
+        self._idle: deque[aiosmtplib.SMTP] = deque()
+        self._closed = False
+        self._slots = asyncio.Semaphore(min(cfg.pool_size, cfg.max_connections or cfg.pool_size))
+        self._tls_context = self._make_tls_context()
+        self._fleet: ConnectionSlots | None = None
+        self._holders: dict[aiosmtplib.SMTP, str] = {}
+        """The max_connections slot each open connection holds (DESIGN.md §16)."""
+        self._idle_since: dict[aiosmtplib.SMTP, float] = {}
+
+    def limit_connections(self, fleet: ConnectionSlots) -> None:
+        """Count every connection this pool opens against the provider's fleet-wide
+        max_connections; a connection idle longer than IDLE_HOLD gives its slot back."""
+        self._fleet = fleet
+        fleet.on_tick = self._close_idle
+
+    def _close_idle(self) -> None:
+        now = time.monotonic()
+        for conn in [c for c in self._idle if now - self._idle_since.get(c, now) >= IDLE_HOLD]:
+            self._idle.remove(conn)
+            self._discard(conn)
+
+    def _discard(self, conn: aiosmtplib.SMTP) -> None:
+        """Close a connection and give back the slot it held."""
+        conn.close()
+        self._idle_since.pop(conn, None)
+        holder = self._holders.pop(conn, None)
+        if holder is not None and self._fleet is not None:
+            self._fleet.release(holder)
+
+    def _make_tls_context(self) -> ssl.SSLContext | None:
+        if self.cfg.tls == "none":
+            return None
+        ctx = ssl.create_default_context(cafile=str(self.cfg.ca_file) if self.cfg.ca_file else None)
+        if not self.cfg.verify_tls:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+
+    async def close(self) -> None:
+        self._closed = True
+        while self._idle:
+            conn = self._idle.popleft()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(conn.quit(), 2)
+            self._discard(conn)
+        if self._fleet is not None:
+            # Connections still sending (a reload replaced this pool) finish on their own
+            # and give their slots back as they are discarded (_finish: the pool is closed).
+            await self._fleet.close()
+
+    def _prepare(self, env: Envelope) -> bytes:
+        qualified = qualified_key(env.zone, env.key) if env.key is not None else None
+        content = env.content
+        if self.cfg.idempotency_header:
+            # The provider deduplicates on this field: only smtpguard's ZONE:KEY may reach
+            # it. A client's own copy (its key unqualified with strip off, or another
+            # zone's key written by hand) would have the provider drop someone's event.
+            content = without_headers(content, (self.cfg.idempotency_header,))
+        content = tagged(self.event_tag, qualified, env.attempt_id, content)
+        if self.cfg.idempotency_header and qualified is not None:
+            return f"{self.cfg.idempotency_header}: {qualified}\r\n".encode() + content
+        return content
+
+    async def _open(self) -> aiosmtplib.SMTP | Attempted:
+        """A fresh connection, authenticated, or why not. A 535 gets one more AUTH, on a
+        fresh connection, when another secret is known (`_another_password`): AUTH comes
+        before MAIL, so nothing of the message has been sent either way."""
+        password = self._password
+        retried = False
+        while True:
+            try:
+                return await self._connect(password)
+            except aiosmtplib.SMTPAuthenticationError as e:
+                another = None if retried or e.code != 535 else self._another_password(password)
+                if another is None:
+                    return self._auth_failed(e)
+                password, retried = another, True
+            except aiosmtplib.SMTPResponseException as e:
+                reply = upstream_reply(e.code, e.message)
+                if is_rate_limit(e.code, reply.enhanced, e.message):
+                    return rate_limited(self.name, reply)
+                return unavailable(self.name, f"connect: {describe(e)}")
+            except (aiosmtplib.SMTPException, OSError, ssl.SSLError, TimeoutError) as e:
+                return unavailable(self.name, f"connect: {describe(e)}")
+            except Exception as e:
+                log_unexpected(self.name, "connecting", e)
+                return unavailable(self.name, f"connect: {describe(e)}")
+
+    async def _connect(self, password: str | None) -> aiosmtplib.SMTP:
+        t = self.cfg.timeouts
+        conn = aiosmtplib.SMTP(
+            hostname=self.cfg.host,
+            port=self.cfg.port,
+            use_tls=self.cfg.tls == "implicit",
+            start_tls=self.cfg.tls == "starttls",
+            tls_context=self._tls_context,
+            local_hostname=self._helo,
+            timeout=t.command,
+        )
+        try:
+            await conn.connect(timeout=t.connect)
+            if conn.is_ehlo_or_helo_needed:
+                # Without STARTTLS aiosmtplib would greet at the first command; the relay
+                # must know what the provider offers (SMTPUTF8) before MAIL. HELO as
+                # aiosmtplib falls back to it.
+                try:
+                    await conn.ehlo(timeout=t.command)
+                except aiosmtplib.SMTPHeloError as e:
+                    if e.code == 421:
+                        # The provider closes the session ("too many connections"): no
+                        # HELO on a closed connection; the 421 is the answer (throttle).
+                        raise
+                    await conn.helo(timeout=t.command)
+            # This connection's last EHLO (after STARTTLS, the second): the listener's view.
+            self.smtputf8 = conn.supports_extension("smtputf8")
+            if self.cfg.username:
+                await conn.login(self.cfg.username, password or "", timeout=t.command)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    async def send(self, env: Envelope, before_data: BeforeData) -> Attempted:
+        await self._slots.acquire()
+        try:
+            conn: aiosmtplib.SMTP | None = None
+            while self._idle and conn is None:
+                candidate = self._idle.pop()
+                self._idle_since.pop(candidate, None)
+                if candidate.is_connected:
+                    conn = candidate
+                else:
+                    self._discard(candidate)
+            if conn is not None:
+                result, keep = await self._guarded(conn, env, before_data, reused=True)
+                if result is not None:
+                    return self._finish(conn, keep, result)
+                # The cached connection had gone away before MAIL was answered: safe to redo.
+                # Closed here, so the max_connections slot it held is free for the new one.
+                self._discard(conn)
+            holder: str | None = None
+            if self._fleet is not None:
+                holder = await self._fleet.acquire()
+                if holder is None:
+                    return connections_busy(self.name)
+            try:
+                opened = await self._open()
+            except BaseException:
+                if holder is not None and self._fleet is not None:
+                    self._fleet.release(holder)
+                raise
+            if not isinstance(opened, aiosmtplib.SMTP):
+                if holder is not None and self._fleet is not None:
+                    self._fleet.release(holder)
+                return opened
+            conn = opened
+            if holder is not None:
+                self._holders[conn] = holder
+            result, keep = await self._guarded(conn, env, before_data, reused=False)
+            assert result is not None
+            return self._finish(conn, keep, result)
+        finally:
+            self._slots.release()
+
+    async def _guarded(
+        self, conn: aiosmtplib.SMTP, env: Envelope, before_data: BeforeData, reused: bool
+    ) -> tuple[Attempted | None, bool]:
+        try:
+            return await self._transaction(conn, env, before_data, reused)
+        except BaseException:
+            # Cancelled (a drain that timed out) mid-transaction: the connection is in an
+            # unknown state and its max_connections slot must not stay held by nothing.
+            self._discard(conn)
+            raise
+
+    def _finish(self, conn: aiosmtplib.SMTP, keep: bool, result: Attempted) -> Attempted:
+        # A provider replaced by a reload is closed: its in-flight connections end here.
+        if keep and conn.is_connected and not self._closed:
+            self._idle.append(conn)
+            self._idle_since[conn] = time.monotonic()
+        else:
+            self._discard(conn)
+        return result
+
+    @property
+    def password(self) -> str | None:
+        """The secret new connections authenticate with (the prober reads it too)."""
+        return self._password
+
+    def rotate_password(self, password: str | None) -> bool:
+        """The secret as read again (SIGHUP); True if it changed. The next connection
+        authenticates with it; pooled connections, authenticated already, carry on. The
+        one it replaces is kept for one retry after a 535 (`_another_password`)."""
+        changed = password != self._password
+        if changed:
+            self._previous = self._password
+        self._password = password
+        return changed
+
+    def inherit(self, old: SmtpProvider) -> None:
+        """A reload rebuilt this provider with the same settings: keep what `old` knew of
+        the secret in use before, for the same retry after a 535."""
+        if old._password != self._password:
+            self._previous = old._password
+        else:
+            self._previous = old._previous
+
+    def _another_password(self, used: str | None) -> str | None:
+        """After a 535 to `used`: a secret to try once instead, now in use; None when
+        there is none. First the `password_file` read again (the provider rotated first);
+        else the secret in use now, if another coroutine has moved on already; else the
+        one in use before the last re-read (the file was rotated and reloaded before the
+        provider switched: until it does, the old secret is the good one). Compared with
+        the one refused, not the current one, so that connections refused together each get
+        their retry. A password from the environment cannot change under a running process."""
+        fresh: str | None = None
+        if self.cfg.password_file is not None:
+            try:
+                fresh = read_secret(None, self.cfg.password_file, f"provider {self.name}")
+            except ConfigError as e:
+                log.error(
+                    "upstream refused the password and password_file cannot be read again: %s",
+                    "; ".join(e.problems),
+                    extra={"provider": self.name},
+                )
+        candidates = (
+            (fresh, "password_file holds a new one"),
+            (self._password, "another connection moved to a new one"),
+            (self._previous, "the one in use before the last re-read"),
+        )
+        for candidate, why in candidates:
+            if candidate is not None and candidate != used:
+                log.warning(
+                    "upstream refused the password; retrying once with %s",
+                    why,
+                    extra={"provider": self.name},
+                )
+                if candidate != self._password:
+                    self._previous = self._password
+                    self._password = candidate
+                return candidate
+        return None
+
+    def _auth_failed(self, e: aiosmtplib.SMTPAuthenticationError) -> Attempted:
+        result = auth_refused(self.name, e.code, e.message)
+        if result.health == "trip":
+            # The secret is never logged; the provider's reply text is enough to act on.
+            log.critical(
+                "upstream refused smtpguard's credentials; circuit opened",
+                extra={"provider": self.name, "code": e.code, "upstream_text": e.message[:200]},
+            )
+        return result
+
+    async def _mail_rcpt(
+        self, conn: aiosmtplib.SMTP, env: Envelope, reused: bool
+    ) -> tuple[Attempted | None, bool] | _Accepted:
+        """MAIL and RCPT: the recipients taken, or the transaction's result if it ends here."""
+        t = self.cfg.timeouts
+        declare = env.smtputf8_wanted and conn.supports_extension("smtputf8")
+        options, encoding = (["SMTPUTF8"], "utf-8") if declare else ([], "ascii")
+        try:
+            try:
+                await conn.mail(env.sender, options=options, encoding=encoding, timeout=t.command)
+            except aiosmtplib.SMTPServerDisconnected:
+                if reused:
+                    return None, False
+                raise
+            except aiosmtplib.SMTPResponseException as e:
+                if reused and e.code == 421:
+                    # A pooled connection the provider closed while it was idle (Postfix:
+                    # "421 4.4.2 … timeout exceeded"): that 421 ended the idle session, it
+                    # is no rate limit. Nothing was sent; a fresh connection asks again.
+                    return None, False
+                raise
+            accepted: list[str] = []
+            rejected: list[tuple[str, Reply]] = []
+            for rcpt in env.recipients:
+                try:
+                    await conn.rcpt(rcpt, encoding=encoding, timeout=t.command)
+                    accepted.append(rcpt)
+                except aiosmtplib.SMTPRecipientRefused as e:
+                    rejected.append((rcpt, upstream_reply(e.code, e.message)))
+            if not accepted or any(r.temporary for _, r in rejected):
+                # A recipient refused for now would silently miss the message if the rest
+                # went ahead: the 250 would close the event. Only permanent refusals may
+                # leave the others to be delivered; a temporary one defers the whole event
+                # (nothing has been accepted yet, so another provider may take it).
+                return refused_all(self.name, rejected), await _rset(conn)
+        except aiosmtplib.SMTPResponseException as e:
+            return before_dot_reply(self.name, e.code, e.message), await _rset(conn)
+        except (aiosmtplib.SMTPException, OSError, TimeoutError) as e:
+            return unavailable(self.name, f"before DATA: {describe(e)}"), False
+        except Exception as e:
+            # Anything else (an address aiosmtplib cannot encode or quote, a defect): no DATA
+            # has started, so nothing can have been accepted — unavailable, never unknown,
+            # and the next provider may be tried. The connection answered EHLO, and the
+            # fault is this message's: it must not count against the provider's circuit.
+            log_unexpected(self.name, "before DATA", e)
+            return unavailable(self.name, f"before DATA: {describe(e)}", health="ok"), False
+        return _Accepted(accepted, rejected)
+
+    async def _transaction(
+        self, conn: aiosmtplib.SMTP, env: Envelope, before_data: BeforeData, reused: bool
+    ) -> tuple[Attempted | None, bool]:
+        """One MAIL…DATA transaction; (None, False) asks for a fresh connection."""
+        t = self.cfg.timeouts
+        if env.smtputf8_required and not conn.supports_extension("smtputf8"):
+            # Checked on the connection in hand (pooled or fresh), before anything is sent:
+            # its EHLO is what this provider will accept. RFC 6531's 553 5.6.7, but this
+            # provider's alone — nothing was sent, so the route may fail over to one that
+            # offers SMTPUTF8; where none does, the event fails with the 553, as the
+            # listener answers at MAIL/RCPT once it knows the route. The provider is
+            # healthy and the connection clean: it is kept.
+            return smtputf8_missing(self.name), True
+        try:
+            payload = self._prepare(env)
+        except Exception as e:
+            log_unexpected(self.name, "preparing the message", e)
+            return unavailable(self.name, f"before DATA: {describe(e)}", health="ok"), True
+        # The data_sent mark is written while MAIL and RCPT go out and awaited before DATA:
+        # its durable write and the provider's round trips overlap instead of adding up (and
+        # the pooled connection is not held idle meanwhile). A crash between the two leaves
+        # the event `unknown`, held for review: conservative, never a resend.
+        marker = asyncio.ensure_future(before_data())
+        # Retrieved even when MAIL/RCPT end the transaction first (no "never retrieved").
+        marker.add_done_callback(_retrieve)
+        try:
+            envelope = await self._mail_rcpt(conn, env, reused)
+        except BaseException:
+            # Cancelled (shutdown): the mark, if it lands, only makes the event `unknown`.
+            marker.cancel()
+            self._discard(conn)
+            raise
+        try:
+            # Whatever MAIL and RCPT gave, a failed mark (lease lost, store down) is what the
+            # caller must hear; nothing has been sent.
+            await marker
+        except BaseException:
+            self._discard(conn)
+            raise
+        if not isinstance(envelope, _Accepted):
+            return envelope
+        accepted, rejected = envelope.accepted, envelope.rejected
+
+        # From here the final dot may reach the provider: the outcome is the provider's.
+        watch = _BodyWatch(conn)
+        try:
+            with watch:
+                response = await conn.data(payload, timeout=t.data)
+        except (aiosmtplib.SMTPServerDisconnected, aiosmtplib.SMTPTimeoutError, OSError, TimeoutError) as e:
+            return lost_at_data(self.name, describe(e), rejected, watch.body_written), False
+        except aiosmtplib.SMTPResponseException as e:
+            # To the DATA command itself, or to the message after its final dot.
+            return data_reply(self.name, e.code, e.message, rejected, watch.body_written), await _rset(conn)
+        except aiosmtplib.SMTPException as e:
+            return unknown(self.name, describe(e), rejected), False
+        except Exception as e:
+            # Not an SMTP or socket error, but DATA had started: the dot may have gone out.
+            log_unexpected(self.name, "after DATA", e)
+            return unknown(self.name, describe(e), rejected), False
+        reply = upstream_reply(response.code, response.message)
+        return Attempted(
+            Outcome(
+                Kind.DELIVERED,
+                self.name,
+                reply,
+                upstream_id=queue_id(response.message),
+                rejected=tuple(rejected),
+                accepted=tuple(accepted),
+                data_sent=True,
+            ),
+            failover=False,
+            health="ok",
+        ), True
+
+
+class _BodyWatch:
+    """Whether any byte of the message was handed to the socket during `conn.data()`.
+
+    aiosmtplib sends the DATA command and the message in one call; a connection lost in
+    between (no 354 yet) has sent nothing the provider could accept, while one lost after
+    the message was written is RFC 1047's unknown window. The call writes exactly twice
+    (the command line, then the message), so counting writes tells the two apart."""
+
+    def __init__(self, conn: aiosmtplib.SMTP) -> None:
+        self._protocol = conn.protocol
+        self.writes = 0
+
+    @property
+    def body_written(self) -> bool:
+        return self.writes > 1
+
+    def __enter__(self) -> _BodyWatch:
+        proto = self._protocol
+        if proto is not None:
+            original = proto.write
+
+            def counted(data: bytes) -> None:
+                self.writes += 1
+                original(data)
+
+            proto.write = counted  # type: ignore[method-assign]
+        else:
+            self.writes = 2  # nothing to watch: assume the worst (unknown)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._protocol is not None:
+            with contextlib.suppress(AttributeError):
+                del self._protocol.write
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+@dataclass(frozen=True, slots=True)
+class _Accepted:
+    accepted: list[str]
+    rejected: list[tuple[str, Reply]]
+
+
+async def _rset(conn: aiosmtplib.SMTP) -> bool:
+    """Reset after a refused transaction; keep the connection only if RSET works."""
+    try:
+        await conn.rset(timeout=5)
+    except Exception:
+        return False
+    return True
