@@ -253,6 +253,7 @@ class Console:
                     error="Too many failed logins; wait and try again.",
                     login_csrf=cookie,
                 )
+            await self.logins.attempt(ip, username, now)
             operator = self._operator(username)
             ok = await self.verifier.verify(
                 username,
@@ -260,11 +261,11 @@ class Console:
                 password if isinstance(password, str) else "",
             )
             if not ok or operator is None:
-                await self.logins.failed(ip, username, now)
                 log.warning("console: login failed", extra={"client_ip": ip, "username": username[:64]})
                 return self.page(
                     "login.html", request, status=401, error="Wrong username or password.", login_csrf=cookie
                 )
+            await self.logins.succeeded(ip, username, now)
         # Never the session the browser came with (fixation), nor one left open elsewhere.
         self.sessions.drop(request.cookies.get(COOKIE))
         fresh = self.sessions.new(operator.username, operator.role, fingerprint(operator.password_hash))

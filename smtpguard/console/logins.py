@@ -5,6 +5,12 @@ the console's own: an operator's typos must not lock the SMTP clients of the sam
 (the console is usually on loopback, as they are) out of AUTH. Per address alone, guesses
 from many addresses would never be counted against the account; per username alone, one
 address could try every name. Either count at `limits.auth_failures` refuses the login.
+
+An attempt is counted as a failure *before* its password is tested, and a success is
+counted beside it (`…:ok`), so failures are attempts less successes. Counting after the
+test let a store that answers reads but refuses writes (a demoted primary, a full
+noeviction Redis) turn every wrong guess into an uncounted 503 while the right password
+still logged in: now a login that cannot be counted is never tried.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from smtpguard.store import Store
 MAX_USERNAME = 64
 """The longest username an operator can have: a longer one typed is counted by this prefix."""
 _LOCKS_KEPT = 10_000
+_OK = "ok:"
+"""The prefix of a bucket's successes."""
 
 
 class LoginLimiter:
@@ -52,16 +60,25 @@ class LoginLimiter:
     async def refused(self, address: str, username: str, now: float) -> str | None:
         """Which count is full, if one is."""
         limits = self.limits()
+        window = limits.auth_failure_window
         by_address, by_user = self.buckets(address, username)
         for which, bucket in (("address", by_address), ("username", by_user)):
-            if (
-                await self.store.auth_failures(bucket, now, limits.auth_failure_window)
-                >= limits.auth_failures
-            ):
+            attempts = await self.store.auth_failures(bucket, now, window)
+            if attempts < limits.auth_failures:
+                continue  # fewer attempts than the limit: no need to read the successes
+            if attempts - await self.store.auth_failures(_OK + bucket, now, window) >= limits.auth_failures:
                 return which
         return None
 
-    async def failed(self, address: str, username: str, now: float) -> None:
+    async def attempt(self, address: str, username: str, now: float) -> None:
+        """Count an attempt as failed before its password is tested (StoreUnavailable: it
+        must not be tested)."""
         window = self.limits().auth_failure_window
         for bucket in self.buckets(address, username):
             await self.store.auth_failure(bucket, now, window)
+
+    async def succeeded(self, address: str, username: str, now: float) -> None:
+        """Take back what attempt() counted: the same `now`, so both leave the window together."""
+        window = self.limits().auth_failure_window
+        for bucket in self.buckets(address, username):
+            await self.store.auth_failure(_OK + bucket, now, window)
