@@ -58,3 +58,35 @@ async def test_a_store_that_refuses_writes_never_lets_a_guess_go_uncounted(
         for n in range(3):
             assert await attempt(port, "alice", f"later-{n}", "127.0.0.3") == 401
         assert await attempt(port, "alice", PASSWORDS["alice"], "127.0.0.4") == 429
+
+
+async def test_an_ipv6_client_is_counted_by_its_64_not_by_each_address_it_holds(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """One IPv6 client holds a /64 (2^64 addresses, privacy addresses change by themselves):
+    counted per address, every guess from a new one was a first failure, so the per-address
+    limit never stopped one client trying every username. Behind a trusted proxy that
+    appends what it saw, as docs/SECURITY.md asks."""
+    cfg = console_config(tmp, upstream, limits=LIMITS)
+    cfg["console"]["trusted_proxies"] = ["127.0.0.2"]
+    async with running_guard(cfg) as guard:
+        port = console_port(guard)
+
+        async def via_proxy(name: str, client: str, password: str = "wrong") -> int:
+            op = Operator(port, source="127.0.0.2", headers={"X-Forwarded-For": client})
+            try:
+                return (await op.login(name, password)).status
+            finally:
+                await op.close()
+
+        statuses = [await via_proxy(f"u{n}", f"2001:db8:0:1::{n:x}") for n in range(1, 4)]
+        assert statuses == [401, 401, 401]
+        # A fourth address of the same /64, another username: the client's count is full.
+        assert await via_proxy("victor", "2001:db8:0:1:ffff::9", PASSWORDS["victor"]) == 429
+        # Another /64 is another client.
+        assert await via_proxy("victor", "2001:db8:0:2::1", PASSWORDS["victor"]) == 200
+        # An IPv4 client written IPv4-mapped is that IPv4 address, and only it.
+        for n in range(3):
+            assert await via_proxy(f"w{n}", "::ffff:203.0.113.7") == 401
+        assert await via_proxy("bob", "203.0.113.7", PASSWORDS["bob"]) == 429
+        assert await via_proxy("bob", "203.0.113.8", PASSWORDS["bob"]) == 200

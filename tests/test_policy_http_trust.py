@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from smtpguard.policy.http_trust import client_address, host_allowed, host_port, network
+from smtpguard.policy.http_trust import client_address, host_allowed, host_port, limit_unit, network
 
 PROXIES = [network("10.0.0.0/8"), network("127.0.0.2"), network("fd00::/8")]
 
@@ -35,6 +35,25 @@ PROXIES = [network("10.0.0.0/8"), network("127.0.0.2"), network("fd00::/8")]
 )
 def test_client_address(peer: str, xff: list[str], client: str) -> None:
     assert client_address(peer, xff, PROXIES) == client
+
+
+@pytest.mark.parametrize(
+    ("client", "unit"),
+    [
+        ("203.0.113.5", "203.0.113.5"),
+        ("::ffff:203.0.113.5", "203.0.113.5"),
+        # One IPv6 client holds its /64: every address of it, scoped or not, is one count.
+        ("2001:db8:0:1::5", "2001:db8:0:1::/64"),
+        ("2001:db8:0:1:ffff:ffff:ffff:ffff", "2001:db8:0:1::/64"),
+        ("[2001:db8:0:1::5]:4711", "2001:db8:0:1::/64"),
+        ("fe80::1%eth0", "fe80::/64"),
+        ("fe80::1%other", "fe80::/64"),
+        ("2001:db8:0:2::5", "2001:db8:0:2::/64"),
+        ("?", "?"),
+    ],
+)
+def test_the_unit_a_per_address_limit_counts(client: str, unit: str) -> None:
+    assert limit_unit(client) == unit
 
 
 def test_no_trusted_proxies_means_the_peer() -> None:

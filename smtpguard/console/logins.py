@@ -4,7 +4,8 @@ The counts are the store's AUTH failure windows, the limiter SMTP AUTH uses, in 
 the console's own: an operator's typos must not lock the SMTP clients of the same address
 (the console is usually on loopback, as they are) out of AUTH. Per address alone, guesses
 from many addresses would never be counted against the account; per username alone, one
-address could try every name. Either count at `limits.auth_failures` refuses the login.
+address could try every name (an IPv6 client is counted by its /64: it holds all of
+them). Either count at `limits.auth_failures` refuses the login.
 
 An attempt is counted as a failure *before* its password is tested, and a success is
 counted beside it (`…:ok`), so failures are attempts less successes. Counting after the
@@ -21,6 +22,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 
 from smtpguard.config import LimitsConfig
+from smtpguard.policy import http_trust
 from smtpguard.store import Store
 
 MAX_USERNAME = 64
@@ -41,7 +43,7 @@ class LoginLimiter:
         # Escaped as JSON, ASCII only: a NUL (PostgreSQL's text refuses it) or any control
         # character typed as a username still makes a key every store takes, and readable.
         typed = json.dumps(username[:MAX_USERNAME])[1:-1]
-        return f"console:{address}", f"console-user:{typed}"
+        return f"console:{http_trust.limit_unit(address)}", f"console-user:{typed}"
 
     @contextlib.asynccontextmanager
     async def turn(self, address: str, username: str) -> AsyncIterator[None]:

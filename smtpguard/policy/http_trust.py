@@ -71,6 +71,21 @@ def client_address(peer: str, forwarded_for: Iterable[str], trusted: Sequence[Ne
     return str(known)
 
 
+IPV6_CLIENT_PREFIX = 64
+"""What one IPv6 client holds: a /64 is a single LAN's or subscriber's (RFC 6177), and
+its privacy addresses (RFC 8981) change by themselves."""
+
+
+def limit_unit(client: str) -> str:
+    """What a per-address limit counts for `client` (as client_address() gives it): the
+    address for IPv4, its /64 for IPv6, so that one client cannot start a fresh count from
+    each of the addresses it holds. Anything that is not an address is counted as itself."""
+    ip = address(client)
+    if isinstance(ip, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((ip, IPV6_CLIENT_PREFIX), strict=False))
+    return str(ip) if ip is not None else client
+
+
 def _trusted(ip: Address, trusted: Sequence[Network]) -> bool:
     return any(ip.version == net.version and ip in net for net in trusted)
 
