@@ -5,6 +5,7 @@ loopback addresses, a real console, a real redis-server."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -90,3 +91,27 @@ async def test_an_ipv6_client_is_counted_by_its_64_not_by_each_address_it_holds(
             assert await via_proxy(f"w{n}", "::ffff:203.0.113.7") == 401
         assert await via_proxy("bob", "203.0.113.7", PASSWORDS["bob"]) == 429
         assert await via_proxy("bob", "203.0.113.8", PASSWORDS["bob"]) == 200
+
+
+async def test_parallel_guesses_spread_over_two_consoles_on_one_store_are_limited(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """Two instances of one fleet, each with its console, on one store (DESIGN.md §15): a
+    login was serialised only within its own process, so each console let a guess pass
+    the count while the other's was still being tested."""
+    cfg = console_config(tmp, upstream, limits=LIMITS)
+    async with running_guard(cfg) as first, running_guard(cfg) as second:
+        ops = [
+            Operator(console_port(first if n % 2 else second), source=f"127.0.0.{n}") for n in range(2, 14)
+        ]
+        try:
+            for op in ops:
+                op.csrf = (await op.get("/login")).csrf
+            guesses = [{"username": "alice", "password": f"guess-{i}"} for i in range(len(ops))]
+            posts = [op.post("/login", g) for op, g in zip(ops, guesses, strict=True)]
+            results = await asyncio.gather(*posts)
+        finally:
+            for op in ops:
+                await op.close()
+        statuses = sorted(r.status for r in results)
+        assert statuses.count(401) == 3 and statuses.count(429) == 9, statuses

@@ -240,7 +240,9 @@ class Console:
         username = given if isinstance(given, str) else ""
         async with self.logins.turn(ip, username), self._verifying:
             now = self.store.now()
+            # Refused before anything is counted when already full; else counted, then tested.
             full = await self.logins.refused(ip, username, now)
+            full = full or await self.logins.attempt(ip, username, now)
             if full is not None:
                 log.warning(
                     f"console: login refused, too many failures for this {full}",
@@ -253,7 +255,6 @@ class Console:
                     error="Too many failed logins; wait and try again.",
                     login_csrf=cookie,
                 )
-            await self.logins.attempt(ip, username, now)
             operator = self._operator(username)
             ok = await self.verifier.verify(
                 username,
@@ -265,7 +266,7 @@ class Console:
                 return self.page(
                     "login.html", request, status=401, error="Wrong username or password.", login_csrf=cookie
                 )
-            await self.logins.succeeded(ip, username, now)
+            await self.logins.take_back(ip, username, now)
         # Never the session the browser came with (fixation), nor one left open elsewhere.
         self.sessions.drop(request.cookies.get(COOKIE))
         fresh = self.sessions.new(operator.username, operator.role, fingerprint(operator.password_hash))

@@ -30,6 +30,7 @@ MAX_USERNAME = 64
 _LOCKS_KEPT = 10_000
 _OK = "ok:"
 """The prefix of a bucket's successes."""
+_WHICH = ("address", "username")
 
 
 class LoginLimiter:
@@ -61,26 +62,36 @@ class LoginLimiter:
 
     async def refused(self, address: str, username: str, now: float) -> str | None:
         """Which count is full, if one is."""
-        limits = self.limits()
-        window = limits.auth_failure_window
-        by_address, by_user = self.buckets(address, username)
-        for which, bucket in (("address", by_address), ("username", by_user)):
+        limit, window = self.limits().auth_failures, self.limits().auth_failure_window
+        for which, bucket in zip(_WHICH, self.buckets(address, username), strict=True):
             attempts = await self.store.auth_failures(bucket, now, window)
-            if attempts < limits.auth_failures:
-                continue  # fewer attempts than the limit: no need to read the successes
-            if attempts - await self.store.auth_failures(_OK + bucket, now, window) >= limits.auth_failures:
+            if await self._failures(bucket, attempts, now) >= limit:
                 return which
         return None
 
-    async def attempt(self, address: str, username: str, now: float) -> None:
+    async def attempt(self, address: str, username: str, now: float) -> str | None:
         """Count an attempt as failed before its password is tested (StoreUnavailable: it
-        must not be tested)."""
-        window = self.limits().auth_failure_window
-        for bucket in self.buckets(address, username):
-            await self.store.auth_failure(bucket, now, window)
+        must not be tested). The count the store returns includes what other instances
+        counted meanwhile (turn() serialises this process only): over the limit, the
+        attempt is taken back and refused, and which count it went over is returned."""
+        limit, window = self.limits().auth_failures, self.limits().auth_failure_window
+        over = None
+        for which, bucket in zip(_WHICH, self.buckets(address, username), strict=True):
+            attempts = await self.store.auth_failure(bucket, now, window)
+            if over is None and await self._failures(bucket, attempts, now) > limit:
+                over = which
+        if over is not None:
+            await self.take_back(address, username, now)
+        return over
 
-    async def succeeded(self, address: str, username: str, now: float) -> None:
-        """Take back what attempt() counted: the same `now`, so both leave the window together."""
+    async def _failures(self, bucket: str, attempts: int, now: float) -> int:
+        if attempts < self.limits().auth_failures:
+            return attempts  # under the limit whatever succeeded: no need to read the successes
+        return attempts - await self.store.auth_failures(_OK + bucket, now, self.limits().auth_failure_window)
+
+    async def take_back(self, address: str, username: str, now: float) -> None:
+        """Undo what attempt() counted (a success, or an attempt refused): the same `now`,
+        so both leave the window together."""
         window = self.limits().auth_failure_window
         for bucket in self.buckets(address, username):
             await self.store.auth_failure(_OK + bucket, now, window)
