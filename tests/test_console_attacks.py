@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 import redis
+from yarl import URL
 
 from tests.console_support import PASSWORDS, Operator, console_config, console_port
-from tests.support import RedisServer, Upstream, running_guard
+from tests.support import RedisServer, Upstream, password_hash, running_guard, write_config
 from tests.utf8_support import store_overrides
 
 LIMITS = {"auth_failures": 3, "auth_failure_window": "5m"}
@@ -115,3 +116,101 @@ async def test_parallel_guesses_spread_over_two_consoles_on_one_store_are_limite
                 await op.close()
         statuses = sorted(r.status for r in results)
         assert statuses.count(401) == 3 and statuses.count(429) == 9, statuses
+
+
+async def test_a_session_cookie_or_csrf_token_replayed_elsewhere_is_refused(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """A cookie copied before logout, and one session's CSRF token sent with another's
+    cookie: neither changes anything."""
+    async with running_guard(console_config(tmp, upstream)) as guard:
+        port = console_port(guard)
+        alice, bob, thief = Operator(port), Operator(port), Operator(port)
+        try:
+            assert (await alice.login("alice")).status == 200
+            assert (await bob.login("bob")).status == 200
+            # bob's own cookie with alice's token: 403, nothing paused.
+            bobs_token = bob.csrf
+            bob.csrf = alice.csrf
+            assert (await bob.post("/zones/acme/pause", {})).status == 403
+            bob.csrf = bobs_token
+            stolen = next(c.value for c in alice.session.cookie_jar if c.key == "sg_console")
+            thief.session.cookie_jar.update_cookies({"sg_console": stolen}, URL(thief.base))
+            thief.csrf = alice.csrf
+            assert (await thief.get("/decisions")).url.endswith("/decisions")
+            assert (await alice.post("/logout", {})).url.endswith("/login")
+            assert (await thief.get("/decisions")).url.endswith("/login")
+            assert (await thief.post("/zones/acme/pause", {})).status == 403
+            assert guard.store is not None and not await guard.store.is_paused("acme")
+            # bob's session was never touched by any of it.
+            assert (await bob.post("/zones/acme/pause", {})).url.endswith("/")
+            assert await guard.store.is_paused("acme")
+        finally:
+            for op in (alice, bob, thief):
+                await op.close()
+
+
+async def test_a_login_racing_a_reload_that_changes_the_hash_never_outlives_it(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """The old password is being verified while a reload replaces its hash: whichever
+    finishes first, no session opened with the old password is usable afterwards."""
+    path = tmp / "smtpguard.yaml"
+    cfg = console_config(tmp, upstream)
+    async with running_guard(cfg, config_path=path) as guard:
+        port = console_port(guard)
+        seen: list[int] = []
+        for round_ in range(3):
+            alice = Operator(port)
+            try:
+                alice.csrf = (await alice.get("/login")).csrf
+                old = PASSWORDS["alice"] if round_ == 0 else f"rotated-{round_}"
+                cfg["console"]["operators"][0]["password_hash"] = password_hash(f"rotated-{round_ + 1}")
+                write_config(path, cfg)
+                login = asyncio.ensure_future(alice.post("/login", {"username": "alice", "password": old}))
+                await asyncio.sleep(0.01 * round_)  # three interleavings, each allowed either outcome
+                assert await guard.reload()
+                seen.append((await login).status)
+                assert (await alice.get("/decisions")).url.endswith("/login"), seen
+            finally:
+                await alice.close()
+        assert set(seen) <= {200, 401}, seen
+
+
+async def test_host_tricks_reach_nothing(tmp: Path, upstream: Upstream) -> None:
+    """What a rebinding page or a proxy's client could put in a request line and headers."""
+    async with running_guard(console_config(tmp, upstream)) as guard:
+        port = console_port(guard)
+
+        async def status(target: str, *headers: str) -> int:
+            lines = [f"GET {target} HTTP/1.1", *headers, "Connection: close", "", ""]
+            reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
+            try:
+                writer.write("\r\n".join(lines).encode())
+                answer = await asyncio.wait_for(reader.read(65536), 5)
+            finally:
+                writer.close()
+                await writer.wait_closed()
+            return int(answer.split(b" ", 2)[1])
+
+        ours = f"127.0.0.1:{port}"
+        cases = [
+            # X-Forwarded-Host is never read: the Host decides.
+            (("/login", "Host: attacker.example", f"X-Forwarded-Host: {ours}"), 421),
+            (("/login", f"Host: {ours}", "X-Forwarded-Host: attacker.example"), 200),
+            # userinfo, a list, a second Host in other case, a trailing dot, case
+            (("/login", f"Host: attacker.example@{ours}"), 400),
+            (("/login", f"Host: {ours}@attacker.example"), 400),
+            (("/login", f"Host: {ours}, attacker.example"), 400),
+            (("/login", f"Host: {ours}", "HOST: attacker.example"), 400),
+            (("/login", f"Host: 127.0.0.1.:{port}"), 200),
+            (("/login", "Host: 2130706433"), 421),
+            (("/login", "Host: 127.1"), 421),
+            # the absolute form: its own authority, userinfo dropped
+            ((f"http://{ours}@attacker.example/login", f"Host: {ours}"), 421),
+            ((f"http://attacker.example@{ours}/login", "Host: attacker.example"), 200),
+            (("HTTP://ATTACKER.EXAMPLE/login", f"Host: {ours}"), 421),
+            (("http:///login", f"Host: {ours}"), 400),
+        ]
+        got = [(await status(*request), want) for request, want in cases]
+        assert [g for g, _ in got] == [w for _, w in got], list(zip(cases, got, strict=True))
