@@ -214,3 +214,27 @@ async def test_host_tricks_reach_nothing(tmp: Path, upstream: Upstream) -> None:
         ]
         got = [(await status(*request), want) for request, want in cases]
         assert [g for g, _ in got] == [w for _, w in got], list(zip(cases, got, strict=True))
+
+
+async def test_a_trusted_proxy_written_ipv4_mapped_is_that_ipv4_proxy(tmp: Path, upstream: Upstream) -> None:
+    """A console on a dual-stack socket sees an IPv4 proxy as ::ffff:a.b.c.d, and an
+    operator may list it so; peers are compared as IPv4, so such an entry never matched:
+    every client behind the proxy shared its count, and one guesser locked out all."""
+    cfg = console_config(tmp, upstream, limits=LIMITS)
+    cfg["console"]["trusted_proxies"] = ["::ffff:127.0.0.2", "::ffff:127.0.8.0/120"]
+    async with running_guard(cfg) as guard:
+        port = console_port(guard)
+
+        async def via(proxy: str, client: str, name: str, password: str = "wrong") -> int:
+            op = Operator(port, source=proxy, headers={"X-Forwarded-For": client})
+            try:
+                return (await op.login(name, password)).status
+            finally:
+                await op.close()
+
+        for n in range(3):
+            assert await via("127.0.0.2", "203.0.113.7", f"u{n}") == 401
+        assert await via("127.0.8.9", "203.0.113.7", "bob", PASSWORDS["bob"]) == 429
+        # Another client behind the same proxies is not the guesser.
+        assert await via("127.0.0.2", "203.0.113.8", "bob", PASSWORDS["bob"]) == 200
+        assert await via("127.0.8.9", "203.0.113.9", "alice", PASSWORDS["alice"]) == 200

@@ -117,3 +117,11 @@ def test_host_allowed_by_name_and_port() -> None:
 def test_bad_networks_say_why(value: str, problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         network(value)
+
+
+def test_a_proxy_written_ipv4_mapped_is_its_ipv4_network() -> None:
+    assert str(network("::ffff:10.0.0.7")) == "10.0.0.7/32"
+    assert str(network("::ffff:10.0.0.0/104")) == "10.0.0.0/8"
+    assert client_address("::ffff:10.0.0.7", ["203.0.113.5"], [network("::ffff:10.0.0.7")]) == "203.0.113.5"
+    # Wider than the mapped range: an IPv6 network like any other.
+    assert str(network("::/64")) == "::/64"

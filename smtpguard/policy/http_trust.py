@@ -24,14 +24,20 @@ DEFAULT_PORTS = (80, 443)
 
 
 def network(value: str) -> Network:
-    """A trusted proxy's network, written `10.0.0.0/8` or one address (`10.0.0.7`)."""
+    """A trusted proxy's network, written `10.0.0.0/8` or one address (`10.0.0.7`). One
+    written IPv4-mapped (`::ffff:10.0.0.7`, as a dual-stack socket shows an IPv4 peer) is
+    that IPv4 network: peers are compared as IPv4 (address())."""
     try:
-        return ipaddress.ip_network(value.strip(), strict=True)
+        net = ipaddress.ip_network(value.strip(), strict=True)
     except ValueError as e:
         if "host bits set" in str(e):
             loose = ipaddress.ip_network(value.strip(), strict=False)
             raise ValueError(f"{value!r} has host bits set; the network is {loose}") from None
         raise ValueError(f"{value!r} is not an IP address or network (CIDR)") from None
+    mapped = net.network_address.ipv4_mapped if isinstance(net, ipaddress.IPv6Network) else None
+    if mapped is not None and net.prefixlen >= 96:
+        return ipaddress.IPv4Network((mapped, net.prefixlen - 96))
+    return net
 
 
 def address(value: str) -> Address | None:
