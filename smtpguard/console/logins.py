@@ -16,7 +16,6 @@ still logged in: now a login that cannot be counted is never tried.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
@@ -24,10 +23,10 @@ from collections.abc import AsyncIterator, Callable
 from smtpguard.config import LimitsConfig
 from smtpguard.policy import http_trust
 from smtpguard.store import Store
+from smtpguard.turns import Turns
 
 MAX_USERNAME = 64
 """The longest username an operator can have: a longer one typed is counted by this prefix."""
-_LOCKS_KEPT = 10_000
 _OK = "ok:"
 """The prefix of a bucket's successes."""
 _WHICH = ("address", "username")
@@ -37,7 +36,7 @@ class LoginLimiter:
     def __init__(self, store: Store, limits: Callable[[], LimitsConfig]) -> None:
         self.store = store
         self.limits = limits
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._turns = Turns()
 
     @staticmethod
     def buckets(address: str, username: str) -> tuple[str, str]:
@@ -51,13 +50,8 @@ class LoginLimiter:
         """One login at a time per address and per username: a burst of parallel guesses
         must not all be verified before the first failure is counted. The address lock is
         always taken first, so two logins never wait for each other's second lock."""
-        if len(self._locks) > _LOCKS_KEPT:
-            self._locks = {k: v for k, v in self._locks.items() if v.locked()}
         by_address, by_user = self.buckets(address, username)
-        async with (
-            self._locks.setdefault(by_address, asyncio.Lock()),
-            self._locks.setdefault(by_user, asyncio.Lock()),
-        ):
+        async with self._turns.turn(by_address), self._turns.turn(by_user):
             yield
 
     async def refused(self, address: str, username: str, now: float) -> str | None:
