@@ -238,3 +238,50 @@ async def test_a_trusted_proxy_written_ipv4_mapped_is_that_ipv4_proxy(tmp: Path,
         # Another client behind the same proxies is not the guesser.
         assert await via("127.0.0.2", "203.0.113.8", "bob", PASSWORDS["bob"]) == 200
         assert await via("127.0.8.9", "203.0.113.9", "alice", PASSWORDS["alice"]) == 200
+
+
+async def test_the_standalone_console_names_a_store_change_on_sighup_as_needing_a_restart(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """`smtpguard console` keeps the store it opened: a SIGHUP that moves the store must say
+    so, as serve does, not log `config reloaded` alone while the console reads the old one."""
+    import re
+    import signal
+    import sys
+
+    from smtpguard.config import loads
+    from smtpguard.store import store_from_url
+
+    path = tmp / "smtpguard.yaml"
+    cfg = console_config(tmp, upstream)
+    write_config(path, cfg)
+    store = store_from_url(loads(path.read_text()).store.url)
+    await store.open()
+    await store.close()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "smtpguard", "console", "-c", str(path), stderr=asyncio.subprocess.PIPE
+    )
+    seen: list[str] = []
+
+    async def until(pattern: str) -> None:
+        async def scan() -> None:
+            assert proc.stderr is not None
+            while line := (await proc.stderr.readline()).decode():
+                seen.append(line)
+                if re.search(pattern, line):
+                    return
+            raise AssertionError(f"the console exited: {''.join(seen)}")
+
+        await asyncio.wait_for(scan(), 20)
+
+    try:
+        await until(r"\(port \d+\)")
+        cfg["store"]["url"] = f"sqlite:///{tmp / 'elsewhere.db'}"
+        write_config(path, cfg)
+        proc.send_signal(signal.SIGHUP)
+        await until("config reloaded")
+        assert any("store changes take effect only after a restart" in line for line in seen), seen
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            assert await asyncio.wait_for(proc.wait(), 10) == 0
