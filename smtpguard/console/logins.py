@@ -4,8 +4,8 @@ The counts are the store's AUTH failure windows, the limiter SMTP AUTH uses, in 
 the console's own: an operator's typos must not lock the SMTP clients of the same address
 (the console is usually on loopback, as they are) out of AUTH. Per address alone, guesses
 from many addresses would never be counted against the account; per username alone, one
-address could try every name (an IPv6 client is counted by its /64: it holds all of
-them). Either count at `limits.auth_failures` refuses the login.
+address could try every name (an IPv6 client is counted by its /64, all of which it
+holds). Either count at `limits.auth_failures` refuses the login.
 
 An attempt is counted as a failure *before* its password is tested, and a success is
 counted beside it (`…:ok`), so failures are attempts less successes. Counting after the
@@ -47,9 +47,10 @@ class LoginLimiter:
 
     @contextlib.asynccontextmanager
     async def turn(self, address: str, username: str) -> AsyncIterator[None]:
-        """One login at a time per address and per username: a burst of parallel guesses
-        must not all be verified before the first failure is counted. The address lock is
-        always taken first, so two logins never wait for each other's second lock."""
+        """One login at a time per address and per username in this process: the count
+        stays exact where the store's is not atomic (PostgreSQL), and a burst of guesses
+        spends no writes past the limit. The address lock is always taken first, so two
+        logins never wait for each other's second lock."""
         by_address, by_user = self.buckets(address, username)
         async with self._turns.turn(by_address), self._turns.turn(by_user):
             yield
