@@ -40,7 +40,8 @@ async def test_a_store_that_refuses_writes_never_lets_a_guess_go_uncounted(
     """Redis refusing writes but answering reads (min-replicas-to-write with no replica; a
     full maxmemory under noeviction, a demoted primary do the same): every wrong password
     was answered 503 and never counted, the right one logged in: unlimited guessing with
-    an oracle. A login the limiter cannot count must not be tried at all."""
+    an oracle. A login the limiter cannot count must not be tried at all. A store that
+    hangs held already (every login 503 at the store's deadline)."""
     cfg = console_config(tmp, upstream, limits=LIMITS, **redis_store)
     admin = redis.Redis.from_url(redis_server.url)
     async with running_guard(cfg) as guard:
@@ -51,10 +52,20 @@ async def test_a_store_that_refuses_writes_never_lets_a_guess_go_uncounted(
             right = await attempt(port, "alice", PASSWORDS["alice"], "127.0.0.2")
         finally:
             admin.config_set("min-replicas-to-write", 0)
-            admin.close()
         # Nothing is learnt while nothing can be counted: the right password is answered
         # as the wrong ones are.
         assert set(statuses) == {503} and right == 503, (statuses, right)
+        # A store that hangs (every client paused past the store's deadline): the same.
+        admin.execute_command("CLIENT", "PAUSE", "4000", "ALL")
+        try:
+            hung = await asyncio.gather(
+                attempt(port, "alice", "guess-hung", "127.0.0.2"),
+                attempt(port, "alice", PASSWORDS["alice"], "127.0.0.5"),
+            )
+        finally:
+            admin.execute_command("CLIENT", "UNPAUSE")
+            admin.close()
+        assert hung == [503, 503], hung
         # Once writes work again, nothing from that time was a free guess the limit missed,
         # and the limit still holds.
         for n in range(3):
