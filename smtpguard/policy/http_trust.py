@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections.abc import Iterable, Sequence
+from urllib.parse import urlsplit
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -128,6 +129,25 @@ def host_port(value: str) -> tuple[str, int | None]:
     if not ok or int(digits) > 65535:
         raise ValueError(f"{value!r} has no valid port after the host")
     return host, int(digits)
+
+
+def request_host(target: str, host_headers: Sequence[str]) -> tuple[str, int | None]:
+    """The (host, port) a request is addressed to, as host_port() gives it; ValueError
+    naming the problem when there is not exactly one. The absolute form of the target names
+    the host itself and the Host header is ignored (RFC 9112 §3.2.2): a proxy's client
+    could otherwise send one name and be judged by another."""
+    if not target.startswith("/") and target != "*":
+        authority = urlsplit(target).netloc.rpartition("@")[2]
+    elif not host_headers:
+        raise ValueError("the request has no Host header")
+    elif len(host_headers) > 1:
+        raise ValueError(f"the request has {len(host_headers)} Host headers")
+    else:
+        authority = host_headers[0]
+    try:
+        return host_port(authority)
+    except ValueError as e:
+        raise ValueError(f"bad Host header: {e}") from None
 
 
 def host_allowed(host: str, port: int | None, allowed: Iterable[tuple[str, int | None]]) -> bool:
