@@ -296,3 +296,19 @@ async def test_the_standalone_console_names_a_store_change_on_sighup_as_needing_
         if proc.returncode is None:
             proc.terminate()
             assert await asyncio.wait_for(proc.wait(), 10) == 0
+
+
+async def test_no_variant_of_a_locked_username_logs_in(tmp: Path, upstream: Upstream) -> None:
+    """alice's count is full: her password under a case, width, space or zero-width variant
+    of her name is a wrong login like any other, never a way around her count."""
+    async with running_guard(console_config(tmp, upstream, limits=LIMITS)) as guard:
+        port = console_port(guard)
+        for n in range(3):
+            assert await attempt(port, "alice", f"guess-{n}", f"127.0.0.{n + 2}") == 401
+        assert await attempt(port, "alice", PASSWORDS["alice"], "127.0.0.9") == 429
+        fullwidth = "".join(chr(ord(c) + 0xFEE0) for c in "alice")
+        variants = ["Alice", "ALICE", "alice ", " alice", fullwidth, "alice\u200b", "alice\x00", "ali\u0441e"]
+        statuses = [
+            await attempt(port, v, PASSWORDS["alice"], f"127.0.1.{i + 1}") for i, v in enumerate(variants)
+        ]
+        assert statuses == [401] * len(variants), statuses
