@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from smtpguard.policy.http_trust import client_address, host_allowed, host_port, network
+from smtpguard.policy.http_trust import (
+    client_address,
+    host_allowed,
+    host_port,
+    limit_unit,
+    network,
+    request_host,
+)
 
 PROXIES = [network("10.0.0.0/8"), network("127.0.0.2"), network("fd00::/8")]
 
@@ -35,6 +42,25 @@ PROXIES = [network("10.0.0.0/8"), network("127.0.0.2"), network("fd00::/8")]
 )
 def test_client_address(peer: str, xff: list[str], client: str) -> None:
     assert client_address(peer, xff, PROXIES) == client
+
+
+@pytest.mark.parametrize(
+    ("client", "unit"),
+    [
+        ("203.0.113.5", "203.0.113.5"),
+        ("::ffff:203.0.113.5", "203.0.113.5"),
+        # One IPv6 client holds its /64: every address of it, scoped or not, is one count.
+        ("2001:db8:0:1::5", "2001:db8:0:1::/64"),
+        ("2001:db8:0:1:ffff:ffff:ffff:ffff", "2001:db8:0:1::/64"),
+        ("[2001:db8:0:1::5]:4711", "2001:db8:0:1::/64"),
+        ("fe80::1%eth0", "fe80::/64"),
+        ("fe80::1%other", "fe80::/64"),
+        ("2001:db8:0:2::5", "2001:db8:0:2::/64"),
+        ("?", "?"),
+    ],
+)
+def test_the_unit_a_per_address_limit_counts(client: str, unit: str) -> None:
+    assert limit_unit(client) == unit
 
 
 def test_no_trusted_proxies_means_the_peer() -> None:
@@ -98,3 +124,34 @@ def test_host_allowed_by_name_and_port() -> None:
 def test_bad_networks_say_why(value: str, problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         network(value)
+
+
+def test_a_proxy_written_ipv4_mapped_is_its_ipv4_network() -> None:
+    assert str(network("::ffff:10.0.0.7")) == "10.0.0.7/32"
+    assert str(network("::ffff:10.0.0.0/104")) == "10.0.0.0/8"
+    assert client_address("::ffff:10.0.0.7", ["203.0.113.5"], [network("::ffff:10.0.0.7")]) == "203.0.113.5"
+    # Wider than the mapped range: an IPv6 network like any other.
+    assert str(network("::/64")) == "::/64"
+
+
+@pytest.mark.parametrize(
+    ("target", "hosts", "want"),
+    [
+        ("/login", ["Console.Example.:8443"], ("console.example", 8443)),
+        ("*", ["[::1]"], ("::1", None)),
+        # The absolute form is judged by its own authority, userinfo dropped; Host ignored.
+        ("http://attacker.example/login", ["127.0.0.1"], ("attacker.example", None)),
+        ("http://127.0.0.1@attacker.example:81/", ["127.0.0.1"], ("attacker.example", 81)),
+        ("HTTP://attacker.example@127.0.0.1/", [], ("127.0.0.1", None)),
+        ("/login", [], "no Host header"),
+        ("/login", ["127.0.0.1", "attacker.example"], "2 Host headers"),
+        ("http:///login", ["127.0.0.1"], "an empty host"),
+        ("/login", ["u@127.0.0.1"], "not a host name"),
+    ],
+)
+def test_the_host_a_request_is_judged_by(target: str, hosts: list[str], want: object) -> None:
+    if isinstance(want, str):
+        with pytest.raises(ValueError, match=want):
+            request_host(target, hosts)
+    else:
+        assert request_host(target, hosts) == want

@@ -238,7 +238,9 @@ class Console:
         username = given if isinstance(given, str) else ""
         async with self.logins.turn(ip, username), self._verifying:
             now = self.store.now()
+            # Refused before anything is counted when already full; else counted, then tested.
             full = await self.logins.refused(ip, username, now)
+            full = full or await self.logins.attempt(ip, username, now)
             if full is not None:
                 log.warning(
                     f"console: login refused, too many failures for this {full}",
@@ -258,11 +260,11 @@ class Console:
                 password if isinstance(password, str) else "",
             )
             if not ok or operator is None:
-                await self.logins.failed(ip, username, now)
                 log.warning("console: login failed", extra={"client_ip": ip, "username": username[:64]})
                 return self.page(
                     "login.html", request, status=401, error="Wrong username or password.", login_csrf=cookie
                 )
+            await self.logins.take_back(ip, username, now)
         # Never the session the browser came with (fixation), nor one left open elsewhere.
         self.sessions.drop(request.cookies.get(COOKIE))
         fresh = self.sessions.new(operator.username, operator.role, fingerprint(operator.password_hash))

@@ -2,7 +2,7 @@
 or SIGINT. SIGHUP re-reads FILE as `serve` does for its console: operators, hashes, roles,
 session_ttl, hosts and trusted_proxies apply (sessions of a changed or removed operator
 end), a file that does not validate is refused and logged, and a file without a console
-section stops the console."""
+section stops the console. A changed store is named as needing a restart."""
 
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ async def run(config: Config, path: Path | str) -> None:
             log.warning("console stopped: the config has no console section")
             stop.set()
             return
+        if new.store != config.store:
+            # The store was opened at start; the console goes on reading that one.
+            log.warning("store changes take effect only after a restart")
         running = new
         for what in console.reload(new.console):
             log.warning(f"{what} changes take effect only after a restart")

@@ -3,8 +3,6 @@ them from aiohttp's request and asks smtpguard/policy/http_trust.py."""
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
-
 from aiohttp import web
 
 from smtpguard.config import ConsoleConfig
@@ -21,25 +19,13 @@ def client(request: web.Request, console: ConsoleConfig) -> str:
 
 def check_host(request: web.Request, console: ConsoleConfig) -> None:
     """400 for a request without one clear Host, 421 for a host this console is not."""
-    target = request.raw_path
-    if not target.startswith("/") and target != "*":
-        # The absolute form names the host itself, and the Host header is ignored (RFC 9112
-        # §3.2.2): a proxy's client could otherwise send one name and be judged by another.
-        authority = urlsplit(target).netloc.rpartition("@")[2]
-    else:
-        given = request.headers.getall("Host", [])
-        if len(given) != 1:
-            raise web.HTTPBadRequest(
-                reason="the request has no Host header" if not given else "the request has two Host headers"
-            )
-        authority = given[0]
     try:
-        host, port = http_trust.host_port(authority)
+        host, port = http_trust.request_host(request.raw_path, request.headers.getall("Host", []))
     except ValueError as e:
-        raise web.HTTPBadRequest(reason=f"bad Host header: {e}") from None
+        raise web.HTTPBadRequest(reason=str(e)) from None
     if not http_trust.host_allowed(host, port, allowed(console)):
         raise web.HTTPMisdirectedRequest(
-            reason=f"this console does not answer for {authority!r}; "
+            reason=f"this console does not answer for {host!r}{f' at port {port}' if port else ''}; "
             "an operator adds the names it is reached by to console.hosts"
         )
 

@@ -8,10 +8,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 from aiosmtpd.smtp import SMTP, AuthResult, Envelope, Session, TLSSetupException
 
@@ -26,6 +25,7 @@ from smtpguard.recipient_domains import RecipientDomains
 from smtpguard.replies import Reply
 from smtpguard.store import Store, StoreUnavailable
 from smtpguard.submission import Principal, Result, Submitter
+from smtpguard.turns import Turns
 
 log = logging.getLogger("smtpguard.listener")
 
@@ -59,7 +59,7 @@ class Handler:
         self.idle.set()
         self.draining = False
         self._submissions: set[asyncio.Task[str]] = set()
-        self._auth_turns: dict[str, _Turn] = {}
+        self._auth_turns = Turns()
 
     @property
     def config(self) -> Config:
@@ -101,7 +101,7 @@ class Handler:
         ip = _peer_ip(server.session)
         # One verification at a time per client IP: N parallel connections must not each
         # pass the failure check before any of them has recorded its failure.
-        async with self._auth_turn(ip):
+        async with self._auth_turns.turn(ip):
             if isinstance(server, GuardSMTP):
                 async with server.working():
                     return await self._authenticate_one(server, ip, login, password)
@@ -144,20 +144,6 @@ class Handler:
         if failures >= limits.auth_failures:
             return await self._lock_out(server, ip)
         return AuthResult(success=False, handled=False, message=str(replies.AUTH_INVALID))
-
-    @contextlib.asynccontextmanager
-    async def _auth_turn(self, ip: str) -> AsyncIterator[None]:
-        turn = self._auth_turns.get(ip)
-        if turn is None:
-            turn = self._auth_turns[ip] = _Turn()
-        turn.waiting += 1
-        try:
-            async with turn.lock:
-                yield
-        finally:
-            turn.waiting -= 1
-            if not turn.waiting:
-                del self._auth_turns[ip]
 
     async def _lock_out(self, server: SMTP, ip: str) -> AuthResult:
         self.observe("auth_lockout")
@@ -301,12 +287,6 @@ class Handler:
                 self.idle.set()
         self.on_result(principal, result, time.perf_counter() - started)
         return str(result.reply)
-
-
-class _Turn:
-    def __init__(self) -> None:
-        self.lock = asyncio.Lock()
-        self.waiting = 0
 
 
 async def _challenge(server: SMTP, prompt: str) -> bytes | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections.abc import Iterable, Sequence
+from urllib.parse import urlsplit
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -24,14 +25,20 @@ DEFAULT_PORTS = (80, 443)
 
 
 def network(value: str) -> Network:
-    """A trusted proxy's network, written `10.0.0.0/8` or one address (`10.0.0.7`)."""
+    """A trusted proxy's network, written `10.0.0.0/8` or one address (`10.0.0.7`). One
+    written IPv4-mapped (`::ffff:10.0.0.7`, as a dual-stack socket shows an IPv4 peer) is
+    that IPv4 network: peers are compared as IPv4 (address())."""
     try:
-        return ipaddress.ip_network(value.strip(), strict=True)
+        net = ipaddress.ip_network(value.strip(), strict=True)
     except ValueError as e:
         if "host bits set" in str(e):
             loose = ipaddress.ip_network(value.strip(), strict=False)
             raise ValueError(f"{value!r} has host bits set; the network is {loose}") from None
         raise ValueError(f"{value!r} is not an IP address or network (CIDR)") from None
+    mapped = net.network_address.ipv4_mapped if isinstance(net, ipaddress.IPv6Network) else None
+    if mapped is not None and net.prefixlen >= 96:
+        return ipaddress.IPv4Network((mapped, net.prefixlen - 96))
+    return net
 
 
 def address(value: str) -> Address | None:
@@ -71,6 +78,21 @@ def client_address(peer: str, forwarded_for: Iterable[str], trusted: Sequence[Ne
     return str(known)
 
 
+IPV6_CLIENT_PREFIX = 64
+"""What one IPv6 client holds: a /64 is a single LAN's or subscriber's (RFC 6177), and
+its privacy addresses (RFC 8981) change by themselves."""
+
+
+def limit_unit(client: str) -> str:
+    """What a per-address limit counts for `client` (as client_address() gives it): the
+    address for IPv4, its /64 for IPv6, so that one client cannot start a fresh count from
+    each of the addresses it holds. Anything that is not an address is counted as itself."""
+    ip = address(client)
+    if isinstance(ip, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((ip, IPV6_CLIENT_PREFIX), strict=False))
+    return str(ip) if ip is not None else client
+
+
 def _trusted(ip: Address, trusted: Sequence[Network]) -> bool:
     return any(ip.version == net.version and ip in net for net in trusted)
 
@@ -107,6 +129,25 @@ def host_port(value: str) -> tuple[str, int | None]:
     if not ok or int(digits) > 65535:
         raise ValueError(f"{value!r} has no valid port after the host")
     return host, int(digits)
+
+
+def request_host(target: str, host_headers: Sequence[str]) -> tuple[str, int | None]:
+    """The (host, port) a request is addressed to, as host_port() gives it; ValueError
+    naming the problem when there is not exactly one. The absolute form of the target names
+    the host itself and the Host header is ignored (RFC 9112 §3.2.2): a proxy's client
+    could otherwise send one name and be judged by another."""
+    if not target.startswith("/") and target != "*":
+        authority = urlsplit(target).netloc.rpartition("@")[2]
+    elif not host_headers:
+        raise ValueError("the request has no Host header")
+    elif len(host_headers) > 1:
+        raise ValueError(f"the request has {len(host_headers)} Host headers")
+    else:
+        authority = host_headers[0]
+    try:
+        return host_port(authority)
+    except ValueError as e:
+        raise ValueError(f"bad Host header: {e}") from None
 
 
 def host_allowed(host: str, port: int | None, allowed: Iterable[tuple[str, int | None]]) -> bool:
