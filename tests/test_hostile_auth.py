@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session
 
 from smtpguard.cli import main
@@ -25,7 +26,7 @@ from tests.hostile_support import (
     submit,
     terminated,
 )
-from tests.support import PASSWORD, Upstream, base_config, running_guard, write_config
+from tests.support import PASSWORD, RedisServer, Upstream, base_config, running_guard, write_config
 
 # Every hostile case must leave no traceback in the logs (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("no_tracebacks")
@@ -270,3 +271,45 @@ async def test_secrets_never_reach_logs_history_stats_or_replies(
     for where, text in outputs.items():
         for form in secret_forms():
             assert form not in text, f"{form!r} appears in {where}"
+
+
+async def test_a_store_that_refuses_writes_bounds_the_guesses(
+    tmp: Path, upstream: Upstream, redis_server: RedisServer
+) -> None:
+    """Redis answering reads but refusing writes (min-replicas-to-write with no replica; a
+    demoted primary or a full noeviction instance do the same): each wrong password was
+    answered 451 and never counted, and the right one 235 — unlimited guesses, each telling
+    whether it was right. The failures the store could not record are now counted in the
+    process, so after the limit the right password is locked out like any other."""
+    url = redis_server.url.rsplit("/", 1)[0] + "/12"
+    admin = redis.Redis.from_url(url)
+    admin.flushdb()
+    cfg = base_config(
+        tmp,
+        upstream.port,
+        limits__auth_failures=3,
+        limits__auth_failure_window="5m",
+        store__url=url,
+        store__unsafe=True,
+    )
+    try:
+        async with running_guard(cfg) as guard:
+            port = guard.ports[0]
+            admin.config_set("min-replicas-to-write", 1)
+            try:
+                guesses = [(await attempt(port, plain("acme-app", f"guess-{n}")))[0] for n in range(6)]
+                right, _ = await attempt(port, plain("acme-app", PASSWORD))
+            finally:
+                admin.config_set("min-replicas-to-write", 0)
+            # The first three could not be counted in the store (451); from then on the
+            # address is locked out, and the right password learns nothing.
+            assert [g.code for g in guesses[:3]] == [451, 451, 451], guesses
+            assert {(g.code, g.enhanced) for g in guesses[3:]} == {(421, "4.7.0")}, guesses
+            assert (right.code, right.enhanced) == (421, "4.7.0"), right
+            # Another address is not locked out by them.
+            other = await submit(port, message_bytes("readonly:1"), source_ip="127.0.0.2")
+            assert other.code == 250, other
+    finally:
+        admin.flushdb()
+        admin.close()
+    assert len(upstream.received) == 1

@@ -21,6 +21,7 @@ from smtpguard.listener.protocol import GuardSMTP
 from smtpguard.passwords import Verifier
 from smtpguard.policy.envelope import recipient_refusal, sender_refusal
 from smtpguard.policy.senders import normalize_address, route_offers_smtputf8
+from smtpguard.policy.unrecorded import UnrecordedFailures
 from smtpguard.recipient_domains import RecipientDomains
 from smtpguard.replies import Reply
 from smtpguard.store import Store, StoreUnavailable
@@ -60,6 +61,7 @@ class Handler:
         self.draining = False
         self._submissions: set[asyncio.Task[str]] = set()
         self._auth_turns = Turns()
+        self._unrecorded = UnrecordedFailures()
 
     @property
     def config(self) -> Config:
@@ -110,10 +112,10 @@ class Handler:
     async def _authenticate_one(self, server: SMTP, ip: str, login: bytes, password: bytes) -> AuthResult:
         limits = self.config.limits
         try:
-            if (
-                await self.store.auth_failures(ip, self.clock(), limits.auth_failure_window)
-                >= limits.auth_failures
-            ):
+            now = self.clock()
+            window = limits.auth_failure_window
+            counted = await self.store.auth_failures(ip, now, window)
+            if counted + self._unrecorded.count(ip, now, window) >= limits.auth_failures:
                 return await self._lock_out(server, ip)
             username = login.decode("utf-8", "replace")
             found = self.config.user_zone(username)
@@ -132,7 +134,14 @@ class Handler:
             if ok and found and secret is not None:
                 principal = Principal(found[0], username, ip, _session_id(server.session))
                 return AuthResult(success=True, auth_data=principal)
-            failures = await self.store.auth_failure(ip, self.clock(), limits.auth_failure_window)
+            try:
+                failures = await self.store.auth_failure(ip, self.clock(), window)
+            except StoreUnavailable:
+                # The failure could not be counted in the store: count it here, so a store
+                # that reads but cannot write never allows unlimited guesses (module doc).
+                self._unrecorded.add(ip, self.clock())
+                raise
+            failures += self._unrecorded.count(ip, self.clock(), window)
         except StoreUnavailable:
             self.observe("store_error:auth")
             return AuthResult(success=False, handled=False, message=str(replies.STORE_UNAVAILABLE))
