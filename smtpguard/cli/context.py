@@ -13,7 +13,6 @@ from typing import Any, TypeVar
 
 from smtpguard.config import DEFAULT_CONFIG, Config, load, read_secret
 from smtpguard.store import Store, store_from_url
-from smtpguard.store.base import ZoneAudit
 
 T = TypeVar("T")
 
@@ -66,10 +65,6 @@ def actor() -> str:
     """Who a CLI change is audited as (DESIGN.md §14): `cli:USER@HOST`."""
     user = os.environ.get("SUDO_USER") or os.environ.get("USER") or "operator"
     return f"cli:{user}@{socket.gethostname()}"
-
-
-async def _audit(store: Store, zone: str, action: str, key: str = "", note: str = "") -> None:
-    await store.audit_add(zone, ZoneAudit(store.now(), actor(), action, key, note))
 
 
 def _config_path(args: argparse.Namespace) -> str:
