@@ -317,3 +317,35 @@ async def test_console_zone_operations_show_and_audit_as_the_console_user(
         ]
     )
     assert all(now - 5 <= e.at <= store.now() for e in log)
+
+
+def test_cli_reads_time_from_the_store_clock_as_the_console_does(
+    tmp: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store's clock (Redis' or PostgreSQL's server time) is the fleet's: the CLI's
+    suppression times, cap use and throttles are read at it, not at this machine's."""
+    from smtpguard.store.sqlite import SQLiteStore
+
+    path = write_config(tmp / "c.yaml", zone_config(tmp))
+    behind = time.time() - 2 * 3600  # the store's clock, two hours behind this machine's
+    monkeypatch.setattr(SQLiteStore, "now", lambda self: behind)
+
+    async def seed_at_store_time(store: Store) -> None:
+        zc = load(str(path)).zones["globex"]
+        caps = caps_for(zc.plan, zc.hourly_cap, zc.monthly_cap)
+        assert (
+            await store.consume_cap(CapCheck("globex", caps, behind - 3600, month_of(behind), "t", behind))
+            is None
+        )
+        await store.set_throttled("local", behind + 60)
+
+    with_store(tmp, seed_at_store_time)
+    assert cli(capsys, path, "suppress", "add", "acme", "a@example.com")[0] == 0
+    listed = with_store(tmp, lambda s: s.suppress_list("acme"))
+    assert [e.at for e in listed] == [behind]
+    code, out, err = cli(capsys, path, "stats", "globex", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    # At the store's time the unit is within the hour and the throttle still on.
+    assert doc["zones"][0]["cap"]["hour"]["used"] == 1
+    assert list(doc["throttled"]) == ["local"]
