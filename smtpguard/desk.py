@@ -1,4 +1,8 @@
-"""The operator's changes to a record, one code path for the CLI and the console (§14).
+"""The operator's operations, one code path for the CLI and the console (§14, §16): changes
+to a record, pausing a zone or one of its classes, suppression lists and the zone stats.
+Every change is audited under the actor the caller names (`cli:USER@HOST`,
+`console:USERNAME`); every time is the store's clock (store.now()), so instances and
+operators on other machines agree on it.
 
 A decision on a held record is taken once. The store's compare-and-swap decides, not the
 page: a console page carries the version of the record it showed, and a decision made on a
@@ -9,16 +13,21 @@ refused by the ledger's own rule (the record is no longer unknown) and says who 
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
+from smtpguard import class_pauses
+from smtpguard.config import Config, ZoneConfig
 from smtpguard.policy import ledger
 from smtpguard.policy.ledger import AuditEntry, Record
+from smtpguard.policy.limits import Caps, caps_for, month_of, user_caps_for
 from smtpguard.policy.queue import queue_due
 from smtpguard.store import Store, StoreUnavailable
-from smtpguard.store.base import ZoneAudit
+from smtpguard.store.base import CapUsage, ZoneAudit
 
 Change = Callable[[Record, float], Record]
 _HELD = ("unknown", "failed")
@@ -143,3 +152,168 @@ async def decide(
     return await change_record(
         store, zone, key, decision_change(action, actor, force), actor, f"decide:{action}", expected_version
     )
+
+
+# --- zones: pause, suppression, stats -------------------------------------------------------
+async def audit(store: Store, zone: str, actor: str, action: str, key: str = "", note: str = "") -> None:
+    await store.audit_add(zone, ZoneAudit(store.now(), actor, action, key, note))
+
+
+async def set_zone_paused(store: Store, zone: str, paused: bool, actor: str) -> None:
+    """Pause or resume a zone on every instance at once (they read the store)."""
+    await store.set_paused(zone, paused)
+    await audit(store, zone, actor, "pause" if paused else "resume")
+
+
+async def set_class_paused(store: Store, zone: str, message_class: str, paused: bool, actor: str) -> None:
+    """DESIGN.md §16: one class of the zone held on every instance within a second."""
+    await store.set_class_paused(zone, message_class, paused)
+    await audit(store, zone, actor, "pause:class" if paused else "resume:class", message_class)
+    if not paused:
+        # Queued entries held while paused come back now, not when their hold ends; once
+        # more after every instance has read the resume, for an entry an instance held
+        # on its last look at the pause.
+        await class_pauses.wake_held(store, zone, message_class, store.now())
+        await asyncio.sleep(class_pauses.REFRESH * 2)
+        await class_pauses.wake_held(store, zone, message_class, store.now())
+
+
+async def suppress_add(
+    store: Store, zone: str, address: str, reason: str, actor: str, note: str = ""
+) -> bool:
+    """List `address` (already normalised); audited even when it was listed: the operator
+    asked. True when it was not listed before."""
+    added = await store.suppress_add(zone, address, reason, store.now())
+    await audit(store, zone, actor, "suppress:add", address, note)
+    return added
+
+
+async def suppress_remove(store: Store, zone: str, address: str, actor: str) -> bool:
+    """Take `address` off the list; audited only when it was on it."""
+    removed = await store.suppress_remove(zone, address)
+    if removed:
+        await audit(store, zone, actor, "suppress:remove", address)
+    return removed
+
+
+async def suppress_import(
+    store: Store, zone: str, rows: Sequence[tuple[str, str]], actor: str, source: str
+) -> int:
+    """List every (address, reason) row, all at one time; one audit entry names the file.
+    Returns how many were new."""
+    now = store.now()
+    n = 0
+    for addr, reason in rows:
+        n += await store.suppress_add(zone, addr, reason, now)
+    await audit(store, zone, actor, "suppress:import", "", f"{n} new of {len(rows)} from {source}")
+    return n
+
+
+_HELD_COUNTS = (
+    "paused",
+    "cap_hour",
+    "cap_month",
+    "user_cap_hour",
+    "user_cap_month",
+    "in_flight",
+    "too_soon",
+    "failed_held",
+    "unknown_held",
+    "reused",
+)
+"""The stat names of decisions that held an event back (`stats`' "held")."""
+
+
+async def zone_paused(store: Store, name: str, zone: ZoneConfig) -> bool:
+    """Paused by the config or through the store."""
+    return zone.paused or await store.is_paused(name)
+
+
+async def cap_use(store: Store, name: str, zone: ZoneConfig, now: float) -> tuple[Caps, CapUsage]:
+    """The zone's caps and its use of them at `now`."""
+    caps = caps_for(zone.plan, zone.hourly_cap, zone.monthly_cap)
+    return caps, await store.cap_usage(name, now, month_of(now))
+
+
+async def zone_stats(config: Config, store: Store, zones: Sequence[str]) -> list[dict[str, Any]]:
+    """Each zone's totals, held counts, live cap use (its own and its users'), pauses,
+    queue depth per class, suppression count and route: one `stats --json` row each."""
+    now = store.now()
+    paused_classes = await store.paused_classes()
+    depth: dict[str, dict[str, int]] = {}
+    for e in await store.queue_entries(None):
+        lane = depth.setdefault(e.zone, {})
+        lane[e.lane] = lane.get(e.lane, 0) + 1
+    out = []
+    for z in zones:
+        zc = config.zones[z]
+        caps, usage = await cap_use(store, z, zc, now)
+        counts = await store.counts(z)
+        capped = [u.username for u in zc.users if u.hourly_cap is not None or u.monthly_cap is not None]
+        users = await store.user_cap_usage(z, capped, now, month_of(now))
+        out.append(
+            {
+                "zone": z,
+                "sent": counts.get("sent", 0),
+                "duplicates": counts.get("duplicate", 0),
+                "deferred": counts.get("deferred", 0),
+                "failed": counts.get("failed", 0),
+                "unknown": counts.get("unknown", 0),
+                "rejected": {
+                    k.split(":", 1)[1]: v for k, v in sorted(counts.items()) if k.startswith("rejected:")
+                },
+                "held": {k: v for k, v in sorted(counts.items()) if k in _HELD_COUNTS},
+                "cap": {
+                    "hour": {"used": usage.hour, "limit": caps.hourly},
+                    "month": {"used": usage.month, "limit": caps.monthly},
+                },
+                "user_caps": _user_caps(zc, caps, users),
+                "paused": await zone_paused(store, z, zc),
+                "paused_classes": sorted(c for pz, c in paused_classes if pz == z),
+                "queue": depth.get(z, {}),
+                "suppressed": len(await store.suppress_list(z)),
+                # DESIGN.md §16: the zone's own route, else the top-level one
+                "route": zc.providers or [p.name for p in config.providers],
+            }
+        )
+    return out
+
+
+def _user_caps(zc: ZoneConfig, caps: Caps, usage: dict[str, CapUsage]) -> list[dict[str, Any]]:
+    """Each user with caps of its own (DESIGN.md §16): its use of them now."""
+    out = []
+    for user in zc.users:
+        own = user_caps_for(caps, user.hourly_cap, user.monthly_cap)
+        if own is None:
+            continue
+        used = usage.get(user.username, CapUsage(0, 0))
+        out.append(
+            {
+                "username": user.username,
+                "hour": {"used": used.hour, "limit": own.hourly},
+                "month": {"used": used.month, "limit": own.monthly},
+            }
+        )
+    return out
+
+
+async def provider_stats(store: Store) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Each instance's circuit per provider with its last probe, and the providers every
+    instance keeps off after a rate-limit reply (DESIGN.md §12, §16), with times as epochs."""
+    probes = {(p.instance, p.provider): p for p in await store.probes()}
+    circuits = []
+    for c in await store.circuits():
+        probe = probes.get((c.instance, c.provider))
+        circuits.append(
+            {
+                "instance": c.instance,
+                "provider": c.provider,
+                "circuit": c.circuit,
+                "since": c.at,
+                # DESIGN.md §12: the last probe's verdict; null when the provider is not probed
+                "ready": probe.ready if probe else None,
+                "probe": probe.detail if probe else None,
+                "probed_at": probe.at if probe else None,
+            }
+        )
+    return circuits, dict(sorted((await store.throttled(store.now())).items()))

@@ -375,7 +375,7 @@ def build_context(root: Path) -> list[str]:
 
 def test_dockerignore_keeps_secrets_and_state_out() -> None:
     kept = build_context(ROOT)
-    assert "pyproject.toml" in kept and "README.md" in kept and "smtpguard/cli.py" in kept
+    assert "pyproject.toml" in kept and "README.md" in kept and "smtpguard/cli/__init__.py" in kept
     for rel in kept:
         assert not rel.startswith(("tests/", "var/", "docs/", "bench/", "conf/")), rel
         assert "__pycache__" not in rel and not rel.endswith((".db", ".pyc")), rel

@@ -35,7 +35,6 @@ from smtpguard.http_listener import LimitedListener
 from smtpguard.passwords import Verifier
 from smtpguard.policy.senders import address_problem, normalize_address
 from smtpguard.store import Store, StoreUnavailable
-from smtpguard.store.base import ZoneAudit
 
 log = logging.getLogger("smtpguard.console")
 
@@ -308,8 +307,7 @@ class Console:
     async def pause(self, request: web.Request) -> web.StreamResponse:
         zone = self._zone(request)
         action = request.match_info["action"]
-        await self.store.set_paused(zone, action == "pause")
-        await self.store.audit_add(zone, ZoneAudit(self.store.now(), self._actor(request), action))
+        await desk.set_zone_paused(self.store, zone, action == "pause", self._actor(request))
         log.warning(
             f"console: zone {action}d",
             extra={"zone": zone, "actor": self._actor(request), "client_ip": request[CLIENT]},
@@ -390,16 +388,11 @@ class Console:
         if problem or not address:
             raise web.HTTPBadRequest(reason=f"{address!r}: {problem or 'no address'}")
         address = normalize_address(address)
-        changed = True
         if action == "add":
             reason = str(form.get("reason", "")).strip()[:200] or f"added by {self._actor(request)}"
-            await self.store.suppress_add(zone, address, reason, self.store.now())
+            await desk.suppress_add(self.store, zone, address, reason, self._actor(request))
         else:
-            changed = await self.store.suppress_remove(zone, address)
-        if changed:
-            await self.store.audit_add(
-                zone, ZoneAudit(self.store.now(), self._actor(request), f"suppress:{action}", address)
-            )
+            await desk.suppress_remove(self.store, zone, address, self._actor(request))
         raise web.HTTPSeeOther(f"/suppression/{quote(zone)}")
 
     async def queue(self, request: web.Request) -> web.StreamResponse:

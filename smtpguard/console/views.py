@@ -8,9 +8,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from smtpguard.config import Config
-from smtpguard.desk import Decision, last_decision
+from smtpguard.desk import Decision, cap_use, last_decision, zone_paused
 from smtpguard.policy.ledger import Record, State
-from smtpguard.policy.limits import caps_for, month_of
 from smtpguard.store import Store
 
 HELD = (State.UNKNOWN.value, State.FAILED.value)
@@ -58,15 +57,14 @@ async def zones(config: Config, store: Store) -> list[ZoneRow]:
     classes = await store.paused_classes()
     rows = []
     for name, zone in sorted(config.zones.items()):
-        caps = caps_for(zone.plan, zone.hourly_cap, zone.monthly_cap)
-        usage = await store.cap_usage(name, now, month_of(now))
+        caps, usage = await cap_use(store, name, zone, now)
         rows.append(
             ZoneRow(
                 name,
                 await store.state_counts(name),
                 Bar(usage.hour, caps.hourly),
                 Bar(usage.month, caps.monthly),
-                zone.paused or await store.is_paused(name),
+                await zone_paused(store, name, zone),
                 zone.paused,
                 tuple(sorted(c for z, c in classes if z == name)),
             )
