@@ -20,10 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from smtpguard.events.apply import Applied, Applier, in_flight_through, sent_through
+from smtpguard.events.apply import Applied, Applier
 from smtpguard.events.model import Kind, Match, ProviderEvent
 from smtpguard.policy.ledger import Record
 from smtpguard.policy.senders import recipient_tag
+from smtpguard.policy.sends import in_flight_through, sent_through
 from smtpguard.store import Store
 
 STRANGER = "stranger@example.org"
@@ -70,7 +71,7 @@ async def deliver_and_check(
 
     if before is None or not sent_through(before, via):
         assert outcome is Applied.UNMATCHED, f"§18: {brief}, but the record is {_state(before)}"
-    elif in_flight_through(before, via):
+    elif in_flight_through(before, via, now):
         assert outcome is Applied.RETRY_LATER, f"§18 in flight: {brief}, record {_state(before)}"
     else:
         assert outcome is Applied.APPLIED, f"§18: {brief}, record {_state(before)}"
