@@ -43,11 +43,14 @@ class ReportHandler:
         applier: Applier,
         observe: Callable[[str, str, str], None],
         key: VerpKey | None = None,
+        max_recipients: Callable[[], int] = lambda: 100,
     ) -> None:
         self.cfg = cfg
         self.applier = applier
         self.observe = observe
         self.key = key
+        self.max_recipients = max_recipients
+        """limits.max_recipients as now configured: a report naming more is read that far."""
         self._address = suppression_key(cfg.address)
 
     def _addressed(self, address: str) -> verp.Addressed:
@@ -68,7 +71,7 @@ class ReportHandler:
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
         raw = envelope.original_content or b""
         try:
-            events = read_report(raw, SOURCE, self.applier.clock())
+            events = read_report(raw, SOURCE, self.applier.clock(), self.max_recipients())
         except NotAReport as e:
             self.observe(SOURCE, "-", "not_a_report")
             log.info("mail to the events mailbox is not a report", extra={"reason": str(e)})
@@ -81,14 +84,11 @@ class ReportHandler:
             # two that disagree) falls back to the ids the report quotes, which anyone who
             # saw the message can quote: history only.
             verified = await self._record_of(tokens.pop()) if len(tokens) == 1 else None
+            # Every event of a report quotes the same headers: one lookup for all of them.
+            found = verified if verified is not None else await self.applier.find(provider, events[0].match)
             for event in events:
-                if verified is not None:
-                    outcome, record = await self.applier.apply_to(
-                        provider, verified, event, trusted=_was_recipient(verified, event)
-                    )
-                else:
-                    found = await self.applier.find(provider, event.match)
-                    outcome, record = await self.applier.apply_to(provider, found, event, trusted=False)
+                trusted = verified is not None and _was_recipient(verified, event)
+                outcome, record = await self.applier.apply_to(provider, found, event, trusted=trusted)
                 retry = retry or outcome is Applied.RETRY_LATER
                 self.observe(SOURCE, event.kind.value, outcome.value)
                 log_applied(SOURCE, event, outcome, record)
@@ -121,9 +121,10 @@ class MailboxServer:
         hostname: str,
         observe: Callable[[str, str, str], None],
         key: VerpKey | None = None,
+        max_recipients: Callable[[], int] = lambda: 100,
     ) -> None:
         self.cfg = cfg
-        self.handler = ReportHandler(cfg, applier, observe, key)
+        self.handler = ReportHandler(cfg, applier, observe, key, max_recipients)
         self.hostname = hostname
         self._server: asyncio.Server | None = None
         self.port = 0

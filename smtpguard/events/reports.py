@@ -25,7 +25,10 @@ class NotAReport(Exception):
     """The message is neither a DSN nor an ARF report: accepted, counted, nothing applied."""
 
 
-def read_report(raw: bytes, source: str, received_at: float) -> list[ProviderEvent]:
+def read_report(raw: bytes, source: str, received_at: float, max_recipients: int) -> list[ProviderEvent]:
+    """The report's events, one per recipient it names, the first `max_recipients` of them:
+    no message smtpguard relayed had more (limits.max_recipients), and anyone can mail the
+    mailbox, so a report naming thousands must not become thousands of store writes."""
     msg = email.message_from_bytes(raw, policy=email.policy.compat32)
     if msg.get_content_type() != "multipart/report":
         raise NotAReport("not a multipart/report")
@@ -44,9 +47,9 @@ def read_report(raw: bytes, source: str, received_at: float) -> list[ProviderEve
     # same report, and is applied once.
     digest = hashlib.sha256(raw.split(b"\r\n\r\n", 1)[-1]).hexdigest()[:32]
     if report_type == "delivery-status":
-        return _dsn(parts, source, received_at, match, digest)
+        return _dsn(parts, source, received_at, match, digest)[:max_recipients]
     if report_type == "feedback-report":
-        return _arf(parts, source, received_at, match, digest, original)
+        return _arf(parts, source, received_at, match, digest, original)[:max_recipients]
     raise NotAReport(f"report-type {report_type or '(none)'} is neither delivery-status nor feedback-report")
 
 

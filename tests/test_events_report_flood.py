@@ -1,0 +1,58 @@
+"""A report names at most as many recipients as a message may have (DESIGN.md §18: an
+unverified report lands in a record's history *at most*). The mailbox is an MX: anyone can
+mail it a DSN quoting a Message-ID they saw. One such mail naming thousands of recipients
+wrote one history row each (5,000 rows and 8 s of store work for 400 KB), on the record of
+the message it quotes. A real SMTP client mails the reports; rows are counted in the store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from smtpguard.server import Server
+from tests.support import Upstream, base_config, message, running_guard, send
+from tests.test_events import RCPT, sent, suppressed
+from tests.test_events_mailbox import (
+    bounce_address,
+    deliver,
+    dsn,
+    mailbox_config,
+    verp_secret,  # noqa: F401 - the fixture, autouse here too
+)
+
+LIMIT = 5
+"""limits.max_recipients: no message smtpguard relayed had more recipients than this."""
+
+
+def naming(headers: str, strangers: int, last: str = RCPT) -> bytes:
+    """A DSN with a block for each of `strangers` addresses, then one for `last`."""
+    raw = dsn(headers, to=last).decode()
+    block = "Final-Recipient: rfc822; stranger{i}@example.org\r\nAction: failed\r\nStatus: 5.1.1\r\n\r\n"
+    blocks = "".join(block.format(i=i) for i in range(strangers))
+    return raw.replace("Final-Recipient:", blocks + "Final-Recipient:", 1).encode()
+
+
+async def _history(guard: Server, key: str) -> list[tuple[str | None, str]]:
+    assert guard.store is not None
+    return [(e.recipient, e.effect) for e in await guard.store.provider_events("acme", key)]
+
+
+async def test_a_forged_report_naming_thousands_of_recipients_writes_at_most_a_messages_worth(
+    tmp: Path, upstream: Upstream
+) -> None:
+    cfg = base_config(tmp, upstream.port, events={"mailbox": mailbox_config()}, limits__max_recipients=LIMIT)
+    async with running_guard(cfg) as guard:
+        message_id, _ = await sent(guard, upstream, "invoice:1")
+        quoted = f"From: billing@acme.example\r\nMessage-ID: {message_id}\r\nSubject: x"
+        assert (await deliver(guard, naming(quoted, 2000)))[0] == 250
+        rows = await _history(guard, "invoice:1")
+        assert len(rows) == LIMIT, len(rows)
+        assert {effect for _, effect in rows} == {"unverified"}
+        assert await suppressed(guard, "acme") == {}
+        # A genuine report at the message's token is still read, within the same bound.
+        headers = upstream.received[0].content.split(b"\r\n\r\n", 1)[0].decode()
+        assert (await deliver(guard, naming(headers, LIMIT - 1), bounce_address(upstream)))[0] == 250
+        assert await suppressed(guard, "acme") == {RCPT: "bounce 5.1.1 via mailbox"}
+        assert len(await _history(guard, "invoice:1")) == 2 * LIMIT
+        reply = await send(guard.ports[0], message("invoice:2", to=RCPT), recipients=[RCPT])
+        assert reply.code == 550, reply
+        assert len(upstream.received) == 1
