@@ -34,7 +34,7 @@ from pydantic import (
     model_validator,
 )
 
-from smtpguard.policy import http_trust
+from smtpguard.policy import http_trust, verp
 from smtpguard.policy.limits import PLANS
 from smtpguard.policy.senders import address_problem
 from smtpguard.policy.throttle import CONNECTION_WAIT, RATE_WAIT
@@ -674,7 +674,9 @@ SOURCE_KINDS = ("mailgun", "sendgrid", "svix", "postmark", "ses")
 _SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
-_VERP_DOMAIN = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,63}\.?$")
+_VERP_DOMAIN = re.compile(
+    r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+([A-Za-z]{2,63}|xn--[A-Za-z0-9-]{1,59})\.?$"
+)
 
 
 class MailboxConfig(_Strict):
@@ -704,6 +706,11 @@ class MailboxConfig(_Strict):
     def _domain(cls, v: str | None) -> str | None:
         if v is not None and not _VERP_DOMAIN.match(v):
             raise ValueError(f"VERP domain {v!r} is not a DNS name (letters, digits, - and .)")
+        if v is not None and len(v.rstrip(".")) > verp.DOMAIN_MAX:
+            raise ValueError(
+                f"VERP domain is longer than {verp.DOMAIN_MAX} characters: b+TOKEN@ it would pass "
+                "RFC 5321's 256-octet envelope sender"
+            )
         return v
 
     @model_validator(mode="after")

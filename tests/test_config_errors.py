@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from smtpguard.cli import main
 from smtpguard.config import ConfigError, loads
@@ -326,6 +327,12 @@ def test_probe_waits_are_jittered_within_ten_percent() -> None:
             "VERP domain 'not a domain' is not a DNS name",
         ),
         (
+            # 4 labels of 60: a DNS name, but b+TOKEN@ it is past RFC 5321's 256-octet path.
+            {"domain": ".".join(["a" * 60] * 4 + ["example"]), "secret_env": "S"},
+            "events.mailbox.domain",
+            "longer than 206 characters",
+        ),
+        (
             {"domain": "verp.guard.example", "secret_env": "S", "secret_file": "/etc/hostname"},
             "events.mailbox.secret_file",
             "give secret_env or secret_file, not both",
@@ -340,3 +347,11 @@ def test_a_bad_verp_setting_names_its_path_and_line(
     err = check(tmp, text, capsys)
     field = path.rsplit(".", 1)[1]
     assert f"{path} (line {line_of(text, f'{field}:')}): " in err and problem in err, err
+
+
+def test_a_verp_domain_under_an_internationalised_tld_is_a_dns_name(tmp: Path) -> None:
+    box = {"listen": "127.0.0.1:2526", "address": "bounces@guard.test", "provider": "primary"}
+    box |= {"domain": "verp.example.xn--p1ai", "secret_env": "S"}
+    cfg = loads(yaml.safe_dump(base_config(tmp, 2525, events={"mailbox": box})))
+    assert cfg.events is not None and cfg.events.mailbox is not None
+    assert cfg.events.mailbox.domain == "verp.example.xn--p1ai"
