@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from smtpguard.policy.ledger import Attempt, Phase, Record, State
-from smtpguard.policy.sends import in_flight_through, sent_through
+from smtpguard.policy.sends import in_flight_through, sent_as, sent_through
 
 NOW = 1_800_000_000.0
 
@@ -48,3 +48,10 @@ def test_before_data_or_with_the_outcome_written_it_is_not_in_flight() -> None:
     assert not in_flight_through(_sending(phase=Phase.BEFORE_DATA), "primary", NOW)
     done = Attempt("ab12", NOW, "a", "primary", "data_sent", "sent", "250 ok")
     assert not in_flight_through(_sending(attempts=(done,)), "primary", NOW)
+
+
+def test_a_record_was_sent_as_its_current_and_its_earlier_attempts_only() -> None:
+    earlier = Attempt("0a01", NOW - 60, "a", "primary", "data_sent", "delivered", "250 ok")
+    rec = _sending(attempts=(earlier,))
+    assert sent_as(rec, "ab12") and sent_as(rec, "0a01")
+    assert not sent_as(rec, "0a02") and not sent_as(rec, "0a01:lost")

@@ -22,11 +22,12 @@ from aiosmtpd.smtp import SMTP, Envelope, Session
 
 from smtpguard.config import MailboxConfig
 from smtpguard.events.apply import Applied, Applier, log_applied
-from smtpguard.events.model import ProviderEvent
+from smtpguard.events.model import Match, ProviderEvent
 from smtpguard.events.reports import NotAReport, read_report
 from smtpguard.policy import verp
 from smtpguard.policy.ledger import Record
 from smtpguard.policy.senders import recipient_tag, suppression_key
+from smtpguard.policy.sends import sent_as
 from smtpguard.store import StoreUnavailable
 from smtpguard.verp import VerpKey
 
@@ -83,7 +84,7 @@ class ReportHandler:
             # One verified token names the record; anything else (no token, a tampered one,
             # two that disagree) falls back to the ids the report quotes, which anyone who
             # saw the message can quote: history only.
-            verified = await self._record_of(tokens.pop()) if len(tokens) == 1 else None
+            verified = await self._record_of(tokens.pop(), events[0].match) if len(tokens) == 1 else None
             # Every event of a report quotes the same headers: one lookup for all of them.
             found = verified if verified is not None else await self.applier.find(provider, events[0].match)
             for event in events:
@@ -101,9 +102,16 @@ class ReportHandler:
             return "451 4.3.2 the reported message is still being sent, try again later"
         return "250 2.0.0 report accepted"
 
-    async def _record_of(self, sg_id: str) -> Record | None:
+    async def _record_of(self, sg_id: str, match: Match) -> Record | None:
+        """The record whose attempt `sg_id` (a token that verified) was."""
         found = [r for r in await self.applier.store.records_for_event("sg_id", sg_id) if r.sg_id == sg_id]
-        return found[0] if len(found) == 1 else None
+        if len(found) == 1:
+            return found[0]
+        # An earlier attempt (a retry, or a derived key's new event, has a new sg id): the
+        # token proves the attempt was smtpguard's, and the record the report quotes is
+        # taken only if its own history holds that attempt.
+        quoted = await self.applier.find(self.cfg.provider, match)
+        return quoted if quoted is not None and sent_as(quoted, sg_id) else None
 
 
 def _was_recipient(record: Record, event: ProviderEvent) -> bool:

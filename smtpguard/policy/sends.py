@@ -13,6 +13,12 @@ def sent_through(record: Record, provider: str) -> bool:
     return record.via == provider or any(a.provider == provider for a in record.attempts)
 
 
+def sent_as(record: Record, sg_id: str) -> bool:
+    """`sg_id` is the record's attempt now or one in its history (a retry, or a derived
+    key's new event, gets a new id; the attempts keep the earlier ones)."""
+    return record.sg_id == sg_id or any(a.attempt_id == sg_id for a in record.attempts)
+
+
 def in_flight_through(record: Record, provider: str, now: float) -> bool:
     """The final dot may be with `provider`, the outcome is not written yet, and an owner
     still holds the lease to write it. Once the lease is over nobody is sending any more:
