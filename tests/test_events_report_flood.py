@@ -1,12 +1,17 @@
-"""A report names at most as many recipients as a message may have (DESIGN.md §18: an
-unverified report lands in a record's history *at most*). The mailbox is an MX: anyone can
-mail it a DSN quoting a Message-ID they saw. One such mail naming thousands of recipients
-wrote one history row each (5,000 rows and 8 s of store work for 400 KB), on the record of
-the message it quotes. A real SMTP client mails the reports; rows are counted in the store."""
+"""Hostile report shapes at the events mailbox, which is an MX: anyone can mail it.
+
+A report names at most as many recipients as a message may have (DESIGN.md §18: an
+unverified report lands in a record's history *at most*). One DSN quoting a Message-ID its
+sender had seen, naming thousands of recipients, wrote one history row each (5,000 rows
+and 8 s of store work for 400 KB). A report nested a thousand parts deep made the parser
+recurse out of stack. A real SMTP client mails the reports; rows are counted in the store."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+
+import pytest
 
 from smtpguard.server import Server
 from tests.support import Upstream, base_config, message, running_guard, send
@@ -56,3 +61,32 @@ async def test_a_forged_report_naming_thousands_of_recipients_writes_at_most_a_m
         reply = await send(guard.ports[0], message("invoice:2", to=RCPT), recipients=[RCPT])
         assert reply.code == 550, reply
         assert len(upstream.received) == 1
+
+
+def nested(depth: int) -> bytes:
+    """A multipart/report whose first part is a multipart, whose first part is one, …"""
+    head = b"From: x@mx.example\r\nContent-Type: multipart/report; report-type=delivery-status; "
+    head += b'boundary="b0"\r\n\r\n'
+    parts = [
+        f'--b{i}\r\nContent-Type: multipart/mixed; boundary="b{i + 1}"\r\n\r\n'.encode() for i in range(depth)
+    ]
+    tail = b"".join(f"\r\n--b{i}--\r\n".encode() for i in reversed(range(depth + 1)))
+    return head + b"".join(parts) + tail
+
+
+async def test_a_report_nested_a_thousand_parts_deep_is_not_a_report_and_no_traceback(
+    tmp: Path, upstream: Upstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 70 KB: Python's email parser recursed once per level and raised RecursionError, which
+    # the SMTP server answered "500 Error: (RecursionError) …" with a traceback in the log.
+    cfg = base_config(tmp, upstream.port, events={"mailbox": mailbox_config()})
+    async with running_guard(cfg) as guard:
+        caplog.set_level(logging.INFO)
+        code, text = await deliver(guard, nested(1000))
+        assert (code, text) == (250, "2.0.0 accepted (not a delivery or feedback report)"), (code, text)
+        assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+        # The listener goes on reading reports.
+        message_id, _ = await sent(guard, upstream, "invoice:1")
+        quoted = f"From: billing@acme.example\r\nMessage-ID: {message_id}\r\nSubject: x"
+        assert (await deliver(guard, naming(quoted, 0)))[0] == 250
+        assert len(await _history(guard, "invoice:1")) == 1

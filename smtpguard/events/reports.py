@@ -29,6 +29,15 @@ def read_report(raw: bytes, source: str, received_at: float, max_recipients: int
     """The report's events, one per recipient it names, the first `max_recipients` of them:
     no message smtpguard relayed had more (limits.max_recipients), and anyone can mail the
     mailbox, so a report naming thousands must not become thousands of store writes."""
+    try:
+        return _read(raw, source, received_at)[:max_recipients]
+    except RecursionError:
+        # The email parser recurses once per nested part: a 70 KB mail of parts a thousand
+        # deep exhausts the stack. No MTA writes a report like that.
+        raise NotAReport("parts nested too deeply") from None
+
+
+def _read(raw: bytes, source: str, received_at: float) -> list[ProviderEvent]:
     msg = email.message_from_bytes(raw, policy=email.policy.compat32)
     if msg.get_content_type() != "multipart/report":
         raise NotAReport("not a multipart/report")
@@ -47,9 +56,9 @@ def read_report(raw: bytes, source: str, received_at: float, max_recipients: int
     # same report, and is applied once.
     digest = hashlib.sha256(raw.split(b"\r\n\r\n", 1)[-1]).hexdigest()[:32]
     if report_type == "delivery-status":
-        return _dsn(parts, source, received_at, match, digest)[:max_recipients]
+        return _dsn(parts, source, received_at, match, digest)
     if report_type == "feedback-report":
-        return _arf(parts, source, received_at, match, digest, original)[:max_recipients]
+        return _arf(parts, source, received_at, match, digest, original)
     raise NotAReport(f"report-type {report_type or '(none)'} is neither delivery-status nor feedback-report")
 
 
