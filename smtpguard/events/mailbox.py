@@ -72,7 +72,11 @@ class ReportHandler:
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
         raw = envelope.original_content or b""
         try:
-            events = read_report(raw, SOURCE, self.applier.clock(), self.max_recipients())
+            # A megabyte of MIME is a few hundred ms of CPU, and anyone can mail one: read it
+            # off the event loop, which every listener of this process shares.
+            events = await asyncio.to_thread(
+                read_report, raw, SOURCE, self.applier.clock(), self.max_recipients()
+            )
         except NotAReport as e:
             self.observe(SOURCE, "-", "not_a_report")
             log.info("mail to the events mailbox is not a report", extra={"reason": str(e)})
