@@ -355,3 +355,29 @@ def test_a_verp_domain_under_an_internationalised_tld_is_a_dns_name(tmp: Path) -
     cfg = loads(yaml.safe_dump(base_config(tmp, 2525, events={"mailbox": box})))
     assert cfg.events is not None and cfg.events.mailbox is not None
     assert cfg.events.mailbox.domain == "verp.example.xn--p1ai"
+
+
+@pytest.mark.parametrize(
+    ("secret", "problem"),
+    [
+        (None, "events.mailbox: environment variable SMTPGUARD_T_VERP is not set"),
+        ("", "events.mailbox: the VERP secret is empty"),
+    ],
+)
+def test_check_config_reads_the_verp_secret_as_serve_does(
+    secret: str | None,
+    problem: str,
+    tmp: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # check-config said "config OK" for a VERP secret that serve then refused to start with.
+    monkeypatch.delenv("SMTPGUARD_T_VERP", raising=False)
+    if secret is not None:
+        monkeypatch.setenv("SMTPGUARD_T_VERP", secret)
+    box = {"listen": "127.0.0.1:2526", "address": "bounces@guard.test", "provider": "primary"}
+    box |= {"domain": "verp.guard.example", "secret_env": "SMTPGUARD_T_VERP"}
+    err = check(
+        tmp, write_config(tmp / "v.yaml", base_config(tmp, 2525, events={"mailbox": box})).read_text(), capsys
+    )
+    assert problem in err, err
