@@ -362,6 +362,8 @@ def test_a_verp_domain_under_an_internationalised_tld_is_a_dns_name(tmp: Path) -
     [
         (None, "events.mailbox: environment variable SMTPGUARD_T_VERP is not set"),
         ("", "events.mailbox: the VERP secret is empty"),
+        # Four letters: anyone holding one token (every recipient does) can find it offline.
+        ("abcd", "events.mailbox: the VERP secret is 4 bytes; it needs at least 16"),
     ],
 )
 def test_check_config_reads_the_verp_secret_as_serve_does(
