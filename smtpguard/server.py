@@ -324,7 +324,12 @@ class Server:
 
             mailbox = config.events.mailbox
             self.mailbox = MailboxServer(
-                mailbox, self.event_applier, self.hostname, self.metrics.provider_event, self.verp
+                mailbox,
+                self.event_applier,
+                self.hostname,
+                self.metrics.provider_event,
+                self.verp,
+                lambda: self.config.limits.max_recipients,
             )
             await self.mailbox.start()
             log.info(

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 from smtpguard.config import Config, ConfigError, read_secret
 
+SECRET_MIN = 16
+"""Bytes: 128 bits at the very least (`openssl rand -hex 32` gives 64 characters)."""
+
 
 @dataclass(frozen=True, slots=True)
 class VerpKey:
@@ -24,4 +27,11 @@ def verp_key(config: Config) -> VerpKey | None:
     secret = read_secret(mailbox.secret_env, mailbox.secret_file, "events.mailbox")
     if not secret:
         raise ConfigError(["events.mailbox: the VERP secret is empty"])
-    return VerpKey(mailbox.domain, secret.encode())
+    key = secret.encode()
+    if len(key) < SECRET_MIN:
+        # Every recipient sees a token and its sg id in Return-Path: a short secret is found
+        # offline from one of them, and then any token can be made.
+        raise ConfigError(
+            [f"events.mailbox: the VERP secret is {len(key)} bytes; it needs at least {SECRET_MIN}"]
+        )
+    return VerpKey(mailbox.domain, key)

@@ -6,8 +6,9 @@ record's provider or another one, for a recipient of the message or a stranger.
 
 `deliver_and_check` applies it with the real Applier on the real store and checks what
 must hold whatever the moment:
- - in flight through that provider (the final dot may be there, no outcome written): the
-   answer is retry-later and nothing is stored;
+ - in flight through that provider (the final dot may be there, no outcome written, and
+   its owner's lease still live): the answer is retry-later and nothing is stored; never
+   retry-later once the lease is over;
  - a key never sent, or sent only through another provider: unmatched, nothing stored;
  - otherwise applied once (the same event again is a duplicate), to the record of its own
    zone only: the other zone's list and history never change;
@@ -20,10 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from smtpguard.events.apply import Applied, Applier, in_flight_through, sent_through
+from smtpguard.events.apply import Applied, Applier
 from smtpguard.events.model import Kind, Match, ProviderEvent
 from smtpguard.policy.ledger import Record
 from smtpguard.policy.senders import recipient_tag
+from smtpguard.policy.sends import in_flight_through, sent_through
 from smtpguard.store import Store
 
 STRANGER = "stranger@example.org"
@@ -68,9 +70,14 @@ async def deliver_and_check(
     outcome, record = await applier.apply(via, event)
     brief = f"event {event_id} {zone}/{key} via {via} to {to}: {outcome.value}"
 
+    if outcome is Applied.RETRY_LATER:
+        # Stated apart from the predicate below: put off only while an owner holds the lease
+        # (a dead owner's record must not answer "retry later" until the provider gives up).
+        lease = before.lease_until if before is not None else None
+        assert lease is not None and lease > now, f"§18 retry-later, no live lease: {brief}, {_state(before)}"
     if before is None or not sent_through(before, via):
         assert outcome is Applied.UNMATCHED, f"§18: {brief}, but the record is {_state(before)}"
-    elif in_flight_through(before, via):
+    elif in_flight_through(before, via, now):
         assert outcome is Applied.RETRY_LATER, f"§18 in flight: {brief}, record {_state(before)}"
     else:
         assert outcome is Applied.APPLIED, f"§18: {brief}, record {_state(before)}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from smtpguard.cli import main
 from smtpguard.config import ConfigError, loads
@@ -326,6 +327,12 @@ def test_probe_waits_are_jittered_within_ten_percent() -> None:
             "VERP domain 'not a domain' is not a DNS name",
         ),
         (
+            # 4 labels of 60: a DNS name, but b+TOKEN@ it is past RFC 5321's 256-octet path.
+            {"domain": ".".join(["a" * 60] * 4 + ["example"]), "secret_env": "S"},
+            "events.mailbox.domain",
+            "longer than 206 characters",
+        ),
+        (
             {"domain": "verp.guard.example", "secret_env": "S", "secret_file": "/etc/hostname"},
             "events.mailbox.secret_file",
             "give secret_env or secret_file, not both",
@@ -370,3 +377,39 @@ def test_store_pool_size_sizes_the_postgresql_pool(tmp: Path) -> None:
     assert config.store.pool_size == 5
     store = store_from_url(config.store.url, pool_size=config.store.pool_size)
     assert store._pool_size == 5  # type: ignore[attr-defined]
+
+
+def test_a_verp_domain_under_an_internationalised_tld_is_a_dns_name(tmp: Path) -> None:
+    box = {"listen": "127.0.0.1:2526", "address": "bounces@guard.test", "provider": "primary"}
+    box |= {"domain": "verp.example.xn--p1ai", "secret_env": "S"}
+    cfg = loads(yaml.safe_dump(base_config(tmp, 2525, events={"mailbox": box})))
+    assert cfg.events is not None and cfg.events.mailbox is not None
+    assert cfg.events.mailbox.domain == "verp.example.xn--p1ai"
+
+
+@pytest.mark.parametrize(
+    ("secret", "problem"),
+    [
+        (None, "events.mailbox: environment variable SMTPGUARD_T_VERP is not set"),
+        ("", "events.mailbox: the VERP secret is empty"),
+        # Four letters: anyone holding one token (every recipient does) can find it offline.
+        ("abcd", "events.mailbox: the VERP secret is 4 bytes; it needs at least 16"),
+    ],
+)
+def test_check_config_reads_the_verp_secret_as_serve_does(
+    secret: str | None,
+    problem: str,
+    tmp: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # check-config said "config OK" for a VERP secret that serve then refused to start with.
+    monkeypatch.delenv("SMTPGUARD_T_VERP", raising=False)
+    if secret is not None:
+        monkeypatch.setenv("SMTPGUARD_T_VERP", secret)
+    box = {"listen": "127.0.0.1:2526", "address": "bounces@guard.test", "provider": "primary"}
+    box |= {"domain": "verp.guard.example", "secret_env": "SMTPGUARD_T_VERP"}
+    err = check(
+        tmp, write_config(tmp / "v.yaml", base_config(tmp, 2525, events={"mailbox": box})).read_text(), capsys
+    )
+    assert problem in err, err

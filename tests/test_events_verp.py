@@ -20,6 +20,7 @@ from smtpguard.server import Server
 from tests.support import (
     OTHER_PASSWORD,
     Behaviour,
+    FakeClock,
     Upstream,
     base_config,
     free_port,
@@ -214,3 +215,39 @@ async def test_the_mailbox_still_refuses_other_addresses_with_verp_on(tmp: Path,
             assert code == 550 and "5.1.1" in text, (rcpt, code, text)
         assert (await deliver(guard, b"Subject: hi\r\n\r\njust mail\r\n", MAILBOX))[0] == 250
         assert upstream.received == []
+
+
+async def test_a_report_at_an_earlier_attempts_token_applies_to_the_record_that_sent_it(
+    tmp: Path, upstream: Upstream
+) -> None:
+    # A derived key (no X-Event-Key): after its window the same message is a new event on
+    # the same record, with a new sg id. A complaint or late bounce about the first one
+    # comes back to the first token, which still verifies.
+    clock = FakeClock()
+    cfg = base_config(
+        tmp,
+        upstream.port,
+        events={"mailbox": mailbox_config()},
+        zones__acme__missing_key="derive",
+        zones__acme__derive_window="10s",
+    )
+    async with running_guard(cfg, clock=clock) as guard:
+        other_mid, _ = await sent(guard, upstream, "invoice:9", to="someone@example.org")
+        assert (await send(guard.ports[0], message(None, to=RCPT), recipients=[RCPT])).code == 250
+        first_token = bounce_address(upstream)
+        first_headers = upstream.received[-1].content.split(b"\r\n\r\n", 1)[0].decode()
+        clock.t += 11
+        assert (await send(guard.ports[0], message(None, to=RCPT), recipients=[RCPT])).code == 250
+        assert bounce_address(upstream) != first_token
+        # The first token quoting another record's message: that record never had the
+        # attempt, so it is history at most, and nothing is suppressed.
+        quoted = f"From: billing@acme.example\r\nMessage-ID: {other_mid}\r\nSubject: x"
+        assert (await deliver(guard, dsn(quoted, to="someone@example.org"), first_token))[0] == 250
+        assert await suppressed(guard, "acme") == {}
+        # The genuine report about the first message: applied, once.
+        assert (await deliver(guard, dsn(first_headers), first_token))[0] == 250
+        assert await suppressed(guard, "acme") == {RCPT: "bounce 5.1.1 via mailbox"}
+        assert (await deliver(guard, dsn(first_headers), first_token))[0] == 250
+        reply = await send(guard.ports[0], message("invoice:10", to=RCPT), recipients=[RCPT])
+        assert reply.code == 550, reply
+        assert len(upstream.received) == 3

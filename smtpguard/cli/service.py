@@ -34,10 +34,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     from smtpguard.config import provider_secrets, worker_count
+    from smtpguard.verp import verp_key
 
     try:
         config = _config(args)
         provider_secrets(config)
+        verp_key(config)  # serve reads it at start: a missing or empty one is refused here too
         if config.tls is not None:
             from smtpguard.server import tls_context
 

@@ -11,7 +11,7 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 from smtpguard.config.base import Duration, FieldProblem, FilePath, Size, _host_port, _Strict, is_loopback
 from smtpguard.config.listener import TLSFiles
 from smtpguard.config.zones import _argon2_hash
-from smtpguard.policy import http_trust
+from smtpguard.policy import http_trust, verp
 from smtpguard.policy.senders import address_problem
 
 
@@ -75,7 +75,9 @@ SOURCE_KINDS = ("mailgun", "sendgrid", "svix", "postmark", "ses")
 _SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
-_VERP_DOMAIN = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,63}\.?$")
+_VERP_DOMAIN = re.compile(
+    r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+([A-Za-z]{2,63}|xn--[A-Za-z0-9-]{1,59})\.?$"
+)
 
 
 class SideListenerLimits(_Strict):
@@ -118,6 +120,11 @@ class MailboxConfig(SideListenerLimits):
     def _domain(cls, v: str | None) -> str | None:
         if v is not None and not _VERP_DOMAIN.match(v):
             raise ValueError(f"VERP domain {v!r} is not a DNS name (letters, digits, - and .)")
+        if v is not None and len(v.rstrip(".")) > verp.DOMAIN_MAX:
+            raise ValueError(
+                f"VERP domain is longer than {verp.DOMAIN_MAX} characters: b+TOKEN@ it would pass "
+                "RFC 5321's 256-octet envelope sender"
+            )
         return v
 
     @model_validator(mode="after")

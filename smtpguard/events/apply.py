@@ -18,7 +18,8 @@ from collections.abc import Callable, Collection
 from enum import StrEnum
 
 from smtpguard.events.model import Match, ProviderEvent, StoredEvent, effect_of, key_of_tag
-from smtpguard.policy.ledger import Phase, Record, State
+from smtpguard.policy.ledger import Record
+from smtpguard.policy.sends import in_flight_through, sent_through
 from smtpguard.store import Store
 from smtpguard.store.base import IdField
 
@@ -62,7 +63,7 @@ class Applier:
         suppresses."""
         if record is None:
             return Applied.UNMATCHED, None
-        if in_flight_through(record, provider):
+        if in_flight_through(record, provider, self.clock()):
             return Applied.RETRY_LATER, record
         reason, effect = effect_of(event, record.rcpt_tags)
         event_id = event.event_id
@@ -135,20 +136,4 @@ def log_applied(source: str, event: ProviderEvent, outcome: Applied, record: Rec
             "event_key": record.key if record else None,
             "status": event.status,
         },
-    )
-
-
-def sent_through(record: Record, provider: str) -> bool:
-    """The record has an attempt through `provider`, or its current attempt's DATA went
-    there (in flight, or left unknown by a lost lease before its outcome was written)."""
-    return record.via == provider or any(a.provider == provider for a in record.attempts)
-
-
-def in_flight_through(record: Record, provider: str) -> bool:
-    """The final dot may be with `provider` and the outcome is not written yet."""
-    return (
-        record.state is State.IN_FLIGHT
-        and record.phase is Phase.DATA_SENT
-        and record.via == provider
-        and not any(a.attempt_id == record.sg_id for a in record.attempts)
     )

@@ -25,11 +25,12 @@ from smtpguard import replies
 from smtpguard.admission import Admission, ListenerLimits, peer_ip
 from smtpguard.config import MailboxConfig
 from smtpguard.events.apply import Applied, Applier, log_applied
-from smtpguard.events.model import ProviderEvent
+from smtpguard.events.model import Match, ProviderEvent
 from smtpguard.events.reports import NotAReport, read_report
 from smtpguard.policy import verp
 from smtpguard.policy.ledger import Record
 from smtpguard.policy.senders import recipient_tag, suppression_key
+from smtpguard.policy.sends import sent_as
 from smtpguard.store import StoreUnavailable
 from smtpguard.verp import VerpKey
 
@@ -46,11 +47,14 @@ class ReportHandler:
         applier: Applier,
         observe: Callable[[str, str, str], None],
         key: VerpKey | None = None,
+        max_recipients: Callable[[], int] = lambda: 100,
     ) -> None:
         self.cfg = cfg
         self.applier = applier
         self.observe = observe
         self.key = key
+        self.max_recipients = max_recipients
+        """limits.max_recipients as now configured: a report naming more is read that far."""
         self._address = suppression_key(cfg.address)
 
     def _addressed(self, address: str) -> verp.Addressed:
@@ -71,7 +75,11 @@ class ReportHandler:
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
         raw = envelope.original_content or b""
         try:
-            events = read_report(raw, SOURCE, self.applier.clock())
+            # A megabyte of MIME is a few hundred ms of CPU, and anyone can mail one: read it
+            # off the event loop, which every listener of this process shares.
+            events = await asyncio.to_thread(
+                read_report, raw, SOURCE, self.applier.clock(), self.max_recipients()
+            )
         except NotAReport as e:
             self.observe(SOURCE, "-", "not_a_report")
             log.info("mail to the events mailbox is not a report", extra={"reason": str(e)})
@@ -83,15 +91,12 @@ class ReportHandler:
             # One verified token names the record; anything else (no token, a tampered one,
             # two that disagree) falls back to the ids the report quotes, which anyone who
             # saw the message can quote: history only.
-            verified = await self._record_of(tokens.pop()) if len(tokens) == 1 else None
+            verified = await self._record_of(tokens.pop(), events[0].match) if len(tokens) == 1 else None
+            # Every event of a report quotes the same headers: one lookup for all of them.
+            found = verified if verified is not None else await self.applier.find(provider, events[0].match)
             for event in events:
-                if verified is not None:
-                    outcome, record = await self.applier.apply_to(
-                        provider, verified, event, trusted=_was_recipient(verified, event)
-                    )
-                else:
-                    found = await self.applier.find(provider, event.match)
-                    outcome, record = await self.applier.apply_to(provider, found, event, trusted=False)
+                trusted = verified is not None and _was_recipient(verified, event)
+                outcome, record = await self.applier.apply_to(provider, found, event, trusted=trusted)
                 retry = retry or outcome is Applied.RETRY_LATER
                 self.observe(SOURCE, event.kind.value, outcome.value)
                 log_applied(SOURCE, event, outcome, record)
@@ -104,9 +109,16 @@ class ReportHandler:
             return "451 4.3.2 the reported message is still being sent, try again later"
         return "250 2.0.0 report accepted"
 
-    async def _record_of(self, sg_id: str) -> Record | None:
+    async def _record_of(self, sg_id: str, match: Match) -> Record | None:
+        """The record whose attempt `sg_id` (a token that verified) was."""
         found = [r for r in await self.applier.store.records_for_event("sg_id", sg_id) if r.sg_id == sg_id]
-        return found[0] if len(found) == 1 else None
+        if len(found) == 1:
+            return found[0]
+        # An earlier attempt (a retry, or a derived key's new event, has a new sg id): the
+        # token proves the attempt was smtpguard's, and the record the report quotes is
+        # taken only if its own history holds that attempt.
+        quoted = await self.applier.find(self.cfg.provider, match)
+        return quoted if quoted is not None and sent_as(quoted, sg_id) else None
 
 
 def _was_recipient(record: Record, event: ProviderEvent) -> bool:
@@ -194,9 +206,10 @@ class MailboxServer:
         hostname: str,
         observe: Callable[[str, str, str], None],
         key: VerpKey | None = None,
+        max_recipients: Callable[[], int] = lambda: 100,
     ) -> None:
         self.cfg = cfg
-        self.handler = ReportHandler(cfg, applier, observe, key)
+        self.handler = ReportHandler(cfg, applier, observe, key, max_recipients)
         self.hostname = hostname
         self.limits = ListenerLimits.of(cfg)
         self.admission = Admission(self.limits, "events.mailbox", log.name)

@@ -25,7 +25,19 @@ class NotAReport(Exception):
     """The message is neither a DSN nor an ARF report: accepted, counted, nothing applied."""
 
 
-def read_report(raw: bytes, source: str, received_at: float) -> list[ProviderEvent]:
+def read_report(raw: bytes, source: str, received_at: float, max_recipients: int) -> list[ProviderEvent]:
+    """The report's events, one per recipient it names, the first `max_recipients` of them:
+    no message smtpguard relayed had more (limits.max_recipients), and anyone can mail the
+    mailbox, so a report naming thousands must not become thousands of store writes."""
+    try:
+        return _read(raw, source, received_at)[:max_recipients]
+    except RecursionError:
+        # The email parser recurses once per nested part: a 70 KB mail of parts a thousand
+        # deep exhausts the stack. No MTA writes a report like that.
+        raise NotAReport("parts nested too deeply") from None
+
+
+def _read(raw: bytes, source: str, received_at: float) -> list[ProviderEvent]:
     msg = email.message_from_bytes(raw, policy=email.policy.compat32)
     if msg.get_content_type() != "multipart/report":
         raise NotAReport("not a multipart/report")

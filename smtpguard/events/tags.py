@@ -24,6 +24,7 @@ from smtpguard.events.model import ID_HEADER, KEY_FIELD, is_our_tag_name, tag_va
 
 _POSTMARK = f"X-PM-Metadata-{KEY_FIELD}"
 _JSON_HEADERS = {"mailgun": "X-Mailgun-Variables", "sendgrid": "X-SMTPAPI"}
+_JSON_NAMES = tuple(h.lower().encode() for h in _JSON_HEADERS.values())
 _HINT = b"smtpguard"
 """Every name is_our_tag_name accepts holds these letters in order, with punctuation
 between them at most: the fast path looks for the word with punctuation removed."""
@@ -33,22 +34,42 @@ def tagged(kind: str | None, qualified_key: str | None, attempt_id: str, content
     """The message as relayed through a provider whose events a source of `kind` reads
     (None: no source reads them; only a client's forged fields are removed)."""
     head, sep, body = content.partition(b"\r\n\r\n")
-    if kind is None and _HINT not in _squeezed(head):
-        return content  # the common case, untouched
+    lowered = head.lower()
+    if kind is None and _HINT not in _squeezed(lowered) and not any(n in lowered for n in _JSON_NAMES):
+        # The common case, untouched. A JSON header is always looked into: a member's
+        # name may be written with escapes (`smtp\u0067uard_key`) that no byte test sees.
+        return content
     key = tag_value(qualified_key) if qualified_key is not None else None
     fields = [f for f in _fields(head) if not is_our_tag_name(_name(f).decode("latin-1"))]
     added: list[bytes] = []
-    json_header = _JSON_HEADERS.get(kind or "")
-    if json_header is not None:
-        fields, client = _take(fields, json_header.lower().encode())
-        merged = _merge(kind or "", client, key)
-        if merged is not None:
-            added.append(_fold(f"{json_header}: {json.dumps(merged, separators=(', ', ': '))}"))
-    elif kind == "postmark" and key is not None:
+    for header_kind, json_header in _JSON_HEADERS.items():
+        name = json_header.lower().encode()
+        if header_kind == kind:
+            fields, client = _take(fields, name)
+            merged = _merge(header_kind, client, key)
+            if merged is not None:
+                added.append(_fold(f"{json_header}: {json.dumps(merged, separators=(', ', ': '))}"))
+        else:
+            # No source reads this header here, but the provider may be one account with a
+            # source's provider, whose webhook then echoes a client's member as our tag.
+            fields = [c for f in fields if (c := _without_our_member(header_kind, json_header, f))]
+    if kind == "postmark" and key is not None:
         added.append(f"{_POSTMARK}: {key}".encode())
     elif kind in ("svix", "ses"):
         added.append(f"{ID_HEADER}: {attempt_id}".encode())
     return b"\r\n".join([*added, *fields]) + sep + body
+
+
+def _without_our_member(kind: str, json_header: str, field: bytes) -> bytes | None:
+    """A client's JSON tag header for a provider whose tag smtpguard does not write: written
+    again without a member of ours, and without duplicate names (a provider's parser may
+    take the first of two where Python's takes the last); not JSON, it is dropped, since
+    whether a provider's parser would find our member in it cannot be told."""
+    if _name(field) != json_header.lower().encode():
+        return field
+    _, value = _take([field], json_header.lower().encode())
+    cleaned = _merge(kind, value, None) if isinstance(value, dict) else None
+    return _fold(f"{json_header}: {json.dumps(cleaned, separators=(', ', ': '))}") if cleaned else None
 
 
 def _fields(head: bytes) -> list[bytes]:
@@ -62,8 +83,8 @@ def _fields(head: bytes) -> list[bytes]:
     return out
 
 
-def _squeezed(head: bytes) -> bytes:
-    return head.lower().replace(b"-", b"").replace(b"_", b"").replace(b".", b"")
+def _squeezed(lowered: bytes) -> bytes:
+    return lowered.replace(b"-", b"").replace(b"_", b"").replace(b".", b"")
 
 
 def _name(field: bytes) -> bytes:

@@ -22,6 +22,10 @@ from dataclasses import dataclass
 PREFIX = "b+"
 MAC_CHARS = 20
 """80 bits of the HMAC: a forger who cannot read the secret guesses one in 2**80."""
+SG_ID_ROOM = 24
+"""Room for an sg id (19 hex digits now: 11 of milliseconds, 8 random)."""
+DOMAIN_MAX = 254 - len(PREFIX) - SG_ID_ROOM - 1 - MAC_CHARS - 1
+"""The longest VERP domain whose `b+TOKEN@DOMAIN` fits RFC 5321's 256-octet path (<> included)."""
 _CONTEXT = b"smtpguard-verp\x00"
 """Domain separation: the same secret used for something else never yields a token."""
 _TOKEN = re.compile(r"^([0-9a-f]{1,64})-([0-9a-f]{" + str(MAC_CHARS) + "})$")
