@@ -10,29 +10,30 @@ import signal
 import socket
 import ssl
 import time
-import warnings
-from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from smtpguard import notify
 from smtpguard.cap_alerts import CapAlerts
-from smtpguard.config import Config, ConfigError, TLSFiles, load, provider_secrets, read_secret
+from smtpguard.config import Config, ConfigError, provider_secrets, read_secret
 from smtpguard.delivery import DeliveryWorker
-from smtpguard.listener import GuardSMTP, Handler
+from smtpguard.listener import Handler
 from smtpguard.metrics import HealthServer, Metrics
-from smtpguard.passwords import Verifier
-from smtpguard.policy.breaker import Circuit
-from smtpguard.policy.limits import caps_for, month_of
-from smtpguard.policy.throttle import ProviderLimits
-from smtpguard.provider_gate import ConnectionSlots, ProviderGate
-from smtpguard.readiness.dns import DnsClient
+from smtpguard.provider_gate import ProviderGate
 from smtpguard.readiness.prober import Prober
 from smtpguard.recipient_domains import RecipientDomains
-from smtpguard.relay import Route, SmtpProvider, build_providers
-from smtpguard.store import ReportsReplication, Store, StoreUnavailable, StoreUnfit, store_from_url
-from smtpguard.submission import Principal, Result, Submitter
+from smtpguard.relay import Route
+from smtpguard.server import reload as reloading
+from smtpguard.server import side_listeners
+from smtpguard.server.assembly import Assembly, ProviderSecrets, recipient_domains
+from smtpguard.server.event_loop import loop_factory as loop_factory  # re-exported: tests
+from smtpguard.server.housekeeping import Housekeeping, StatsBuffer
+from smtpguard.server.reload import _event_sources as _event_sources  # re-exported: supervisor
+from smtpguard.server.tls import certificate_not_after
+from smtpguard.server.tls import tls_context as tls_context  # re-exported: cli, supervisor
+from smtpguard.store import Store, StoreUnavailable, StoreUnfit, store_from_url
+from smtpguard.submission import Principal, Submitter
 from smtpguard.verdict_config import not_yet_applied
 from smtpguard.verp import VerpKey, verp_key
 
@@ -45,76 +46,8 @@ if TYPE_CHECKING:
     from smtpguard.heartbeat import Answerer
     from smtpguard.workers import WorkerRole
 
+
 log = logging.getLogger("smtpguard.server")
-decisions = logging.getLogger("smtpguard.decision")
-
-STATS_FLUSH_INTERVAL = 1.0
-PURGE_INTERVAL = 3600.0
-GAUGE_INTERVAL = 5.0
-PUBLISH_PROBE_RETRIES = (1.0, 5.0, 30.0)
-"""Seconds between tries of a probe result's write to the store while it is unavailable."""
-RECORD_COUNT_INTERVAL = 60.0
-
-
-class StatsBuffer:
-    """Per-zone counters, added up in memory and flushed to the store once a second, so a
-    duplicate storm costs no store write per message."""
-
-    def __init__(self) -> None:
-        self._pending: defaultdict[str, defaultdict[str, int]] = defaultdict(lambda: defaultdict(int))
-
-    def bump(self, zone: str, name: str) -> None:
-        self._pending[zone][name] += 1
-
-    async def flush(self, store: Store) -> None:
-        pending, self._pending = self._pending, defaultdict(lambda: defaultdict(int))
-        for zone, counts in pending.items():
-            try:
-                await store.add_counts(zone, dict(counts))
-            except StoreUnavailable:
-                for name, n in counts.items():
-                    self._pending[zone][name] += n
-
-
-def stat_name(decision: str) -> str:
-    if decision == "relayed":
-        return "sent"
-    return decision
-
-
-def tls_context(config: Config) -> ssl.SSLContext | None:
-    if config.tls is None:
-        return None
-    return certificate_context(config.tls)
-
-
-def certificate_context(files: TLSFiles) -> ssl.SSLContext:
-    """A fresh server context holding exactly this certificate and key (one read of each)."""
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    load_certificate(ctx, files)
-    return ctx
-
-
-def load_certificate(ctx: ssl.SSLContext, files: TLSFiles) -> None:
-    try:
-        ctx.load_cert_chain(str(files.cert), str(files.key))
-    except (OSError, ssl.SSLError) as e:
-        raise ConfigError([f"tls: cannot load certificate {files.cert} / key {files.key}: {e}"]) from None
-
-
-def certificate_not_after(path: Path) -> float | None:
-    """The certificate's notAfter as a Unix time, for the expiry gauge; None if unreadable.
-    (The standard library decodes a PEM file only through this test hook; without it the
-    gauge is just absent.)"""
-    decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
-    if decode is None:
-        return None
-    try:
-        not_after = decode(str(path)).get("notAfter")
-        return float(ssl.cert_time_to_seconds(not_after)) if not_after else None
-    except (OSError, ValueError, ssl.SSLError):
-        return None
 
 
 class Server:
@@ -143,9 +76,6 @@ class Server:
         self._stopped = asyncio.Event()
         self.store: Store | None = None
         self.route: Route | None = None
-        self.gate: ProviderGate | None = None
-        """Provider throttling (DESIGN.md §16): kept across reloads, so a throttle learnt
-        stays in force when the route is rebuilt."""
         self.handler: Handler | None = None
         self.ports: list[int] = []
         self.metrics = Metrics(multiprocess=role.metrics_dir if role else None)
@@ -157,10 +87,10 @@ class Server:
         self.verp: VerpKey | None = None
         self.console: Console | None = None
         self.event_applier: Applier | None = None
-        self._background: set[asyncio.Future[None]] = set()
-        self._publishing: set[asyncio.Future[None]] = set()
-        """Probe results on their way to the store (retried while it is unavailable)."""
-        self._probe_generation: dict[str, int] = {}
+        self.housekeeping = Housekeeping(self)
+        self.assembly = Assembly(
+            self.metrics, self.clock, self.instance, self.hostname, self.housekeeping.circuit_changed
+        )
         self.unfit: list[str] = []
         """Why the store turned out unfit after start (checked once it answered)."""
         self.unfit_event = asyncio.Event()
@@ -177,6 +107,10 @@ class Server:
         """Set when this worker's supervisor is gone: the worker drains and exits."""
         self.heartbeat: Answerer | None = None
         """A worker's answers to its supervisor's heartbeat, until the very end of stop()."""
+
+    @property
+    def gate(self) -> ProviderGate | None:
+        return self.assembly.gate
 
     @property
     def singleton(self) -> bool:
@@ -225,24 +159,15 @@ class Server:
             self._tasks.append(asyncio.create_task(self._check_durability_later()))
         else:
             await self._judge_durability(problems, at_start=True)
-        self.route = self._route(config, secrets)
+        self.route = self.assembly.route(self.store, config, secrets)
         if self.singleton:
             # One warning per window per host, not per worker: worker 0 reads the store's
             # counters (the fleet's) after its own sends and in the gauge loop for all.
             self.cap_alerts = CapAlerts(lambda: self.config, self.store, self.metrics, self.clock)
-        submitter = Submitter(config, self.store, self.route, self.instance, self.hostname, self.clock)
-        submitter.verp = self.verp
+        submitter = self.assembly.submitter(config, self.store, self.route, self.verp)
         self.submitter = submitter
         self._ensure_worker()
-        self.handler = Handler(
-            submitter,
-            self.store,
-            Verifier(),
-            self._on_result,
-            self.clock,
-            recipient_domains=self._recipient_domains(config),
-            observe=self.metrics.event,
-        )
+        self.handler = self.assembly.handler(config, submitter, self.store, self.housekeeping.on_result)
         if self.role is not None:
             self.handler.connections = self.role.connections()
         for zname, zone in config.zones.items():
@@ -250,7 +175,7 @@ class Server:
                 log.info("zone paused by config", extra={"zone": zname})
         loop = asyncio.get_running_loop()
         for i, lst in enumerate(config.listen):
-            factory = self._factory(lst.tls, ssl_ctx)
+            factory = self.assembly.factory(self.handler, lst.tls, ssl_ctx, lambda: self.config.limits)
             ssl_arg = ssl_ctx if lst.tls == "implicit" else None
             if self.role is not None:
                 srv = await loop.create_server(factory, sock=self.role.listen_socket(i), ssl=ssl_arg)
@@ -273,11 +198,7 @@ class Server:
             await self._start_events(config, sources)
         if config.console is not None and self.singleton:
             await self._start_console(config)
-        self._tasks.append(asyncio.create_task(self._flush_stats()))
-        self._tasks.append(asyncio.create_task(self._refresh_gauges()))
-        if self.singleton:
-            self._tasks.append(asyncio.create_task(self._count_records()))
-            self._tasks.append(asyncio.create_task(self._purge()))
+        self._tasks += self.housekeeping.start()
         if self.role is not None:
             self._tasks.append(asyncio.create_task(self._watch_supervisor()))
         self._start_prober(config, secrets)
@@ -298,33 +219,20 @@ class Server:
 
     async def _start_events(self, config: Config, sources: Sources) -> None:
         """The provider-event listener (§13)."""
-        from smtpguard.admission import ListenerLimits
-        from smtpguard.events.apply import Applier
-        from smtpguard.events.web import EventsServer
-
         assert config.events is not None and self.store is not None and self.submitter is not None
-        self.event_applier = Applier(
-            self.store, lambda: self.config.zones, self.clock, self.submitter.suppressions.invalidate
+        self.event_applier = side_listeners.applier(
+            self.store, self.submitter, lambda: self.config, self.clock
         )
         if config.events.address is not None:
             host, _, port = config.events.address.rpartition(":")
-            self.events = EventsServer(
-                sources,
-                self.event_applier,
-                config.events.max_body,
-                self.clock,
-                self.metrics.provider_event,
-                ListenerLimits.of(config.events),
-                lambda: self.config.limits,
+            self.events = side_listeners.events_server(
+                config.events, sources, self.event_applier, self.metrics, self.clock, lambda: self.config
             )
             await self.events.start(host.strip("[]"), int(port))
             log.info("events listening", extra={"address": config.events.address, "port": self.events.port})
         if config.events.mailbox is not None:
-            from smtpguard.events.mailbox import MailboxServer
-
-            mailbox = config.events.mailbox
-            self.mailbox = MailboxServer(
-                mailbox, self.event_applier, self.hostname, self.metrics.provider_event, self.verp
+            self.mailbox = side_listeners.mailbox_server(
+                config.events.mailbox, self.event_applier, self.hostname, self.metrics, self.verp
             )
             await self.mailbox.start()
             log.info(
@@ -334,14 +242,8 @@ class Server:
 
     async def _start_console(self, config: Config) -> None:
         """The operator's console (§14), on the same store and config as the proxy."""
-        try:
-            from smtpguard.console.app import Console
-        except ImportError as e:
-            raise ConfigError(
-                [f"console: needs the `console` extra (pip install 'smtpguard[console]'): {e}"]
-            ) from None
         assert config.console is not None and self.store is not None
-        self.console = Console(lambda: self.config, self.store, config.console)
+        self.console = side_listeners.console(lambda: self.config, self.store, config.console)
         await self.console.start()
         log.info("console listening", extra={"address": config.console.address, "port": self.console.port})
 
@@ -375,129 +277,14 @@ class Server:
             await self._judge_durability(problems, at_start=False)
             return
 
-    def _route(self, config: Config, secrets: dict[str, str | None]) -> Route:
-        assert self.store is not None
-        limits = {
-            p.name: ProviderLimits(
-                p.max_rate, getattr(p, "max_connections", None), getattr(p, "throttle_backoff", 60.0)
-            )
-            for p in config.providers
-        }
-        if self.gate is None:
-            self.gate = ProviderGate(
-                self.store,
-                limits,
-                self.clock,
-                on_throttled=self.metrics.throttled,
-                on_rate_limited=self.metrics.rate_limited,
-            )
-        else:
-            self.gate.limits = limits
-        for name in limits:
-            self.metrics.provider(name)
-        self.metrics.configured({p.name for p in config.providers})
-        providers = build_providers(config.providers, secrets, self.hostname, _event_tags(config))
-        for p in providers:
-            if isinstance(p, SmtpProvider) and p.cfg.max_connections is not None:
-                fleet = ConnectionSlots(self.store, p.name, p.cfg.max_connections, self.instance, self.clock)
-                p.limit_connections(fleet)
-        return Route(
-            providers,
-            config.breaker.failure_threshold,
-            config.breaker.cooldown,
-            self.clock,
-            observe=self.metrics.upstream,
-            on_circuit=self._circuit_changed,
-            shares={p.name: getattr(p, "share", 0.0) for p in config.providers},
-            gate=self.gate,
-            zone_routes=_zone_routes(config),
-        )
-
-    @staticmethod
-    def _recipient_domains(config: Config) -> RecipientDomains | None:
-        """Only when a zone checks recipient domains: otherwise RCPT pays nothing for it."""
-        if not any(z.recipient_domains == "check" for z in config.zones.values()):
-            return None
-        dns = DnsClient(config.dns)
-        if dns.problem:
-            log.warning("recipient_domains: every recipient is accepted unchecked: %s", dns.problem)
-        return RecipientDomains(dns)
-
     def _start_prober(self, config: Config, secrets: dict[str, str | None]) -> None:
         """Probe every provider with a probe_interval (DESIGN.md §12); the route, the gauge
         and the store (for `stats`) learn each result."""
         if self.prober is not None:
-            self.prober.stop_later(self._background)
-        self.prober = Prober(config, _ProviderSecrets(self, secrets), self.hostname, self._probe_changed)
+            self.prober.stop_later(self.housekeeping.background)
+        held_now = ProviderSecrets(lambda: self.route, secrets)
+        self.prober = Prober(config, held_now, self.hostname, self.housekeeping.probe_changed)
         self.prober.start()
-
-    def _probe_changed(self, provider: str, ready: bool, detail: str) -> None:
-        if self.route is not None:
-            self.route.ready[provider] = ready
-        self.metrics.probed(provider, ready)
-        if self.store is not None:
-            task = asyncio.ensure_future(self._publish_probe(provider, ready, detail))
-            self._publishing.add(task)
-            task.add_done_callback(self._publishing.discard)
-
-    async def _publish_probe(self, provider: str, ready: bool, detail: str) -> None:
-        """To the store, for `stats`; retried while the store is unavailable, until a newer
-        result for the provider supersedes this one."""
-        assert self.store is not None
-        generation = self._probe_generation[provider] = self._probe_generation.get(provider, 0) + 1
-        for wait in (0.0, *PUBLISH_PROBE_RETRIES):
-            if wait:
-                await asyncio.sleep(wait)
-                if self._probe_generation.get(provider) != generation:
-                    return  # a newer result is being published
-            try:
-                await self.store.set_probe(self.instance, provider, ready, detail, self.clock())
-                return
-            except StoreUnavailable:
-                pass
-        log.warning("could not publish probe result", extra={"provider": provider})
-
-    def _factory(self, tls: str, ssl_ctx: ssl.SSLContext | None) -> Callable[[], GuardSMTP]:
-        handler = self.handler
-        assert handler is not None
-
-        def make() -> GuardSMTP:
-            # Read per connection, so a reload's limits apply to the next connection.
-            limits = self.config.limits
-            with warnings.catch_warnings():
-                # AUTH without STARTTLS is allowed only where the channel is already safe:
-                # loopback listeners (checked by config) and implicit TLS.
-                warnings.simplefilter("ignore")
-                return GuardSMTP(
-                    handler,
-                    hostname=self.hostname,
-                    ident="smtpguard",
-                    data_size_limit=limits.max_message_size,
-                    tls_context=ssl_ctx if tls == "starttls" else None,
-                    require_starttls=False,
-                    auth_required=True,
-                    auth_require_tls=tls == "starttls",
-                    timeout=limits.idle_timeout,
-                    decode_data=False,
-                    enable_SMTPUTF8=True,
-                )
-
-        return make
-
-    def _circuit_changed(self, provider: str, circuit: Circuit) -> None:
-        """Metrics at once; the store too, so `smtpguard stats` shows every instance's view."""
-        self.metrics.circuit(provider, circuit)
-        if self.store is not None:
-            task = asyncio.ensure_future(self._publish_circuit(provider, circuit))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-
-    async def _publish_circuit(self, provider: str, circuit: Circuit) -> None:
-        assert self.store is not None
-        try:
-            await self.store.set_circuit(self.instance, provider, circuit.value, self.clock())
-        except StoreUnavailable:
-            log.warning("could not publish circuit state", extra={"provider": provider})
 
     def _ensure_worker(self) -> None:
         """Start the store-and-forward worker, whatever the zones' current mode: entries
@@ -509,7 +296,7 @@ class Server:
         self.worker = DeliveryWorker(
             self.submitter,
             self.store,
-            lambda zone, result: self._on_result(Principal(zone, "delivery"), result, 0.0),
+            lambda zone, result: self.housekeeping.on_result(Principal(zone, "delivery"), result, 0.0),
         )
         self.submitter.on_enqueue = self.worker.wake
         self.worker.start()
@@ -524,92 +311,6 @@ class Server:
             return False, "every provider circuit is open"
         return True, "ready"
 
-    async def _refresh_gauges(self) -> None:
-        """Cap headroom per zone and queue depth, every few seconds."""
-        assert self.store is not None
-        while True:
-            if self.handler is not None:
-                self.metrics.connections.set(self.handler.connections.total)
-            if self.gate is not None:
-                # Keeps smtpguard_provider_throttled true to the store while no mail flows.
-                await self.gate.refresh()
-            if not self.singleton:
-                # The store's view (queue depth, cap headroom) is the same from every
-                # worker: worker 0 exports it.
-                await asyncio.sleep(GAUGE_INTERVAL)
-                continue
-            try:
-                depth = await self.store.queue_depths()
-            except StoreUnavailable:
-                self.metrics.event("store_error:gauges")
-            else:
-                self.metrics.queue_depths(depth)
-            if isinstance(self.store, ReportsReplication):
-                self.metrics.store_synchronous(self.store.synchronous)
-            now = self.clock()
-            if self.cap_alerts is not None:
-                self.cap_alerts.prune()
-            for zname, zone in self.config.zones.items():
-                caps = caps_for(zone.plan, zone.hourly_cap, zone.monthly_cap)
-                try:
-                    usage = await self.store.cap_usage(zname, now, month_of(now))
-                except StoreUnavailable:
-                    break
-                self.metrics.cap_remaining.labels(zname, "hour").set(max(caps.hourly - usage.hour, 0))
-                self.metrics.cap_remaining.labels(zname, "month").set(max(caps.monthly - usage.month, 0))
-                if self.cap_alerts is not None:
-                    self.cap_alerts.observe(zname, usage, now)
-            await asyncio.sleep(GAUGE_INTERVAL)
-
-    async def _count_records(self) -> None:
-        """smtpguard_ledger_records{zone,state}: a count over the state index, so once a
-        minute rather than with the cheap gauges."""
-        assert self.store is not None
-        while True:
-            for zname in list(self.config.zones):
-                try:
-                    counts = await self.store.state_counts(zname)
-                except StoreUnavailable:
-                    break
-                self.metrics.ledger_records(zname, counts)
-            await asyncio.sleep(RECORD_COUNT_INTERVAL)
-
-    def _on_result(self, principal: Principal | None, result: Result, latency: float) -> None:
-        zone = principal.zone if principal else "-"
-        self.stats.bump(zone, stat_name(result.decision))
-        self.metrics.submission(zone, result.decision, latency)
-        if principal is not None and self.cap_alerts is not None:
-            # Whether a unit was consumed is the store's to say: read its counters again soon.
-            self.cap_alerts.consumed(zone)
-        if result.decision == "store_unavailable":
-            self.metrics.event("store_error:submission")
-        if decisions.isEnabledFor(logging.INFO):
-            decisions.info(
-                "decision",
-                extra={
-                    "instance": self.instance,
-                    "zone": zone,
-                    "user": principal.username if principal else None,
-                    "client_ip": principal.client_ip if principal else None,
-                    "session": principal.session if principal else None,
-                    "event_key": result.key,
-                    "sg_id": result.sg_id,
-                    "message_id": result.message_id,
-                    "decision": result.decision,
-                    "reply_code": result.reply.code,
-                    "enhanced": result.reply.enhanced,
-                    "provider": result.provider,
-                    "upstream_id": result.upstream_id,
-                    "latency_ms": round(latency * 1000, 2),
-                },
-            )
-
-    async def _flush_stats(self) -> None:
-        assert self.store is not None
-        while True:
-            await asyncio.sleep(STATS_FLUSH_INTERVAL)
-            await self.stats.flush(self.store)
-
     async def _watch_supervisor(self) -> None:
         assert self.role is not None
         # Nothing announces a parent's death to a child that did not ask the kernel
@@ -622,17 +323,6 @@ class Server:
         if not self.orphaned.is_set():
             log.error("the supervisor is gone; stopping this worker")
         self.orphaned.set()
-
-    async def _purge(self) -> None:
-        assert self.store is not None
-        while True:
-            try:
-                n = await self.store.purge(self.clock(), self.config.event_key.retention)
-                if n:
-                    log.info("purged expired ledger records", extra={"records": n})
-            except StoreUnavailable as e:
-                log.warning("purge skipped: store unavailable", extra={"error": str(e)})
-            await asyncio.sleep(PURGE_INTERVAL)
 
     def _select_certificate(
         self, conn: ssl.SSLObject | ssl.SSLSocket, _name: str | None, ctx: ssl.SSLContext
@@ -677,13 +367,7 @@ class Server:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._publishing:
-            # A write under way finishes; one waiting to retry is given up.
-            await asyncio.wait(self._publishing, timeout=2)
-            for publishing in self._publishing:
-                publishing.cancel()
-        if self._background:
-            await asyncio.wait(self._background, timeout=2)
+        await self.housekeeping.drain()
         if self.health is not None:
             await self.health.stop()
         if self.events is not None:
@@ -728,183 +412,68 @@ class Server:
 
     async def _reload(self) -> bool:
         assert self.config_path is not None and self.handler is not None and self.route is not None
+        assert self.store is not None
         try:
-            new = load(self.config_path)
-            rebuild = new.providers != self.config.providers or _event_tags(new) != _event_tags(self.config)
-            # Read on every SIGHUP: a password_file rewritten in place is a rotation.
-            fresh_secrets = provider_secrets(new)
-            secrets = fresh_secrets if rebuild else None
-            # Re-read on every SIGHUP: a key file rewritten in place is a rotation too.
-            sources = _event_sources(new)
-            # One read of the files into a fresh context; the live one is never touched, so a
-            # pair caught mid-renewal (new cert, old key) is refused and the old one serves.
-            fresh_tls = tls_context(new) if self.ssl_ctx is not None else None
+            reading = reloading.read(self.config_path, self.config, self.ssl_ctx is not None)
         except ConfigError as e:
             self.metrics.reloads.labels("refused").inc()
             log.error("reload refused; keeping the running config", extra={"problems": e.problems})
             return False
-        if new.listen != self.config.listen or new.store != self.config.store:
-            log.warning("listen and store changes take effect only after a restart")
-        if fresh_tls is not None:
-            self.tls_current = fresh_tls
-            self._cert_gauge(new)
-        elif new.tls != self.config.tls:
-            log.warning("adding or removing the tls section takes effect only after a restart")
-        if secrets is not None:
-            old_route = self.route
-            self.route = self._route(new, secrets)
-            # Keep what each surviving provider's circuit has learnt.
-            for name, breaker in old_route.breakers.items():
-                if name in self.route.breakers:
-                    self.route.breakers[name] = breaker
-            # A provider's readiness survives only when its config did not change: a new
-            # host, port or password has not been probed yet, so it is not known to be ready.
-            unchanged = {
-                p.name for p in new.providers if p in self.config.providers and p.name in self.route.breakers
-            }
-            self.route.ready.update({n: r for n, r in old_route.ready.items() if n in unchanged})
-            for p in self.route.providers:
-                before = next((o for o in old_route.providers if o.name == p.name), None)
-                if isinstance(p, SmtpProvider) and isinstance(before, SmtpProvider) and p.name in unchanged:
-                    p.inherit(before)
-            for name in {p.name for p in self.config.providers} - unchanged:
+        old, new = self.config, reading.config
+        for warning in reloading.restart_warnings(old, reading):
+            log.warning(warning)
+        old_route = route = self.route
+        if reading.rebuild:
+            route = self.assembly.route(self.store, new, reading.secrets)
+            unchanged = reloading.carry_over(old_route, route, old, new)
+            for name in {p.name for p in old.providers} - unchanged:
                 # Gone or changed: no stale 1 in smtpguard_provider_ready until it is probed.
                 self.metrics.forget_probe(name)
-            self.handler.submitter.route = self.route
+        if new.dns != old.dns or self.handler.recipient_domains is None:
+            domains = recipient_domains(new)
+        else:
+            domains = self.handler.recipient_domains
+        self._swap(reading, route, domains)
+        if reading.rebuild:
             # In-flight sends keep their provider objects; only idle connections are closed.
             await old_route.close()
+            self._start_prober(new, reading.secrets)
         else:
-            # Same providers: the pools and circuits stay, the zones' own routes may not.
-            self.route.set_zone_routes(_zone_routes(new))
-            rotated = [
-                p.name
-                for p in self.route.providers
-                if isinstance(p, SmtpProvider) and p.rotate_password(fresh_secrets.get(p.name))
-            ]
+            # Same providers: the pools and circuits stay; each password as its file has it now.
+            rotated = reloading.rotate_passwords(route, reading.secrets)
             if rotated:
                 log.info("provider password re-read", extra={"providers": rotated})
                 # The prober authenticates too: with the old secret it would call a good
                 # provider not ready.
-                self._start_prober(new, fresh_secrets)
-        if self.events is not None:
-            # Rotated signing keys apply to the next request; a source removed answers 404.
-            from smtpguard.events.sources import Sources
-
-            self.events.sources = sources if sources is not None else Sources()
-        for what in _events_restart_changes(self.config, new):
-            log.warning(f"{what} changes take effect only after a restart")
-        self.handler.submitter.config = new
-        if new.dns != self.config.dns or self.handler.recipient_domains is None:
-            self.handler.recipient_domains = self._recipient_domains(new)
-        if secrets is not None:
-            self._start_prober(new, secrets)
-        self.config = new
-        await self._reload_console(new)
+                self._start_prober(new, reading.secrets)
+        self.console = await reloading.reload_console(self.console, new, self.singleton)
         self._ensure_worker()
         self.metrics.reloads.labels("applied").inc()
         log.info("config reloaded", extra={"zones": len(new.zones), "providers": len(new.providers)})
         return True
 
-    async def _reload_console(self, new: Config) -> None:
-        """Operators, hashes, roles, session_ttl, hosts and trusted_proxies apply now (a
-        session whose operator's hash or role changed ends); the listener's own settings
-        need a restart. A console section removed stops the console: nobody stays logged
-        in to a console the file no longer has."""
-        if self.console is None:
-            if new.console is not None and self.singleton:
-                log.warning("a console added takes effect only after a restart")
-            return
-        if new.console is None:
-            await self.console.stop()
-            self.console = None
-            log.warning("console stopped: the config has no console section")
-            return
-        for what in self.console.reload(new.console):
-            log.warning(f"{what} changes take effect only after a restart")
+    def _swap(self, reading: reloading.Reading, route: Route, domains: RecipientDomains | None) -> None:
+        """The one place a reload changes what serves. Every live reference moves to the new
+        file's parts here, with no await in between, so no submission sees the new route
+        with the old zones or the other way round."""
+        assert self.handler is not None
+        new = reading.config
+        if reading.tls is not None:
+            self.tls_current = reading.tls
+            self._cert_gauge(new)
+        if route is self.route:
+            # Same providers: the pools and circuits stay, the zones' own routes may not.
+            route.set_zone_routes(reloading._zone_routes(new))
+        self.route = route
+        self.handler.submitter.route = route
+        self.handler.submitter.config = new
+        self.handler.recipient_domains = domains
+        if self.events is not None:
+            # Rotated signing keys apply to the next request; a source removed answers 404.
+            from smtpguard.events.sources import Sources
 
-
-class _ProviderSecrets(Mapping[str, str | None]):
-    """What the prober authenticates with: each provider's secret as the relay holds it
-    now, so a password_file re-read after a 535 reaches the probes too (a prober left on
-    the refused secret would call a provider that sends fine not ready)."""
-
-    def __init__(self, server: Server, at_start: dict[str, str | None]) -> None:
-        self._server = server
-        self._at_start = at_start
-
-    def __getitem__(self, name: str) -> str | None:
-        route = self._server.route
-        for p in route.providers if route is not None else ():
-            if p.name == name and isinstance(p, SmtpProvider):
-                return p.password
-        return self._at_start[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._at_start)
-
-    def __len__(self) -> int:
-        return len(self._at_start)
-
-
-def _zone_routes(config: Config) -> dict[str, list[str]]:
-    """Each zone's own route (`zones.Z.providers`, DESIGN.md §16), by zone."""
-    return {z: zone.providers for z, zone in config.zones.items() if zone.providers is not None}
-
-
-def _event_tags(config: Config) -> dict[str, str]:
-    """Provider name → the kind of the first event source reading its webhooks."""
-    tags: dict[str, str] = {}
-    if config.events is not None:
-        for source in config.events.sources.values():
-            tags.setdefault(source.provider, source.kind)
-    return tags
-
-
-_LISTENER_LIMITS = ("max_connections", "max_connections_per_ip", "read_timeout", "idle_timeout")
-
-
-def _events_restart_changes(old: Config, new: Config) -> list[str]:
-    """The events settings bound at start that a reload cannot change."""
-    before, after = old.events, new.events
-    changed = []
-    for name in ("address", "max_body", "mailbox", *_LISTENER_LIMITS):
-        if getattr(before, name, None) != getattr(after, name, None):
-            changed.append(f"events.{name}")
-    return changed
-
-
-def _event_sources(config: Config) -> Sources | None:
-    """The configured event sources with their secrets, read at start (or reload) so that a
-    missing one is a config error, not a 500 at the first webhook."""
-    if config.events is None:
-        return None
-    try:
-        from smtpguard.events.sources import build_sources
-        from smtpguard.events.web import EventsServer  # noqa: F401 - fail now when aiohttp is missing
-    except ImportError as e:
-        raise ConfigError(
-            [f"events: needs the `events` extra (pip install 'smtpguard[events]'): {e}"]
-        ) from None
-    return build_sources(config.events)
-
-
-def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop]:
-    """The event loop the server runs on. uvloop (libuv, sockets and timers in C) takes
-    about a fifth off smtpguard's CPU time per message; see bench/README.md."""
-    if choice != "asyncio":
-        try:
-            import uvloop
-        except ImportError:
-            if choice == "uvloop":
-                raise ConfigError(
-                    [
-                        "event_loop: uvloop, but the uvloop package is not installed "
-                        "(pip install 'smtpguard[fast]')"
-                    ]
-                ) from None
-        else:
-            return uvloop.new_event_loop
-    return asyncio.new_event_loop
+            self.events.sources = reading.sources if reading.sources is not None else Sources()
+        self.config = new
 
 
 def serve(config: Config, config_path: Path | None, role: WorkerRole | None = None) -> None:
