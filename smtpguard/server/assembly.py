@@ -1,0 +1,171 @@
+"""Building, from one config, the parts a submission passes through: the provider route
+(behind a ProviderGate kept across reloads), the Submitter, the Handler, its recipient
+domain check and each listener's protocol factory. Start builds them once; a reload builds
+a new route and recipient check from the new file and the server swaps them in."""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+
+from smtpguard.config import Config, LimitsConfig
+from smtpguard.listener import GuardSMTP, Handler
+from smtpguard.metrics import Metrics
+from smtpguard.passwords import Verifier
+from smtpguard.policy.breaker import Circuit
+from smtpguard.policy.throttle import ProviderLimits
+from smtpguard.provider_gate import ConnectionSlots, ProviderGate
+from smtpguard.readiness.dns import DnsClient
+from smtpguard.recipient_domains import RecipientDomains
+from smtpguard.relay import Route, SmtpProvider, build_providers
+from smtpguard.server.reload import _event_tags, _zone_routes
+from smtpguard.store import Store
+from smtpguard.submission import Principal, Result, Submitter
+from smtpguard.verp import VerpKey
+
+log = logging.getLogger("smtpguard.server")
+
+
+class Assembly:
+    def __init__(
+        self,
+        metrics: Metrics,
+        clock: Callable[[], float],
+        instance: str,
+        hostname: str,
+        on_circuit: Callable[[str, Circuit], None],
+    ) -> None:
+        self.metrics = metrics
+        self.clock = clock
+        self.instance = instance
+        self.hostname = hostname
+        self.on_circuit = on_circuit
+        self.gate: ProviderGate | None = None
+        """Provider throttling (DESIGN.md §16): kept across reloads, so a throttle learnt
+        stays in force when the route is rebuilt."""
+
+    def route(self, store: Store, config: Config, secrets: dict[str, str | None]) -> Route:
+        limits = {
+            p.name: ProviderLimits(
+                p.max_rate, getattr(p, "max_connections", None), getattr(p, "throttle_backoff", 60.0)
+            )
+            for p in config.providers
+        }
+        if self.gate is None:
+            self.gate = ProviderGate(
+                store,
+                limits,
+                self.clock,
+                on_throttled=self.metrics.throttled,
+                on_rate_limited=self.metrics.rate_limited,
+            )
+        else:
+            self.gate.limits = limits
+        for name in limits:
+            self.metrics.provider(name)
+        self.metrics.configured({p.name for p in config.providers})
+        providers = build_providers(config.providers, secrets, self.hostname, _event_tags(config))
+        for p in providers:
+            if isinstance(p, SmtpProvider) and p.cfg.max_connections is not None:
+                fleet = ConnectionSlots(store, p.name, p.cfg.max_connections, self.instance, self.clock)
+                p.limit_connections(fleet)
+        return Route(
+            providers,
+            config.breaker.failure_threshold,
+            config.breaker.cooldown,
+            self.clock,
+            observe=self.metrics.upstream,
+            on_circuit=self.on_circuit,
+            shares={p.name: getattr(p, "share", 0.0) for p in config.providers},
+            gate=self.gate,
+            zone_routes=_zone_routes(config),
+        )
+
+    def submitter(self, config: Config, store: Store, route: Route, verp: VerpKey | None) -> Submitter:
+        submitter = Submitter(config, store, route, self.instance, self.hostname, self.clock)
+        submitter.verp = verp
+        return submitter
+
+    def handler(
+        self,
+        config: Config,
+        submitter: Submitter,
+        store: Store,
+        on_result: Callable[[Principal | None, Result, float], None],
+    ) -> Handler:
+        return Handler(
+            submitter,
+            store,
+            Verifier(),
+            on_result,
+            self.clock,
+            recipient_domains=recipient_domains(config),
+            observe=self.metrics.event,
+        )
+
+    def factory(
+        self,
+        handler: Handler,
+        tls: str,
+        ssl_ctx: ssl.SSLContext | None,
+        limits: Callable[[], LimitsConfig],
+    ) -> Callable[[], GuardSMTP]:
+        hostname = self.hostname
+
+        def make() -> GuardSMTP:
+            # Read per connection, so a reload's limits apply to the next connection.
+            now = limits()
+            with warnings.catch_warnings():
+                # AUTH without STARTTLS is allowed only where the channel is already safe:
+                # loopback listeners (checked by config) and implicit TLS.
+                warnings.simplefilter("ignore")
+                return GuardSMTP(
+                    handler,
+                    hostname=hostname,
+                    ident="smtpguard",
+                    data_size_limit=now.max_message_size,
+                    tls_context=ssl_ctx if tls == "starttls" else None,
+                    require_starttls=False,
+                    auth_required=True,
+                    auth_require_tls=tls == "starttls",
+                    timeout=now.idle_timeout,
+                    decode_data=False,
+                    enable_SMTPUTF8=True,
+                )
+
+        return make
+
+
+def recipient_domains(config: Config) -> RecipientDomains | None:
+    """Only when a zone checks recipient domains: otherwise RCPT pays nothing for it."""
+    if not any(z.recipient_domains == "check" for z in config.zones.values()):
+        return None
+    dns = DnsClient(config.dns)
+    if dns.problem:
+        log.warning("recipient_domains: every recipient is accepted unchecked: %s", dns.problem)
+    return RecipientDomains(dns)
+
+
+class ProviderSecrets(Mapping[str, str | None]):
+    """What the prober authenticates with: each provider's secret as the relay holds it
+    now, so a password_file re-read after a 535 reaches the probes too (a prober left on
+    the refused secret would call a provider that sends fine not ready)."""
+
+    def __init__(self, route: Callable[[], Route | None], at_start: dict[str, str | None]) -> None:
+        self._route = route
+        self._at_start = at_start
+
+    def __getitem__(self, name: str) -> str | None:
+        route = self._route()
+        for p in route.providers if route is not None else ():
+            if p.name == name and isinstance(p, SmtpProvider):
+                return p.password
+        return self._at_start[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._at_start)
+
+    def __len__(self) -> int:
+        return len(self._at_start)

@@ -1,0 +1,74 @@
+"""Building the listeners beside SMTP from the config: the provider-event webhooks and
+mailbox (§13) and the operator's console (§14). Each needs an optional extra, imported only
+when configured; the server starts and stops them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from smtpguard.config import Config, ConfigError, ConsoleConfig, EventsConfig, MailboxConfig
+from smtpguard.metrics import Metrics
+from smtpguard.store import Store
+from smtpguard.submission import Submitter
+from smtpguard.verp import VerpKey
+
+if TYPE_CHECKING:
+    from smtpguard.console.app import Console
+    from smtpguard.events.apply import Applier
+    from smtpguard.events.mailbox import MailboxServer
+    from smtpguard.events.sources import Sources
+    from smtpguard.events.web import EventsServer
+
+
+def applier(
+    store: Store, submitter: Submitter, config: Callable[[], Config], clock: Callable[[], float]
+) -> Applier:
+    from smtpguard.events.apply import Applier
+
+    return Applier(store, lambda: config().zones, clock, submitter.suppressions.invalidate)
+
+
+def events_server(
+    events: EventsConfig,
+    sources: Sources,
+    applier: Applier,
+    metrics: Metrics,
+    clock: Callable[[], float],
+    config: Callable[[], Config],
+) -> EventsServer:
+    from smtpguard.admission import ListenerLimits
+    from smtpguard.events.web import EventsServer
+
+    return EventsServer(
+        sources,
+        applier,
+        events.max_body,
+        clock,
+        metrics.provider_event,
+        ListenerLimits.of(events),
+        lambda: config().limits,
+    )
+
+
+def mailbox_server(
+    mailbox: MailboxConfig,
+    applier: Applier,
+    hostname: str,
+    metrics: Metrics,
+    verp: VerpKey | None,
+    max_recipients: Callable[[], int],
+) -> MailboxServer:
+    from smtpguard.events.mailbox import MailboxServer
+
+    return MailboxServer(mailbox, applier, hostname, metrics.provider_event, verp, max_recipients)
+
+
+def console(config: Callable[[], Config], store: Store, console: ConsoleConfig) -> Console:
+    try:
+        from smtpguard.console.app import Console
+    except ImportError as e:
+        raise ConfigError(
+            [f"console: needs the `console` extra (pip install 'smtpguard[console]'): {e}"]
+        ) from None
+    return Console(config, store, console)
