@@ -388,7 +388,7 @@ class Supervisor:
             # One read: what was validated is exactly what the workers get.
             text = self.config_path.read_text()
             new = loads(text, source=str(self.config_path))
-            # Everything a worker's reload would refuse (smtpguard/server.py Server._reload):
+            # Everything a worker's reload would refuse (smtpguard/server/reload.py read):
             # a file passed on becomes what every restarted worker starts on, and one every
             # worker refuses would keep a restarted worker from starting at all.
             provider_secrets(new)
