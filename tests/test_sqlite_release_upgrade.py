@@ -49,18 +49,22 @@ async def main():
     s = store_from_url(sys.argv[1])
     await s.open()
     sent = fresh("sent")
-    assert (await s.reserve(sent, None, cap_check("acme", Caps(10, 100), "t-sent", NOW), False)).__class__.__name__ == "Reserved"
+    reserved = await s.reserve(sent, None, cap_check("acme", Caps(10, 100), "t-sent", NOW), False)
+    assert type(reserved).__name__ == "Reserved"
     done = replace(sent, state=State.DELIVERED, version=sent.version + 1, updated_at=NOW + 1,
                    owner=None, lease_until=None, upstream_id="up-1")
     assert await s.put(done, sent.version) is None
     waiting = replace(fresh("waiting", lane="bulk"), next_attempt_at=NOW + 60)
-    assert await s.enqueue(waiting, None, QueuedMessage("a@acme.test", ("b@x.test",), b"Subject: q\r\n\r\nbody\r\n", 3, True)) is None
+    body = QueuedMessage("a@acme.test", ("b@x.test",), b"Subject: q\r\n\r\nbody\r\n", 3, True)
+    assert await s.enqueue(waiting, None, body) is None
     assert await s.suppress_add("acme", "Gone@X.test", "bounce", NOW)
     await s.set_paused("other", True)
     await s.set_class_paused("acme", "bulk", True)
     await s.add_counts("acme", {"sent": 1, "rejected:cap": 2})
     await s.audit_add("acme", ZoneAudit(NOW, "cli:ops@host", "pause", "", "note"))
-    event = StoredEvent(NOW + 2, "mailgun", "delivered", "delivered", "b@x.test", "250 ok", "ev-1", "history", NOW + 3)
+    event = StoredEvent(
+        NOW + 2, "mailgun", "delivered", "delivered", "b@x.test", "250 ok", "ev-1", "history", NOW + 3
+    )
     assert await s.apply_event("acme", "sent", event, None)
     records = {k: (await s.get("acme", k)).to_dict() for k in ("sent", "waiting")}
     await s.close()
@@ -112,7 +116,9 @@ async def _reads_back(s: Store, written: dict[str, Any]) -> None:
     assert await s.counts("acme") == {"sent": 1, "rejected:cap": 2}
     assert await s.audit_log("acme", NOW - 1) == [ZoneAudit(NOW, "cli:ops@host", "pause", "", "note")]
     events = await s.provider_events("acme", "sent")
-    assert [(e.source, e.id, e.type, e.received_at) for e in events] == [("mailgun", "ev-1", "delivered", NOW + 3)]
+    assert [(e.source, e.id, e.type, e.received_at) for e in events] == [
+        ("mailgun", "ev-1", "delivered", NOW + 3)
+    ]
     assert await s.state_counts("acme") == {State.DELIVERED.value: 1, State.QUEUED.value: 1}
 
 
@@ -158,7 +164,11 @@ async def test_a_sqlite_file_of_an_earlier_release_opens_and_reads_back(
         new = fresh("new")
         assert await s.reserve(new, None, cap_check("acme", Caps(10, 100), "t-new", NOW), False) == Reserved()
         assert await s.cap_usage("acme", NOW, MONTH) == CapUsage(2, 2)
-        assert await s.state_counts("acme") == {State.DELIVERED.value: 1, State.QUEUED.value: 1, State.IN_FLIGHT.value: 1}
+        assert await s.state_counts("acme") == {
+            State.DELIVERED.value: 1,
+            State.QUEUED.value: 1,
+            State.IN_FLIGHT.value: 1,
+        }
         assert isinstance(await s.get("acme", "new"), Record)
     finally:
         await s.close()
