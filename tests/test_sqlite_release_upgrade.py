@@ -22,6 +22,7 @@ from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.limits import Caps, cap_check
 from smtpguard.store import CapUsage, Reserved, Store, store_from_url
 from smtpguard.store.base import ZoneAudit
+from smtpguard.store.sqlite.migrate import LATEST
 from tests.test_store_contract import MONTH, NOW, fresh
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,6 +173,10 @@ async def test_a_sqlite_file_of_an_earlier_release_opens_and_reads_back(
         assert isinstance(await s.get("acme", "new"), Record)
     finally:
         await s.close()
+
+    conn = sqlite3.connect(tmp_path / "state.db")
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == LATEST
+    conn.close()
 
     # Opened again: nothing is lost or counted twice by a second upgrade pass.
     again = store_from_url(url)

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from smtpguard.store.base import StoreUnavailable
-from smtpguard.store.sqlite.schema import _SCHEMA, _connect, _count_states
+from smtpguard.store.sqlite.migrate import migrate
+from smtpguard.store.sqlite.schema import _connect
 
 T = TypeVar("T")
 log = logging.getLogger("smtpguard.store")
@@ -47,16 +48,7 @@ class _Writer:
     async def open(self) -> None:
         def connect() -> sqlite3.Connection:
             conn = _connect(self._path)
-            conn.executescript(_SCHEMA)
-            _count_states(conn)
-            columns = {row[1] for row in conn.execute("PRAGMA table_info(queue)")}
-            if "smtputf8" not in columns:  # a file from before queued mail kept the flag
-                try:
-                    conn.execute("ALTER TABLE queue ADD COLUMN smtputf8 INTEGER NOT NULL DEFAULT 0")
-                except sqlite3.OperationalError as e:
-                    # Another process opening the same file (workers, the CLI) added it first.
-                    if "duplicate column" not in str(e):
-                        raise
+            migrate(conn)
             # The loop thread must never wait on a lock held by another process: a busy
             # BEGIN is retried on the writer thread instead (_begin_waiting).
             conn.execute("PRAGMA busy_timeout = 0")
