@@ -5,6 +5,12 @@ single transaction and a single fsync (group commit). Durability is not relaxed:
 synchronous=FULL, and no coroutine learns its write succeeded before COMMIT returned. Under
 load, fifty concurrent reservations cost one fsync instead of fifty. Reads use their own
 connections in a small thread pool, so the event loop never blocks on SQLite.
+
+SQLiteStore (here) opens the file and keeps the ledger and queue operations; the rest of the
+package: writer.py (group commit), access.py (the writer and readers every role goes
+through), controls.py, desk.py, fleet.py (one class per role, inherited), rows.py (record
+rows and their compare-and-swap), caps.py (cap units), schema.py (connections, read-only
+stand-ins) and migrate.py with migrations/ (the schema, by PRAGMA user_version).
 """
 
 from __future__ import annotations
