@@ -63,6 +63,7 @@ from smtpguard.store.base import (
 from smtpguard.store.postgres import fencing
 from smtpguard.store.postgres.migrate import MIGRATIONS, SchemaBehind, migrate_on_own_connection
 from smtpguard.store.postgres.replication import FACTS_SQL, Replication, ServerFacts, failover_problem
+from smtpguard.store.sql import operations
 
 log = logging.getLogger("smtpguard.store")
 
@@ -888,39 +889,25 @@ class PostgresStore:
     @_translated
     async def set_probe(self, instance: str, provider: str, ready: bool, detail: str, now: float) -> None:
         async with self._conn() as conn:
-            await conn.execute(
-                "INSERT INTO probes (instance, provider, ready, detail, at) VALUES (%s, %s, %s, %s, %s) "
-                "ON CONFLICT (instance, provider) DO UPDATE SET ready = excluded.ready, "
-                "detail = excluded.detail, at = excluded.at",
-                (instance, provider, ready, detail, now),
-            )
+            await conn.execute(*operations.set_probe(instance, provider, ready, detail, now).postgres())
 
     @_translated
     async def probes(self) -> list[ProbeState]:
         async with self._conn() as conn:
-            cur = await conn.execute(
-                "SELECT instance, provider, ready, detail, at FROM probes ORDER BY provider, instance"
-            )
-            return [ProbeState(i, p, bool(r), d, float(t)) for i, p, r, d, t in await cur.fetchall()]
+            cur = await conn.execute(*operations.PROBES.postgres())
+            return operations.probes(await cur.fetchall())
 
     # --- provider health ---------------------------------------------------------------------
     @_translated
     async def set_circuit(self, instance: str, provider: str, circuit: str, now: float) -> None:
         async with self._conn() as conn:
-            await conn.execute(
-                "INSERT INTO circuits (instance, provider, circuit, at) VALUES (%s, %s, %s, %s) "
-                "ON CONFLICT (instance, provider) DO UPDATE SET circuit = excluded.circuit, at = excluded.at",
-                (instance, provider, circuit, now),
-            )
+            await conn.execute(*operations.set_circuit(instance, provider, circuit, now).postgres())
 
     @_translated
     async def circuits(self) -> list[CircuitState]:
         async with self._conn() as conn:
-            cur = await conn.execute(
-                "SELECT instance, provider, circuit, at FROM circuits "
-                'ORDER BY provider COLLATE "C", instance COLLATE "C"'
-            )
-            return [CircuitState(str(i), str(p), str(s), float(t)) for i, p, s, t in await cur.fetchall()]
+            cur = await conn.execute(*operations.CIRCUITS.postgres())
+            return operations.circuits(await cur.fetchall())
 
     # --- provider throttling -----------------------------------------------------------------
     @_translated

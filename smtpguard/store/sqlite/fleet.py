@@ -10,43 +10,27 @@ from smtpguard.store.base import (
     CircuitState,
     ProbeState,
 )
+from smtpguard.store.sql import operations
 from smtpguard.store.sqlite.access import Access
 
 
 class Fleet(Access):
     # --- provider health ---------------------------------------------------------------------
     async def set_circuit(self, instance: str, provider: str, circuit: str, now: float) -> None:
-        await self._write(
-            lambda c: c.execute(
-                "INSERT OR REPLACE INTO circuits (instance, provider, circuit, at) VALUES (?, ?, ?, ?)",
-                (instance, provider, circuit, now),
-            )
-        )
+        plan = operations.set_circuit(instance, provider, circuit, now)
+        await self._write(lambda c: c.execute(*plan.sqlite()))
 
     async def circuits(self) -> list[CircuitState]:
-        rows = await self._read(
-            lambda c: c.execute(
-                "SELECT instance, provider, circuit, at FROM circuits ORDER BY provider, instance"
-            ).fetchall()
-        )
-        return [CircuitState(i, p, s, float(t)) for i, p, s, t in rows]
+        rows = await self._read(lambda c: c.execute(*operations.CIRCUITS.sqlite()).fetchall())
+        return operations.circuits(rows)
 
     async def set_probe(self, instance: str, provider: str, ready: bool, detail: str, now: float) -> None:
-        await self._write(
-            lambda c: c.execute(
-                "INSERT OR REPLACE INTO probes (instance, provider, ready, detail, at) "
-                "VALUES (?, ?, ?, ?, ?)",
-                (instance, provider, int(ready), detail, now),
-            )
-        )
+        plan = operations.set_probe(instance, provider, ready, detail, now)
+        await self._write(lambda c: c.execute(*plan.sqlite()))
 
     async def probes(self) -> list[ProbeState]:
-        rows = await self._read(
-            lambda c: c.execute(
-                "SELECT instance, provider, ready, detail, at FROM probes ORDER BY provider, instance"
-            ).fetchall()
-        )
-        return [ProbeState(i, p, bool(r), d, float(t)) for i, p, r, d, t in rows]
+        rows = await self._read(lambda c: c.execute(*operations.PROBES.sqlite()).fetchall())
+        return operations.probes(rows)
 
     # --- provider throttling -----------------------------------------------------------------
     async def rate_slot(self, provider: str, interval: float, max_wait: float, now: float) -> Slot:
