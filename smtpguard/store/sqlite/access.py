@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from smtpguard.store.base import StoreUnavailable
+from smtpguard.store.sql.statements import Lock, Result, Script
 from smtpguard.store.sqlite.schema import _connect, _index_names
 from smtpguard.store.sqlite.writer import _Writer
 
@@ -54,3 +55,20 @@ class Access:
         of an older version, read before `serve` has upgraded it). On a reader thread only."""
         indexes: set[str] = getattr(self._local, "indexes", set())
         return f"{table} INDEXED BY {index}" if index in indexes else table
+
+
+def run_script(c: sqlite3.Connection, script: Script[T]) -> T:
+    """A shared operation of several statements (store/sql/), inside the writer's
+    transaction."""
+    result: Result | None = None
+    while True:
+        try:
+            step = next(script) if result is None else script.send(result)
+        except StopIteration as done:
+            answer: T = done.value
+            return answer
+        if isinstance(step, Lock):
+            result = Result([], 0)  # BEGIN IMMEDIATE holds the file already
+        else:
+            cursor = c.execute(*step.sqlite())
+            result = Result(cursor.fetchall(), cursor.rowcount)

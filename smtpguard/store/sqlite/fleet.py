@@ -11,7 +11,7 @@ from smtpguard.store.base import (
     ProbeState,
 )
 from smtpguard.store.sql import operations
-from smtpguard.store.sqlite.access import Access
+from smtpguard.store.sqlite.access import Access, run_script
 
 
 class Fleet(Access):
@@ -56,57 +56,21 @@ class Fleet(Access):
         )
 
     async def throttled(self, now: float) -> dict[str, float]:
-        rows = await self._read(
-            lambda c: c.execute("SELECT provider, until FROM throttles WHERE until > ?", (now,)).fetchall()
-        )
-        return {str(p): float(u) for p, u in rows}
+        rows = await self._read(lambda c: c.execute(*operations.throttled(now).sqlite()).fetchall())
+        return operations.throttles(rows)
 
     async def hold_connection(self, provider: str, holder: str, limit: int, until: float, now: float) -> bool:
-        def op(c: sqlite3.Connection) -> bool:
-            c.execute("DELETE FROM connection_slots WHERE provider = ? AND until <= ?", (provider, now))
-            mine = c.execute(
-                "UPDATE connection_slots SET until = ? WHERE provider = ? AND holder = ?",
-                (until, provider, holder),
-            ).rowcount
-            if mine:
-                return True
-            held = c.execute(
-                "SELECT COUNT(*) FROM connection_slots WHERE provider = ?", (provider,)
-            ).fetchone()[0]
-            if int(held) >= limit:
-                return False
-            c.execute(
-                "INSERT INTO connection_slots (provider, holder, until) VALUES (?, ?, ?)",
-                (provider, holder, until),
-            )
-            return True
-
-        return await self._write(op)
+        return await self._write(
+            lambda c: run_script(c, operations.hold_connection(provider, holder, limit, until, now))
+        )
 
     async def drop_connection(self, provider: str, holder: str) -> None:
-        await self._write(
-            lambda c: c.execute(
-                "DELETE FROM connection_slots WHERE provider = ? AND holder = ?", (provider, holder)
-            )
-        )
+        await self._write(lambda c: c.execute(*operations.drop_connection(provider, holder).sqlite()))
 
     # --- AUTH brute force --------------------------------------------------------------------
     async def auth_failure(self, ip: str, now: float, window: float) -> int:
-        def op(c: sqlite3.Connection) -> int:
-            c.execute("INSERT INTO auth_failures (ip, at) VALUES (?, ?)", (ip, now))
-            return int(
-                c.execute(
-                    "SELECT COUNT(*) FROM auth_failures WHERE ip = ? AND at > ?", (ip, now - window)
-                ).fetchone()[0]
-            )
-
-        return await self._write(op)
+        return await self._write(lambda c: run_script(c, operations.auth_failure(ip, now, window)))
 
     async def auth_failures(self, ip: str, now: float, window: float) -> int:
-        return await self._read(
-            lambda c: int(
-                c.execute(
-                    "SELECT COUNT(*) FROM auth_failures WHERE ip = ? AND at > ?", (ip, now - window)
-                ).fetchone()[0]
-            )
-        )
+        plan = operations.auth_failures(ip, now, window)
+        return await self._read(lambda c: operations.count(c.execute(*plan.sqlite()).fetchall()))
