@@ -2,9 +2,10 @@
 of their rows. Written once here; each backend runs them (store/sqlite/fleet.py,
 store/postgres/__init__.py).
 
-Provider health (DESIGN.md §12, §15): every instance publishes each provider's circuit and
+Provider health (DESIGN.md §6, §12): every instance publishes each provider's circuit and
 readiness probe; the console and /metrics read them all, ordered by provider, then instance.
-Connection slots (§16) and AUTH failures (§18) are counted across instances.
+Connection slots (§16) and AUTH failures (§17: the lockout stays global) are counted across
+instances.
 """
 
 from __future__ import annotations
