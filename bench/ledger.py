@@ -7,7 +7,7 @@ many keys, and the state size per record.
 
 For each store and size: a fresh store is filled fast, outside smtpguard, with delivered
 records written exactly as the store writes them (SQLite: executemany into `events`,
-mirroring smtpguard/store/sqlite.py `_save`; Redis: a pipeline writing the hash and index
+mirroring smtpguard/store/sqlite/rows.py `_save`; Redis: a pipeline writing the hash and index
 layout of smtpguard/store/redis.py, using its own key and JSON helpers). Then, through
 SQLiteStore/RedisStore, one operation at a time:
   get        store.get() of a random existing key (what a duplicate's second look costs)
@@ -101,7 +101,7 @@ def fill_sqlite(path: Path, n: int, now: float) -> float:
                 k = key_of(i)
                 yield (ZONE, k, rec.version, rec.state.value, rec.updated_at, head + k + tail)
 
-        # The statement of sqlite.py _save (an upsert), fed in bulk.
+        # The statement of store/sqlite/rows.py _save (an upsert), fed in bulk.
         conn.executemany(
             "INSERT INTO events (zone, key, version, state, updated_at, data) VALUES (?, ?, ?, ?, ?, ?) "
             "ON CONFLICT (zone, key) DO UPDATE SET version = excluded.version, state = excluded.state, "

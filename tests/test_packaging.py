@@ -408,6 +408,11 @@ def test_build_context_builds_the_package(tmp: Path) -> None:
         assert zf.read(license_file) == (ROOT / "LICENSE").read_bytes()
         # The PostgreSQL store reads its schema from these at open.
         assert "smtpguard/store/postgres/migrations/0001_schema.sql" in zf.namelist()
+        # So does the SQLite store, every one of its migrations.
+        migrations = (ROOT / "smtpguard" / "store" / "sqlite" / "migrations").glob("*.sql")
+        sqlite_sql = sorted(f.relative_to(ROOT).as_posix() for f in migrations)
+        assert "smtpguard/store/sqlite/migrations/0001_schema.sql" in sqlite_sql
+        assert [n for n in sqlite_sql if n not in zf.namelist()] == []
         # The Redis store reads its Lua scripts from these at import.
         scripts = (ROOT / "smtpguard" / "store" / "redis_lua").rglob("*.lua")
         lua = sorted(f.relative_to(ROOT).as_posix() for f in scripts)

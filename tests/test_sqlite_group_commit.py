@@ -16,8 +16,8 @@ import pytest
 from smtpguard.policy import ledger
 from smtpguard.policy.ledger import LedgerSettings, State, Submission
 from smtpguard.store import StoreUnavailable
-from smtpguard.store import sqlite as sqlite_store
 from smtpguard.store.sqlite import SQLiteStore
+from smtpguard.store.sqlite import writer as sqlite_store
 
 NOW = 1_800_000_000.0
 

@@ -45,6 +45,7 @@ async def test_a_sqlite_file_of_the_previous_release_opens_with_stream_controls(
     conn = sqlite3.connect(tmp_path / "state.db")
     for table in NEW_TABLES:
         conn.execute(f"DROP TABLE {table}")
+    conn.execute("PRAGMA user_version = 0")  # that release kept no schema version
     (data,) = conn.execute("SELECT data FROM events WHERE key = 'old'").fetchone()
     record = json.loads(data)
     del record["username"]  # as the previous release wrote it

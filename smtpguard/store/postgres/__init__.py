@@ -63,6 +63,8 @@ from smtpguard.store.base import (
 from smtpguard.store.postgres import fencing
 from smtpguard.store.postgres.migrate import MIGRATIONS, SchemaBehind, migrate_on_own_connection
 from smtpguard.store.postgres.replication import FACTS_SQL, Replication, ServerFacts, failover_problem
+from smtpguard.store.sql import operations
+from smtpguard.store.sql.statements import Result, Script
 
 log = logging.getLogger("smtpguard.store")
 
@@ -888,39 +890,25 @@ class PostgresStore:
     @_translated
     async def set_probe(self, instance: str, provider: str, ready: bool, detail: str, now: float) -> None:
         async with self._conn() as conn:
-            await conn.execute(
-                "INSERT INTO probes (instance, provider, ready, detail, at) VALUES (%s, %s, %s, %s, %s) "
-                "ON CONFLICT (instance, provider) DO UPDATE SET ready = excluded.ready, "
-                "detail = excluded.detail, at = excluded.at",
-                (instance, provider, ready, detail, now),
-            )
+            await conn.execute(*operations.set_probe(instance, provider, ready, detail, now).postgres())
 
     @_translated
     async def probes(self) -> list[ProbeState]:
         async with self._conn() as conn:
-            cur = await conn.execute(
-                "SELECT instance, provider, ready, detail, at FROM probes ORDER BY provider, instance"
-            )
-            return [ProbeState(i, p, bool(r), d, float(t)) for i, p, r, d, t in await cur.fetchall()]
+            cur = await conn.execute(*operations.PROBES.postgres())
+            return operations.probes(await cur.fetchall())
 
     # --- provider health ---------------------------------------------------------------------
     @_translated
     async def set_circuit(self, instance: str, provider: str, circuit: str, now: float) -> None:
         async with self._conn() as conn:
-            await conn.execute(
-                "INSERT INTO circuits (instance, provider, circuit, at) VALUES (%s, %s, %s, %s) "
-                "ON CONFLICT (instance, provider) DO UPDATE SET circuit = excluded.circuit, at = excluded.at",
-                (instance, provider, circuit, now),
-            )
+            await conn.execute(*operations.set_circuit(instance, provider, circuit, now).postgres())
 
     @_translated
     async def circuits(self) -> list[CircuitState]:
         async with self._conn() as conn:
-            cur = await conn.execute(
-                "SELECT instance, provider, circuit, at FROM circuits "
-                'ORDER BY provider COLLATE "C", instance COLLATE "C"'
-            )
-            return [CircuitState(str(i), str(p), str(s), float(t)) for i, p, s, t in await cur.fetchall()]
+            cur = await conn.execute(*operations.CIRCUITS.postgres())
+            return operations.circuits(await cur.fetchall())
 
     # --- provider throttling -----------------------------------------------------------------
     @_translated
@@ -949,67 +937,50 @@ class PostgresStore:
     @_translated
     async def throttled(self, now: float) -> dict[str, float]:
         async with self._conn() as conn:
-            cur = await conn.execute("SELECT provider, until FROM throttles WHERE until > %s", (now,))
-            return {str(p): float(u) for p, u in await cur.fetchall()}
+            cur = await conn.execute(*operations.throttled(now).postgres())
+            return operations.throttles(await cur.fetchall())
 
     @_translated
     async def hold_connection(self, provider: str, holder: str, limit: int, until: float, now: float) -> bool:
         async with self._tx() as conn:
-            # One provider's slots are taken one at a time: each sees every earlier one.
-            await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"conn:{provider}",))
-            await conn.execute(
-                "DELETE FROM connection_slots WHERE provider = %s AND until <= %s", (provider, now)
-            )
-            cur = await conn.execute(
-                "UPDATE connection_slots SET until = %s WHERE provider = %s AND holder = %s",
-                (until, provider, holder),
-            )
-            if cur.rowcount:
-                return True
-            row = await _one(conn, "SELECT count(*) FROM connection_slots WHERE provider = %s", (provider,))
-            assert row is not None
-            if int(row[0]) >= limit:
-                return False
-            await conn.execute(
-                "INSERT INTO connection_slots (provider, holder, until) VALUES (%s, %s, %s)",
-                (provider, holder, until),
-            )
-            return True
+            return await _run_script(conn, operations.hold_connection(provider, holder, limit, until, now))
 
     @_translated
     async def drop_connection(self, provider: str, holder: str) -> None:
         async with self._conn() as conn:
-            await conn.execute(
-                "DELETE FROM connection_slots WHERE provider = %s AND holder = %s", (provider, holder)
-            )
+            await conn.execute(*operations.drop_connection(provider, holder).postgres())
 
     # --- AUTH brute force --------------------------------------------------------------------
     @_translated
     async def auth_failure(self, ip: str, now: float, window: float) -> int:
         async with self._tx() as conn:
-            # One address's failures are counted one at a time: each sees every earlier one.
-            await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"auth:{ip}",))
-            await conn.execute("INSERT INTO auth_failures (ip, at) VALUES (%s, %s)", (ip, now))
-            row = await _one(
-                conn, "SELECT count(*) FROM auth_failures WHERE ip = %s AND at > %s", (ip, now - window)
-            )
-        assert row is not None
-        return int(row[0])
+            return await _run_script(conn, operations.auth_failure(ip, now, window))
 
     @_translated
     async def auth_failures(self, ip: str, now: float, window: float) -> int:
         async with self._conn() as conn:
-            row = await _one(
-                conn, "SELECT count(*) FROM auth_failures WHERE ip = %s AND at > %s", (ip, now - window)
-            )
-        assert row is not None
-        return int(row[0])
+            cur = await conn.execute(*operations.auth_failures(ip, now, window).postgres())
+            return operations.count(await cur.fetchall())
 
 
 # --- statements shared by the operations --------------------------------------------------------
 async def _one(conn: Conn, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
     cur = await conn.execute(sql, params)
     return await cur.fetchone()
+
+
+async def _run_script(conn: Conn, script: Script[T]) -> T:
+    """A shared operation of several statements (store/sql/), in the caller's transaction."""
+    result: Result | None = None
+    while True:
+        try:
+            step = next(script) if result is None else script.send(result)
+        except StopIteration as done:
+            answer: T = done.value
+            return answer
+        cur = await conn.execute(*step.postgres())
+        rows = await cur.fetchall() if cur.description is not None else []
+        result = Result(rows, cur.rowcount)
 
 
 async def _fetch(conn: Conn, zone: str, key: str) -> Record | None:

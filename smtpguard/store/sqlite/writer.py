@@ -1,0 +1,213 @@
+"""The group-commit writer: one transaction and one fsync for every write waiting at that
+moment (the package's docstring says why)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sqlite3
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from smtpguard.store.base import StoreUnavailable
+from smtpguard.store.sqlite.migrate import migrate
+from smtpguard.store.sqlite.schema import _connect
+
+T = TypeVar("T")
+log = logging.getLogger("smtpguard.store")
+_MAX_BATCH = 512
+
+_Op = Callable[[sqlite3.Connection], Any]
+_Result = tuple["asyncio.Future[Any]", Any, BaseException | None]
+_BUSY_RETRY_FOR = 30.0
+"""Seconds a write waits for the database lock held by another process (the CLI)."""
+
+
+class _Writer:
+    """Runs write operations in batches: one BEGIN IMMEDIATE … COMMIT per batch.
+
+    The statements of a batch run on the event loop's thread, and only COMMIT (the fsync)
+    runs on the writer thread. Run on a thread of their own, each statement gave the GIL
+    back to the busy event loop and waited for it again: under load a batch spent about
+    three times its CPU time waiting, and every write of a message waited for that.
+    Operations that may take long (the purge, claims, queued bodies of 64 KB or more) are
+    marked `heavy` and run, with their batch, on the writer thread, so the event loop never
+    waits on them."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smtpguard-sqlite-writer")
+        self._conn: sqlite3.Connection | None = None
+        self._pending: list[tuple[_Op, asyncio.Future[Any], bool]] = []
+        self._flushing: asyncio.Task[None] | None = None
+
+    async def open(self) -> None:
+        def connect() -> sqlite3.Connection:
+            conn = _connect(self._path)
+            migrate(conn)
+            # The loop thread must never wait on a lock held by another process: a busy
+            # BEGIN is retried on the writer thread instead (_begin_waiting).
+            conn.execute("PRAGMA busy_timeout = 0")
+            return conn
+
+        self._conn = await asyncio.get_running_loop().run_in_executor(self._thread, connect)
+
+    async def close(self) -> None:
+        while self._flushing is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._flushing)
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await asyncio.get_running_loop().run_in_executor(self._thread, conn.close)
+        self._thread.shutdown(wait=True)
+
+    def submit(self, fn: Callable[[sqlite3.Connection], T], heavy: bool = False) -> asyncio.Future[T]:
+        if self._conn is None:
+            raise StoreUnavailable("store is not open")
+        fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._pending.append((fn, fut, heavy))
+        if self._flushing is None:
+            self._flushing = asyncio.ensure_future(self._flush())
+        return fut
+
+    async def _flush(self) -> None:
+        """Run batches until nothing is pending. Every future taken into a batch is settled,
+        whatever happens to the batch; writes still pending if the flush itself is
+        cancelled (event loop teardown) fail rather than wait for a flush that never comes."""
+        try:
+            # Yield once, so every write submitted in this turn of the loop joins the batch.
+            await asyncio.sleep(0)
+            while self._pending:
+                batch, self._pending = self._pending[:_MAX_BATCH], self._pending[_MAX_BATCH:]
+                ops = [(fn, fut) for fn, fut, _ in batch]
+                try:
+                    if any(heavy for _, _, heavy in batch):
+                        loop = asyncio.get_running_loop()
+                        results = await loop.run_in_executor(self._thread, self._run_batch_blocking, ops)
+                    else:
+                        results = await self._run_batch(ops)
+                except BaseException as e:
+                    # Cancelled while COMMIT ran (it may still complete) or a bug: the
+                    # callers hear "unavailable", the lease and the ledger sort out the rest.
+                    _settle_all(_failed(ops, e))
+                    raise
+                _settle_all(results)
+        except BaseException as e:
+            pending, self._pending = self._pending, []
+            _settle_all(_failed([(fn, fut) for fn, fut, _ in pending], e))
+            if not isinstance(e, asyncio.CancelledError):
+                log.error("sqlite writer failed", extra={"error": repr(e)})
+            raise
+        finally:
+            self._flushing = None
+
+    async def _run_batch(self, batch: list[tuple[_Op, asyncio.Future[Any]]]) -> list[_Result]:
+        conn = self._conn
+        assert conn is not None
+        loop = asyncio.get_running_loop()
+        try:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError:
+                await loop.run_in_executor(self._thread, _begin_waiting, conn)
+        except Exception as e:
+            return _failed(batch, e)
+        results = _apply(conn, batch)
+        if results is None:
+            return await loop.run_in_executor(self._thread, _run_each_alone, conn, batch)
+        try:
+            await loop.run_in_executor(self._thread, conn.execute, "COMMIT")
+        except Exception as e:
+            _rollback(conn)
+            return _failed(batch, e)
+        return results
+
+    def _run_batch_blocking(self, batch: list[tuple[_Op, asyncio.Future[Any]]]) -> list[_Result]:
+        """The same batch, all of it on the writer thread (a batch with a heavy operation)."""
+        conn = self._conn
+        assert conn is not None
+        try:
+            _begin_waiting(conn)
+        except Exception as e:
+            return _failed(batch, e)
+        results = _apply(conn, batch)
+        if results is None:
+            return _run_each_alone(conn, batch)
+        try:
+            conn.execute("COMMIT")
+        except Exception as e:
+            _rollback(conn)
+            return _failed(batch, e)
+        return results
+
+
+def _apply(conn: sqlite3.Connection, batch: list[tuple[_Op, asyncio.Future[Any]]]) -> list[_Result] | None:
+    """Every operation of the batch in the open transaction; None (rolled back) if one
+    failed, so that each can be run in a transaction of its own and only the failing one
+    reports it."""
+    try:
+        return [(fut, fn(conn), None) for fn, fut in batch]
+    except Exception:
+        _rollback(conn)
+        return None
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    with contextlib.suppress(sqlite3.Error):
+        conn.execute("ROLLBACK")
+
+
+def _failed(batch: list[tuple[_Op, asyncio.Future[Any]]], error: BaseException) -> list[_Result]:
+    """BEGIN or COMMIT failed (lock held elsewhere, disk full, I/O): the whole batch fails at
+    once, rather than each write waiting out the lock again on its own."""
+    failure = StoreUnavailable(f"sqlite transaction failed: {error}")
+    return [(fut, None, failure) for _, fut in batch]
+
+
+def _begin_waiting(conn: sqlite3.Connection) -> None:
+    """BEGIN IMMEDIATE, waiting (on the writer thread) for another process's lock."""
+    deadline = time.monotonic() + _BUSY_RETRY_FOR
+    delay = 0.001
+    while True:
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            return
+        except sqlite3.OperationalError as e:
+            if ("locked" not in str(e) and "busy" not in str(e)) or time.monotonic() >= deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+
+def _run_each_alone(conn: sqlite3.Connection, batch: list[tuple[_Op, asyncio.Future[Any]]]) -> list[_Result]:
+    results: list[_Result] = []
+    for fn, fut in batch:
+        try:
+            _begin_waiting(conn)
+            value = fn(conn)
+            conn.execute("COMMIT")
+        except Exception as e:
+            _rollback(conn)
+            # Callers know one failure: the store could not do it (disk full, I/O).
+            failed: Exception = StoreUnavailable(f"sqlite: {e}") if isinstance(e, sqlite3.Error) else e
+            results.append((fut, None, failed))
+        else:
+            results.append((fut, value, None))
+    return results
+
+
+def _settle_all(items: list[_Result]) -> None:
+    for fut, value, error in items:
+        if fut.done():
+            continue
+        if error is None:
+            fut.set_result(value)
+        elif isinstance(error, Exception) and not isinstance(error, StopIteration):
+            fut.set_exception(error)
+        else:
+            # What a future refuses to carry (StopIteration, a cancellation): still an answer.
+            fut.set_exception(StoreUnavailable(f"sqlite write failed: {error!r}"))

@@ -1,0 +1,94 @@
+"""The SQL written once for SQLite and PostgreSQL (store/sql/): each dialect's rendering,
+and the fleet's statements (provider health, throttles, connection slots, AUTH failures)
+rendered for PostgreSQL byte for byte, step for step, as its store ran them before they
+were shared (the contract suite runs them on both stores)."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from smtpguard.store.sql import operations
+from smtpguard.store.sql.statements import Plan, Result, Script
+
+T = TypeVar("T")
+
+
+def test_a_plan_renders_parameters_and_bytewise_order_per_dialect() -> None:
+    plan = Plan("SELECT a FROM t WHERE x = ? AND y = ? ORDER BY a{bytewise}, b", (1, "y"))
+    assert plan.sqlite() == ("SELECT a FROM t WHERE x = ? AND y = ? ORDER BY a, b", (1, "y"))
+    assert plan.postgres() == ('SELECT a FROM t WHERE x = %s AND y = %s ORDER BY a COLLATE "C", b', (1, "y"))
+
+
+def test_provider_health_renders_for_postgresql_as_before() -> None:
+    assert operations.set_circuit("i", "p", "open", 1.5).postgres() == (
+        "INSERT INTO circuits (instance, provider, circuit, at) VALUES (%s, %s, %s, %s) "
+        "ON CONFLICT (instance, provider) DO UPDATE SET circuit = excluded.circuit, at = excluded.at",
+        ("i", "p", "open", 1.5),
+    )
+    assert operations.CIRCUITS.postgres() == (
+        "SELECT instance, provider, circuit, at FROM circuits "
+        'ORDER BY provider COLLATE "C", instance COLLATE "C"',
+        (),
+    )
+    assert operations.set_probe("i", "p", True, "ok", 2.5).postgres() == (
+        "INSERT INTO probes (instance, provider, ready, detail, at) VALUES (%s, %s, %s, %s, %s) "
+        "ON CONFLICT (instance, provider) DO UPDATE SET ready = excluded.ready, "
+        "detail = excluded.detail, at = excluded.at",
+        ("i", "p", True, "ok", 2.5),
+    )
+    assert operations.PROBES.postgres() == (
+        "SELECT instance, provider, ready, detail, at FROM probes ORDER BY provider, instance",
+        (),
+    )
+
+
+def _steps(script: Script[T], results: list[Result]) -> tuple[list[tuple[str, tuple[Any, ...]]], T]:
+    """The PostgreSQL statements a script runs when sent `results` in turn, and its answer."""
+    steps: list[tuple[str, tuple[Any, ...]]] = []
+    feed = iter(results)
+    step = next(script)
+    while True:
+        steps.append(step.postgres())
+        try:
+            step = script.send(next(feed))
+        except StopIteration as done:
+            answer: T = done.value
+            return steps, answer
+
+
+NONE = Result([], 0)
+
+
+def test_connection_slots_and_auth_failures_render_for_postgresql_as_before() -> None:
+    lock = ("SELECT pg_advisory_xact_lock(hashtext(%s))", ("conn:p",))
+    delete = ("DELETE FROM connection_slots WHERE provider = %s AND until <= %s", ("p", 5.0))
+    update = ("UPDATE connection_slots SET until = %s WHERE provider = %s AND holder = %s", (9.0, "p", "h"))
+    held = ("SELECT count(*) FROM connection_slots WHERE provider = %s", ("p",))
+    insert = ("INSERT INTO connection_slots (provider, holder, until) VALUES (%s, %s, %s)", ("p", "h", 9.0))
+    hold = lambda: operations.hold_connection("p", "h", 2, 9.0, 5.0)  # noqa: E731
+    # Its own slot: extended, nothing counted.
+    assert _steps(hold(), [NONE, NONE, Result([], 1)]) == ([lock, delete, update], True)
+    # A new holder under the limit takes a slot; at the limit it is refused.
+    assert _steps(hold(), [NONE, NONE, NONE, Result([(1,)], -1), NONE]) == (
+        [lock, delete, update, held, insert],
+        True,
+    )
+    assert _steps(hold(), [NONE, NONE, NONE, Result([(2,)], -1)]) == ([lock, delete, update, held], False)
+    assert operations.drop_connection("p", "h").postgres() == (
+        "DELETE FROM connection_slots WHERE provider = %s AND holder = %s",
+        ("p", "h"),
+    )
+    assert operations.throttled(3.0).postgres() == (
+        "SELECT provider, until FROM throttles WHERE until > %s",
+        (3.0,),
+    )
+    counted = ("SELECT count(*) FROM auth_failures WHERE ip = %s AND at > %s", ("192.0.2.1", 70.0))
+    assert _steps(operations.auth_failure("192.0.2.1", 100.0, 30.0), [NONE, NONE, Result([(4,)], -1)]) == (
+        [
+            ("SELECT pg_advisory_xact_lock(hashtext(%s))", ("auth:192.0.2.1",)),
+            ("INSERT INTO auth_failures (ip, at) VALUES (%s, %s)", ("192.0.2.1", 100.0)),
+            counted,
+        ],
+        4,
+    )
+    assert operations.auth_failures("192.0.2.1", 100.0, 30.0).postgres() == counted
