@@ -213,6 +213,10 @@ class PostgresStore:
             raise StoreUnavailable(
                 self._unfit or f"postgresql: schema not checked yet ({self._waiting or 'no server answered'})"
             )
+        if self._fence.choice.refuse:
+            # Known at once: waiting for the pool's timeout would only hold the session
+            # (the watch asks the servers again every fencing.CHECK_EVERY).
+            raise StoreUnavailable(f"postgresql: writing to no server: {self._fence.choice.reason}")
         async with self._pool.connection() as conn:
             yield conn
 
