@@ -76,6 +76,8 @@ _TIMEOUT = 2.0
 """Deadline of one store operation, of taking a connection from the pool, and of a connect."""
 POOL_SIZE = 32
 """Connections one process keeps at most (store.pool_size): each worker is a process."""
+MIGRATE_WAIT = 5.0
+"""Seconds `open` waits for the schema migration before serving 451 while it goes on."""
 _CLOCK_SAMPLE_EVERY = 10.0
 _WINDOW_KEEP = 2 * HOUR
 _SLOTS = 16
@@ -170,8 +172,24 @@ class PostgresStore:
             kwargs["password"] = self._password
         self._kwargs = kwargs
         self._fence = fencing.Fence(self.url, kwargs)
-        if not await self._migrate_at_open():
-            self._migrate_task = asyncio.create_task(self._migrate_later())
+        first = asyncio.create_task(self._migrate_at_open())
+        try:
+            # Shielded: a migration has no deadline (a large index build, another instance
+            # holding the lock, a commit waiting for a synchronous standby that is not
+            # connected); past this wait it goes on and every call answers 451 meanwhile,
+            # rather than `serve` neither listening nor saying why.
+            migrated = await asyncio.wait_for(asyncio.shield(first), MIGRATE_WAIT)
+        except TimeoutError:
+            self._waiting = f"the schema migration has been running for more than {MIGRATE_WAIT:g} s"
+            log.warning(
+                "store schema migration still running; answering 451 until it ends (a large "
+                "index build, another instance migrating, or a commit waiting for a "
+                "synchronous standby that is not connected)"
+            )
+            self._migrate_task = asyncio.create_task(self._finish_migration(first))
+        else:
+            if not migrated:
+                self._migrate_task = asyncio.create_task(self._migrate_later())
         pool: AsyncConnectionPool[Conn] = AsyncConnectionPool(
             self._fence.conninfo,
             min_size=1,
@@ -215,6 +233,10 @@ class PostgresStore:
             raise StoreUnavailable(
                 self._unfit or f"postgresql: schema not checked yet ({self._waiting or 'no server answered'})"
             )
+        if self._fence.choice.refuse:
+            # Known at once: waiting for the pool's timeout would only hold the session
+            # (the watch asks the servers again every fencing.CHECK_EVERY).
+            raise StoreUnavailable(f"postgresql: writing to no server: {self._fence.choice.reason}")
         async with self._pool.connection() as conn:
             yield conn
 
@@ -255,6 +277,22 @@ class PostgresStore:
             return False
         self._migrated = done is not None
         return self._migrated
+
+    async def _finish_migration(self, first: asyncio.Task[bool]) -> None:
+        try:
+            done = await first
+        except asyncio.CancelledError:
+            first.cancel()
+            raise
+        except StoreUnfit as e:
+            log.critical("store unusable: %s", e)
+            return
+        if not done:
+            await self._migrate_later()
+            return
+        log.info("store schema migration done")
+        with contextlib.suppress(StoreUnavailable):
+            await self.sync_clock()
 
     async def _migrate_later(self) -> None:
         while not self._migrated:
