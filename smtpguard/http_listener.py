@@ -46,6 +46,13 @@ _SLOW = (
 )
 
 
+class BodyAborted(ConnectionResetError):
+    """The connection closed (the client left, or read_timeout cut it) while a request's body
+    was still arriving: what reading that body raises, in every application on a
+    LimitedListener. The client's doing, so one log line, never a traceback; and nobody is
+    left to answer."""
+
+
 class _LimitedHandler(RequestHandler):
     """aiohttp's protocol for one connection, admitted and timed by its listener."""
 
@@ -74,6 +81,9 @@ class _LimitedHandler(RequestHandler):
         self._listener.admission.release(self._bucket)
         self._bucket = None
         self._disarm()
+        if self._reading and self._headers_in:
+            # A handler may be waiting on the rest of the body: aiohttp hands it this exception.
+            exc = BodyAborted("the connection closed before the request body was complete")
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
