@@ -4,7 +4,10 @@ aiohttp parses HTTP and serves the application; this module only configures it a
 what aiohttp has no knob for (DESIGN.md §18):
 
 - connection caps (admission.py), checked when the connection is accepted: over a cap the
-  client gets `503` and the socket is closed before anything is parsed;
+  client gets `503` and the socket is closed before anything is parsed. Under TLS the
+  count starts before the handshake (the listener accepts plain TCP, admits, then starts
+  TLS itself): asyncio's own TLS server would call the protocol only once a handshake is
+  done, so handshakes that never finish would hold descriptors beyond every cap;
 - `read_timeout`, a deadline from the first byte of a request to the last byte of its
   body: aiohttp has none for the request headers, so a client sending a byte a second
   would hold its connection as long as it liked;
@@ -64,22 +67,79 @@ class _LimitedHandler(RequestHandler):
         self._reading = False
         """A request is arriving: its first byte is in, its body is not complete yet."""
         self._headers_in = False
+        self._started = False
+        """aiohttp's side of the connection is running (after the TLS handshake, under TLS)."""
+        self._handshake: asyncio.Task[None] | None = None
+        self._early = bytearray()
+        """Bytes asyncio's TLS layer delivered with the handshake's end, before start_tls
+        returned (a TLS 1.3 client's request right behind its Finished)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         bucket = self._listener.admission.admit(peer_ip(transport))
         if bucket is None:
-            transport.write(_BUSY)  # type: ignore[attr-defined]
+            if self._listener.tls is None:
+                transport.write(_BUSY)  # type: ignore[attr-defined]
             transport.close()
             return
         self._bucket = bucket
+        if self._listener.tls is not None:
+            # Nothing is read until start_tls has the socket (it takes the ClientHello).
+            transport.pause_reading()  # type: ignore[attr-defined]
+            self._handshake = self._loop.create_task(self._start_tls(transport, self._listener.tls))
+            self._listener.handshaking.add(self._handshake)
+            self._handshake.add_done_callback(self._listener.handshaking.discard)
+            return
+        self._start(transport)
+
+    def _start(self, transport: asyncio.BaseTransport) -> None:
+        self._started = True
         super().connection_made(transport)
         self._arm(self._listener.limits.idle_timeout, self._idle)
+        if self._early:
+            early, self._early = bytes(self._early), bytearray()
+            self.data_received(early)
 
-    def connection_lost(self, exc: BaseException | None) -> None:
+    async def _start_tls(self, raw: asyncio.BaseTransport, tls: ssl.SSLContext) -> None:
+        try:
+            transport = await self._loop.start_tls(
+                raw,  # type: ignore[arg-type]
+                self,
+                tls,
+                server_side=True,
+                ssl_handshake_timeout=self._listener.limits.read_timeout,
+            )
+        except asyncio.CancelledError:
+            raw.close()
+            self._release()
+            raise
+        except Exception:
+            # No handshake within read_timeout, or a bad one, or the client gone: asyncio
+            # closed the socket and calls nobody back, so the slot is given back here.
+            raw.close()
+            self._release()
+            return
+        finally:
+            self._handshake = None
+        if transport is None or self._bucket is None:
+            if transport is not None:
+                transport.close()
+            return
+        self._start(transport)
+
+    def _release(self) -> bool:
         if self._bucket is None:
-            return  # refused at connection_made: nothing of aiohttp's was started
+            return False
         self._listener.admission.release(self._bucket)
         self._bucket = None
+        return True
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self._release():
+            return  # refused at connection_made, or already given back
+        if not self._started:
+            if self._handshake is not None:
+                self._handshake.cancel()
+            return
         self._disarm()
         if self._reading and self._headers_in:
             # A handler may be waiting on the rest of the body: aiohttp hands it this exception.
@@ -89,6 +149,9 @@ class _LimitedHandler(RequestHandler):
     def data_received(self, data: bytes) -> None:
         if self._bucket is None:
             return  # refused, or already gone
+        if not self._started:
+            self._early += data
+            return
         if data and not self._reading:
             # The first byte of a request: from here its headers and body have read_timeout,
             # however slowly they trickle in.
@@ -162,6 +225,9 @@ class LimitedListener:
         """The listener's config section (events, console): log lines name it."""
         self.logger = logger
         self.admission = Admission(limits, name, logger)
+        self.tls: ssl.SSLContext | None = None
+        self.handshaking: set[asyncio.Task[None]] = set()
+        """TLS handshakes in progress: admitted connections aiohttp does not know of yet."""
         self.port = 0
         self._runner: web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -192,15 +258,13 @@ class LimitedListener:
             return make_request(message, payload, protocol, writer, task)
 
         server.request_factory = request_factory
+        self.tls = ssl_context
         loop = asyncio.get_running_loop()
+        # Plain TCP even under TLS: each handler admits its connection, then starts TLS.
         self._server = await loop.create_server(
             lambda: _LimitedHandler(self, server, loop=loop, **self._handler_args),
             host,
             port,
-            ssl=ssl_context,
-            # A TLS handshake happens before the connection is admitted (asyncio calls
-            # connection_made after it): it gets read_timeout too.
-            ssl_handshake_timeout=self.limits.read_timeout if ssl_context is not None else None,
             reuse_address=True,
         )
         self.port = self._server.sockets[0].getsockname()[1] if self._server.sockets else port
@@ -209,6 +273,8 @@ class LimitedListener:
         if self._server is not None:
             self._server.close()
             self._server = None
+        for handshake in list(self.handshaking):
+            handshake.cancel()
         if self._runner is not None:
             # Closes the open connections and waits for the requests in progress.
             await self._runner.cleanup()

@@ -84,3 +84,92 @@ async def test_a_console_form_body_cut_short_is_one_line_without_a_traceback(
         writer.close()
     assert await logged(caplog, "console: request body aborted", 1) == 1
     assert "console: request failed" not in caplog.messages
+
+
+async def test_tls_handshakes_that_never_finish_are_within_the_console_caps(
+    tmp: Path, upstream: Upstream, no_tracebacks: None
+) -> None:
+    """A TLS handshake comes before the first request: if the caps counted only connections
+    whose handshake was done, stalled handshakes would take descriptors without limit for
+    read_timeout each (3 per address and 8 in total here)."""
+    import ssl
+
+    from tests.hostile_support import make_cert
+
+    cert, key = make_cert(tmp)
+    cfg = console_cfg(tmp, upstream, tls={"cert": str(cert), "key": str(key)})
+    async with running_guard(cfg) as guard:
+        assert guard.console is not None
+        port = guard.console.port
+        # 12 connections from one address that never send a ClientHello.
+        stalled = [
+            await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.20", 0)) for _ in range(12)
+        ]
+        took = await asyncio.gather(*(until_closed(r, 3) for r, _ in stalled))
+        refused_at_once = sum(t < READ / 2 for t in took)
+        cut_by_deadline = sum(READ - 0.1 <= t < READ + 1.0 for t in took)
+        assert (refused_at_once, cut_by_deadline) == (9, 3), sorted(round(t, 2) for t in took)
+        for _, w in stalled:
+            w.close()
+        # The slots came back once the handshakes were cut: the same address gets its 3
+        # connections again, each served.
+        ctx = ssl.create_default_context()
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        browsers = [
+            await asyncio.open_connection("127.0.0.1", port, ssl=ctx, local_addr=("127.0.0.20", 0))
+            for _ in range(3)
+        ]
+        for reader, writer in browsers:
+            writer.write(b"GET /login HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n\r\n" % port)
+            assert (await asyncio.wait_for(reader.readline(), 2)).startswith(b"HTTP/1.1 200")
+        for _, writer in browsers:
+            writer.close()
+
+
+async def test_a_request_sent_with_the_tls_finished_message_is_served(tmp: Path, upstream: Upstream) -> None:
+    """A TLS 1.3 client sends its request right behind its Finished, often in one segment
+    (browsers do): the console, which starts TLS itself after admitting the connection,
+    must not lose those bytes."""
+    import socket
+    import ssl
+
+    from tests.hostile_support import make_cert
+
+    cert, key = make_cert(tmp)
+    cfg = console_cfg(tmp, upstream, tls={"cert": str(cert), "key": str(key)})
+    async with running_guard(cfg) as guard:
+        assert guard.console is not None
+        port = guard.console.port
+        ctx = ssl.create_default_context()
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        tls = ctx.wrap_bio(incoming, outgoing, server_side=False)
+        loop = asyncio.get_running_loop()
+        sock = socket.socket()
+        sock.setblocking(False)
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+        try:
+            async with asyncio.timeout(3):
+                while True:
+                    try:
+                        tls.do_handshake()
+                        break
+                    except ssl.SSLWantReadError:
+                        if outgoing.pending:
+                            await loop.sock_sendall(sock, outgoing.read())
+                        incoming.write(await loop.sock_recv(sock, 65536))
+                # The client's Finished is still in `outgoing`: the request goes with it.
+                tls.write(b"GET /login HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nConnection: close\r\n\r\n" % port)
+                await loop.sock_sendall(sock, outgoing.read())
+                answer = b""
+                while b"\r\n" not in answer:
+                    try:
+                        answer += tls.read(65536)
+                    except ssl.SSLWantReadError:
+                        data = await loop.sock_recv(sock, 65536)
+                        assert data, "the console closed the connection"
+                        incoming.write(data)
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:80]
+        finally:
+            sock.close()
