@@ -173,3 +173,29 @@ async def test_a_request_sent_with_the_tls_finished_message_is_served(tmp: Path,
             assert answer.startswith(b"HTTP/1.1 200"), answer[:80]
         finally:
             sock.close()
+
+
+async def test_a_mailbox_session_takes_at_most_100_recipients(tmp: Path, upstream: Upstream) -> None:
+    """The mailbox takes mail for one address: a session repeating RCPT would otherwise grow
+    its envelope without end (about 130 bytes a recipient, 318,000 of them measured in four
+    sessions in a minute), one command at a time, each within its deadline."""
+    cfg = base_config(
+        tmp,
+        upstream.port,
+        events={"mailbox": {"listen": "127.0.0.1:0", "address": "reports@guard.test", "provider": "primary"}},
+    )
+    async with running_guard(cfg) as guard:
+        assert guard.mailbox is not None
+        reader, writer = await asyncio.open_connection("127.0.0.1", guard.mailbox.port)
+        try:
+            assert (await asyncio.wait_for(reader.readline(), 2)).startswith(b"220")
+            writer.write(
+                b"HELO reporter.example\r\nMAIL FROM:<>\r\n" + b"RCPT TO:<reports@guard.test>\r\n" * 150
+            )
+            codes = [(await asyncio.wait_for(reader.readline(), 5))[:9] for _ in range(152)]
+        finally:
+            writer.close()
+    assert [c[:3] for c in codes[:2]] == [b"250", b"250"], codes[:2]
+    rcpt = codes[2:]
+    assert [c[:3] for c in rcpt].count(b"250") == 100
+    assert rcpt[100:] == [b"452 4.5.3"] * 50

@@ -37,6 +37,10 @@ log = logging.getLogger("smtpguard.events")
 
 SOURCE = "mailbox"
 """The source name of events read from the mailbox (in history, reasons and metrics)."""
+MAX_RECIPIENTS = 100
+"""Recipients one message may have here: a report is mailed to one address, and RFC 5321
+§4.5.3.1.8 asks no server to take more than 100. Without a limit a session repeating RCPT
+grows its envelope without end, each command well within its deadline."""
 
 
 class ReportHandler:
@@ -63,6 +67,8 @@ class ReportHandler:
     ) -> str:
         # A VERP address is taken whether or not its token verifies: a report to a bad
         # token joins the history as unverified, and refusing it would bounce a bounce.
+        if len(envelope.rcpt_tos) >= MAX_RECIPIENTS:
+            return str(replies.too_many_recipients(MAX_RECIPIENTS))
         if suppression_key(address) != self._address and not self._addressed(address).verp:
             return "550 5.1.1 this server takes delivery reports for one address only"
         envelope.rcpt_tos.append(address)
