@@ -12,7 +12,10 @@ what aiohttp has no knob for (DESIGN.md §18):
   body: aiohttp has none for the request headers, so a client sending a byte a second
   would hold its connection as long as it liked;
 - `idle_timeout`, for a connection that sends nothing: before its first request (our own
-  timer) and between keep-alive requests (aiohttp's `keepalive_timeout`).
+  timer) and between keep-alive requests (aiohttp's `keepalive_timeout`);
+- the same `read_timeout` for a client to take an answer once the socket's buffers are
+  full: a client that sends requests whole and in time but never reads the answers would
+  otherwise be outside both deadlines and hold its connection for good.
 
 The hooks are the handler's own protocol callbacks (connection_made, data_received,
 connection_lost) and the server's `request_factory`, called once a request's headers are
@@ -34,7 +37,7 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from smtpguard.admission import Admission, ListenerLimits, peer_ip
+from smtpguard.admission import Admission, ListenerLimits, WriteDeadline, peer_ip
 
 LINGER = 2.0
 """After a response, the unread rest of a body is read and dropped this long at most."""
@@ -70,6 +73,9 @@ class _LimitedHandler(RequestHandler):
         self._started = False
         """aiohttp's side of the connection is running (after the TLS handshake, under TLS)."""
         self._handshake: asyncio.Task[None] | None = None
+        self._conn: asyncio.BaseTransport | None = None
+        """The connection's transport, kept after aiohttp lets go of it (force_close)."""
+        self._writing = WriteDeadline(self._loop, listener.limits.read_timeout, self._not_reading)
         self._early = bytearray()
         """Bytes asyncio's TLS layer delivered with the handshake's end, before start_tls
         returned (a TLS 1.3 client's request right behind its Finished)."""
@@ -93,6 +99,7 @@ class _LimitedHandler(RequestHandler):
 
     def _start(self, transport: asyncio.BaseTransport) -> None:
         self._started = True
+        self._conn = transport
         super().connection_made(transport)
         self._arm(self._listener.limits.idle_timeout, self._idle)
         if self._early:
@@ -136,6 +143,7 @@ class _LimitedHandler(RequestHandler):
     def connection_lost(self, exc: BaseException | None) -> None:
         if not self._release():
             return  # refused at connection_made, or already given back
+        self._writing.resumed()
         if not self._started:
             if self._handshake is not None:
                 self._handshake.cancel()
@@ -159,6 +167,24 @@ class _LimitedHandler(RequestHandler):
             self._headers_in = False
             self._arm(self._listener.limits.read_timeout, self._too_slow)
         super().data_received(data)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._bucket is not None:
+            self._writing.paused()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._writing.resumed()
+
+    def _not_reading(self) -> None:
+        transport = self._conn
+        logging.getLogger(self._listener.logger).info(
+            "response not taken within read_timeout",
+            extra={"listener": self._listener.name, "client_ip": self._listener_ip(transport)},
+        )
+        if isinstance(transport, asyncio.WriteTransport):
+            transport.abort()  # not aiohttp's force_close, which close()s, and may have run
 
     def request_read(self) -> None:
         """The request's body is complete (called through its payload's on_eof)."""

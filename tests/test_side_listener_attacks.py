@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from smtpguard.server import Server
+from tests import events_support as ev
 from tests.support import Upstream, base_config, password_hash, running_guard
 
 READ = 0.6
@@ -199,3 +201,59 @@ async def test_a_mailbox_session_takes_at_most_100_recipients(tmp: Path, upstrea
     rcpt = codes[2:]
     assert [c[:3] for c in rcpt].count(b"250") == 100
     assert rcpt[100:] == [b"452 4.5.3"] * 50
+
+
+async def _pipeline_unread(port: int, source: str, request: bytes) -> socket.socket:
+    """A client that sends requests and never reads an answer: pipelined until the listener
+    stops taking them (its answers back up), bounded at 10 s."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    sock.setblocking(False)
+    sock.bind((source, 0))
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    started = time.monotonic()
+    # Sending stops when the listener stops reading, or cuts the connection.
+    with contextlib.suppress(TimeoutError, ConnectionError):
+        while time.monotonic() - started < 10:
+            await asyncio.wait_for(loop.sock_sendall(sock, request * 20), 1)
+    return sock
+
+
+@pytest.mark.parametrize("listener", ["events", "console"])
+async def test_a_client_that_never_reads_its_answers_is_closed(
+    tmp: Path, upstream: Upstream, listener: str, caplog: pytest.LogCaptureFixture, no_tracebacks: None
+) -> None:
+    """Requests arrive whole and in time, so read_timeout never runs; the answers wait for a
+    client that does not read them, so idle_timeout never runs either: without a deadline on
+    writing, such connections were held for good (3 of them took an address's whole
+    allowance, 256 the listener), 30 s measured with read_timeout 1 s and idle_timeout 2 s."""
+    keys = ev.Keys.make(tmp)
+    cfg = console_cfg(tmp, upstream)
+    cfg["events"] = {"address": "127.0.0.1:0", "sources": keys.sources(), **LIMITS}
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in keys.env().items():
+            mp.setenv(name, value)
+        async with running_guard(cfg) as guard:
+            assert guard.events is not None and guard.console is not None
+            port = guard.events.port if listener == "events" else guard.console.port
+            # Answers of some kilobytes each (a 404 naming the source asked for; the login
+            # page), so that a few hundred fill the socket's buffers.
+            path = b"POST /events/" + b"n" * 4000 if listener == "events" else b"GET /login"
+            request = b"%s HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Length: 0\r\n\r\n" % (path, port)
+            held = [await _pipeline_unread(port, "127.0.0.26", request) for _ in range(3)]
+            try:
+                # Each was admitted (refused ones would be closed, and sending would fail).
+                assert await logged(caplog, "response not taken within read_timeout", 3) == 3
+                # Their slots are back: the same address is served again.
+                await asyncio.sleep(0.2)
+                reader, writer = await asyncio.open_connection(
+                    "127.0.0.1", port, local_addr=("127.0.0.26", 0)
+                )
+                writer.write(request)
+                status = await asyncio.wait_for(reader.readline(), 2)
+                assert status.split()[1] in (b"200", b"404"), status
+                writer.close()
+            finally:
+                for sock in held:
+                    sock.close()
