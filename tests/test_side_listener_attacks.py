@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -257,3 +258,47 @@ async def test_a_client_that_never_reads_its_answers_is_closed(
             finally:
                 for sock in held:
                     sock.close()
+
+
+async def test_a_mailbox_client_that_never_reads_its_replies_is_cut(
+    tmp: Path, upstream: Upstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The SMTP form of the same attack: commands pipelined (HELP, each answered at once)
+    and the replies never read. Measured before: three such sessions held their address's
+    allowance for 60 s and more, with read_timeout 600 ms and idle_timeout 1.2 s (aiosmtpd's
+    idle close waits for the replies to be read)."""
+    cfg = base_config(
+        tmp,
+        upstream.port,
+        events={
+            "mailbox": {
+                "listen": "127.0.0.1:0",
+                "address": "reports@guard.test",
+                "provider": "primary",
+                **LIMITS,
+            }
+        },
+    )
+    # INFO, not DEBUG: aiosmtpd logs each command at DEBUG, and there are 30,000.
+    caplog.set_level(logging.INFO)
+    async with running_guard(cfg) as guard:
+        assert guard.mailbox is not None
+        port = guard.mailbox.port
+        loop = asyncio.get_running_loop()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        sock.setblocking(False)
+        sock.bind(("127.0.0.27", 0))
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+        try:
+            # 180 kB of HELP: their replies (2.4 MB) are more than the socket buffers hold.
+            with contextlib.suppress(TimeoutError, ConnectionError):
+                for _ in range(30):
+                    await asyncio.wait_for(loop.sock_sendall(sock, b"HELP\r\n" * 1000), 1)
+            message = "events mailbox: replies not taken within read_timeout"
+            assert await logged(caplog, message, 1) == 1
+            await asyncio.sleep(0.2)
+            # The connection is gone, and its slot with it.
+            assert guard.mailbox.admission.total == 0
+        finally:
+            sock.close()
