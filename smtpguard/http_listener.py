@@ -25,9 +25,13 @@ in; its payload's `on_eof` tells when the body is complete.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
 import ssl
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
@@ -37,7 +41,7 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from smtpguard.admission import Admission, ListenerLimits, WriteDeadline, peer_ip
+from smtpguard.admission import WARN_EVERY, Admission, ListenerLimits, WriteDeadline, peer_ip
 
 LINGER = 2.0
 """After a response, the unread rest of a body is read and dropped this long at most."""
@@ -62,92 +66,40 @@ class BodyAborted(ConnectionResetError):
 class _LimitedHandler(RequestHandler):
     """aiohttp's protocol for one connection, admitted and timed by its listener."""
 
-    def __init__(self, listener: LimitedListener, manager: web.Server, **kwargs: Any) -> None:
+    def __init__(
+        self, listener: LimitedListener, manager: web.Server, bucket: str | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(manager, **kwargs)
         self._listener = listener
-        self._bucket: str | None = None
+        self._bucket: str | None = bucket
+        """What the connection is counted under; given when it was admitted at accept (TLS)."""
+        self._admitted = bucket is not None
         self._timer: asyncio.TimerHandle | None = None
         self._reading = False
         """A request is arriving: its first byte is in, its body is not complete yet."""
         self._headers_in = False
-        self._started = False
-        """aiohttp's side of the connection is running (after the TLS handshake, under TLS)."""
-        self._handshake: asyncio.Task[None] | None = None
         self._conn: asyncio.BaseTransport | None = None
         """The connection's transport, kept after aiohttp lets go of it (force_close)."""
         self._writing = WriteDeadline(self._loop, listener.limits.read_timeout, self._not_reading)
-        self._early = bytearray()
-        """Bytes asyncio's TLS layer delivered with the handshake's end, before start_tls
-        returned (a TLS 1.3 client's request right behind its Finished)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        bucket = self._listener.admission.admit(peer_ip(transport))
-        if bucket is None:
-            if self._listener.tls is None:
+        if not self._admitted:
+            bucket = self._listener.admission.admit(peer_ip(transport))
+            if bucket is None:
                 transport.write(_BUSY)  # type: ignore[attr-defined]
-            transport.close()
-            return
-        self._bucket = bucket
-        if self._listener.tls is not None:
-            # Nothing is read until start_tls has the socket (it takes the ClientHello).
-            transport.pause_reading()  # type: ignore[attr-defined]
-            self._handshake = self._loop.create_task(self._start_tls(transport, self._listener.tls))
-            self._listener.handshaking.add(self._handshake)
-            self._handshake.add_done_callback(self._listener.handshaking.discard)
-            return
-        self._start(transport)
-
-    def _start(self, transport: asyncio.BaseTransport) -> None:
-        self._started = True
+                transport.close()
+                return
+            self._bucket = bucket
         self._conn = transport
         super().connection_made(transport)
         self._arm(self._listener.limits.idle_timeout, self._idle)
-        if self._early:
-            early, self._early = bytes(self._early), bytearray()
-            self.data_received(early)
-
-    async def _start_tls(self, raw: asyncio.BaseTransport, tls: ssl.SSLContext) -> None:
-        try:
-            transport = await self._loop.start_tls(
-                raw,  # type: ignore[arg-type]
-                self,
-                tls,
-                server_side=True,
-                ssl_handshake_timeout=self._listener.limits.read_timeout,
-            )
-        except asyncio.CancelledError:
-            raw.close()
-            self._release()
-            raise
-        except Exception:
-            # No handshake within read_timeout, or a bad one, or the client gone: asyncio
-            # closed the socket and calls nobody back, so the slot is given back here.
-            raw.close()
-            self._release()
-            return
-        finally:
-            self._handshake = None
-        if transport is None or self._bucket is None:
-            if transport is not None:
-                transport.close()
-            return
-        self._start(transport)
-
-    def _release(self) -> bool:
-        if self._bucket is None:
-            return False
-        self._listener.admission.release(self._bucket)
-        self._bucket = None
-        return True
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        if not self._release():
-            return  # refused at connection_made, or already given back
+        if self._bucket is None:
+            return  # refused at connection_made: nothing of aiohttp's was started
+        self._listener.admission.release(self._bucket)
+        self._bucket = None
         self._writing.resumed()
-        if not self._started:
-            if self._handshake is not None:
-                self._handshake.cancel()
-            return
         self._disarm()
         if self._reading and self._headers_in:
             # A handler may be waiting on the rest of the body: aiohttp hands it this exception.
@@ -157,9 +109,6 @@ class _LimitedHandler(RequestHandler):
     def data_received(self, data: bytes) -> None:
         if self._bucket is None:
             return  # refused, or already gone
-        if not self._started:
-            self._early += data
-            return
         if data and not self._reading:
             # The first byte of a request: from here its headers and body have read_timeout,
             # however slowly they trickle in.
@@ -183,8 +132,10 @@ class _LimitedHandler(RequestHandler):
             "response not taken within read_timeout",
             extra={"listener": self._listener.name, "client_ip": self._listener_ip(transport)},
         )
-        if isinstance(transport, asyncio.WriteTransport):
-            transport.abort()  # not aiohttp's force_close, which close()s, and may have run
+        if transport is not None:
+            # Not aiohttp's force_close, which close()s, and may have run already. (uvloop's
+            # transports are no asyncio.WriteTransport by isinstance: a cast, not a check.)
+            cast(asyncio.Transport, transport).abort()
 
     def request_read(self) -> None:
         """The request's body is complete (called through its payload's on_eof)."""
@@ -251,9 +202,11 @@ class LimitedListener:
         """The listener's config section (events, console): log lines name it."""
         self.logger = logger
         self.admission = Admission(limits, name, logger)
-        self.tls: ssl.SSLContext | None = None
         self.handshaking: set[asyncio.Task[None]] = set()
         """TLS handshakes in progress: admitted connections aiohttp does not know of yet."""
+        self._sock: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._accept_failed = -WARN_EVERY
         self.port = 0
         self._runner: web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -284,23 +237,90 @@ class LimitedListener:
             return make_request(message, payload, protocol, writer, task)
 
         server.request_factory = request_factory
-        self.tls = ssl_context
         loop = asyncio.get_running_loop()
-        # Plain TCP even under TLS: each handler admits its connection, then starts TLS.
-        self._server = await loop.create_server(
-            lambda: _LimitedHandler(self, server, loop=loop, **self._handler_args),
-            host,
-            port,
-            reuse_address=True,
-        )
-        self.port = self._server.sockets[0].getsockname()[1] if self._server.sockets else port
+        if ssl_context is None:
+            self._server = await loop.create_server(
+                lambda: _LimitedHandler(self, server, loop=loop, **self._handler_args),
+                host,
+                port,
+                reuse_address=True,
+            )
+            self.port = self._server.sockets[0].getsockname()[1] if self._server.sockets else port
+            return
+        # Under TLS the connection is admitted at accept, before its handshake: asyncio's
+        # own TLS server calls the protocol only once a handshake is done, so handshakes
+        # that never finish would hold descriptors beyond every cap.
+        family, _, _, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.create_server(address[:2], family=family)
+        sock.setblocking(False)
+        self._sock = sock
+        self.port = sock.getsockname()[1]
+
+        def handler(bucket: str) -> _LimitedHandler:
+            return _LimitedHandler(self, server, bucket, loop=loop, **self._handler_args)
+
+        self._accepting = loop.create_task(self._accept(sock, ssl_context, handler))
+
+    async def _accept(
+        self, sock: socket.socket, tls: ssl.SSLContext, handler: Callable[[str], _LimitedHandler]
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, address = await loop.sock_accept(sock)
+            except OSError as e:
+                # Out of descriptors (EMFILE) or the like: they come back as connections
+                # close; meanwhile new ones wait in the kernel's queue.
+                if time.monotonic() - self._accept_failed > WARN_EVERY:
+                    self._accept_failed = time.monotonic()
+                    logging.getLogger(self.logger).warning(
+                        "accept failed", extra={"listener": self.name, "error": str(e)}
+                    )
+                await asyncio.sleep(0.1)
+                continue
+            bucket = self.admission.admit(str(address[0]))
+            if bucket is None:
+                conn.close()
+                continue
+            task = loop.create_task(self._handshake(conn, tls, bucket, handler))
+            self.handshaking.add(task)
+            task.add_done_callback(self.handshaking.discard)
+
+    async def _handshake(
+        self, conn: socket.socket, tls: ssl.SSLContext, bucket: str, handler: Callable[[str], _LimitedHandler]
+    ) -> None:
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(
+                lambda: handler(bucket), conn, ssl=tls, ssl_handshake_timeout=self.limits.read_timeout
+            )
+        except asyncio.CancelledError:
+            conn.close()
+            self.admission.release(bucket)
+            raise
+        except Exception:
+            # No handshake within read_timeout, a bad one, or the client gone: the handler
+            # never started, so the slot is given back here.
+            conn.close()
+            self.admission.release(bucket)
 
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+            self._accepting = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
         for handshake in list(self.handshaking):
             handshake.cancel()
+        if self.handshaking:
+            await asyncio.wait(list(self.handshaking), timeout=1)
         if self._runner is not None:
             # Closes the open connections and waits for the requests in progress.
             await self._runner.cleanup()
