@@ -204,8 +204,8 @@ class LimitedListener:
         self.admission = Admission(limits, name, logger)
         self.handshaking: set[asyncio.Task[None]] = set()
         """TLS handshakes in progress: admitted connections aiohttp does not know of yet."""
-        self._sock: socket.socket | None = None
-        self._accepting: asyncio.Task[None] | None = None
+        self._socks: list[socket.socket] = []
+        self._accepting: list[asyncio.Task[None]] = []
         self._accept_failed = -WARN_EVERY
         self.port = 0
         self._runner: web.AppRunner | None = None
@@ -250,18 +250,13 @@ class LimitedListener:
         # Under TLS the connection is admitted at accept, before its handshake: asyncio's
         # own TLS server calls the protocol only once a handshake is done, so handshakes
         # that never finish would hold descriptors beyond every cap.
-        family, _, _, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        sock = socket.create_server(address[:2], family=family)
-        sock.setblocking(False)
-        self._sock = sock
-        self.port = sock.getsockname()[1]
+        self._socks = _bind(host, port)
+        self.port = self._socks[0].getsockname()[1]
 
         def handler(bucket: str) -> _LimitedHandler:
             return _LimitedHandler(self, server, bucket, loop=loop, **self._handler_args)
 
-        self._accepting = loop.create_task(self._accept(sock, ssl_context, handler))
+        self._accepting = [loop.create_task(self._accept(s, ssl_context, handler)) for s in self._socks]
 
     async def _accept(
         self, sock: socket.socket, tls: ssl.SSLContext, handler: Callable[[str], _LimitedHandler]
@@ -309,14 +304,14 @@ class LimitedListener:
         if self._server is not None:
             self._server.close()
             self._server = None
-        if self._accepting is not None:
-            self._accepting.cancel()
+        for accepting in self._accepting:
+            accepting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._accepting
-            self._accepting = None
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+                await accepting
+        self._accepting = []
+        for sock in self._socks:
+            sock.close()
+        self._socks = []
         for handshake in list(self.handshaking):
             handshake.cancel()
         if self.handshaking:
@@ -325,3 +320,26 @@ class LimitedListener:
             # Closes the open connections and waits for the requests in progress.
             await self._runner.cleanup()
             self._runner = None
+
+
+def _bind(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets for every address of `host`, as asyncio's create_server binds them
+    (SO_REUSEADDR; an IPv6 socket takes IPv6 only), for the accept loop of a TLS listener."""
+    socks: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        ):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(100)
+            sock.setblocking(False)
+    except OSError:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks

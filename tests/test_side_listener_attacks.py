@@ -131,8 +131,8 @@ async def test_tls_handshakes_that_never_finish_are_within_the_console_caps(
 
 async def test_a_request_sent_with_the_tls_finished_message_is_served(tmp: Path, upstream: Upstream) -> None:
     """A TLS 1.3 client sends its request right behind its Finished, often in one segment
-    (browsers do): the console, which starts TLS itself after admitting the connection,
-    must not lose those bytes."""
+    (browsers do): the console, which admits a connection at accept and only then hands it
+    to the event loop's TLS, must not lose those bytes."""
     import socket
     import ssl
 
