@@ -131,11 +131,9 @@ class EventsServer:
             now = self.clock()
             try:
                 if await store.auth_failures(bucket, now, window) >= limits.auth_failures:
+                    # Counted, not logged: the failure that reached the limit said so, and
+                    # a guesser sending as fast as it can must not become as many log lines.
                     self.observe(name, "-", "rejected_429")
-                    log.warning(
-                        "provider event refused: too many HTTP Basic failures from this address",
-                        extra={"source": name, "client_ip": ip},
-                    )
                     return _reply(
                         429,
                         "too many failed credentials from this address; retry later",
@@ -151,7 +149,13 @@ class EventsServer:
         # The reason only, never the header: it carries the password that was tried.
         log.warning(
             "provider event refused: HTTP Basic credentials",
-            extra={"source": name, "client_ip": ip, "reason": refusal.reason, "failures": failures},
+            extra={
+                "source": name,
+                "client_ip": ip,
+                "reason": refusal.reason,
+                "failures": failures,
+                "limited": failures >= limits.auth_failures,
+            },
         )
         return _reply(refusal.status, refusal.reason)
 
