@@ -5,9 +5,10 @@ what aiohttp has no knob for (DESIGN.md §18):
 
 - connection caps (admission.py), checked when the connection is accepted: over a cap the
   client gets `503` and the socket is closed before anything is parsed. Under TLS the
-  count starts before the handshake (the listener accepts plain TCP, admits, then starts
-  TLS itself): asyncio's own TLS server would call the protocol only once a handshake is
-  done, so handshakes that never finish would hold descriptors beyond every cap;
+  count starts before the handshake (the listener accepts on its own sockets, admits, then
+  hands the socket to the event loop's TLS with read_timeout for the handshake): asyncio's
+  TLS server would call the protocol only once a handshake is done, so handshakes that
+  never finish would hold descriptors beyond every cap, and the refused get no `503`;
 - `read_timeout`, a deadline from the first byte of a request to the last byte of its
   body: aiohttp has none for the request headers, so a client sending a byte a second
   would hold its connection as long as it liked;
