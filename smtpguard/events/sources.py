@@ -28,8 +28,8 @@ from smtpguard.config import (
     read_secret,
 )
 from smtpguard.events import signatures
-from smtpguard.events.model import ID_HEADER, KEY_FIELD, Kind, Malformed, Match, ProviderEvent, content_id
 from smtpguard.events.times import epoch, event_time
+from smtpguard.policy.events import ID_HEADER, KEY_FIELD, Kind, Malformed, Match, ProviderEvent, content_id
 
 
 class Rejected(Exception):

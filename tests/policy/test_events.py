@@ -4,9 +4,15 @@ exactly, so a move of the model keeps it."""
 
 from __future__ import annotations
 
+import ast
+import sys
+from pathlib import Path
+
 import pytest
 
-from smtpguard.events.model import (
+import smtpguard.policy.events
+import smtpguard.policy.tags
+from smtpguard.policy.events import (
     SUPPRESSING,
     Kind,
     Match,
@@ -110,3 +116,23 @@ def test_a_stored_event_round_trips_through_its_dict() -> None:
 
 def test_an_event_matches_nothing_unless_told() -> None:
     assert _event(Kind.OTHER).match == Match((), (), (), ())
+
+
+@pytest.mark.parametrize("module", [smtpguard.policy.events, smtpguard.policy.tags])
+def test_the_model_and_the_tags_import_only_policy_and_the_standard_library(module: object) -> None:
+    """Pure (STYLE.md): the stores import the model, so it must import nothing above them."""
+    tree = ast.parse(Path(str(getattr(module, "__file__", ""))).read_text())
+    imported = {
+        # `from smtpguard import replies` names the module it imports, not the package.
+        (f"smtpguard.{alias.name}" if node.module == "smtpguard" else node.module or "")
+        if isinstance(node, ast.ImportFrom)
+        else alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    }
+    ours = {name for name in imported if name.split(".")[0] == "smtpguard"}
+    assert all(name.startswith("smtpguard.policy.") or name == "smtpguard.replies" for name in ours), ours
+    roots = {name.split(".")[0] for name in imported - ours}
+    assert roots <= sys.stdlib_module_names | {"__future__"}, roots
+    assert not roots & {"asyncio", "time", "socket", "threading"}

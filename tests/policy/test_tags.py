@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from smtpguard.events.tags import tagged
+from smtpguard.policy.tags import tagged
 
 KEY = "acme:k1"
 SG = "sg1"
