@@ -25,9 +25,9 @@ from smtpguard import replies
 from smtpguard.admission import Admission, ListenerLimits, WriteDeadline, peer_ip
 from smtpguard.config import MailboxConfig
 from smtpguard.events.apply import Applied, Applier, log_applied
-from smtpguard.events.model import Match, ProviderEvent
 from smtpguard.events.reports import NotAReport, read_report
 from smtpguard.policy import verp
+from smtpguard.policy.events import Match, ProviderEvent
 from smtpguard.policy.ledger import Record
 from smtpguard.policy.senders import recipient_tag, suppression_key
 from smtpguard.policy.sends import sent_as

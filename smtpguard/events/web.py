@@ -21,9 +21,9 @@ from aiohttp import web
 from smtpguard.admission import ListenerLimits, client_bucket
 from smtpguard.config import LimitsConfig
 from smtpguard.events.apply import Applied, Applier, log_applied
-from smtpguard.events.model import Malformed
 from smtpguard.events.sources import Rejected, Source, Sources
 from smtpguard.http_listener import LimitedListener
+from smtpguard.policy.events import Malformed
 from smtpguard.store import StoreUnavailable
 
 log = logging.getLogger("smtpguard.events")

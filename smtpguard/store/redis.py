@@ -41,7 +41,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
-from smtpguard.events.model import bare_message_id
+from smtpguard.policy.events import bare_message_id
 from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached
 from smtpguard.policy.senders import normalize_address, suppression_key

@@ -35,7 +35,7 @@ from psycopg import AsyncConnection
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from smtpguard.events.model import bare_message_id
+from smtpguard.policy.events import bare_message_id
 from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached
 from smtpguard.policy.senders import suppression_key
