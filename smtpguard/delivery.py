@@ -17,14 +17,15 @@ from collections.abc import Callable
 
 from smtpguard import class_pauses, replies
 from smtpguard.config import Config
+from smtpguard.ids import new_id
 from smtpguard.policy import ledger
 from smtpguard.policy.ledger import Submission
-from smtpguard.policy.limits import cap_check, caps_for
+from smtpguard.policy.limits import cap_check, caps_for, user_caps_of
 from smtpguard.policy.queue import backoff_delay, lane_quotas, queue_due
 from smtpguard.relay import Envelope
 from smtpguard.replies import Reply
 from smtpguard.store import HELD, Claimed, Store, StoreUnavailable
-from smtpguard.submission import Result, Submitter, new_id, user_caps_of
+from smtpguard.submission import Result, Submitter
 
 log = logging.getLogger("smtpguard.delivery")
 
@@ -202,7 +203,7 @@ class DeliveryWorker:
                 return
             caps = caps_for(zone.plan, zone.hourly_cap, zone.monthly_cap)
             # The submitting user's own caps, counted at delivery as the zone's are.
-            user_caps = user_caps_of(zone, rec.username, caps)
+            user_caps = user_caps_of(zone.users, rec.username, caps)
             check = cap_check(rec.zone, caps, attempt_id, now, rec.username, user_caps)
             reached = await store.consume_cap(check)
             if reached is not None:

@@ -11,29 +11,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import os
-import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 from smtpguard import replies
 from smtpguard.class_pauses import ClassPauses
 from smtpguard.config import Config, ZoneConfig
+
+# ids, leases and settled moved out of this module; the `as` forms keep them importable from here.
+from smtpguard.ids import _SUFFIXES as _SUFFIXES
+from smtpguard.ids import _refill_suffixes as _refill_suffixes
+from smtpguard.ids import new_id as new_id
+from smtpguard.leases import LeaseKeeper as LeaseKeeper
+from smtpguard.leases import LeaseLost as LeaseLost
+from smtpguard.leases import _Held as _Held
 from smtpguard.policy import ledger, verp
+from smtpguard.policy.classes import class_names, message_class
 from smtpguard.policy.eventkey import event_key, message_id_for
 from smtpguard.policy.fingerprint import fingerprint
-from smtpguard.policy.ledger import LedgerSettings, Phase, Record, State, Submission
+from smtpguard.policy.ledger import LedgerSettings, Phase, Record, Submission
 from smtpguard.policy.limits import (
     CapReached,
-    Caps,
     cap_check,
+    cap_decision,
     cap_reply,
     caps_for,
     token_month,
-    user_caps_for,
+    user_caps_of,
 )
 from smtpguard.policy.message import HeaderLimits, Message, parse, smuggling_check
 from smtpguard.policy.outcome import Kind, Outcome, client_reply, is_recipient_unknown
@@ -42,6 +47,7 @@ from smtpguard.policy.senders import check_header_from, recipient_tag
 from smtpguard.policy.strip import without_headers
 from smtpguard.relay import Envelope, Route
 from smtpguard.replies import Reply
+from smtpguard.settled import SettledCache as SettledCache
 from smtpguard.store import (
     Conflict,
     Paused,
@@ -60,27 +66,6 @@ _SETTLE_TRIES = 20
 failover, so neither a provider's answer nor a "not sent" is left to read `unknown`."""
 
 WAIT_POLL = 0.05
-
-
-def new_id(now: float) -> str:
-    """smtpguard's id for one attempt: time-ordered, unique across instances."""
-    if not _SUFFIXES:
-        _refill_suffixes()
-    return f"{int(now * 1000):011x}{_SUFFIXES.pop()}"
-
-
-_SUFFIXES: list[str] = []
-"""Random parts of new ids (4 bytes of os.urandom each), drawn 1,024 at a time: one
-getrandom call per 1,024 messages instead of one each (it was 1.5% of a message's CPU)."""
-
-
-def _refill_suffixes() -> None:
-    pool = secrets.token_hex(4 * 1024)
-    _SUFFIXES.extend(pool[i : i + 8] for i in range(0, len(pool), 8))
-
-
-# A forked worker must not hand out the ids its parent had drawn.
-os.register_at_fork(after_in_child=_SUFFIXES.clear)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,117 +91,6 @@ class Result:
     """smtpguard's history id (`[sg:…]` in replies, `history`): the event's record's when one
     answered (a duplicate), else this attempt's."""
     message_id: str | None = None
-
-
-class SettledCache:
-    """Delivered events this process has seen, so a duplicate is answered with no store
-    round trip. Sound because `delivered` is terminal: no transition leaves it, on any
-    instance, until the record is purged after `retention` — which the cache honours too.
-    Entries are slim copies (no attempt history) and the cache is bounded (LRU)."""
-
-    def __init__(self, max_entries: int = 20_000) -> None:
-        self._max = max_entries
-        self._entries: OrderedDict[tuple[str, str], Record] = OrderedDict()
-
-    def get(self, zone: str, key: str, now: float, retention: float) -> Record | None:
-        rec = self._entries.get((zone, key))
-        if rec is None:
-            return None
-        if now - rec.updated_at >= retention:
-            del self._entries[(zone, key)]
-            return None
-        self._entries.move_to_end((zone, key))
-        return rec
-
-    def remember(self, rec: Record | None) -> None:
-        if rec is None or rec.state is not State.DELIVERED:
-            return
-        if self._entries.get((rec.zone, rec.key)) is rec:
-            return  # a hit: get() has refreshed it already
-        self._entries[(rec.zone, rec.key)] = ledger.evolve(rec, attempts=(), audit=())
-        self._entries.move_to_end((rec.zone, rec.key))
-        if len(self._entries) > self._max:
-            self._entries.popitem(last=False)
-
-
-class LeaseLost(Exception):
-    """Another submission took the key over while this one relayed; stop before DATA."""
-
-
-@dataclass(slots=True)
-class _Held:
-    renew: Callable[[], Awaitable[None]]
-    every: float
-    renewed_at: float
-    running: asyncio.Task[None] | None = None
-
-
-class LeaseKeeper:
-    """Renews the lease of every relay in progress, from one task.
-
-    A relay longer than a third of its lease gets its lease renewed; most relays end long
-    before that. One task for all of them, rather than a task and a timer created and
-    cancelled per message, which cost a measurable share of the event loop under load. Each
-    renewal runs on its own, so one slow store call delays no other relay's renewal."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._held: dict[int, _Held] = {}
-        self._next = 0
-        self._task: asyncio.Task[None] | None = None
-        self._tick = math.inf
-        """The wait the task is in now; hold() compares against it, never scans every relay."""
-        self._sooner = asyncio.Event()
-
-    def hold(self, renew: Callable[[], Awaitable[None]], lease: float) -> int:
-        """Renew every lease/3 until release(); `renew` raising LeaseLost ends the renewals."""
-        every = lease / 3
-        self._next += 1
-        self._held[self._next] = _Held(renew, every, self._clock())
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run())
-        elif every / 2 < self._tick:
-            self._sooner.set()  # a shorter lease (after a reload): look again sooner
-        return self._next
-
-    def release(self, handle: int) -> None:
-        """Stop renewing; a renewal in progress is cancelled (the outcome write that follows
-        supersedes it, and a renewal that landed anyway only makes that write retry)."""
-        held = self._held.pop(handle, None)
-        if held is not None and held.running is not None:
-            held.running.cancel()
-
-    async def close(self) -> None:
-        tasks = [h.running for h in self._held.values() if h.running is not None]
-        if self._task is not None:
-            tasks.append(self._task)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks)
-
-    async def _run(self) -> None:
-        while self._held:
-            # A sixth of the shortest lease: every lease is renewed within half its length.
-            self._tick = min(h.every for h in self._held.values()) / 2
-            self._sooner.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._sooner.wait(), self._tick)
-            now = self._clock()
-            for handle, held in list(self._held.items()):
-                if now - held.renewed_at >= held.every and (held.running is None or held.running.done()):
-                    held.renewed_at = now
-                    held.running = asyncio.create_task(self._renew(handle, held))
-
-    async def _renew(self, handle: int, held: _Held) -> None:
-        try:
-            await held.renew()
-        except LeaseLost:
-            if self._held.get(handle) is held:
-                del self._held[handle]
-        except Exception as e:
-            # A renewal that fails must never cost the outcome of the relay it guards.
-            log.warning("lease renewal failed", extra={"error": str(e)})
 
 
 class Submitter:
@@ -294,7 +168,8 @@ class Submitter:
         lane: str | None = None
         max_age: float | None = None
         if zone.delivery == "queue":
-            chosen = message_class(parsed, self.config, zone)
+            q = self.config.queue
+            chosen = message_class(parsed, q.class_header, zone.default_class, q.default_class, q.classes)
             if isinstance(chosen, Reply):
                 return ids(Result(chosen, "rejected:class", key))
             lane, max_age = chosen, self.config.queue.classes[chosen].max_age
@@ -347,7 +222,9 @@ class Submitter:
         held = {c for z, c in pairs if z == zone_name}
         if not held:
             return None
-        return next((name for name in class_names(parsed, self.config, zone) if name in held), None)
+        q = self.config.queue
+        names = class_names(parsed, q.class_header, zone.default_class, q.default_class)
+        return next((name for name in names if name in held), None)
 
     def settings(self, zone: ZoneConfig) -> LedgerSettings:
         ek = self.config.event_key
@@ -401,7 +278,7 @@ class Submitter:
         duplicate of a delivered event still answers 250 — from the settled cache even
         while the store is down (DESIGN.md §3 order)."""
         caps = caps_for(zone.plan, zone.hourly_cap, zone.monthly_cap)
-        user_caps = user_caps_of(zone, sub.username, caps)
+        user_caps = user_caps_of(zone.users, sub.username, caps)
         deadline = self.clock() + self.config.event_key.inflight_wait
         current = self.settled.get(sub.zone, sub.key, self.clock(), self.config.event_key.retention)
         cached = current is not None
@@ -634,41 +511,6 @@ class Submitter:
                         now,
                     )
                 self.suppressions.invalidate(zone)
-
-
-def user_caps_of(zone: ZoneConfig, username: str | None, caps: Caps) -> Caps | None:
-    """The SMTP user's own caps inside the zone's (DESIGN.md §16), None when it has none."""
-    if username is None:
-        return None
-    for user in zone.users:
-        if user.username == username:
-            return user_caps_for(caps, user.hourly_cap, user.monthly_cap)
-    return None
-
-
-def cap_decision(reached: CapReached) -> str:
-    """The decision (stats, metrics) a cap refusal is counted as."""
-    return f"user_cap_{reached.window}" if reached.user is not None else f"cap_{reached.window}"
-
-
-def class_names(message: Message, config: Config, zone: ZoneConfig) -> list[str]:
-    """The classes the message's class header names (lower-cased, each value), or the
-    zone's default class when it has none: what queue mode validates and a class pause
-    matches against."""
-    values = message.get_all(config.queue.class_header)
-    if not values:
-        return [zone.default_class or config.queue.default_class]
-    return [v.strip().lower() for v in values]
-
-
-def message_class(message: Message, config: Config, zone: ZoneConfig) -> str | Reply:
-    names = class_names(message, config, zone)
-    name = names[0]
-    if len(names) > 1 or name not in config.queue.classes:
-        return replies.malformed_message(
-            f"{config.queue.class_header} must be one of {', '.join(sorted(config.queue.classes))}"
-        )
-    return name
 
 
 def _first(values: list[str]) -> str | None:

@@ -6,9 +6,10 @@ falls in, and what the client is told when a cap is reached.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Literal, Protocol
 
 from smtpguard import replies
 from smtpguard.replies import Reply
@@ -126,6 +127,27 @@ def user_caps_for(zone: Caps, hourly: int | None, monthly: int | None) -> Caps |
     )
 
 
+class UserLimits(Protocol):
+    """A zone's SMTP user as far as caps go (config's UserConfig has this shape)."""
+
+    @property
+    def username(self) -> str: ...
+    @property
+    def hourly_cap(self) -> int | None: ...
+    @property
+    def monthly_cap(self) -> int | None: ...
+
+
+def user_caps_of(users: Iterable[UserLimits], username: str | None, caps: Caps) -> Caps | None:
+    """The SMTP user's own caps inside the zone's (DESIGN.md §16), None when it has none."""
+    if username is None:
+        return None
+    for user in users:
+        if user.username == username:
+            return user_caps_for(caps, user.hourly_cap, user.monthly_cap)
+    return None
+
+
 def cap_check(
     zone: str, caps: Caps, token: str, now: float, user: str | None = None, user_caps: Caps | None = None
 ) -> CapCheck:
@@ -146,3 +168,8 @@ def cap_reply(zone: str, reached: CapReached) -> Reply:
     if reached.window == "month":
         return replies.monthly_cap(zone, reached.cap)
     return replies.hourly_cap(zone, reached.cap, reached.free_at or 0.0)
+
+
+def cap_decision(reached: CapReached) -> str:
+    """The decision (stats, metrics) a cap refusal is counted as."""
+    return f"user_cap_{reached.window}" if reached.user is not None else f"cap_{reached.window}"
