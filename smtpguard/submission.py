@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from smtpguard import replies
@@ -33,11 +33,13 @@ from smtpguard.policy.fingerprint import fingerprint
 from smtpguard.policy.ledger import LedgerSettings, Phase, Record, Submission
 from smtpguard.policy.limits import (
     CapReached,
+    Ending,
     cap_check,
     cap_decision,
     cap_reply,
     caps_for,
     token_month,
+    unit_fate,
     user_caps_of,
 )
 from smtpguard.policy.message import HeaderLimits, Message, parse, smuggling_check
@@ -246,6 +248,18 @@ class Submitter:
                     return
             await asyncio.sleep(0.05 * 2**attempt)
 
+    async def _refund_all(
+        self,
+        sub: Submission,
+        ending: Ending,
+        taken_over: Sequence[str] = (),
+        outcome: Outcome | None = None,
+        counted: bool = True,
+    ) -> None:
+        """Give back the units policy says this ending leaves unspent."""
+        for token in unit_fate(ending, sub.attempt_id, taken_over, outcome, counted):
+            await self.refund(sub.zone, token)
+
     async def _accept_queued(
         self, sub: Submission, zone: ZoneConfig, s: LedgerSettings, message: QueuedMessage
     ) -> Result:
@@ -319,14 +333,11 @@ class Submitter:
                     )
             except StoreUnavailable:
                 # The reservation may have run with only its reply lost. Its unit goes back
-                # now; if the write stands, the record is ours and the submission that
-                # takes it over after its lease refunds the same token again (a no-op).
-                if write is None:
-                    await self.refund(sub.zone, sub.attempt_id)
+                # now; if the write stands, the record is ours.
+                await self._refund_all(sub, Ending.RESERVE_UNANSWERED, counted=write is None)
                 raise
             if isinstance(result, Reserved):
-                for token in verdict.refund:
-                    await self.refund(sub.zone, token)
+                await self._refund_all(sub, Ending.RESERVED, verdict.refund)
                 return verdict.record
             if isinstance(result, Conflict):
                 current = result.current
@@ -337,8 +348,7 @@ class Submitter:
                 ):
                     # Our own write landed and only its reply was lost (a retried script
                     # after a connection reset): the reservation is ours.
-                    for token in verdict.refund:
-                        await self.refund(sub.zone, token)
+                    await self._refund_all(sub, Ending.RESERVED, verdict.refund)
                     return current
                 continue
             if isinstance(result, Paused):
@@ -390,7 +400,7 @@ class Submitter:
         except (LeaseLost, StoreUnavailable) as e:
             # Stopped before DATA: nothing reached a provider, so the cap unit goes back.
             if isinstance(e, LeaseLost):
-                await self.refund(sub.zone, sub.attempt_id)
+                await self._refund_all(sub, Ending.LEASE_LOST)
                 return Result(replies.in_flight(sub.key), "lease_lost", sub.key)
             # The data_sent note (or a renewal) may have landed with only its reply lost:
             # left so, the event would read `unknown` after its lease though no DATA was
@@ -400,7 +410,7 @@ class Submitter:
             unsent = Outcome(Kind.UNAVAILABLE, None, detail=f"store: {e}"[:200], data_sent=False)
             self.leases.release(held)
             await self._settle(state["rec"], sub, unsent, s, retry_delay)
-            await self.refund(sub.zone, sub.attempt_id)
+            await self._refund_all(sub, Ending.STORE_LOST)
             raise
         except Exception as e:
             # A defect, not an SMTP outcome (providers translate every SMTP and OS error).
@@ -421,15 +431,12 @@ class Submitter:
             # route is usable, with no attempt counted (no backoff step, nothing in the
             # history) and its cap unit back; nothing reached any provider's DATA.
             await self._hold(state["rec"], sub, outcome.wait_until)
-            await self.refund(sub.zone, sub.attempt_id)
+            await self._refund_all(sub, Ending.HELD)
             return Result(
                 replies.no_provider(), "throttled", sub.key, sg_id=sub.attempt_id, message_id=sub.message_id
             )
         await self._settle(state["rec"], sub, outcome, s, retry_delay)
-        if outcome.kind is Kind.UNAVAILABLE or outcome.data_sent is False:
-            # Nothing reached a provider's DATA (unavailable, or refused at MAIL or RCPT):
-            # nothing was spent, so the cap unit goes back (DESIGN.md §11.3).
-            await self.refund(sub.zone, sub.attempt_id)
+        await self._refund_all(sub, Ending.RELAYED, outcome=outcome)
         await self._suppress_bounced(sub.zone, outcome)
         return Result(
             client_reply(outcome, sub.attempt_id),

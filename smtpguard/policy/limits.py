@@ -6,12 +6,14 @@ falls in, and what the client is told when a cap is reached.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from enum import Enum
 from typing import Literal, Protocol
 
 from smtpguard import replies
+from smtpguard.policy.outcome import Kind, Outcome
 from smtpguard.replies import Reply
 
 PlanName = Literal["free", "solo", "starter", "business", "agency", "unlimited"]
@@ -173,3 +175,48 @@ def cap_reply(zone: str, reached: CapReached) -> Reply:
 def cap_decision(reached: CapReached) -> str:
     """The decision (stats, metrics) a cap refusal is counted as."""
     return f"user_cap_{reached.window}" if reached.user is not None else f"cap_{reached.window}"
+
+
+class Ending(Enum):
+    """How an attempt's reservation or relay ended, as far as its cap unit goes."""
+
+    RESERVED = "reserved"
+    """The reservation stands (also when only its reply was lost and the write is ours)."""
+    RESERVE_UNANSWERED = "reserve_unanswered"
+    """The store failed during the reservation: it may have run with only its reply lost."""
+    LEASE_LOST = "lease_lost"
+    """Another submission took the key over before DATA."""
+    STORE_LOST = "store_lost"
+    """The store failed before DATA (the data_sent note or a renewal)."""
+    HELD = "held"
+    """Queued mail given back unsent while every provider of the route is throttled."""
+    RELAYED = "relayed"
+    """The route answered with an outcome."""
+
+
+def unit_fate(
+    ending: Ending,
+    attempt: str,
+    taken_over: Sequence[str] = (),
+    outcome: Outcome | None = None,
+    counted: bool = True,
+) -> tuple[str, ...]:
+    """The cap tokens to refund once an attempt ends (DESIGN.md §5, §11.3): a unit is spent
+    once anything may have reached a provider's DATA, and given back when nothing can have.
+
+    `taken_over` are the tokens of earlier attempts a standing reservation replaced (the
+    ledger's verdict names them); `counted` says whether the reservation took a unit at all
+    (store-and-forward acceptance does not: caps are counted at delivery)."""
+    if ending is Ending.RESERVED:
+        return tuple(taken_over)
+    if ending is Ending.RESERVE_UNANSWERED:
+        # If the write stands anyway, the submission that takes the record over after its
+        # lease refunds the same token again: a no-op.
+        return (attempt,) if counted else ()
+    if ending is Ending.RELAYED:
+        assert outcome is not None, "a relayed attempt has an outcome"
+        # Nothing reached a provider's DATA: unavailable, or refused at MAIL or RCPT.
+        spent = outcome.kind is not Kind.UNAVAILABLE and outcome.data_sent is not False
+        return () if spent else (attempt,)
+    # Lease lost, store lost, held for a throttle: stopped before any DATA.
+    return (attempt,)

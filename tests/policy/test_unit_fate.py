@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from smtpguard.policy.limits import month_of
+from smtpguard.policy.limits import Ending, month_of, unit_fate
+from smtpguard.policy.outcome import Kind, Outcome
 from smtpguard.server import Server
 from tests.support import Behaviour, Upstream, base_config, free_port, message, running_guard, send
 
@@ -78,3 +79,43 @@ async def test_a_retry_after_a_refusal_before_data_spends_one_unit_in_all(
         units = await _units(guard)
     assert (first.code, again.code) == (451, 250), (str(first), str(again))
     assert units == (1, 1) and upstream.handler.data_commands == 1
+
+
+# --- the pure rule (policy/limits.py) ----------------------------------------------------------
+ME = "018f00000000aaaaaaaa"
+EARLIER = ("018e00000000bbbbbbbb", "018e00000000cccccccc")
+
+
+@pytest.mark.parametrize(
+    ("outcome", "refunded"),
+    [
+        (Outcome(Kind.DELIVERED, None, data_sent=True), ()),
+        (Outcome(Kind.DEFERRED, None, data_sent=True), ()),
+        (Outcome(Kind.FAILED, None, data_sent=True), ()),
+        (Outcome(Kind.UNKNOWN, None, data_sent=True), ()),
+        (Outcome(Kind.UNKNOWN, None), ()),  # not known whether DATA went: spent, the safe side
+        (Outcome(Kind.DEFERRED, None, data_sent=False), (ME,)),
+        (Outcome(Kind.FAILED, None, data_sent=False), (ME,)),
+        (Outcome(Kind.UNAVAILABLE, None), (ME,)),
+        (Outcome(Kind.UNAVAILABLE, None, data_sent=True), (ME,)),
+    ],
+)
+def test_a_relayed_attempt_keeps_its_unit_unless_nothing_reached_data(
+    outcome: Outcome, refunded: tuple[str, ...]
+) -> None:
+    assert unit_fate(Ending.RELAYED, ME, EARLIER, outcome) == refunded
+
+
+def test_a_standing_reservation_refunds_the_attempts_it_took_over_and_keeps_its_own() -> None:
+    assert unit_fate(Ending.RESERVED, ME, EARLIER) == EARLIER
+    assert unit_fate(Ending.RESERVED, ME) == ()
+
+
+def test_an_unanswered_reservation_refunds_its_unit_only_if_it_counted_one() -> None:
+    assert unit_fate(Ending.RESERVE_UNANSWERED, ME, EARLIER) == (ME,)
+    assert unit_fate(Ending.RESERVE_UNANSWERED, ME, EARLIER, counted=False) == ()
+
+
+@pytest.mark.parametrize("ending", [Ending.LEASE_LOST, Ending.STORE_LOST, Ending.HELD])
+def test_an_attempt_stopped_before_data_refunds_its_own_unit(ending: Ending) -> None:
+    assert unit_fate(ending, ME, EARLIER) == (ME,)
