@@ -28,6 +28,7 @@ from smtpguard.leases import LeaseLost as LeaseLost
 from smtpguard.leases import _Held as _Held
 from smtpguard.policy import ledger, verp
 from smtpguard.policy.classes import class_names, message_class
+from smtpguard.policy.decisions import Decision, relayed_as
 from smtpguard.policy.eventkey import event_key, message_id_for
 from smtpguard.policy.fingerprint import fingerprint
 from smtpguard.policy.ledger import LedgerSettings, Phase, Record, Submission
@@ -126,14 +127,14 @@ class Submitter:
         zone = self.config.zones.get(principal.zone)
         if zone is None:
             # The zone was removed by a reload while this session was open.
-            return Result(replies.send_as_disabled(principal.zone), "rejected:zone_gone")
+            return Result(replies.send_as_disabled(principal.zone), Decision.ZONE_GONE)
         bad = smuggling_check(raw)
         if bad:
-            return Result(bad, "rejected:bare_newline")
+            return Result(bad, Decision.BARE_NEWLINE)
         limits = self.config.limits
         parsed = parse(raw, HeaderLimits(limits.max_header_size, limits.max_header_count))
         if isinstance(parsed, Reply):
-            return Result(parsed, "rejected:malformed")
+            return Result(parsed, Decision.MALFORMED)
         refused = check_header_from(parsed.get_all("From"), principal.zone, zone.senders)
         if refused:
             return Result(refused.reply, refused.decision)
@@ -142,7 +143,7 @@ class Submitter:
         ek = self.config.event_key
         found = event_key(parsed, ek.headers, zone.missing_key, fp)
         if isinstance(found, Reply):
-            return Result(found, "rejected:key")
+            return Result(found, Decision.KEY)
         now = self.clock()
         attempt_id = new_id(now)
         if found is None:
@@ -173,7 +174,7 @@ class Submitter:
             q = self.config.queue
             chosen = message_class(parsed, q.class_header, zone.default_class, q.default_class, q.classes)
             if isinstance(chosen, Reply):
-                return ids(Result(chosen, "rejected:class", key))
+                return ids(Result(chosen, Decision.CLASS, key))
             lane, max_age = chosen, self.config.queue.classes[chosen].max_age
         sub = Submission(
             principal.zone,
@@ -213,7 +214,7 @@ class Submitter:
                 "store unavailable; nothing relayed",
                 extra={"zone": principal.zone, "event_key": key, "error": str(e)},
             )
-            return ids(Result(replies.STORE_UNAVAILABLE, "store_unavailable", key))
+            return ids(Result(replies.STORE_UNAVAILABLE, Decision.STORE_UNAVAILABLE, key))
 
     async def _paused_class(self, zone_name: str, parsed: Message, zone: ZoneConfig) -> str | None:
         """Relay mode: the message's class when `pause ZONE --class` holds it (DESIGN.md
@@ -275,7 +276,7 @@ class Submitter:
             return reserved
         if self.on_enqueue is not None:
             self.on_enqueue()
-        return Result(replies.queued(reserved.queue_id or sub.attempt_id), "queued", sub.key)
+        return Result(replies.queued(reserved.queue_id or sub.attempt_id), Decision.QUEUED, sub.key)
 
     async def _reserve(
         self,
@@ -312,7 +313,7 @@ class Submitter:
                 continue
             if isinstance(verdict, ledger.Wait):
                 if now >= deadline:
-                    return Result(replies.in_flight(sub.key), "in_flight", sub.key)
+                    return Result(replies.in_flight(sub.key), Decision.IN_FLIGHT, sub.key)
                 await asyncio.sleep(WAIT_POLL)
                 current = await self.store.get(sub.zone, sub.key)
                 continue
@@ -353,11 +354,11 @@ class Submitter:
                 continue
             if isinstance(result, Paused):
                 if held is not None:
-                    return Result(replies.class_paused(sub.zone, held), "paused", sub.key)
-                return Result(replies.paused(sub.zone), "paused", sub.key)
+                    return Result(replies.class_paused(sub.zone, held), Decision.PAUSED, sub.key)
+                return Result(replies.paused(sub.zone), Decision.PAUSED, sub.key)
             assert isinstance(result, CapReached)
             return Result(cap_reply(sub.zone, result), cap_decision(result), sub.key)
-        return Result(replies.in_flight(sub.key), "contended", sub.key)
+        return Result(replies.in_flight(sub.key), Decision.CONTENDED, sub.key)
 
     async def relay(
         self,
@@ -401,7 +402,7 @@ class Submitter:
             # Stopped before DATA: nothing reached a provider, so the cap unit goes back.
             if isinstance(e, LeaseLost):
                 await self._refund_all(sub, Ending.LEASE_LOST)
-                return Result(replies.in_flight(sub.key), "lease_lost", sub.key)
+                return Result(replies.in_flight(sub.key), Decision.LEASE_LOST, sub.key)
             # The data_sent note (or a renewal) may have landed with only its reply lost:
             # left so, the event would read `unknown` after its lease though no DATA was
             # sent (DESIGN.md §11.6, §18). "Not sent" is written first, with a 250's retry
@@ -433,14 +434,18 @@ class Submitter:
             await self._hold(state["rec"], sub, outcome.wait_until)
             await self._refund_all(sub, Ending.HELD)
             return Result(
-                replies.no_provider(), "throttled", sub.key, sg_id=sub.attempt_id, message_id=sub.message_id
+                replies.no_provider(),
+                Decision.THROTTLED,
+                sub.key,
+                sg_id=sub.attempt_id,
+                message_id=sub.message_id,
             )
         await self._settle(state["rec"], sub, outcome, s, retry_delay)
         await self._refund_all(sub, Ending.RELAYED, outcome=outcome)
         await self._suppress_bounced(sub.zone, outcome)
         return Result(
             client_reply(outcome, sub.attempt_id),
-            {"delivered": "relayed"}.get(outcome.kind.value, outcome.kind.value),
+            relayed_as(outcome.kind),
             sub.key,
             outcome.provider,
             outcome.upstream_id,

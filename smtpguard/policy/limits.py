@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Literal, Protocol
 
 from smtpguard import replies
+from smtpguard.policy.decisions import Decision
 from smtpguard.policy.outcome import Kind, Outcome
 from smtpguard.replies import Reply
 
@@ -172,9 +173,9 @@ def cap_reply(zone: str, reached: CapReached) -> Reply:
     return replies.hourly_cap(zone, reached.cap, reached.free_at or 0.0)
 
 
-def cap_decision(reached: CapReached) -> str:
+def cap_decision(reached: CapReached) -> Decision:
     """The decision (stats, metrics) a cap refusal is counted as."""
-    return f"user_cap_{reached.window}" if reached.user is not None else f"cap_{reached.window}"
+    return Decision(f"user_cap_{reached.window}" if reached.user is not None else f"cap_{reached.window}")
 
 
 class Ending(Enum):
