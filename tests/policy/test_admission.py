@@ -43,7 +43,7 @@ STEPS: dict[str, tuple[int, str]] = {
     "from": (550, "is not a mapped alias of zone acme"),
     "key": (550, "Missing X-Event-Key header"),
     "class": (550, "X-Message-Class must be one of bulk, otp, transactional"),
-    "caps": (451, "hourly"),
+    "caps": (451, "Hourly cap of 0 reached for zone acme"),
 }
 
 
