@@ -27,26 +27,24 @@ from smtpguard.leases import LeaseKeeper as LeaseKeeper
 from smtpguard.leases import LeaseLost as LeaseLost
 from smtpguard.leases import _Held as _Held
 from smtpguard.policy import ledger, verp
-from smtpguard.policy.classes import class_names, message_class
+from smtpguard.policy.admission import Refused, Rules, admit
+from smtpguard.policy.classes import class_names
 from smtpguard.policy.decisions import Decision, relayed_as
-from smtpguard.policy.eventkey import event_key, message_id_for
-from smtpguard.policy.fingerprint import fingerprint
 from smtpguard.policy.ledger import LedgerSettings, Phase, Record, Submission
 from smtpguard.policy.limits import (
     CapReached,
+    Caps,
     Ending,
     cap_check,
     cap_decision,
     cap_reply,
-    caps_for,
     token_month,
     unit_fate,
-    user_caps_of,
 )
-from smtpguard.policy.message import HeaderLimits, Message, parse, smuggling_check
+from smtpguard.policy.message import HeaderLimits, Message
 from smtpguard.policy.outcome import Kind, Outcome, client_reply, is_recipient_unknown
 from smtpguard.policy.queue import queue_due
-from smtpguard.policy.senders import check_header_from, recipient_tag
+from smtpguard.policy.senders import recipient_tag
 from smtpguard.policy.strip import without_headers
 from smtpguard.relay import Envelope, Route
 from smtpguard.replies import Reply
@@ -120,6 +118,7 @@ class Submitter:
         """Called after a store-and-forward acceptance, to wake the local delivery worker."""
         self.verp: VerpKey | None = None
         """With `events.mailbox.domain`: relayed mail's envelope sender carries a token."""
+        self._rules: tuple[Config, Rules] | None = None
 
     async def submit(
         self, principal: Principal, mail_from: str, rcpt_tos: list[str], raw: bytes, smtputf8: bool = False
@@ -128,64 +127,48 @@ class Submitter:
         if zone is None:
             # The zone was removed by a reload while this session was open.
             return Result(replies.send_as_disabled(principal.zone), Decision.ZONE_GONE)
-        bad = smuggling_check(raw)
-        if bad:
-            return Result(bad, Decision.BARE_NEWLINE)
-        limits = self.config.limits
-        parsed = parse(raw, HeaderLimits(limits.max_header_size, limits.max_header_count))
-        if isinstance(parsed, Reply):
-            return Result(parsed, Decision.MALFORMED)
-        refused = check_header_from(parsed.get_all("From"), principal.zone, zone.senders)
-        if refused:
-            return Result(refused.reply, refused.decision)
-
-        fp = fingerprint(mail_from, rcpt_tos, parsed)
+        attempt_id = new_id(self.clock())
+        admitted = admit(
+            raw,
+            mail_from,
+            rcpt_tos,
+            principal.zone,
+            principal.username,
+            zone,
+            self._admission_rules(),
+            attempt_id,
+        )
+        if isinstance(admitted, Refused):
+            if admitted.key is None:
+                return Result(admitted.reply, admitted.decision)
+            refused = Result(admitted.reply, admitted.decision, admitted.key, sg_id=attempt_id)
+            refused.message_id = admitted.message_id
+            return refused
+        key, message_id, lane, parsed = admitted.key, admitted.message_id, admitted.lane, admitted.message
         ek = self.config.event_key
-        found = event_key(parsed, ek.headers, zone.missing_key, fp)
-        if isinstance(found, Reply):
-            return Result(found, Decision.KEY)
-        now = self.clock()
-        attempt_id = new_id(now)
-        if found is None:
-            key, derived = f"msg:{attempt_id}", False
-        else:
-            key, derived = found.value, found.derived
-        message_id = _first(parsed.get_all("Message-ID"))
-        # Joined to the message only once it is sent or queued, not for a duplicate.
-        added_header = b""
-        if message_id is None:
-            message_id = message_id_for(principal.zone, key, self.hostname)
-            added_header = f"Message-ID: {message_id}\r\n".encode()
 
         def content() -> bytes:
             # The key headers stop here (a provider's idempotency_header carries the key
             # on): they are smtpguard's business, not the recipient's. Queued mail is stored
             # so. Built only for a message that is sent or queued, in one copy.
-            return without_headers(raw, ek.headers, added_header) if ek.strip else added_header + raw
+            added = admitted.added_header
+            return without_headers(raw, ek.headers, added) if ek.strip else added + raw
 
         def ids(result: Result) -> Result:
             result.sg_id = result.sg_id or attempt_id
             result.message_id = message_id
             return result
 
-        lane: str | None = None
-        max_age: float | None = None
-        if zone.delivery == "queue":
-            q = self.config.queue
-            chosen = message_class(parsed, q.class_header, zone.default_class, q.default_class, q.classes)
-            if isinstance(chosen, Reply):
-                return ids(Result(chosen, Decision.CLASS, key))
-            lane, max_age = chosen, self.config.queue.classes[chosen].max_age
         sub = Submission(
             principal.zone,
             key,
-            fp,
+            admitted.fingerprint,
             attempt_id,
             self.instance,
             message_id,
-            derived,
+            admitted.derived,
             lane,
-            max_age,
+            admitted.max_age,
             tuple(sorted({recipient_tag(r) for r in rcpt_tos})),
             principal.username,
             # Kept where VERP replaces it on the wire (DESIGN.md §18).
@@ -203,7 +186,11 @@ class Submitter:
                 )
                 return ids(await self._accept_queued(sub, zone, settings, queued))
             reserved = await self._reserve(
-                sub, zone, settings, paused_class=lambda: self._paused_class(principal.zone, parsed, zone)
+                sub,
+                zone,
+                settings,
+                paused_class=lambda: self._paused_class(principal.zone, parsed, zone),
+                caps=(admitted.caps, admitted.user_caps),
             )
             if isinstance(reserved, Result):
                 return ids(reserved)
@@ -228,6 +215,19 @@ class Submitter:
         q = self.config.queue
         names = class_names(parsed, q.class_header, zone.default_class, q.default_class)
         return next((name for name in names if name in held), None)
+
+    def _admission_rules(self) -> Rules:
+        """Admission's settings, built once per config (a reload swaps the config)."""
+        config = self.config
+        if self._rules is None or self._rules[0] is not config:
+            q = config.queue
+            limits = HeaderLimits(config.limits.max_header_size, config.limits.max_header_count)
+            max_ages = {name: c.max_age for name, c in q.classes.items()}
+            rules = Rules(
+                limits, config.event_key.headers, q.class_header, q.default_class, max_ages, self.hostname
+            )
+            self._rules = (config, rules)
+        return self._rules[1]
 
     def settings(self, zone: ZoneConfig) -> LedgerSettings:
         ek = self.config.event_key
@@ -285,6 +285,7 @@ class Submitter:
         s: LedgerSettings,
         write: Callable[[ledger.Proceed], Awaitable[ReserveResult]] | None = None,
         paused_class: Callable[[], Awaitable[str | None]] | None = None,
+        caps: tuple[Caps, Caps | None] | None = None,
     ) -> Record | Result:
         """Decide and reserve until one verdict sticks. Optimistic: assume the key is new,
         so a new key and a duplicate each cost one store round trip. A paused class forces
@@ -292,8 +293,6 @@ class Submitter:
         classes are only looked up once the ledger says the message would be sent, so a
         duplicate of a delivered event still answers 250 — from the settled cache even
         while the store is down (DESIGN.md §3 order)."""
-        caps = caps_for(zone.plan, zone.hourly_cap, zone.monthly_cap)
-        user_caps = user_caps_of(zone.users, sub.username, caps)
         deadline = self.clock() + self.config.event_key.inflight_wait
         current = self.settled.get(sub.zone, sub.key, self.clock(), self.config.event_key.retention)
         cached = current is not None
@@ -328,7 +327,9 @@ class Submitter:
                 if write is not None:
                     result = await write(verdict)
                 else:
-                    cap = cap_check(sub.zone, caps, sub.attempt_id, now, sub.username, user_caps)
+                    # Relay mode's reservation counts the caps admission named (DESIGN.md §3).
+                    assert caps is not None, "a reservation without a write counts caps"
+                    cap = cap_check(sub.zone, caps[0], sub.attempt_id, now, sub.username, caps[1])
                     result = await self.store.reserve(
                         verdict.record, verdict.expected_version, cap, zone.paused or held is not None
                     )
@@ -523,7 +524,3 @@ class Submitter:
                         now,
                     )
                 self.suppressions.invalidate(zone)
-
-
-def _first(values: list[str]) -> str | None:
-    return values[0] if values else None
