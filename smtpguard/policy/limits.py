@@ -102,7 +102,7 @@ def month_of(now: float) -> str:
 
 def token_time(token: str) -> float | None:
     """When an attempt id (smtpguard's cap token) was made: its first 11 hex digits are
-    milliseconds since the epoch (submission.new_id)."""
+    milliseconds since the epoch (ids.new_id)."""
     if len(token) < 11:
         return None
     try:

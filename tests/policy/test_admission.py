@@ -7,12 +7,16 @@ and no cap unit is used. Fingerprint cannot fail; Message-ID is seen on the wire
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from smtpguard.policy.limits import month_of
+from smtpguard.policy.admission import Admitted, Refused, Rules, admit
+from smtpguard.policy.eventkey import MissingKeyMode, message_id_for
+from smtpguard.policy.limits import Caps, month_of
+from smtpguard.policy.message import HeaderLimits
 from smtpguard.server import Server
 from tests.support import Upstream, base_config, message, running_guard, send
 from tests.test_queue import queue_config
@@ -92,3 +96,78 @@ async def test_a_message_without_message_id_leaves_with_the_one_smtpguard_makes(
     made_id = ids["adm:made"]
     assert made_id is not None and made_id.startswith("<") and made_id.endswith("@guard.test>"), made_id
     assert len(upstream.received) == 2
+
+
+# --- the pure call (policy/admission.py) -------------------------------------------------------
+@dataclass(frozen=True)
+class _User:
+    username: str
+    hourly_cap: int | None = None
+    monthly_cap: int | None = None
+
+
+@dataclass(frozen=True)
+class _Zone:
+    senders: tuple[str, ...] = ("billing@acme.example",)
+    missing_key: MissingKeyMode = "reject"
+    delivery: str = "queue"
+    default_class: str | None = None
+    plan: str = "business"
+    hourly_cap: int | None = 0
+    monthly_cap: int | None = None
+    users: tuple[_User, ...] = (_User("acme-app", hourly_cap=5),)
+
+
+RULES = Rules(
+    HeaderLimits(),
+    ("X-Event-Key",),
+    "X-Message-Class",
+    "transactional",
+    {"otp": 600.0, "transactional": 259200.0, "bulk": 86400.0},
+    "guard.test",
+)
+ATTEMPT = "018f00000000aaaaaaaa"
+
+
+def _admit(raw: bytes, zone: _Zone = _Zone()) -> Admitted | Refused:
+    return admit(
+        raw, "billing@acme.example", ["customer@example.com"], "acme", "acme-app", zone, RULES, ATTEMPT
+    )
+
+
+@pytest.mark.parametrize(
+    ("step", "decision"),
+    [
+        ("smuggling", "rejected:bare_newline"),
+        ("parse", "rejected:malformed"),
+        ("from", "rejected:from"),
+        ("key", "rejected:key"),
+        ("class", "rejected:class"),
+    ],
+)
+def test_each_step_refuses_first_and_names_its_decision(step: str, decision: str) -> None:
+    got = _admit(_raw(step))
+    code, phrase = STEPS[step]
+    assert isinstance(got, Refused) and got.decision == decision
+    assert got.reply.code == code and phrase in got.reply.text, got.reply
+    # Only a refusal after the key step carries the attempt's key and Message-ID.
+    assert (got.key, got.message_id is not None) == (("adm:1", True) if step == "class" else (None, False))
+
+
+def test_an_admitted_message_carries_its_key_ids_class_and_caps() -> None:
+    got = _admit(_raw("caps"))
+    assert isinstance(got, Admitted)
+    assert (got.key, got.derived, got.lane, got.max_age) == ("adm:1", False, "bulk", 86400.0)
+    assert got.message_id == message_id_for("acme", "adm:1", "guard.test")
+    assert got.added_header == f"Message-ID: {got.message_id}\r\n".encode()
+    # Admission names the caps; relay mode's reservation counts them.
+    assert got.caps == Caps(hourly=0, monthly=12_000) and got.user_caps == Caps(hourly=5, monthly=12_000)
+
+
+def test_relay_mode_validates_no_class_and_a_missing_key_may_be_allowed() -> None:
+    relay = _Zone(delivery="relay", missing_key="allow")
+    got = _admit(
+        _raw("key").replace(b"From: someone@elsewhere.example", b"From: billing@acme.example"), relay
+    )
+    assert isinstance(got, Admitted)
+    assert (got.key, got.lane, got.max_age) == (f"msg:{ATTEMPT}", None, None)
