@@ -52,3 +52,22 @@ class ServerClock:
             await asyncio.sleep(SAMPLE_EVERY if self.offset is not None else 0.2)
             with contextlib.suppress(StoreUnavailable):
                 await sync()
+
+
+class OnServerClock:
+    """A store whose now() is its server's clock (set `_clock` in its __init__)."""
+
+    _clock: ServerClock
+
+    def now(self) -> float:
+        """The server's clock (ServerClock.now): every instance measures leases on it."""
+        return self._clock.now()
+
+    @property
+    def _mono(self) -> Callable[[], float]:
+        """This process's monotonic clock, as the store's clock reads it (tests step it)."""
+        return self._clock.mono
+
+    @_mono.setter
+    def _mono(self, mono: Callable[[], float]) -> None:
+        self._clock.mono = mono

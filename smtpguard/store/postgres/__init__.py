@@ -25,7 +25,7 @@ import contextlib
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import psycopg
@@ -58,7 +58,7 @@ from smtpguard.store.base import (
     Suppression,
     ZoneAudit,
 )
-from smtpguard.store.clock import ServerClock
+from smtpguard.store.clock import OnServerClock, ServerClock
 from smtpguard.store.errors import translated
 from smtpguard.store.postgres import fencing
 from smtpguard.store.postgres.migrate import MIGRATIONS, SchemaBehind, migrate_on_own_connection
@@ -118,7 +118,7 @@ def _text(value: str | None) -> str | None:
     return value.encode("utf-8", "replace").decode("utf-8").replace("\x00", "")
 
 
-class PostgresStore:
+class PostgresStore(OnServerClock):
     def __init__(
         self,
         url: str,
@@ -288,21 +288,6 @@ class PostgresStore:
         return ServerFacts.of(row)
 
     # --- the store's clock (DESIGN.md §11.5) --------------------------------------------------
-    def now(self) -> float:
-        """The server's clock, tracked between samples on this process's monotonic clock
-        (store/clock.py, as the Redis backend tracks TIME): every instance measures leases on
-        one clock. Never moves backwards, even when a failover brings a server whose clock
-        differs."""
-        return self._clock.now()
-
-    @property
-    def _mono(self) -> Callable[[], float]:
-        return self._clock.mono
-
-    @_mono.setter
-    def _mono(self, mono: Callable[[], float]) -> None:
-        self._clock.mono = mono
-
     @_translated
     async def sync_clock(self) -> None:
         async with self._conn() as conn:

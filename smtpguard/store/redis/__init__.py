@@ -47,7 +47,7 @@ from smtpguard.store.base import (
     StoreUnavailable,
     Suppression,
 )
-from smtpguard.store.clock import ServerClock
+from smtpguard.store.clock import OnServerClock, ServerClock
 from smtpguard.store.redis.claim import Claims
 from smtpguard.store.redis.connection import (
     _MAX_CONNECTIONS,
@@ -109,7 +109,7 @@ _THROTTLE = redis_scripts.load("throttle")
 _HOLD_CONNECTION = redis_scripts.load("hold_connection")
 
 
-class RedisStore(Ledger, Claims, Desk, Upgrades):
+class RedisStore(OnServerClock, Ledger, Claims, Desk, Upgrades):
     def __init__(
         self,
         url: str,
@@ -196,11 +196,6 @@ class RedisStore(Ledger, Claims, Desk, Upgrades):
         await self._disconnect()
 
     # --- the store's clock (DESIGN.md §11.5) --------------------------------------------------
-    def now(self) -> float:
-        """Redis TIME, tracked between samples on this process's monotonic clock
-        (store/clock.py): every instance measures leases on the same clock."""
-        return self._clock.now()
-
     @_translated
     async def sync_clock(self) -> None:
         async def read() -> float:
