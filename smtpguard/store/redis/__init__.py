@@ -36,7 +36,6 @@ from smtpguard.events.model import bare_message_id
 from smtpguard.policy.ledger import Record
 from smtpguard.policy.limits import HOUR
 from smtpguard.policy.senders import normalize_address, suppression_key
-from smtpguard.store import redis_scripts
 from smtpguard.store.base import (
     CapUsage,
     CircuitState,
@@ -48,6 +47,7 @@ from smtpguard.store.base import (
     Suppression,
 )
 from smtpguard.store.clock import OnServerClock, ServerClock
+from smtpguard.store.redis import scripts as redis_scripts
 from smtpguard.store.redis.claim import Claims
 from smtpguard.store.redis.connection import (
     _MAX_CONNECTIONS,
@@ -88,8 +88,8 @@ __all__ = [
     "parse_sentinel_url",
 ]
 
-# Every Lua script is a file in redis_lua/ whose header gives its KEYS and ARGV; the parts
-# several share (the CAS write, the zone's lookups, the user's cap unit) are in redis_lua/lib/.
+# Every Lua script is a file in lua/ whose header gives its KEYS and ARGV; the parts several
+# share (the CAS write, the zone's lookups, the user's cap unit) are in lua/lib/.
 _RESERVE = redis_scripts.load("reserve")
 _PUT = redis_scripts.load("put")
 _REFUND = redis_scripts.load("refund")

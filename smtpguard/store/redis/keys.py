@@ -94,7 +94,7 @@ def _nonce_key(name: str) -> str:
 
 
 def _ids(r: Record) -> tuple[str, str, str]:
-    """What redis_lua/lib/indexes.lua indexes the record under: its smtpguard id, its
+    """What lua/lib/indexes.lua indexes the record under: its smtpguard id, its
     Message-ID without <>, its upstream id."""
     return (r.sg_id, bare_message_id(r.message_id) if r.message_id else "", r.upstream_id or "")
 
