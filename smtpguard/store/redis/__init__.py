@@ -66,10 +66,21 @@ from smtpguard.store.redis.keys import (
     _ZONES,
     _auth_key,
     _connections_key,
+    _counts_key,
+    _event_ids_key,
+    _events_key,
     _ids,
+    _ids_key,
+    _month_key,
     _nonce_key,
+    _paused_key,
     _rate_key,
     _record_key,
+    _sends_key,
+    _supp_key,
+    _supp_version_key,
+    _user_month_key,
+    _user_window_key,
     _zone_key,
 )
 from smtpguard.store.redis.ledger import _WINDOW_KEEP, Ledger, _dump, _load
@@ -244,13 +255,13 @@ class RedisStore(OnServerClock, Ledger, Claims, Desk, Upgrades):
     @_translated
     async def set_paused(self, zone: str, paused: bool) -> None:
         if paused:
-            await self._r.set(_zone_key(zone, "paused"), "1")
+            await self._r.set(_paused_key(zone), "1")
         else:
-            await self._r.delete(_zone_key(zone, "paused"))
+            await self._r.delete(_paused_key(zone))
 
     @_translated
     async def is_paused(self, zone: str) -> bool:
-        return bool(await self._r.exists(_zone_key(zone, "paused")))
+        return bool(await self._r.exists(_paused_key(zone)))
 
     @_translated
     async def set_class_paused(self, zone: str, message_class: str, paused: bool) -> None:
@@ -274,8 +285,8 @@ class RedisStore(OnServerClock, Ledger, Claims, Desk, Upgrades):
             return {}
         async with self._r.pipeline(transaction=False) as pipe:
             for user in usernames:
-                pipe.zcount(_zone_key(zone, f"us:{user}"), now - HOUR, "+inf")
-                pipe.get(_zone_key(zone, f"um:{user}:{month}"))
+                pipe.zcount(_user_window_key(zone, user), now - HOUR, "+inf")
+                pipe.get(_user_month_key(zone, user, month))
             values = await pipe.execute()
         return {
             user: CapUsage(hour=int(values[2 * i]), month=int(values[2 * i + 1] or 0))
@@ -285,8 +296,8 @@ class RedisStore(OnServerClock, Ledger, Claims, Desk, Upgrades):
     @_translated
     async def cap_usage(self, zone: str, now: float, month: str) -> CapUsage:
         async with self._r.pipeline(transaction=False) as pipe:
-            pipe.zcount(_zone_key(zone, "sends"), now - HOUR, "+inf")
-            pipe.get(_zone_key(zone, f"month:{month}"))
+            pipe.zcount(_sends_key(zone), now - HOUR, "+inf")
+            pipe.get(_month_key(zone, month))
             hour, used = await pipe.execute()
         return CapUsage(hour=int(hour), month=int(used or 0))
 
@@ -294,7 +305,7 @@ class RedisStore(OnServerClock, Ledger, Claims, Desk, Upgrades):
     async def add_counts(self, zone: str, counts: dict[str, int]) -> None:
         if not counts:
             return
-        key = _zone_key(zone, "counts")
+        key = _counts_key(zone)
         async with self._r.pipeline(transaction=True) as pipe:
             for name, n in counts.items():
                 pipe.hincrby(key, name, n)
@@ -302,7 +313,7 @@ class RedisStore(OnServerClock, Ledger, Claims, Desk, Upgrades):
 
     @_translated
     async def counts(self, zone: str) -> dict[str, int]:
-        values = await self._r.hgetall(_zone_key(zone, "counts"))
+        values = await self._r.hgetall(_counts_key(zone))
         return {str(name): int(value) for name, value in values.items()}
 
     # --- suppression -------------------------------------------------------------------------
@@ -315,7 +326,7 @@ class RedisStore(OnServerClock, Ledger, Claims, Desk, Upgrades):
         async with self._r.pipeline(transaction=False) as pipe:
             for owner in (zone, "global"):
                 for form in forms:
-                    pipe.hexists(_zone_key(owner, "supp"), form)
+                    pipe.hexists(_supp_key(owner), form)
             found = await pipe.execute()
         n = len(forms)
         if any(found[:n]):
@@ -326,8 +337,8 @@ class RedisStore(OnServerClock, Ledger, Claims, Desk, Upgrades):
     async def suppress_add(self, zone: str, address: str, reason: str, now: float) -> bool:
         entry = json.dumps({"reason": reason, "at": now}, separators=(",", ":"))
         async with self._r.pipeline(transaction=True) as pipe:
-            pipe.hsetnx(_zone_key(zone, "supp"), suppression_key(address), entry)
-            pipe.incr(_zone_key(zone, "supp:v"))
+            pipe.hsetnx(_supp_key(zone), suppression_key(address), entry)
+            pipe.incr(_supp_version_key(zone))
             added, _ = await pipe.execute()
         return bool(added)
 
@@ -335,8 +346,8 @@ class RedisStore(OnServerClock, Ledger, Claims, Desk, Upgrades):
     async def suppress_remove(self, zone: str, address: str) -> bool:
         forms = {suppression_key(address), normalize_address(address)}
         async with self._r.pipeline(transaction=True) as pipe:
-            pipe.hdel(_zone_key(zone, "supp"), *forms)
-            pipe.incr(_zone_key(zone, "supp:v"))
+            pipe.hdel(_supp_key(zone), *forms)
+            pipe.incr(_supp_version_key(zone))
             removed, _ = await pipe.execute()
         return bool(removed)
 
@@ -344,14 +355,14 @@ class RedisStore(OnServerClock, Ledger, Claims, Desk, Upgrades):
     async def suppression_versions(self, zone: str) -> tuple[int, int]:
         # Two slots (the zone's and global's): a plain pipeline, no transaction.
         async with self._r.pipeline(transaction=False) as pipe:
-            pipe.get(_zone_key(zone, "supp:v"))
-            pipe.get(_zone_key("global", "supp:v"))
+            pipe.get(_supp_version_key(zone))
+            pipe.get(_supp_version_key("global"))
             own, shared = await pipe.execute()
         return int(own or 0), int(shared or 0)
 
     @_translated
     async def suppress_list(self, zone: str) -> list[Suppression]:
-        entries = await self._r.hgetall(_zone_key(zone, "supp"))
+        entries = await self._r.hgetall(_supp_key(zone))
         result = []
         for address, raw in sorted(entries.items()):
             entry = json.loads(raw)
@@ -367,7 +378,7 @@ class RedisStore(OnServerClock, Ledger, Claims, Desk, Upgrades):
         zones = sorted(str(z) for z in await self._r.smembers(_ZONES))
         async with self._r.pipeline(transaction=False) as pipe:
             for zone in zones:
-                pipe.hget(_zone_key(zone, "ids"), name)
+                pipe.hget(_ids_key(zone), name)
             keys = await pipe.execute()
         found = []
         for zone, key in zip(zones, keys, strict=True):
@@ -394,10 +405,10 @@ class RedisStore(OnServerClock, Ledger, Claims, Desk, Upgrades):
             address = suppression_key(event.recipient)
             entry = json.dumps({"reason": suppress_reason, "at": event.received_at}, separators=(",", ":"))
         keys = [
-            _zone_key(zone, "pev-ids"),
-            _zone_key(zone, f"pev:{key}"),
-            _zone_key(zone, "supp"),
-            _zone_key(zone, "supp:v"),
+            _event_ids_key(zone),
+            _events_key(zone, key),
+            _supp_key(zone),
+            _supp_version_key(zone),
         ]
         args = [
             f"{event.source}\x00{event.id}",
@@ -419,7 +430,7 @@ class RedisStore(OnServerClock, Ledger, Claims, Desk, Upgrades):
 
     @_translated
     async def provider_events(self, zone: str, key: str) -> list[StoredEvent]:
-        items = await self._r.lrange(_zone_key(zone, f"pev:{key}"), 0, -1)
+        items = await self._r.lrange(_events_key(zone, key), 0, -1)
         return [StoredEvent.from_dict(json.loads(item)) for item in items]
 
     # --- provider health ---------------------------------------------------------------------

@@ -10,7 +10,15 @@ import time
 from smtpguard.policy.ledger import Record
 from smtpguard.store.base import Claimed, QueuedMessage
 from smtpguard.store.redis.connection import RedisConnection, _translated
-from smtpguard.store.redis.keys import _QUEUED_ZONES, _ZONE_ANNOUNCE_EVERY, _ZONES, _lane_key, _zone_key
+from smtpguard.store.redis.keys import (
+    _QUEUED_ZONES,
+    _ZONE_ANNOUNCE_EVERY,
+    _ZONES,
+    _claimed_key,
+    _lane_key,
+    _queue_key,
+    _zone_prefix,
+)
 
 # Peek-and-claim rounds of one claim across zones before it settles for fewer entries.
 _CLAIM_ROUNDS = 4
@@ -96,7 +104,7 @@ class Claims(RedisConnection):
         script = self._script(self._peek)
         async with self._r.pipeline(transaction=False) as pipe:
             for zone in zones:
-                keys = [_zone_key(zone, "claimed"), _zone_key(zone, "queue")]
+                keys = [_claimed_key(zone), _queue_key(zone)]
                 keys += [_lane_key(zone, lane) for lane in lanes]
                 await script(keys, [now, limit], client=pipe)
             replies = await pipe.execute()
@@ -119,17 +127,17 @@ class Claims(RedisConnection):
     async def _drop_queued_zone(self, zone: str) -> None:
         await self._r.srem(_QUEUED_ZONES, zone)
         # An enqueue may have written after our look and added the zone before our SREM.
-        if await self._r.scard(_zone_key(zone, "queue")):
+        if await self._r.scard(_queue_key(zone)):
             await self._r.sadd(_QUEUED_ZONES, zone)
 
     @_translated
     async def _claim_zone(
         self, zone: str, lanes: list[str], counts: list[int], total: int, now: float, until: float
     ) -> tuple[int, list[tuple[int, float, str, str, Claimed]]]:
-        keys = [_zone_key(zone, "claimed"), _zone_key(zone, "queue")]
+        keys = [_claimed_key(zone), _queue_key(zone)]
         keys += [_lane_key(zone, lane) for lane in lanes]
         # A token per call, the same in a retried run: it recognises its own claims.
-        args = [now, until, total, _zone_key(zone, ""), secrets.token_hex(8), *counts]
+        args = [now, until, total, _zone_prefix(zone), secrets.token_hex(8), *counts]
         # Undecoded: the message content is bytes, not necessarily UTF-8.
         size, entries = await self._eval(self._claim, keys, args, raw=True)
         out: list[tuple[int, float, str, str, Claimed]] = []

@@ -20,7 +20,10 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from smtpguard.store.base import StoreUnavailable
 from smtpguard.store.errors import translated
-from smtpguard.store.redis.keys import _QUEUED_ZONES, _ZONES
+from smtpguard.store.redis.keys import (
+    _QUEUED_ZONES,
+    _ZONES,
+)
 
 _TIMEOUT = 2.0
 """Deadline of one store operation, and of one connect."""

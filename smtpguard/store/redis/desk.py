@@ -14,9 +14,15 @@ from smtpguard.store.redis.keys import (
     _QUEUED_ZONES,
     _STATES_LISTED,
     _ZONES,
+    _audit_key,
+    _claimed_key,
+    _index_key,
     _lane_key,
+    _lanes_key,
+    _queue_key,
     _record_key,
-    _zone_key,
+    _state_key,
+    _zone_prefix,
 )
 from smtpguard.store.redis.ledger import _load
 
@@ -37,7 +43,7 @@ class Desk(RedisConnection):
         adds its lane in the same script as the entry): removing an empty one here could
         race an enqueue into it and hide that entry from the orphan scan."""
         found: set[str] = set()
-        for lane in await self._r.smembers(_zone_key(zone, "lanes")):
+        for lane in await self._r.smembers(_lanes_key(zone)):
             if await self._r.zcard(_lane_key(zone, str(lane))):
                 found.add(str(lane))
         return found
@@ -71,7 +77,7 @@ class Desk(RedisConnection):
         zones = sorted(set(await self._smembers(_QUEUED_ZONES)) | set(await self._smembers(_ZONES)))
         async with self._r.pipeline(transaction=False) as pipe:
             for z in zones:
-                pipe.smembers(_zone_key(z, "lanes"))
+                pipe.smembers(_lanes_key(z))
             lane_sets: list[set[Any]] = await pipe.execute()
         pairs = [(z, str(lane)) for z, lanes in zip(zones, lane_sets, strict=True) for lane in sorted(lanes)]
         async with self._r.pipeline(transaction=False) as pipe:
@@ -82,8 +88,8 @@ class Desk(RedisConnection):
 
     @_translated
     async def _zone_entries(self, zone: str) -> list[list[Any]]:
-        keys = [_zone_key(zone, "queue"), _zone_key(zone, "claimed")]
-        entries: list[list[Any]] = await self._eval(self._entries, keys, [_zone_key(zone, "")])
+        keys = [_queue_key(zone), _claimed_key(zone)]
+        entries: list[list[Any]] = await self._eval(self._entries, keys, [_zone_prefix(zone)])
         return entries
 
     @_translated
@@ -93,7 +99,7 @@ class Desk(RedisConnection):
         high = f"({before!r}" if before is not None else "+inf"
         low = repr(since) if since is not None else "-inf"
         if state is None or await self._flag_get(_STATES_LISTED):
-            index = _zone_key(zone, "idx" if state is None else f"st:{state}")
+            index = _index_key(zone) if state is None else _state_key(zone, state)
             members = await self._r.zrevrangebyscore(index, high, low, start=0, num=limit)
             return [r for r in await self._records(zone, members) if state is None or r.state == state]
         # Records written before the per-state sets existed are in none yet (the background
@@ -102,7 +108,7 @@ class Desk(RedisConnection):
         offset = 0
         while len(found) < limit:
             members = await self._r.zrevrangebyscore(
-                _zone_key(zone, "idx"), high, low, start=offset, num=_PURGE_BATCH
+                _index_key(zone), high, low, start=offset, num=_PURGE_BATCH
             )
             found += [r for r in await self._records(zone, members) if r.state == state]
             if len(members) < _PURGE_BATCH:
@@ -121,7 +127,7 @@ class Desk(RedisConnection):
     async def state_counts(self, zone: str) -> dict[str, int]:
         async with self._r.pipeline(transaction=False) as pipe:
             for st in State:
-                pipe.zcard(_zone_key(zone, f"st:{st.value}"))
+                pipe.zcard(_state_key(zone, st.value))
             counts = await pipe.execute()
         return {st.value: int(n) for st, n in zip(State, counts, strict=True) if n}
 
@@ -138,12 +144,12 @@ class Desk(RedisConnection):
             separators=(",", ":"),
         )
         async with self._r.pipeline(transaction=True) as pipe:
-            pipe.lpush(_zone_key(zone, "audit"), item)
-            pipe.ltrim(_zone_key(zone, "audit"), 0, _AUDIT_KEPT - 1)
+            pipe.lpush(_audit_key(zone), item)
+            pipe.ltrim(_audit_key(zone), 0, _AUDIT_KEPT - 1)
             await pipe.execute()
 
     @_translated
     async def audit_log(self, zone: str, since: float, limit: int = 1000) -> list[ZoneAudit]:
-        items = await self._r.lrange(_zone_key(zone, "audit"), 0, limit - 1)
+        items = await self._r.lrange(_audit_key(zone), 0, limit - 1)
         entries = [ZoneAudit(**json.loads(item)) for item in items]
         return [e for e in entries if e.at >= since]

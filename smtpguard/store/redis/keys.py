@@ -49,14 +49,111 @@ def _zone_key(zone: str, name: str) -> str:
     return f"sg:{{{zone}}}:{name}"
 
 
+def _zone_prefix(zone: str) -> str:
+    """What scripts build the zone's further keys from (`q:<key>`, `lane:<lane>`, …)."""
+    return _zone_key(zone, "")
+
+
+# The ledger of a zone.
+def _index_key(zone: str) -> str:
+    """zset: record key → updated_at, every record of the zone (purge and listings walk it)."""
+    return _zone_key(zone, "idx")
+
+
+def _state_key(zone: str, state: str) -> str:
+    """zset: record key → updated_at, the zone's records in one state."""
+    return _zone_key(zone, f"st:{state}")
+
+
+def _ids_key(zone: str) -> str:
+    """hash: `s:`/`m:`/`u:` + smtpguard id / Message-ID / upstream id → record key."""
+    return _zone_key(zone, "ids")
+
+
+def _paused_key(zone: str) -> str:
+    """string, present while the zone is paused."""
+    return _zone_key(zone, "paused")
+
+
+# A zone's caps.
+def _sends_key(zone: str) -> str:
+    """zset: the zone's counted sends (token → time), the hourly window."""
+    return _zone_key(zone, "sends")
+
+
+def _month_key(zone: str, month: str) -> str:
+    """counter: the zone's sends of one month."""
+    return _zone_key(zone, f"month:{month}")
+
+
+def _user_window_key(zone: str, user: str) -> str:
+    """zset: one user's counted sends, the user's hourly window."""
+    return _zone_key(zone, f"us:{user}")
+
+
+def _user_month_key(zone: str, user: str, month: str) -> str:
+    """counter: one user's sends of one month."""
+    return _zone_key(zone, f"um:{user}:{month}")
+
+
+def _user_tokens_key(zone: str) -> str:
+    """hash: cap token → what its user unit counted (read by a refund)."""
+    return _zone_key(zone, "utok")
+
+
+# A zone's suppression list, counters, audit log and provider events.
+def _supp_key(zone: str) -> str:
+    """hash: suppression_key(address) → JSON {reason, at}."""
+    return _zone_key(zone, "supp")
+
+
+def _supp_version_key(zone: str) -> str:
+    """counter, moved by every change of the zone's suppression list."""
+    return _zone_key(zone, "supp:v")
+
+
+def _counts_key(zone: str) -> str:
+    """hash: stat name → count."""
+    return _zone_key(zone, "counts")
+
+
+def _audit_key(zone: str) -> str:
+    """list: JSON audit entries, newest first."""
+    return _zone_key(zone, "audit")
+
+
+def _events_key(zone: str, key: str) -> str:
+    """list: the provider events applied to one record (JSON)."""
+    return _zone_key(zone, f"pev:{key}")
+
+
+def _event_ids_key(zone: str) -> str:
+    """zset: `source\0id` → received_at, the provider events already applied."""
+    return _zone_key(zone, "pev-ids")
+
+
+# The queue of a zone (see above).
+def _queue_key(zone: str) -> str:
+    return _zone_key(zone, "queue")
+
+
+def _claimed_key(zone: str) -> str:
+    return _zone_key(zone, "claimed")
+
+
+def _lanes_key(zone: str) -> str:
+    """set: the names of the zone's lanes (only grows)."""
+    return _zone_key(zone, "lanes")
+
+
 def _user_keys(zone: str, cap: CapCheck | None) -> list[str]:
     """A user's window, month counter and the zone's token map (USER_UNIT); placeholders
     under the zone's tag when the unit has no user cap, so the script's KEYS stay fixed."""
     user = cap.user if cap is not None and cap.user_caps is not None else None
     month = cap.month if cap is not None else "-"
     if user is None:
-        return [_zone_key(zone, "us:"), _zone_key(zone, "um:"), _zone_key(zone, "utok")]
-    return [_zone_key(zone, f"us:{user}"), _zone_key(zone, f"um:{user}:{month}"), _zone_key(zone, "utok")]
+        return [_zone_key(zone, "us:"), _zone_key(zone, "um:"), _user_tokens_key(zone)]
+    return [_user_window_key(zone, user), _user_month_key(zone, user, month), _user_tokens_key(zone)]
 
 
 def _user_args(cap: CapCheck | None) -> list[str | int | float]:

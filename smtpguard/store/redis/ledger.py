@@ -14,13 +14,21 @@ from smtpguard.store.redis.connection import _PURGE_BATCH, RedisConnection, _tra
 from smtpguard.store.redis.keys import (
     _ZONE_ANNOUNCE_EVERY,
     _ZONES,
+    _claimed_key,
     _entry_key,
+    _event_ids_key,
     _ids,
+    _index_key,
     _lane_key,
+    _month_key,
+    _paused_key,
+    _queue_key,
     _record_key,
+    _sends_key,
     _user_args,
     _user_keys,
-    _zone_key,
+    _user_tokens_key,
+    _zone_prefix,
 )
 
 _MONTH_TTL = 40 * 86400
@@ -80,10 +88,10 @@ class Ledger(RedisConnection):
         month = cap.month if cap is not None else "-"
         keys = [
             _record_key(zone, record.key),
-            _zone_key(zone, "paused"),
-            _zone_key(cap_zone, "sends"),
-            _zone_key(cap_zone, f"month:{month}"),
-            _zone_key(zone, "idx"),
+            _paused_key(zone),
+            _sends_key(cap_zone),
+            _month_key(cap_zone, month),
+            _index_key(zone),
             *_user_keys(cap_zone, cap),
         ]
         args: list[str | int | float] = [
@@ -120,7 +128,7 @@ class Ledger(RedisConnection):
     async def put(self, record: Record, expected_version: int | None) -> Conflict | None:
         if expected_version is None:
             await self._announce_zone(record.zone)
-        keys = [_record_key(record.zone, record.key), _zone_key(record.zone, "idx")]
+        keys = [_record_key(record.zone, record.key), _index_key(record.zone)]
         args = [
             "" if expected_version is None else str(expected_version),
             str(record.version),
@@ -137,8 +145,8 @@ class Ledger(RedisConnection):
 
     @_translated
     async def refund(self, zone: str, token: str, month: str) -> None:
-        keys = [_zone_key(zone, "sends"), _zone_key(zone, f"month:{month}"), _zone_key(zone, "utok")]
-        await self._eval(self._refund, keys, [token, _zone_key(zone, ""), month])
+        keys = [_sends_key(zone), _month_key(zone, month), _user_tokens_key(zone)]
+        await self._eval(self._refund, keys, [token, _zone_prefix(zone), month])
 
     async def purge(self, now: float, retention: float) -> int:
         # Not one deadline for the whole purge: each round trip below has its own.
@@ -164,26 +172,26 @@ class Ledger(RedisConnection):
     @_translated
     async def _purge_candidates(self, zone: str, cutoff: float, offset: int) -> list[str]:
         members = await self._r.zrangebyscore(
-            _zone_key(zone, "idx"), "-inf", f"({cutoff!r}", start=offset, num=_PURGE_BATCH
+            _index_key(zone), "-inf", f"({cutoff!r}", start=offset, num=_PURGE_BATCH
         )
         return [str(m) for m in members]
 
     @_translated
     async def _purge_batch(self, zone: str, cutoff: float, members: list[str]) -> tuple[int, int]:
-        keys = [_zone_key(zone, "idx"), *(_record_key(zone, m) for m in members)]
+        keys = [_index_key(zone), *(_record_key(zone, m) for m in members)]
         done, kept = await self._eval(self._purge, keys, [cutoff, *_SETTLED_EXCLUDED, *members])
         return int(done), int(kept)
 
     @_translated
     async def _trim_event_ids(self, zone: str, before: float) -> None:
-        await self._r.zremrangebyscore(_zone_key(zone, "pev-ids"), "-inf", f"({before!r}")
+        await self._r.zremrangebyscore(_event_ids_key(zone), "-inf", f"({before!r}")
 
     @_translated
     async def _trim_window(self, zone: str, before: float) -> None:
-        await self._r.zremrangebyscore(_zone_key(zone, "sends"), "-inf", f"({before!r}")
+        await self._r.zremrangebyscore(_sends_key(zone), "-inf", f"({before!r}")
         # The user units' token map: entries past any window that reads them (the user
         # windows themselves are trimmed by each unit counted).
-        tokens = _zone_key(zone, "utok")
+        tokens = _user_tokens_key(zone)
         old = [t async for t, held in self._r.hscan_iter(tokens) if float(str(held).split("|")[0]) < before]
         if old:
             await self._r.hdel(tokens, *old)
@@ -193,8 +201,8 @@ class Ledger(RedisConnection):
         # Announced so that purge trims the zone's window, as it does for reserve().
         await self._announce_zone(cap.zone)
         keys = [
-            _zone_key(cap.zone, "sends"),
-            _zone_key(cap.zone, f"month:{cap.month}"),
+            _sends_key(cap.zone),
+            _month_key(cap.zone, cap.month),
             *_user_keys(cap.zone, cap),
         ]
         args: list[str | int | float] = [
@@ -230,10 +238,10 @@ class Ledger(RedisConnection):
         await self._announce_zone(zone)
         keys = [
             _record_key(zone, record.key),
-            _zone_key(zone, "idx"),
+            _index_key(zone),
             _entry_key(zone, record.key),
-            _zone_key(zone, "claimed"),
-            _zone_key(zone, "queue"),
+            _claimed_key(zone),
+            _queue_key(zone),
             _lane_key(zone, lane),
         ]
         args: list[str | int | float | bytes] = [
@@ -243,7 +251,7 @@ class Ledger(RedisConnection):
             _dump(record),
             record.updated_at,
             record.key,
-            _zone_key(zone, ""),
+            _zone_prefix(zone),
             lane,
             message.priority,
             record.next_attempt_at if record.next_attempt_at is not None else record.updated_at,
@@ -264,10 +272,10 @@ class Ledger(RedisConnection):
         zone = record.zone
         keys = [
             _record_key(zone, record.key),
-            _zone_key(zone, "idx"),
+            _index_key(zone),
             _entry_key(zone, record.key),
-            _zone_key(zone, "claimed"),
-            _zone_key(zone, "queue"),
+            _claimed_key(zone),
+            _queue_key(zone),
         ]
         args: list[str | float] = [
             str(expected_version),
@@ -276,7 +284,7 @@ class Ledger(RedisConnection):
             _dump(record),
             record.updated_at,
             record.key,
-            _zone_key(zone, ""),
+            _zone_prefix(zone),
             "" if due is None else due,
             *_ids(record),
         ]

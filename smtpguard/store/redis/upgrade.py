@@ -7,7 +7,17 @@ import asyncio
 from smtpguard.policy.senders import suppression_key
 from smtpguard.store.base import StoreUnavailable
 from smtpguard.store.redis.connection import _PURGE_BATCH, RedisConnection, _translated
-from smtpguard.store.redis.keys import _LANES_LISTED, _STATES_LISTED, _SUPP_FOLDED, _zone_key
+from smtpguard.store.redis.keys import (
+    _LANES_LISTED,
+    _STATES_LISTED,
+    _SUPP_FOLDED,
+    _index_key,
+    _lanes_key,
+    _queue_key,
+    _supp_key,
+    _supp_version_key,
+    _zone_prefix,
+)
 
 
 class Upgrades(RedisConnection):
@@ -38,9 +48,7 @@ class Upgrades(RedisConnection):
 
     @_translated
     async def _list_lanes(self, zone: str) -> None:
-        await self._eval(
-            self._lanes_of, [_zone_key(zone, "queue"), _zone_key(zone, "lanes")], [_zone_key(zone, "")]
-        )
+        await self._eval(self._lanes_of, [_queue_key(zone), _lanes_key(zone)], [_zone_prefix(zone)])
 
     async def _fold_zone(self, zone: str) -> None:
         cursor = 0
@@ -53,7 +61,7 @@ class Upgrades(RedisConnection):
 
     @_translated
     async def _fold_page(self, zone: str, cursor: int) -> tuple[int, bool]:
-        key = _zone_key(zone, "supp")
+        key = _supp_key(zone)
         cursor, page = await self._r.hscan(key, cursor, count=500)
         assert isinstance(page, dict)
         stale = {str(a): e for a, e in page.items() if suppression_key(str(a)) != a}
@@ -67,7 +75,7 @@ class Upgrades(RedisConnection):
 
     @_translated
     async def _bump_supp(self, zone: str) -> None:
-        await self._r.incr(_zone_key(zone, "supp:v"))
+        await self._r.incr(_supp_version_key(zone))
 
     async def _list_states(self, zone: str) -> None:
         # By score, a page per round trip (a zone of a million records outlasts any one
@@ -84,7 +92,7 @@ class Upgrades(RedisConnection):
 
     @_translated
     async def _list_states_page(self, zone: str, score: str, offset: int) -> tuple[str, int] | None:
-        reply = await self._eval(self._states_page, [_zone_key(zone, "idx")], [score, offset, _PURGE_BATCH])
+        reply = await self._eval(self._states_page, [_index_key(zone)], [score, offset, _PURGE_BATCH])
         if not reply:
             return None
         return str(reply[0]), int(reply[1])
