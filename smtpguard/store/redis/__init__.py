@@ -35,7 +35,7 @@ from redis.exceptions import ResponseError
 from smtpguard.events.model import bare_message_id
 from smtpguard.policy.ledger import Record
 from smtpguard.policy.limits import HOUR
-from smtpguard.policy.senders import normalize_address, suppression_key
+from smtpguard.policy.senders import suppression_key
 from smtpguard.store.base import (
     CapUsage,
     CircuitState,
@@ -44,7 +44,6 @@ from smtpguard.store.base import (
     Slot,
     StoredEvent,
     StoreUnavailable,
-    Suppression,
 )
 from smtpguard.store.clock import OnServerClock, ServerClock
 from smtpguard.store.redis import scripts as redis_scripts
@@ -84,6 +83,7 @@ from smtpguard.store.redis.keys import (
     _zone_key,
 )
 from smtpguard.store.redis.ledger import _WINDOW_KEEP, Ledger, _dump, _load
+from smtpguard.store.redis.suppression import Suppressions
 from smtpguard.store.redis.upgrade import Upgrades
 
 # Names other modules, tests and bench/ import from here (the module this package was).
@@ -120,7 +120,7 @@ _THROTTLE = redis_scripts.load("throttle")
 _HOLD_CONNECTION = redis_scripts.load("hold_connection")
 
 
-class RedisStore(OnServerClock, Ledger, Claims, Desk, Upgrades):
+class RedisStore(OnServerClock, Ledger, Claims, Desk, Suppressions, Upgrades):
     def __init__(
         self,
         url: str,
@@ -249,7 +249,8 @@ class RedisStore(OnServerClock, Ledger, Claims, Desk, Upgrades):
         return problems
 
     # The ledger's writes and purge are in ledger.py, the queue's claim in claim.py, the
-    # desk's and the queue's listings in desk.py, the set-once upgrades in upgrade.py.
+    # desk's and the queue's listings in desk.py, the suppression lists in suppression.py, the
+    # set-once upgrades in upgrade.py.
 
     # --- zones -------------------------------------------------------------------------------
     @_translated
@@ -315,59 +316,6 @@ class RedisStore(OnServerClock, Ledger, Claims, Desk, Upgrades):
     async def counts(self, zone: str) -> dict[str, int]:
         values = await self._r.hgetall(_counts_key(zone))
         return {str(name): int(value) for name, value in values.items()}
-
-    # --- suppression -------------------------------------------------------------------------
-    @_translated
-    async def suppressed(self, zone: str, address: str) -> str | None:
-        # The folded key, and the address as an earlier version keyed it until the
-        # background fold has re-keyed every list (_fold_suppression_keys).
-        forms = {suppression_key(address), normalize_address(address)}
-        # Two slots (the zone's and global's): a plain pipeline, one round trip, no MULTI.
-        async with self._r.pipeline(transaction=False) as pipe:
-            for owner in (zone, "global"):
-                for form in forms:
-                    pipe.hexists(_supp_key(owner), form)
-            found = await pipe.execute()
-        n = len(forms)
-        if any(found[:n]):
-            return zone
-        return "global" if any(found[n:]) else None
-
-    @_translated
-    async def suppress_add(self, zone: str, address: str, reason: str, now: float) -> bool:
-        entry = json.dumps({"reason": reason, "at": now}, separators=(",", ":"))
-        async with self._r.pipeline(transaction=True) as pipe:
-            pipe.hsetnx(_supp_key(zone), suppression_key(address), entry)
-            pipe.incr(_supp_version_key(zone))
-            added, _ = await pipe.execute()
-        return bool(added)
-
-    @_translated
-    async def suppress_remove(self, zone: str, address: str) -> bool:
-        forms = {suppression_key(address), normalize_address(address)}
-        async with self._r.pipeline(transaction=True) as pipe:
-            pipe.hdel(_supp_key(zone), *forms)
-            pipe.incr(_supp_version_key(zone))
-            removed, _ = await pipe.execute()
-        return bool(removed)
-
-    @_translated
-    async def suppression_versions(self, zone: str) -> tuple[int, int]:
-        # Two slots (the zone's and global's): a plain pipeline, no transaction.
-        async with self._r.pipeline(transaction=False) as pipe:
-            pipe.get(_supp_version_key(zone))
-            pipe.get(_supp_version_key("global"))
-            own, shared = await pipe.execute()
-        return int(own or 0), int(shared or 0)
-
-    @_translated
-    async def suppress_list(self, zone: str) -> list[Suppression]:
-        entries = await self._r.hgetall(_supp_key(zone))
-        result = []
-        for address, raw in sorted(entries.items()):
-            entry = json.loads(raw)
-            result.append(Suppression(zone, str(address), str(entry["reason"]), float(entry["at"])))
-        return result
 
     # --- provider events ---------------------------------------------------------------------
     @_translated
