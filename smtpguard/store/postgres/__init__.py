@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import secrets
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import AsyncConnection
@@ -60,6 +58,8 @@ from smtpguard.store.base import (
     Suppression,
     ZoneAudit,
 )
+from smtpguard.store.clock import OnServerClock, ServerClock
+from smtpguard.store.errors import translated
 from smtpguard.store.postgres import fencing
 from smtpguard.store.postgres.migrate import MIGRATIONS, SchemaBehind, migrate_on_own_connection
 from smtpguard.store.postgres.replication import FACTS_SQL, Replication, ServerFacts, failover_problem
@@ -68,17 +68,15 @@ from smtpguard.store.sql.statements import Result, Script
 
 log = logging.getLogger("smtpguard.store")
 
-P = ParamSpec("P")
-T = TypeVar("T")
 Conn = AsyncConnection[tuple[Any, ...]]
 
+T = TypeVar("T")
 _TIMEOUT = 2.0
 """Deadline of one store operation, of taking a connection from the pool, and of a connect."""
 POOL_SIZE = 32
 """Connections one process keeps at most (store.pool_size): each worker is a process."""
 MIGRATE_WAIT = 5.0
 """Seconds `open` waits for the schema migration before serving 451 while it goes on."""
-_CLOCK_SAMPLE_EVERY = 10.0
 _WINDOW_KEEP = 2 * HOUR
 _SLOTS = 16
 """Cap count slots per zone: how many of a zone's reservations may commit at once while its
@@ -88,23 +86,21 @@ _SETTLED_EXCLUDED = (State.IN_FLIGHT.value, State.QUEUED.value)
 _MIGRATIONS = MIGRATIONS  # migrate.py runs them, once, at open
 
 
-def _translated(
-    fn: Callable[Concatenate[PostgresStore, P], Awaitable[T]],
-) -> Callable[Concatenate[PostgresStore, P], Coroutine[Any, Any, T]]:
-    """The one place a driver error becomes StoreUnavailable (451 4.3.0, nothing relayed),
-    and where an operation gets its deadline."""
+def _connection_trouble(store: PostgresStore, e: Exception) -> None:
+    if isinstance(e, psycopg.OperationalError | OSError):
+        store._connection_trouble()
 
-    async def wrapper(self: PostgresStore, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        try:
-            async with asyncio.timeout(_TIMEOUT):
-                return await fn(self, *args, **kwargs)
-        except (psycopg.Error, PoolTimeout, OSError) as e:  # OSError includes TimeoutError
-            if isinstance(e, psycopg.OperationalError | OSError):
-                self._connection_trouble()
-            raise StoreUnavailable(f"postgresql: {type(e).__name__}: {e}".strip()) from e
 
-    functools.update_wrapper(wrapper, fn)
-    return wrapper
+_translated = translated(
+    psycopg.Error,
+    PoolTimeout,
+    OSError,
+    backend="postgresql",
+    timeout=lambda: _TIMEOUT,
+    on_error=_connection_trouble,
+)
+"""The one place a driver error becomes StoreUnavailable (451 4.3.0, nothing relayed), and
+where an operation gets its deadline (store/errors.py)."""
 
 
 def _dump(r: Record) -> str:
@@ -127,7 +123,7 @@ def _text(value: str | None) -> str | None:
     return value.encode("utf-8", "replace").decode("utf-8").replace("\x00", "")
 
 
-class PostgresStore:
+class PostgresStore(OnServerClock):
     def __init__(
         self,
         url: str,
@@ -148,10 +144,7 @@ class PostgresStore:
         self._unfit: str | None = None
         self._waiting: str | None = None
         self._pool: AsyncConnectionPool[Conn] | None = None
-        self._mono: Callable[[], float] = time.monotonic
-        self._offset: float | None = None
-        """The server's clock minus this process's monotonic clock, from the last sample."""
-        self._last_now = 0.0
+        self._clock = ServerClock()
         self._clock_task: asyncio.Task[None] | None = None
         self._check_task: asyncio.Task[None] | None = None
         self._migrated = False
@@ -210,7 +203,7 @@ class PostgresStore:
         if self._migrated:
             with contextlib.suppress(StoreUnavailable):
                 await self.sync_clock()
-        self._clock_task = asyncio.create_task(self._track_clock())
+        self._clock_task = asyncio.create_task(self._clock.track(self.sync_clock))
         if self._fence.multi_host:
             self._watch_task = asyncio.create_task(self._watch())
 
@@ -336,34 +329,18 @@ class PostgresStore:
         return ServerFacts.of(row)
 
     # --- the store's clock (DESIGN.md §11.5) --------------------------------------------------
-    def now(self) -> float:
-        """The server's clock, tracked between samples on this process's monotonic clock
-        (as the Redis backend tracks TIME): every instance measures leases on one clock.
-        Never moves backwards, even when a failover brings a server whose clock differs."""
-        if self._offset is None:
-            return time.time()
-        t = self._mono() + self._offset
-        if t < self._last_now:
-            return self._last_now
-        self._last_now = t
-        return t
-
     @_translated
     async def sync_clock(self) -> None:
         async with self._conn() as conn:
-            before = self._mono()
-            row = await (
-                await conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8")
-            ).fetchone()
-            after = self._mono()
-        assert row is not None
-        self._offset = float(row[0]) - (before + after) / 2
 
-    async def _track_clock(self) -> None:
-        while True:
-            await asyncio.sleep(_CLOCK_SAMPLE_EVERY if self._offset is not None else 0.2)
-            with contextlib.suppress(StoreUnavailable):
-                await self.sync_clock()
+            async def read() -> float:
+                row = await (
+                    await conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8")
+                ).fetchone()
+                assert row is not None
+                return float(row[0])
+
+            await self._clock.sample(read)
 
     @_translated
     async def durability_problems(self) -> list[str]:
