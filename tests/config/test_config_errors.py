@@ -245,7 +245,7 @@ def test_cross_field_errors_name_the_fields_line(
 
 
 def test_the_shipped_config_and_the_documented_example_still_load() -> None:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     loads((root / "conf" / "smtpguard.yaml").read_text())
 
 

@@ -13,8 +13,8 @@ import pytest
 from smtpguard.cli import main
 from smtpguard.config import loads
 from smtpguard.verdict_config import MailgunApi, PostmarkApi, SendgridApi
+from tests.config.test_config_errors import line_of
 from tests.support import Upstream, base_config, running_guard, write_config
-from tests.test_config_errors import line_of
 
 SECRET = "key-9f2c1e0d7b6a5f4e3d2c1b0a"
 

@@ -12,9 +12,9 @@ import pytest
 
 from smtpguard.config import ConfigError, loads
 from smtpguard.server import Server
-from tests.console_support import Operator, console_config, console_port, hold
 from tests.support import Behaviour, Upstream, base_config, message, running_guard, send, write_config
-from tests.utf8_support import store_overrides
+from tests.support.console import Operator, console_config, console_port, hold
+from tests.support.utf8 import store_overrides
 
 
 @pytest.fixture(params=["sqlite", "redis"])
@@ -347,7 +347,7 @@ async def test_the_history_page_escapes_what_providers_answered(
 
 
 async def test_cookies_are_secure_under_tls(tmp: Path, upstream: Upstream) -> None:
-    from tests.hostile_support import make_cert
+    from tests.support.hostile import make_cert
 
     cert, key = make_cert(tmp)
     cfg = console_config(tmp, upstream)

@@ -14,9 +14,9 @@ import pytest
 import redis
 from yarl import URL
 
-from tests.console_support import PASSWORDS, Operator, console_config, console_port
 from tests.support import RedisServer, Upstream, password_hash, running_guard, write_config
-from tests.utf8_support import store_overrides
+from tests.support.console import PASSWORDS, Operator, console_config, console_port
+from tests.support.utf8 import store_overrides
 
 LIMITS = {"auth_failures": 3, "auth_failure_window": "5m"}
 

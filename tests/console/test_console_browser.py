@@ -15,12 +15,12 @@ import pytest
 from playwright import async_api as playwright_api
 
 from smtpguard.server import Server
-from tests.console_support import PASSWORDS, console_config, console_port, hold
 from tests.support import Upstream, message, running_guard, send
+from tests.support.console import PASSWORDS, console_config, console_port, hold
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SHOTS = Path(
-    os.environ.get("SMTPGUARD_SCREENSHOTS", Path(__file__).resolve().parent.parent / "build" / "screenshots")
+    os.environ.get("SMTPGUARD_SCREENSHOTS", Path(__file__).resolve().parents[2] / "build" / "screenshots")
 )
 # As root in CI, and on a closed network: no sandbox, no background connections.
 ARGS = [

@@ -18,9 +18,9 @@ from yarl import URL
 
 from smtpguard.config import ConfigError, loads
 from smtpguard.server import Server
-from tests.console_support import PASSWORDS, Operator, console_config, console_port
 from tests.support import Upstream, base_config, password_hash, running_guard, write_config
-from tests.utf8_support import store_overrides
+from tests.support.console import PASSWORDS, Operator, console_config, console_port
+from tests.support.utf8 import store_overrides
 
 LIMITS = {"auth_failures": 3, "auth_failure_window": "5m"}
 
@@ -426,7 +426,7 @@ async def test_a_username_no_store_can_hold_is_counted_not_a_500(
     """PostgreSQL's text cannot hold NUL: what anyone types as a username is counted under a
     key every store takes (it was 503, the store refusing the key, and never counted)."""
     from smtpguard.store import store_from_url
-    from tests.postgres_support import PostgresServer, reset
+    from tests.support.postgres import PostgresServer, reset
 
     pg: PostgresServer = request.getfixturevalue("postgres_server")
     first = store_from_url(pg.url)

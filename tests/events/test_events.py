@@ -15,7 +15,6 @@ import pytest
 
 from smtpguard.cli import main
 from smtpguard.server import Server
-from tests import events_support as ev
 from tests.support import (
     OTHER_PASSWORD,
     Upstream,
@@ -24,7 +23,8 @@ from tests.support import (
     running_guard,
     send,
 )
-from tests.utf8_support import store_overrides
+from tests.support import events as ev
+from tests.support.utf8 import store_overrides
 
 RCPT = "gone@example.net"
 

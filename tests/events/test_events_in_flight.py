@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from tests import events_support as ev
+from tests.events.test_events import RCPT, events_config, events_port, suppressed
 from tests.support import Behaviour, Upstream, message, running_guard, send
-from tests.test_events import RCPT, events_config, events_port, suppressed
-from tests.utf8_support import store_overrides
+from tests.support import events as ev
+from tests.support.utf8 import store_overrides
 
 
 @pytest.fixture

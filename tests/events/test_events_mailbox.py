@@ -10,8 +10,8 @@ import aiosmtplib
 import pytest
 
 from smtpguard.server import Server
+from tests.events.test_events import RCPT, sent, suppressed
 from tests.support import Upstream, base_config, running_guard
-from tests.test_events import RCPT, sent, suppressed
 
 MAILBOX = "bounces@guard.test"
 

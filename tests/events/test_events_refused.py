@@ -21,9 +21,9 @@ from smtpguard.cli import main
 from smtpguard.config import ConfigError, loads
 from smtpguard.events import signatures
 from smtpguard.server import Server
-from tests import events_support as ev
+from tests.events.test_events import BOUNCE_STATUS, RCPT, events_port, sent, suppressed
 from tests.support import RedisServer, Upstream, base_config, running_guard, write_config
-from tests.test_events import BOUNCE_STATUS, RCPT, events_port, sent, suppressed
+from tests.support import events as ev
 
 STALE = 400.0
 """Seconds off: beyond the default 5 m tolerance."""

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from smtpguard.events.model import tag_value
-from tests import events_support as ev
+from tests.events.test_events import RCPT, events_config, events_port, sent, suppressed
 from tests.support import OTHER_PASSWORD, Upstream, message, running_guard, send
-from tests.test_events import RCPT, events_config, events_port, sent, suppressed
-from tests.utf8_support import store_overrides
+from tests.support import events as ev
+from tests.support.utf8 import store_overrides
 
 
 @pytest.fixture

@@ -18,10 +18,10 @@ import pytest
 
 from smtpguard.console.views import iso
 from smtpguard.server import Server
-from tests import events_support as ev
-from tests.console_support import Operator
+from tests.events.test_events import RCPT, events_port, sent, suppressed
 from tests.support import PASSWORD, Upstream, base_config, message, password_hash, running_guard, send
-from tests.test_events import RCPT, events_port, sent, suppressed
+from tests.support import events as ev
+from tests.support.console import Operator
 
 GUESSES = 300
 YEAR = 366 * 86400

@@ -17,6 +17,16 @@ import pytest
 from smtpguard.policy import verp
 from smtpguard.policy.eventkey import message_id_for
 from smtpguard.server import Server
+from tests.events.test_events import RCPT, sent, suppressed
+from tests.events.test_events_mailbox import (
+    MAILBOX,
+    VERP_DOMAIN,
+    bounce_address,
+    deliver,
+    dsn,
+    mailbox_config,
+    verp_secret,  # noqa: F401 - the fixture, autouse here too
+)
 from tests.support import (
     OTHER_PASSWORD,
     Behaviour,
@@ -26,16 +36,6 @@ from tests.support import (
     message,
     running_guard,
     send,
-)
-from tests.test_events import RCPT, sent, suppressed
-from tests.test_events_mailbox import (
-    MAILBOX,
-    VERP_DOMAIN,
-    bounce_address,
-    deliver,
-    dsn,
-    mailbox_config,
-    verp_secret,  # noqa: F401 - the fixture, autouse here too
 )
 
 _VERP = re.compile(r"^b\+([0-9a-f]+)-([0-9a-f]{20})@" + re.escape(VERP_DOMAIN) + "$")

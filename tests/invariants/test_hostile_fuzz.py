@@ -1,8 +1,8 @@
-"""Fuzzing: a bounded run of tests/fuzz_data.py, hypothesis-driven DATA over a real socket,
+"""Fuzzing: a bounded run of tests/support/fuzz_data.py, hypothesis-driven DATA over a real socket,
 and no-exception properties of the address and From parsing and of the fingerprint.
 
 (Header parsing, the smuggling check and key validation have their properties in
-tests/test_policy_message.py and tests/test_policy_eventkey.py.)
+tests/policy/test_message.py and tests/policy/test_eventkey.py.)
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from smtpguard.policy.senders import (
     sender_allowed,
 )
 from smtpguard.replies import Reply
-from tests.fuzz_data import Stats, run, target
+from tests.support.fuzz_data import Stats, run, target
 
 ALIASES = ["billing@acme.example", "@notify.acme.example"]
 

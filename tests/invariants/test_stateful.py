@@ -25,7 +25,7 @@ After every step:
  4. Own writes: no submission loses a lease that nobody else took.
  6. Errors before DATA: an event is `unknown` only if its final dot went out, or its
     instance was killed after noting data_sent.
- 7. Provider events (§13, §18; tests/stateful_events.py): a bounce arrives at any moment
+ 7. Provider events (§13, §18; tests/support/stateful_events.py): a bounce arrives at any moment
     relative to its send — before it, held after the data_sent note or after the final dot
     with the 250 not yet written, after the outcome, for a key never sent — through the
     record's provider or another: in flight it is retry-later and stores nothing; it is
@@ -64,10 +64,10 @@ from smtpguard.replies import Reply
 from smtpguard.server import Server
 from smtpguard.store import QueueEntry, Store, store_from_url
 from smtpguard.submission import Principal, Result, Submitter
-from tests.hypothesis_profiles import stateful_settings
-from tests.postgres_support import PostgresServer, reset
-from tests.stateful_events import STRANGER, EventModel, deliver_and_check
-from tests.stateful_support import (
+from tests.support import RedisServer, free_port
+from tests.support.hypothesis_profiles import stateful_settings
+from tests.support.postgres import PostgresServer, reset
+from tests.support.stateful import (
     BEHAVIOURS,
     Clock,
     Fault,
@@ -83,7 +83,7 @@ from tests.stateful_support import (
     is_data_sent_mark,
     spawn_as,
 )
-from tests.support import RedisServer, free_port
+from tests.support.stateful_events import STRANGER, EventModel, deliver_and_check
 
 T = TypeVar("T")
 
@@ -756,7 +756,7 @@ class LedgerMachine(RuleBasedStateMachine):
     def provider_event(self, slot: str, msg: Msg, when: str, to: str, via: str, again: bool) -> None:
         """A provider's bounce for this event arrives `now`, or while a submission of it is
         held after its data_sent note or after the final dot (its 250 not yet written);
-        tests/stateful_events.py says what must hold (DESIGN.md §18)."""
+        tests/support/stateful_events.py says what must hold (DESIGN.md §18)."""
         inst = self.instances[slot]
         if when == "now":
             note(self.run(self._provider_event(msg, to, via, again)))

@@ -15,8 +15,8 @@ import yaml
 
 from smtpguard.config import ConfigError, loads
 from smtpguard.policy.alerts import AlertLedger, used_ratio
+from tests.ops.test_ops import http_get, sample
 from tests.support import FakeClock, Upstream, base_config, message, running_guard, send
-from tests.test_ops import http_get, sample
 
 MID_JUNE = datetime(2026, 6, 15, 10, 5, tzinfo=UTC).timestamp()
 

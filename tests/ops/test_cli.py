@@ -106,7 +106,7 @@ async def test_config_option_anywhere_on_the_line(
 def test_no_command_creates_the_store(
     in_tmp: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
 ) -> None:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     # The shipped config names a relative store: var/smtpguard.db under the working directory.
     code, out, err = run(capsys, *argv, "-c", str(root / "conf" / "smtpguard.yaml"))
     assert code == EXIT_STORE
@@ -212,7 +212,7 @@ def test_os_errors_keep_the_path(tmp: Path, capsys: pytest.CaptureFixture[str]) 
     assert code == 1
     assert str(blocker) in err and "Not a directory" in err and "Traceback" not in err
     missing = tmp / "nope.csv"
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     code, _, err = run(
         capsys, "suppress", "import", "demo", str(missing), "-c", str(root / "conf" / "smtpguard.yaml")
     )

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from smtpguard.cli import main
-from tests.console_support import hold
 from tests.support import Upstream, base_config, message, running_guard, send, write_config
-from tests.utf8_support import store_overrides
+from tests.support.console import hold
+from tests.support.utf8 import store_overrides
 
 
 @pytest.fixture(params=["sqlite", "redis"])

@@ -21,8 +21,8 @@ from smtpguard.console import views
 from smtpguard.policy.limits import CapCheck, caps_for, month_of, user_caps_for
 from smtpguard.server import Server
 from smtpguard.store import Store, store_from_url
-from tests.console_support import Operator, console_config, console_port
 from tests.support import PASSWORD, Upstream, base_config, password_hash, running_guard, write_config
+from tests.support.console import Operator, console_config, console_port
 
 T = TypeVar("T")
 EPOCH = 1_700_000_000.0

@@ -1,4 +1,4 @@
-"""`smtpguard doctor` (DESIGN.md §12) against a real DNS server (NSD, tests/dns_support.py)
+"""`smtpguard doctor` (DESIGN.md §12) against a real DNS server (NSD, tests/support/dns.py)
 and real upstreams: every check's ok, warning and error row, the RFC 7208 §4.6.4 limits, the
 probe's certificate checks, the exit codes and JSON, and no MAIL sent to any upstream."""
 
@@ -19,8 +19,8 @@ import pytest
 import yaml
 from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session
 
-from tests.dns_support import NsdServer, nsd, txt
 from tests.support import RecordingHandler, Upstream, base_config, free_port, write_config
+from tests.support.dns import NsdServer, nsd, txt
 
 KEY = "MIGfMA0GCSqGSIb3DQEBAQUAA4GNADCBiQKBgQC1TaNgLlSyQMNWVLNLvyY/neDgaL2oqQE8T5illKqCgDtFHc8eHVAU"
 

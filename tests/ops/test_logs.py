@@ -24,7 +24,7 @@ from tests.support import (
     write_config,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def log_with(formatter: logging.Formatter) -> tuple[logging.Logger, io.StringIO]:

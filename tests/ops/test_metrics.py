@@ -20,7 +20,8 @@ import yaml
 from smtpguard import __version__
 from smtpguard.config import loads
 from smtpguard.server import Server
-from tests.hostile_support import RawClient, make_cert, with_starttls
+from tests.ops.test_ops import http_get
+from tests.ops.test_ops import sample as labelled
 from tests.support import (
     Behaviour,
     GuardProcess,
@@ -32,10 +33,9 @@ from tests.support import (
     send,
     write_config,
 )
-from tests.test_ops import http_get
-from tests.test_ops import sample as labelled
+from tests.support.hostile import RawClient, make_cert, with_starttls
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _NAME = re.compile(r"\b(?:smtpguard|process|python)_[a-z_]*[a-z]\b")
 
 

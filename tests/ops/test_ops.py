@@ -236,7 +236,7 @@ def test_check_config_unreadable_and_invalid_yaml(tmp: Path, capsys: pytest.Capt
 
 
 def test_check_config_accepts_the_shipped_default(capsys: pytest.CaptureFixture[str]) -> None:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     assert main(["check-config", "-c", str(root / "conf" / "smtpguard.yaml")]) == 0
     assert "config OK" in capsys.readouterr().out
 
@@ -285,7 +285,7 @@ def test_hash_password_reads_stdin(
 
 def test_yaml_helper_roundtrip(tmp: Path) -> None:
     # The shipped default config must stay loadable YAML with a demo user.
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     doc = yaml.safe_load((root / "conf" / "smtpguard.yaml").read_text())
     assert doc["zones"]["demo"]["users"][0]["username"] == "demo-app"
 

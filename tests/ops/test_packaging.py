@@ -27,7 +27,7 @@ from smtpguard.config import LimitsConfig
 from smtpguard.units import parse_duration
 from tests.support import base_config, free_port, running_guard, write_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "systemd" / "smtpguard.service"
 SYSUSERS = ROOT / "systemd" / "smtpguard.sysusers"
 DOCKERFILE = ROOT / "Dockerfile"
@@ -96,7 +96,7 @@ def test_unit_runs_the_console_script_with_the_etc_config(unit: dict[str, list[t
 
 def test_unit_has_the_required_directives(unit: dict[str, list[tuple[str, str]]]) -> None:
     expected = {
-        # smtpguard tells systemd when it is ready and when it stops (tests/test_metrics.py).
+        # smtpguard tells systemd when it is ready and when it stops (tests/ops/test_metrics.py).
         "Type": "notify",
         "NotifyAccess": "main",
         "StateDirectory": "smtpguard",

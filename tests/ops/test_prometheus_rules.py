@@ -12,11 +12,11 @@ from pathlib import Path
 
 import yaml
 
+from tests.ops.test_metrics import exposed_names
+from tests.ops.test_ops import http_get
 from tests.support import Upstream, base_config, message, running_guard, send
-from tests.test_metrics import exposed_names
-from tests.test_ops import http_get
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "docs" / "prometheus-rules.yml"
 RULE_TESTS = ROOT / "docs" / "prometheus-rules.test.yml"
 

@@ -31,7 +31,6 @@ from smtpguard.connection_table import ConnectionTable, address_key
 from smtpguard.policy.restart import MAX_DELAY, STABLE_AFTER, after_exit
 from smtpguard.server import Server
 from smtpguard.workers import REUSEPORT, WorkerRole, bound_socket
-from tests.postgres_support import PostgresServer
 from tests.support import (
     OTHER_PASSWORD,
     PASSWORD,
@@ -46,7 +45,8 @@ from tests.support import (
     send,
     write_config,
 )
-from tests.test_hostile_auth import attempt, plain
+from tests.support.postgres import PostgresServer
+from tests.wire.test_hostile_auth import attempt, plain
 
 REDIS_DB = 11
 
@@ -234,7 +234,7 @@ def store(request: pytest.FixtureRequest, tmp: Path) -> Iterator[dict[str, Any]]
         plain.flushdb()
         plain.close()
     else:
-        from tests.test_postgres import database
+        from tests.store.test_postgres import database
 
         pg: PostgresServer = request.getfixturevalue("postgres_server")
         yield {"store__url": database(pg)}
@@ -696,7 +696,7 @@ async def test_a_reload_every_worker_would_refuse_does_not_reach_a_restarted_wor
     """A TLS pair that does not load is refused by every worker's reload. Had the supervisor
     passed it on as the run's config, a worker restarted later would start on it, fail, and
     crash-loop: that worker lost for good."""
-    from tests.hostile_support import make_cert
+    from tests.support.hostile import make_cert
 
     cert, key = make_cert(tmp)
     async with pool(tmp, upstream, tls={"cert": str(cert), "key": str(key)}) as p:

@@ -27,8 +27,8 @@ from smtpguard.connection_table import ConnectionTable, address_key
 from smtpguard.heartbeat import Beat
 from smtpguard.run_dir import LOCK, PREFIX, RunDir, remove_leftovers
 from smtpguard.workers import SharedConnections
+from tests.ops.test_workers import Pool, _run_dir, pool, wait_for
 from tests.support import GuardProcess, Reply, Upstream, base_config, free_port, message, send, write_config
-from tests.test_workers import Pool, _run_dir, pool, wait_for
 
 HEARTBEAT = 10.0
 """The shortest workers_heartbeat there is."""

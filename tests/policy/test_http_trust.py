@@ -1,5 +1,5 @@
 """policy/http_trust.py: whom a request is from behind trusted proxies, and whether its Host
-is ours. Pure, no sockets; the console's wiring is tests/test_console_trust.py."""
+is ours. Pure, no sockets; the console's wiring is tests/console/test_console_trust.py."""
 
 from __future__ import annotations
 

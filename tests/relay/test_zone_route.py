@@ -182,7 +182,7 @@ async def test_smtputf8_at_rcpt_is_judged_on_the_zones_own_route(tmp: Path) -> N
     with 553 5.6.7 (DESIGN.md §3: "the route's provider does not offer it") — not accepted
     for the primary's SMTPUTF8, reserved, then refused after DATA by its own provider."""
     from tests.support import PASSWORD, running_guard
-    from tests.utf8_support import raw_message, transact, utf8_upstream
+    from tests.support.utf8 import raw_message, transact, utf8_upstream
 
     async with utf8_upstream() as primary:
         standby = Upstream()

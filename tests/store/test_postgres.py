@@ -21,7 +21,7 @@ import yaml
 from smtpguard.config import loads
 from smtpguard.store import StoreUnavailable, store_from_url
 from smtpguard.store.postgres import PostgresStore
-from tests.postgres_support import PostgresServer
+from tests.store.test_store_contract import fresh
 from tests.support import (
     Behaviour,
     GuardProcess,
@@ -32,7 +32,7 @@ from tests.support import (
     send,
     write_config,
 )
-from tests.test_store_contract import fresh
+from tests.support.postgres import PostgresServer
 
 
 def database(server: PostgresServer) -> str:

@@ -36,8 +36,6 @@ from smtpguard.policy.ledger import State
 from smtpguard.readiness.store import store_findings
 from smtpguard.store import StoreUnavailable
 from smtpguard.store.postgres import PostgresStore
-from tests.failover_support import storm
-from tests.postgres_support import PostgresServer
 from tests.support import (
     OTHER_PASSWORD,
     Behaviour,
@@ -51,6 +49,8 @@ from tests.support import (
     send,
     write_config,
 )
+from tests.support.failover import storm
+from tests.support.postgres import PostgresServer
 
 pytestmark = pytest.mark.slow
 

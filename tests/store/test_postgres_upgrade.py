@@ -30,7 +30,6 @@ from smtpguard.cli import main
 from smtpguard.config import ConfigError, loads
 from smtpguard.server import Server
 from smtpguard.store.postgres.migrate import LATEST, MIGRATIONS
-from tests.postgres_support import PostgresServer
 from tests.support import (
     GuardProcess,
     Upstream,
@@ -41,10 +40,11 @@ from tests.support import (
     send,
     write_config,
 )
+from tests.support.postgres import PostgresServer
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RELEASES = {
     # The last commit whose schema was version 2 (before the throttle's migration 3). No
     # commit with schema 1 alone could serve PostgreSQL: the ledger-index builds of

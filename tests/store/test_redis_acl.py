@@ -29,7 +29,7 @@ from tests.support import (
     write_config,
 )
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "redis.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "redis.md"
 
 
 def documented_acl() -> list[str]:

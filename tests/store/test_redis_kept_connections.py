@@ -18,9 +18,9 @@ import redis
 from smtpguard.policy.ledger import Record
 from smtpguard.store import Reserved, StoreUnavailable
 from smtpguard.store.redis import _MAX_CONNECTIONS, _SPARE, RedisStore
+from tests.store.test_redis_sentinel import Node, replicas_online
+from tests.store.test_store_contract import fresh
 from tests.support import RedisServer
-from tests.test_redis_sentinel import Node, replicas_online
-from tests.test_store_contract import fresh
 
 
 async def _fill_kept(store: RedisStore, zone: str, n: int = 3 * _SPARE) -> None:

@@ -21,7 +21,6 @@ import pytest
 import redis
 
 from smtpguard.config import loads
-from tests.failover_support import storm
 from tests.support import (
     Behaviour,
     GuardProcess,
@@ -31,6 +30,7 @@ from tests.support import (
     wait_listening,
     write_config,
 )
+from tests.support.failover import storm
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ import yaml
 from smtpguard.config import ConfigError, loads
 from smtpguard.store import Reserved, StoreUnavailable, store_from_url
 from smtpguard.store.redis import RedisStore, parse_sentinel_url
+from tests.store.test_store_contract import fresh
 from tests.support import RedisServer, Upstream, base_config, message, running_guard, send
-from tests.test_store_contract import fresh
 
 
 async def test_wait_without_enough_replicas_refuses_the_write(redis_server: RedisServer) -> None:

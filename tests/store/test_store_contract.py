@@ -39,8 +39,8 @@ from smtpguard.store import (
 )
 from smtpguard.store.base import StoredEvent, ZoneAudit
 from smtpguard.store.redis import RedisStore
-from tests.postgres_support import PostgresServer, reset
 from tests.support import RedisServer, free_port
+from tests.support.postgres import PostgresServer, reset
 
 # One key each, one slot: set by a background step at open once older data is upgraded.
 UPGRADE_MARKERS = {"sg:supp-folded", "sg:lanes-listed", "sg:states-listed"}

@@ -14,8 +14,8 @@ import psycopg
 from smtpguard.policy.limits import Caps, cap_check
 from smtpguard.store import CapUsage, Reserved, Store, store_from_url
 from smtpguard.store.postgres import _MIGRATIONS
-from tests.postgres_support import PostgresServer
-from tests.test_store_contract import MONTH, NOW, fresh, user_cap
+from tests.store.test_store_contract import MONTH, NOW, fresh, user_cap
+from tests.support.postgres import PostgresServer
 
 NEW_TABLES = ("paused_classes", "user_sends", "user_monthly")
 

@@ -18,10 +18,10 @@ import pytest
 from smtpguard.class_pauses import ClassPauses
 from smtpguard.cli import main
 from smtpguard.store import Store, StoreUnavailable, store_from_url
-from tests.console_support import Operator, console_config, console_port
+from tests.invariants.test_multi_instance import cli, is_451, two_instances
+from tests.queue.test_queue import queue_config
 from tests.support import Upstream, base_config, message, running_guard, send, write_config
-from tests.test_multi_instance import cli, is_451, two_instances
-from tests.test_queue import queue_config
+from tests.support.console import Operator, console_config, console_port
 
 SETTLE = 1.0
 """DESIGN.md §16: a class pause holds on every instance within this long."""

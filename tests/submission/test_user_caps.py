@@ -16,6 +16,8 @@ import pytest
 from smtpguard.cli import main
 from smtpguard.config import ConfigError, loads
 from smtpguard.policy.limits import CapReached, Caps, cap_check, cap_reply, user_caps_for
+from tests.invariants.test_multi_instance import is_451, two_instances
+from tests.queue.test_queue import queue_config
 from tests.support import (
     PASSWORD,
     Reply,
@@ -27,8 +29,6 @@ from tests.support import (
     send,
     write_config,
 )
-from tests.test_multi_instance import is_451, two_instances
-from tests.test_queue import queue_config
 
 SERVICE_PASSWORD = "svc-test-pass"
 

@@ -1,6 +1,6 @@
 """Socket fuzzer: random and mutated DATA and header bytes against an in-process smtpguard.
 
-    python -m tests.fuzz_data --seconds 60 [--seed N]      (or scripts/fuzz …)
+    python -m tests.support.fuzz_data --seconds 60 [--seed N]      (or scripts/fuzz …)
 
 A real smtpguard (SQLite store) relays to a real recording upstream. Every input is one SMTP
 transaction over a raw socket; after each one the fuzzer checks that
@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from smtpguard.server import Server
-from tests.hostile_support import CLOSED, RawClient, SmtpReply, terminated
 from tests.support import PASSWORD, Upstream, base_config, running_guard
+from tests.support.hostile import CLOSED, RawClient, SmtpReply, terminated
 
 REPLY_TIMEOUT = 30.0
 

@@ -1,8 +1,8 @@
-"""Hypothesis profiles for the stateful ledger test (tests/test_stateful.py).
+"""Hypothesis profiles for the stateful ledger test (tests/invariants/test_stateful.py).
 
 `ci` is the default: a bounded search that fits a test run. `long` searches much further
 (scripts/stateful). Choose with `--hypothesis-profile=NAME` (pytest needs this module loaded
-as a plugin to know the names before it configures Hypothesis: `-p tests.hypothesis_profiles`,
+as a plugin to know the names before it configures Hypothesis: `-p tests.support.hypothesis_profiles`,
 as scripts/stateful does) or with HYPOTHESIS_PROFILE=NAME.
 """
 

@@ -1,4 +1,4 @@
-"""Real parts for the stateful ledger test (tests/test_stateful.py, DESIGN.md §11).
+"""Real parts for the stateful ledger test (tests/invariants/test_stateful.py, DESIGN.md §11).
 
 Nothing here stands in for smtpguard: the upstream is an aiosmtpd server on a free port that
 answers each event as scripted and records every transaction; the stores are real (a SQLite

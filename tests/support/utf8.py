@@ -1,6 +1,6 @@
 """Real parts for the address tests: an upstream that offers SMTPUTF8, a client that declares it.
 
-The recording upstream of tests/support.py is aiosmtpd's default, which does not offer
+The recording upstream of tests/support/__init__.py is aiosmtpd's default, which does not offer
 SMTPUTF8; Utf8Upstream is the same recorder with it on, and it notes the MAIL parameters
 each transaction came with.
 """

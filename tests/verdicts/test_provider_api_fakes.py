@@ -1,6 +1,6 @@
 """The provider API fakes are checked against the providers' documentation before any client
 test trusts them: what each fake answers has the shape of the documentation's example
-(tests/fixtures/provider_api/*.json, each naming its page), each fake refuses what the
+(tests/support/fixtures/provider_api/*.json, each naming its page), each fake refuses what the
 provider refuses, and the clients read the documentation's own examples as expected."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from smtpguard.verdicts.mailgun import MailgunLog
 from smtpguard.verdicts.model import Reported
 from smtpguard.verdicts.postmark import PostmarkLog
 from smtpguard.verdicts.sendgrid import SendgridLog
-from tests.provider_api_fakes import FakeApi, FakeMailgun, FakePostmark, FakeSendgrid
 from tests.support import FakeClock
+from tests.support.provider_api_fakes import FakeApi, FakeMailgun, FakePostmark, FakeSendgrid
 
-FIXTURES = Path(__file__).parent / "fixtures" / "provider_api"
+FIXTURES = Path(__file__).parents[1] / "support" / "fixtures" / "provider_api"
 KEY = "key-3ax6xnjp29jd6fds4gc373sgvjxteol0"
 T = 1_700_000_000.0
 

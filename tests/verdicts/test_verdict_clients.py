@@ -1,4 +1,4 @@
-"""The log-API clients against the local fakes (tests/provider_api_fakes.py): the §19 verdicts
+"""The log-API clients against the local fakes (tests/support/provider_api_fakes.py): the §19 verdicts
 they lead to, paging, 429 honoured, 5xx retried within a bound, 401 logged once an hour, and
 the API key in no log line, exception or repr. Every count is of requests the fake received."""
 
@@ -23,8 +23,8 @@ from smtpguard.verdicts.mailgun import MailgunLog
 from smtpguard.verdicts.model import LogApi, Reported
 from smtpguard.verdicts.postmark import PostmarkLog
 from smtpguard.verdicts.sendgrid import SendgridLog
-from tests.provider_api_fakes import FakeMailgun, FakePostmark, FakeSendgrid
 from tests.support import FakeClock, base_config
+from tests.support.provider_api_fakes import FakeMailgun, FakePostmark, FakeSendgrid
 
 KEY = "key-3ax6xnjp29jd6fds4gc373sgvjxteol0"
 FAST = Retry(attempts=4, backoff=0.02, backoff_max=0.1, retry_after_max=5.0)

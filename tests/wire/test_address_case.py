@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from tests.hostile_support import nothing_recorded
 from tests.support import Upstream, base_config, running_guard
-from tests.utf8_support import Utf8Upstream, cap_usage, raw_message, store_overrides, transact, utf8_upstream
+from tests.support.hostile import nothing_recorded
+from tests.support.utf8 import Utf8Upstream, cap_usage, raw_message, store_overrides, transact, utf8_upstream
 
 KELVIN = "\u212a"  # KELVIN SIGN: str.lower() makes it "k"
 SENDERS = ["billing@acme.example", "@bank.example", "kelvin@trust.example"]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.hostile_support import RawClient, message_bytes, session, terminated
 from tests.support import Upstream, base_config, running_guard
+from tests.support.hostile import RawClient, message_bytes, session, terminated
 
 pytestmark = pytest.mark.usefixtures("no_tracebacks")
 

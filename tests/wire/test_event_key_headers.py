@@ -14,8 +14,8 @@ import yaml
 
 from smtpguard.config import ConfigError, loads
 from smtpguard.policy.strip import without_headers
+from tests.queue.test_queue import queue_config
 from tests.support import Upstream, base_config, free_port, running_guard, send, settled_records
-from tests.test_queue import queue_config
 
 ALIASES = ["X-Event-Key", "Idempotency-Key"]
 

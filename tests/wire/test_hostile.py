@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.hostile_support import (
+from tests.support import OTHER_PASSWORD, Upstream, base_config, running_guard
+from tests.support.hostile import (
     message_bytes,
     nothing_recorded,
     session,
     submit,
     terminated,
 )
-from tests.support import OTHER_PASSWORD, Upstream, base_config, running_guard
 
 # Every hostile case must leave no traceback in the logs (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("no_tracebacks")

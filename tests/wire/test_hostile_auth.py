@@ -18,7 +18,8 @@ from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session
 
 from smtpguard.cli import main
 from smtpguard.logs import JSONFormatter
-from tests.hostile_support import (
+from tests.support import PASSWORD, RedisServer, Upstream, base_config, running_guard, write_config
+from tests.support.hostile import (
     RawClient,
     SmtpReply,
     message_bytes,
@@ -26,7 +27,6 @@ from tests.hostile_support import (
     submit,
     terminated,
 )
-from tests.support import PASSWORD, RedisServer, Upstream, base_config, running_guard, write_config
 
 # Every hostile case must leave no traceback in the logs (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("no_tracebacks")

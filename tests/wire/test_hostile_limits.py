@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.hostile_support import (
+from tests.support import Behaviour, Upstream, base_config, running_guard
+from tests.support.hostile import (
     RawClient,
     all_released,
     message_bytes,
@@ -21,7 +22,6 @@ from tests.hostile_support import (
     submit,
     terminated,
 )
-from tests.support import Behaviour, Upstream, base_config, running_guard
 
 # Every hostile case must leave no traceback in the logs (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("no_tracebacks")

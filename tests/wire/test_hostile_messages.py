@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.hostile_support import nothing_recorded, submit
 from tests.support import Upstream, base_config, running_guard
+from tests.support.hostile import nothing_recorded, submit
 
 # Every hostile case must leave no traceback in the logs (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("no_tracebacks")

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from smtpguard.config import ConfigError, loads
-from tests.hostile_support import (
+from tests.support import PASSWORD, Upstream, base_config, running_guard
+from tests.support.hostile import (
     RawClient,
     all_released,
     client_tls,
@@ -19,7 +20,6 @@ from tests.hostile_support import (
     terminated,
     with_starttls,
 )
-from tests.support import PASSWORD, Upstream, base_config, running_guard
 
 # Every hostile case must leave no traceback in the logs (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("no_tracebacks")

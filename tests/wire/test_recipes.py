@@ -340,7 +340,7 @@ async def test_swaks_smoke_test(tmp: Path, upstream: Upstream) -> None:
 # --- staging: smtpguard sink as the only provider ---------------------------------------------
 def staging_config(tmp: Path, sink_port: int) -> dict[str, object]:
     """The staging.yaml of docs/recipes.md, as written, with this test's ports and paths."""
-    text = (Path(__file__).resolve().parents[1] / "docs" / "recipes.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "recipes.md").read_text()
     section = text.split("## A staging zone that never reaches a provider", 1)[1]
     (block,) = re.findall(r"```yaml\n(.*?)```", section, re.S)
     cfg = yaml.safe_load(block)

@@ -22,8 +22,8 @@ from smtpguard.policy.limits import month_of
 from smtpguard.policy.recipients import TROUBLE_TTL, judge
 from smtpguard.readiness.dns import DnsClient
 from smtpguard.recipient_domains import RecipientDomains
-from tests.dns_support import NsdServer, bad_resolver, nsd, slow_resolver, txt
 from tests.support import PASSWORD, FakeClock, Upstream, base_config, message, running_guard, send
+from tests.support.dns import NsdServer, bad_resolver, nsd, slow_resolver, txt
 
 RECORDS = [
     "good IN MX 10 mx1.good.test.",
@@ -261,7 +261,7 @@ async def test_internationalised_domains_are_looked_up_by_idna_2008(
 
 
 def test_the_idna_package_is_a_dependency() -> None:
-    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
     assert any(d.replace(" ", "").startswith(("dnspython[idna]", "idna")) for d in project["dependencies"])
 
 

@@ -25,7 +25,7 @@ import aiohttp
 import aiosmtplib
 import pytest
 
-from tests import events_support as ev
+from tests.events.test_events import RCPT
 from tests.support import (
     GuardProcess,
     Upstream,
@@ -36,7 +36,7 @@ from tests.support import (
     send,
     write_config,
 )
-from tests.test_events import RCPT
+from tests.support import events as ev
 
 pytestmark = pytest.mark.slow
 

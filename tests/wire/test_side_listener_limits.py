@@ -20,8 +20,8 @@ import pytest
 from smtpguard.admission import client_bucket
 from smtpguard.config import ConfigError, loads
 from smtpguard.server import Server
-from tests import events_support as ev
 from tests.support import Upstream, base_config, password_hash, running_guard
+from tests.support import events as ev
 
 READ = 0.6
 IDLE = 1.2

@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from smtpguard.server import Server
-from tests.hostile_support import make_cert
 from tests.support import Upstream, base_config, running_guard
+from tests.support.hostile import make_cert
 
 pytestmark = pytest.mark.usefixtures("no_tracebacks")
 

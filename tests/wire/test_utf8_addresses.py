@@ -23,9 +23,9 @@ from smtpguard.config import SmtpProviderConfig, loads
 from smtpguard.policy.outcome import Kind
 from smtpguard.relay import Envelope, SmtpProvider
 from smtpguard.store import CapUsage
-from tests.hostile_support import nothing_recorded
 from tests.support import Upstream, base_config, running_guard
-from tests.utf8_support import Utf8Upstream, cap_usage, raw_message, store_overrides, transact, utf8_upstream
+from tests.support.hostile import nothing_recorded
+from tests.support.utf8 import Utf8Upstream, cap_usage, raw_message, store_overrides, transact, utf8_upstream
 
 JOE = "jöe@example.net"
 CUSTOMER = "customer@example.com"
