@@ -24,6 +24,7 @@ from smtpguard.server import Server
 from tests.events.test_events import BOUNCE_STATUS, RCPT, events_port, sent, suppressed
 from tests.support import RedisServer, Upstream, base_config, running_guard, write_config
 from tests.support import events as ev
+from tests.support.eventually import eventually
 
 STALE = 400.0
 """Seconds off: beyond the default 5 m tolerance."""
@@ -247,10 +248,12 @@ async def test_store_down_is_503_and_the_retry_is_applied(
             status, doc = await ev.post(events_port(guard), "sendgrid", signed)
             assert status == 503 and "store" in doc["error"]
             redis.start()
-            for _ in range(50):  # the provider's retries
-                if (await ev.post(events_port(guard), "sendgrid", signed))[0] == 200:
-                    break
-                await asyncio.sleep(0.2)
+            await eventually(  # the provider's retries
+                lambda: ev.post(events_port(guard), "sendgrid", signed),
+                lambda r: r[0] == 200,
+                timeout=10,
+                interval=0.2,
+            )
             assert await suppressed(guard, "acme") == {RCPT: "bounce 5.0.0 via sendgrid"}
     finally:
         redis.stop()

@@ -22,6 +22,7 @@ from tests.events.test_events import RCPT, events_port, sent, suppressed
 from tests.support import PASSWORD, Upstream, base_config, message, password_hash, running_guard, send
 from tests.support import events as ev
 from tests.support.console import Operator
+from tests.support.eventually import eventually
 
 GUESSES = 300
 YEAR = 366 * 86400
@@ -185,11 +186,11 @@ async def test_a_body_abandoned_mid_way_is_one_log_line(
     await asyncio.sleep(0.2)
     writer.close()
     await writer.wait_closed()
-    for _ in range(50):  # bounded: 5 s
-        lines = [r for r in caplog.records if r.getMessage() == "provider event body aborted"]
-        if lines:
-            break
-        await asyncio.sleep(0.1)
+    lines = await eventually(
+        lambda: [r for r in caplog.records if r.getMessage() == "provider event body aborted"],
+        timeout=5,
+        interval=0.1,
+    )
     assert len(lines) == 1, [r.getMessage() for r in caplog.records]
     assert getattr(lines[0], "source", None) == "ses"
     assert await suppressed(guard, "acme") == {}

@@ -46,6 +46,7 @@ from tests.support import (
     settled_records,
     write_config,
 )
+from tests.support.eventually import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -169,11 +170,14 @@ def _log_lines(path: Path) -> list[dict[str, Any]]:
 
 
 async def _reloaded(log: Path, before: int, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if sum(1 for r in _log_lines(log) if r.get("msg") == "config reloaded") > before:
-            return
-        await asyncio.sleep(0.02)
+    reloads = await eventually(
+        lambda: sum(1 for r in _log_lines(log) if r.get("msg") == "config reloaded"),
+        lambda n: n > before,
+        timeout=timeout,
+        interval=0.02,
+    )
+    if reloads > before:
+        return
     raise AssertionError("SIGHUP: no 'config reloaded' in the log")
 
 

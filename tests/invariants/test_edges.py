@@ -41,6 +41,7 @@ from tests.support import (
     send,
     write_config,
 )
+from tests.support.eventually import eventually
 
 
 @pytest.fixture(params=["sqlite", "redis"])
@@ -73,13 +74,14 @@ async def record(guard: Server, key: str, zone: str = "acme") -> Record:
 async def until_state(
     store: Store, key: str, state: State, timeout: float = 10, zone: str = "acme"
 ) -> Record:
-    deadline = time.monotonic() + timeout
-    rec = None
-    while time.monotonic() < deadline:
-        rec = await store.get(zone, key)
-        if rec is not None and rec.state is state:
-            return rec
-        await asyncio.sleep(0.05)
+    rec = await eventually(
+        lambda: store.get(zone, key),
+        lambda r: r is not None and r.state is state,
+        timeout=timeout,
+        interval=0.05,
+    )
+    if rec is not None and rec.state is state:
+        return rec
     raise AssertionError(f"{key} is {rec.state.value if rec else 'missing'}, not {state.value}")
 
 

@@ -30,6 +30,7 @@ from tests.support import (
     send,
     write_config,
 )
+from tests.support.eventually import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -250,11 +251,7 @@ async def test_store_and_forward_across_two_instances_delivers_each_event_once(
         await store.open()
         try:
             # Drained: every entry settled and off the queue (claims of 2 s have all expired).
-            for _ in range(300):
-                if not await store.queue_entries(None):
-                    break
-                await asyncio.sleep(0.1)
-            else:
+            if await eventually(lambda: store.queue_entries(None), lambda e: not e, timeout=30, interval=0.1):
                 raise AssertionError(f"queue not drained: {await store.queue_entries(None)}")
             t_drained = time.monotonic() - started
             states = Counter(

@@ -33,6 +33,7 @@ from tests.support import (
     send,
     write_config,
 )
+from tests.support.eventually import eventually
 from tests.support.hostile import RawClient, make_cert, with_starttls
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,12 +137,12 @@ async def test_queue_depth_counts_waiting_entries(tmp: Path, upstream: Upstream)
         reply = await send(guard.ports[0], message("q1"))
         assert reply.code == 250
         assert guard.health is not None
-        body = ""
-        for _ in range(150):  # the gauges are refreshed every few seconds
-            _, body = await http_get(guard.health.port, "/metrics")
-            if 'smtpguard_queue_depth{class="transactional",zone="acme"}' in body:
-                break
-            await asyncio.sleep(0.05)
+        _, body = await eventually(  # the gauges are refreshed every few seconds
+            lambda: http_get(guard.health.port, "/metrics"),
+            lambda r: 'smtpguard_queue_depth{class="transactional",zone="acme"}' in r[1],
+            timeout=7.5,
+            interval=0.05,
+        )
     assert sample(body, "smtpguard_queue_depth", zone="acme", **{"class": "transactional"}) == 1
 
 
@@ -156,12 +157,9 @@ async def test_readyz_is_503_while_draining(tmp: Path, upstream: Upstream) -> No
     pending = asyncio.create_task(send(server.ports[0], message("d1")))
     await upstream.wait_received(1)
     stopping = asyncio.create_task(server.stop())
-    status, body = 0, ""
-    for _ in range(100):
-        status, body = await http_get(health, "/readyz")
-        if status == 503:
-            break
-        await asyncio.sleep(0.01)
+    status, body = await eventually(
+        lambda: http_get(health, "/readyz"), lambda r: r[0] == 503, timeout=1, interval=0.01
+    )
     assert status == 503 and "draining" in body
     assert sample((await http_get(health, "/metrics"))[1], "smtpguard_draining") == 1
     assert not pending.done(), "the in-flight submission is still being answered"

@@ -23,6 +23,7 @@ from tests.support import (
     send,
     write_config,
 )
+from tests.support.eventually import eventually
 
 
 async def http_get(port: int, path: str) -> tuple[int, str]:
@@ -88,11 +89,9 @@ async def test_readyz_fails_when_every_circuit_is_open(tmp: Path) -> None:
         _, metrics = await http_get(guard.health.port, "/metrics")
         assert sample(metrics, "smtpguard_breaker_state", provider="primary") == 2
         assert guard.store is not None
-        for _ in range(50):  # published to the store off the hot path
-            circuits = await guard.store.circuits()
-            if circuits and circuits[0].circuit == "open":
-                break
-            await asyncio.sleep(0.02)
+        circuits = await eventually(  # published to the store off the hot path
+            guard.store.circuits, lambda c: bool(c) and c[0].circuit == "open", timeout=1, interval=0.02
+        )
         assert [(c.provider, c.circuit) for c in circuits] == [("primary", "open")]
 
 
@@ -118,18 +117,18 @@ async def test_sighup_reloads_users_and_refuses_a_bad_file(tmp: Path, upstream: 
         write_config(path, cfg)
         assert proc.proc is not None
         proc.proc.send_signal(signal.SIGHUP)
-        after = before
-        for _ in range(50):
-            after = await send(
+        after = await eventually(
+            lambda: send(
                 port,
                 message("g1", sender="news@globex.example"),
                 user="globex-app",
                 password=OTHER_PASSWORD,
                 sender="news@globex.example",
-            )
-            if after.code == 250:
-                break
-            await asyncio.sleep(0.1)
+            ),
+            lambda r: r.code == 250,
+            timeout=5,
+            interval=0.1,
+        )
         assert after.code == 250
         # A broken file is refused; the running config (with globex) stays.
         path.write_text("zones: [this is not valid\n")

@@ -21,6 +21,7 @@ from tests.support import (
     send,
     write_config,
 )
+from tests.support.eventually import eventually
 
 
 def queue_config(tmp: Path, port: int, **overrides: Any) -> dict[str, Any]:
@@ -98,11 +99,12 @@ async def test_backoff_gaps_grow(tmp: Path, upstream: Upstream) -> None:
         await send(guard.ports[0], message("g1"))
         await upstream.wait_received(1)
         assert guard.store is not None
-        for _ in range(100):
-            rec = await guard.store.get("acme", "g1")
-            if rec is not None and rec.state.value == "delivered":
-                break
-            await asyncio.sleep(0.05)
+        rec = await eventually(
+            lambda: guard.store.get("acme", "g1"),
+            lambda r: r is not None and r.state.value == "delivered",
+            timeout=5,
+            interval=0.05,
+        )
     assert rec is not None and len(rec.attempts) == 4
     times = [a.at for a in rec.attempts]
     gaps = [b - a for a, b in itertools.pairwise(times)]
@@ -221,11 +223,12 @@ async def test_released_failed_event_is_delivered_once(tmp: Path, upstream: Upst
     async with running_guard(cfg) as guard:
         assert (await send(guard.ports[0], message("rel1"))).code == 250
         assert guard.store is not None
-        for _ in range(100):
-            rec = await guard.store.get("acme", "rel1")
-            if rec is not None and rec.state.value == "failed":
-                break
-            await asyncio.sleep(0.05)
+        rec = await eventually(
+            lambda: guard.store.get("acme", "rel1"),
+            lambda r: r is not None and r.state.value == "failed",
+            timeout=5,
+            interval=0.05,
+        )
         assert rec is not None and rec.state.value == "failed"
         assert await asyncio.to_thread(main, ["release", "acme", "rel1", "-c", str(path)]) == 0
         await upstream.wait_received(1)

@@ -39,6 +39,7 @@ from tests.support import (
     settled_records,
     write_config,
 )
+from tests.support.eventually import eventually
 
 
 def provider(name: str, port: int, **extra: Any) -> dict[str, Any]:
@@ -480,12 +481,12 @@ async def test_a_queued_message_held_by_a_throttle_expires_at_its_max_age(tmp: P
             reply = await send(guard.ports[0], message("otp-held", headers={"X-Message-Class": "otp"}))
             assert reply.code == 250, reply
             assert guard.store is not None
-            state = None
-            for _ in range(60):
-                rec = await guard.store.get("acme", "otp-held")
-                state = rec.state.value if rec else None
-                if state == "expired":
-                    break
-                await asyncio.sleep(0.1)
+            store = guard.store
+
+            async def state_now() -> str | None:
+                rec = await store.get("acme", "otp-held")
+                return rec.state.value if rec else None
+
+            state = await eventually(state_now, lambda s: s == "expired", timeout=6, interval=0.1)
     assert state == "expired"
     assert up.handler.transactions == 1 and up.received == []

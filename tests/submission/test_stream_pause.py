@@ -22,6 +22,7 @@ from tests.invariants.test_multi_instance import cli, is_451, two_instances
 from tests.queue.test_queue import queue_config
 from tests.support import Upstream, base_config, message, running_guard, send, write_config
 from tests.support.console import Operator, console_config, console_port
+from tests.support.eventually import eventually
 
 SETTLE = 1.0
 """DESIGN.md §16: a class pause holds on every instance within this long."""
@@ -91,11 +92,14 @@ async def test_queue_mode_accepts_a_paused_class_and_delivers_it_after_resume(
         assert guard.store is not None
         # A paused entry is claimed and given back every HOLD_PAUSED: a snapshot taken in
         # the middle of one hold sees it in_flight for a moment. Looked at until it does not.
-        for _ in range(50):
-            waiting = {e.key: e.state for e in await guard.store.queue_entries("acme")}
-            if "in_flight" not in waiting.values():
-                break
-            await asyncio.sleep(0.05)
+        store = guard.store
+
+        async def entries() -> dict[str, str]:
+            return {e.key: e.state for e in await store.queue_entries("acme")}
+
+        waiting = await eventually(
+            entries, lambda w: "in_flight" not in w.values(), timeout=2.5, interval=0.05
+        )
         records = [await guard.store.get("acme", f"qb{i}") for i in range(5)]
 
         assert await asyncio.to_thread(main, ["resume", "acme", "--class", "bulk", "-c", str(path)]) == 0

@@ -30,6 +30,7 @@ from smtpguard.config import loads
 from smtpguard.passwords import hash_password
 from smtpguard.server import Server
 from smtpguard.store import store_from_url
+from tests.support.eventually import eventually
 
 PASSWORD = "s3cret-test-pass"
 OTHER_PASSWORD = "other-zone-pass"
@@ -666,11 +667,12 @@ async def settled_records(store_url: str, zone: str, keys: list[str], timeout: f
     store = store_from_url(store_url)
     await store.open()
     try:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not [e for e in await store.queue_entries(zone) if e.due_at is not None]:
-                break
-            await asyncio.sleep(0.1)
+        await eventually(
+            lambda: store.queue_entries(zone),
+            lambda entries: not [e for e in entries if e.due_at is not None],
+            timeout=timeout,
+            interval=0.1,
+        )
         return {k: await store.get(zone, k) for k in keys}
     finally:
         await store.close()

@@ -21,6 +21,7 @@ from typing import Any
 from smtpguard.policy.limits import month_of
 from smtpguard.server import Server
 from tests.support import PASSWORD
+from tests.support.eventually import eventually
 
 
 @dataclass(frozen=True)
@@ -204,10 +205,10 @@ async def all_released(guard: Server, timeout: float = 5) -> bool:
     """Every connection slot is given back once the clients are gone."""
     assert guard.handler is not None
     # connection_lost runs some loop iterations after the client's close; nothing signals it.
-    for _ in range(int(timeout / 0.02)):
-        if not guard.handler.connections.total:
-            break
-        await asyncio.sleep(0.02)
+    handler = guard.handler
+    await eventually(
+        lambda: handler.connections.total, lambda total: not total, timeout=timeout, interval=0.02
+    )
     return guard.handler.connections.total == 0 and not guard.handler.connections.per_ip
 
 

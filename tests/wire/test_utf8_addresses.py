@@ -9,7 +9,6 @@ the message is relayed with SMTPUTF8.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from smtpguard.policy.outcome import Kind
 from smtpguard.relay import Envelope, SmtpProvider
 from smtpguard.store import CapUsage
 from tests.support import Upstream, base_config, running_guard
+from tests.support.eventually import eventually
 from tests.support.hostile import nothing_recorded
 from tests.support.utf8 import Utf8Upstream, cap_usage, raw_message, store_overrides, transact, utf8_upstream
 
@@ -314,11 +314,12 @@ async def test_a_capability_refusal_stays_retryable_while_the_capable_standby_is
     async with running_guard(cfg) as guard:
         t = await transact(guard.ports[0], "billing@acme.example", [JOE], raw_message("q1"), smtputf8=True)
         assert guard.store is not None
-        for _ in range(100):
-            rec = await guard.store.get("acme", "q1")
-            if rec is not None and rec.attempts:
-                break
-            await asyncio.sleep(0.05)
+        rec = await eventually(
+            lambda: guard.store.get("acme", "q1"),
+            lambda r: r is not None and r.attempts,
+            timeout=5,
+            interval=0.05,
+        )
     assert t.data is not None and t.data.code == 250 and "queued" in t.data.text
     assert rec is not None and rec.state.value == "deferred", rec.state
     assert upstream.handler.transactions == 0
