@@ -141,7 +141,11 @@ async def test_upstream_password_rotation_with_mail_flowing(tmp: Path, order: st
                 # (nobody told smtpguard) until the provider switches and refuses it: the
                 # 535 makes smtpguard read the file again and retry on a fresh connection.
                 secret.write_text(NEW + "\n")
-                await asyncio.sleep(0.3)
+                # The switch waits on mail arriving after the write, never on a fixed time:
+                # a fixed wait let a fast flow end before it, so the rotation went unmet.
+                # SENDERS more arrivals show the old secret still in use, and most of the
+                # flow (no more than ~SENDERS in flight) is still to come when it switches.
+                await upstream.wait_received(len(upstream.received) + SENDERS)
                 upstream.rotate(NEW)
             else:
                 # The provider switches first; the file follows before the refusal reaches
