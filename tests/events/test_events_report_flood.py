@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from smtpguard.events import mailbox as mailbox_module
 from smtpguard.events.reports import read_report
 from smtpguard.server import Server
 from tests.events.test_events import RCPT, sent, suppressed
@@ -95,36 +98,41 @@ async def test_a_report_nested_a_thousand_parts_deep_is_not_a_report_and_no_trac
         assert len(await _history(guard, "invoice:1")) == 1
 
 
-async def test_reading_a_megabyte_report_leaves_the_event_loop_free(tmp: Path, upstream: Upstream) -> None:
+async def test_reading_a_megabyte_report_leaves_the_event_loop_free(
+    tmp: Path, upstream: Upstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Parsing 1 MB of MIME takes a few hundred ms of CPU; on the event loop it stopped every
     # listener of the process (submissions, webhooks) that long, per report, from anyone.
+    # What is asserted is where the parse runs and that the loop kept turning meanwhile, not
+    # how long anything took (timings belong in bench/: this machine is shared).
     raw = naming("From: a@b.example\r\nMessage-ID: <x@y.example>", 12_000)
     assert len(raw) > 1_000_000
-    started = time.monotonic()
-    read_report(raw, "mailbox", 0.0, LIMIT)
-    parse = time.monotonic() - started
+    parses: list[tuple[int, float, float]] = []
+
+    def watched(*args: Any) -> Any:
+        began = time.monotonic()
+        try:
+            return read_report(*args)
+        finally:
+            parses.append((threading.get_ident(), began, time.monotonic()))
+
+    monkeypatch.setattr(mailbox_module, "read_report", watched)
     box = {**mailbox_config(), "max_message_size": "2MB"}
     cfg = base_config(tmp, upstream.port, events={"mailbox": box}, limits__max_recipients=LIMIT)
     async with running_guard(cfg) as guard:
-        gaps: list[float] = []
+        ticks: list[float] = []
 
         async def tick() -> None:
-            last = time.monotonic()
             while True:
                 await asyncio.sleep(0.005)
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
+                ticks.append(time.monotonic())
 
         ticker = asyncio.create_task(tick())
         try:
             assert (await deliver(guard, raw))[0] == 250
         finally:
             ticker.cancel()
-    # Measured against the same parse in this run, so a slow machine moves both. On the
-    # loop the longest stall held the whole parse (940 ms for a 716 ms parse); off it, what
-    # is left is the listener taking the DATA lines in (100-170 ms for a 460-790 ms parse).
-    assert max(gaps) < parse * 0.75, (
-        f"longest stall {max(gaps) * 1000:.0f} ms",
-        f"parse {parse * 1000:.0f} ms",
-    )
+    assert len(parses) == 1, parses
+    thread, began, ended = parses[0]
+    assert thread != threading.get_ident(), "the report was parsed on the event loop's thread"
+    assert any(began < t < ended for t in ticks), "the event loop did not turn while the report was parsed"
