@@ -129,7 +129,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "__main__": frozenset({"cli"}),
 }  # fmt: skip
 
-# Who may import the assembly (server) and the entry point (cli): the brief's rule, kept apart
+# Who may import the assembly (server) and the entry point (cli): issue 26's rule, kept apart
 # from ALLOWED so that widening the table cannot quietly widen it.
 MAY_IMPORT_TOP = frozenset({"cli", "__main__", "supervisor", "workers"})
 TOP_ROOMS = frozenset({"server", "cli"})
@@ -191,7 +191,7 @@ def _imports(node: ast.AST, kind: Kind) -> Iterator[tuple[ast.Import | ast.Impor
                 yield from _imports_in(statement, Kind.TYPING)
             for statement in child.orelse:
                 yield from _imports_in(statement, kind)
-        elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+        elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
             yield from _imports(child, kind if kind is Kind.TYPING else Kind.DEFERRED)
         else:
             yield from _imports(child, kind)
