@@ -1,6 +1,6 @@
 """The operations both SQL stores carry out alike, as plans (statements.py) and the reading
 of their rows. Written once here; each backend runs them (store/sqlite/fleet.py,
-store/postgres/__init__.py).
+store/postgres/fleet.py).
 
 Provider health (DESIGN.md §6, §12): every instance publishes each provider's circuit and
 readiness probe; the console and /metrics read them all, ordered by provider, then instance.
