@@ -92,3 +92,64 @@ def test_connection_slots_and_auth_failures_render_for_postgresql_as_before() ->
         4,
     )
     assert operations.auth_failures("192.0.2.1", 100.0, 30.0).postgres() == counted
+
+
+def test_zone_controls_render_for_postgresql_as_before() -> None:
+    assert operations.set_paused("z", True).postgres() == (
+        "INSERT INTO paused (zone) VALUES (%s) ON CONFLICT DO NOTHING",
+        ("z",),
+    )
+    assert operations.set_paused("z", False).postgres() == ("DELETE FROM paused WHERE zone = %s", ("z",))
+    assert operations.is_paused("z").postgres() == ("SELECT 1 FROM paused WHERE zone = %s", ("z",))
+    assert operations.set_class_paused("z", "bulk", True).postgres() == (
+        "INSERT INTO paused_classes (zone, class) VALUES (%s, %s) ON CONFLICT DO NOTHING",
+        ("z", "bulk"),
+    )
+    assert operations.set_class_paused("z", "bulk", False).postgres() == (
+        "DELETE FROM paused_classes WHERE zone = %s AND class = %s",
+        ("z", "bulk"),
+    )
+    assert operations.PAUSED_CLASSES.postgres() == ("SELECT zone, class FROM paused_classes", ())
+    assert operations.counters("z").postgres() == ("SELECT name, value FROM counters WHERE zone = %s", ("z",))
+
+
+def test_suppression_renders_for_postgresql_as_before() -> None:
+    # The address is folded to its suppression key, as each store folded it before.
+    assert operations.suppressed("z", "Ann@Example.COM").postgres() == (
+        "SELECT zone FROM suppression WHERE address = %s AND zone IN (%s, 'global') "
+        "ORDER BY zone = 'global' LIMIT 1",
+        ("ann@example.com", "z"),
+    )
+    insert = (
+        "INSERT INTO suppression (zone, address, reason, at) VALUES (%s, %s, %s, %s) "
+        "ON CONFLICT DO NOTHING RETURNING 1",
+        ("z", "ann@example.com", "bounce", 7.0),
+    )
+    bump = (
+        "INSERT INTO supp_versions (zone, v) VALUES (%s, 1) "
+        "ON CONFLICT (zone) DO UPDATE SET v = supp_versions.v + 1",
+        ("z",),
+    )
+    add = lambda: operations.suppress_add("z", "Ann@Example.COM", "bounce", 7.0)  # noqa: E731
+    # Listed: the zone's version is bumped; already listed: nothing more is written.
+    assert _steps(add(), [Result([(1,)], 1), NONE]) == ([insert, bump], True)
+    assert _steps(add(), [NONE]) == ([insert], False)
+    delete = (
+        "DELETE FROM suppression WHERE zone = %s AND address = %s RETURNING 1",
+        ("z", "ann@example.com"),
+    )
+    remove = lambda: operations.suppress_remove("z", "Ann@Example.COM")  # noqa: E731
+    assert _steps(remove(), [Result([(1,)], 1), NONE]) == ([delete, bump], True)
+    assert _steps(remove(), [NONE]) == ([delete], False)
+    assert operations.suppress_list("z").postgres() == (
+        'SELECT zone, address, reason, at FROM suppression WHERE zone = %s ORDER BY address COLLATE "C"',
+        ("z",),
+    )
+    assert operations.suppress_list("z").sqlite() == (
+        "SELECT zone, address, reason, at FROM suppression WHERE zone = ? ORDER BY address",
+        ("z",),
+    )
+    assert operations.suppression_versions("z").postgres() == (
+        "SELECT zone, v FROM supp_versions WHERE zone IN (%s, 'global')",
+        ("z",),
+    )

@@ -1,11 +1,12 @@
-"""Zone controls in PostgreSQL: pauses (zone and class), cap usage, counters, suppression."""
+"""Zone controls in PostgreSQL: pauses (zone and class), cap usage, counters, suppression.
+What both SQL stores do alike is written once in store/sql/operations.py."""
 
 from __future__ import annotations
 
 from smtpguard.policy.limits import HOUR
-from smtpguard.policy.senders import suppression_key
 from smtpguard.store.base import CapUsage, Suppression
-from smtpguard.store.postgres.pool import Conn, Pool, _one, _translated
+from smtpguard.store.postgres.pool import Pool, _one, _run_script, _translated
+from smtpguard.store.sql import operations
 
 
 class Controls(Pool):
@@ -13,34 +14,23 @@ class Controls(Pool):
     @_translated
     async def set_paused(self, zone: str, paused: bool) -> None:
         async with self._conn() as conn:
-            if paused:
-                await conn.execute("INSERT INTO paused (zone) VALUES (%s) ON CONFLICT DO NOTHING", (zone,))
-            else:
-                await conn.execute("DELETE FROM paused WHERE zone = %s", (zone,))
+            await conn.execute(*operations.set_paused(zone, paused).postgres())
 
     @_translated
     async def is_paused(self, zone: str) -> bool:
         async with self._conn() as conn:
-            return await _one(conn, "SELECT 1 FROM paused WHERE zone = %s", (zone,)) is not None
+            return await _one(conn, *operations.is_paused(zone).postgres()) is not None
 
     @_translated
     async def set_class_paused(self, zone: str, message_class: str, paused: bool) -> None:
         async with self._conn() as conn:
-            if paused:
-                await conn.execute(
-                    "INSERT INTO paused_classes (zone, class) VALUES (%s, %s) ON CONFLICT DO NOTHING",
-                    (zone, message_class),
-                )
-            else:
-                await conn.execute(
-                    "DELETE FROM paused_classes WHERE zone = %s AND class = %s", (zone, message_class)
-                )
+            await conn.execute(*operations.set_class_paused(zone, message_class, paused).postgres())
 
     @_translated
     async def paused_classes(self) -> set[tuple[str, str]]:
         async with self._conn() as conn:
-            cur = await conn.execute("SELECT zone, class FROM paused_classes")
-            return {(str(z), str(c)) for z, c in await cur.fetchall()}
+            cur = await conn.execute(*operations.PAUSED_CLASSES.postgres())
+            return operations.paused_classes(await cur.fetchall())
 
     @_translated
     async def user_cap_usage(
@@ -85,73 +75,34 @@ class Controls(Pool):
     @_translated
     async def counts(self, zone: str) -> dict[str, int]:
         async with self._conn() as conn:
-            cur = await conn.execute("SELECT name, value FROM counters WHERE zone = %s", (zone,))
-            return {str(name): int(value) for name, value in await cur.fetchall()}
+            cur = await conn.execute(*operations.counters(zone).postgres())
+            return operations.counts(await cur.fetchall())
 
     # --- suppression -------------------------------------------------------------------------
     @_translated
     async def suppressed(self, zone: str, address: str) -> str | None:
         async with self._conn() as conn:
-            row = await _one(
-                conn,
-                "SELECT zone FROM suppression WHERE address = %s AND zone IN (%s, 'global') "
-                "ORDER BY zone = 'global' LIMIT 1",
-                (suppression_key(address), zone),
-            )
-        return str(row[0]) if row else None
+            cur = await conn.execute(*operations.suppressed(zone, address).postgres())
+            return operations.listed_in(await cur.fetchall())
 
     @_translated
     async def suppress_add(self, zone: str, address: str, reason: str, now: float) -> bool:
         async with self._tx() as conn:
-            return await _list(conn, zone, suppression_key(address), reason, now)
+            return await _run_script(conn, operations.suppress_add(zone, address, reason, now))
 
     @_translated
     async def suppress_remove(self, zone: str, address: str) -> bool:
         async with self._tx() as conn:
-            gone = await _one(
-                conn,
-                "DELETE FROM suppression WHERE zone = %s AND address = %s RETURNING 1",
-                (zone, suppression_key(address)),
-            )
-            if gone is not None:
-                await _bump_supp_version(conn, zone)
-            return gone is not None
+            return await _run_script(conn, operations.suppress_remove(zone, address))
 
     @_translated
     async def suppress_list(self, zone: str) -> list[Suppression]:
         async with self._conn() as conn:
-            cur = await conn.execute(
-                "SELECT zone, address, reason, at FROM suppression WHERE zone = %s "
-                'ORDER BY address COLLATE "C"',
-                (zone,),
-            )
-            return [Suppression(str(z), str(a), str(r), float(t)) for z, a, r, t in await cur.fetchall()]
+            cur = await conn.execute(*operations.suppress_list(zone).postgres())
+            return operations.suppressions(await cur.fetchall())
 
     @_translated
     async def suppression_versions(self, zone: str) -> tuple[int, int]:
         async with self._conn() as conn:
-            cur = await conn.execute(
-                "SELECT zone, v FROM supp_versions WHERE zone IN (%s, 'global')", (zone,)
-            )
-            rows = {str(z): int(v) for z, v in await cur.fetchall()}
-        return rows.get(zone, 0), rows.get("global", 0)
-
-
-async def _list(conn: Conn, zone: str, address: str, reason: str, at: float) -> bool:
-    added = await _one(
-        conn,
-        "INSERT INTO suppression (zone, address, reason, at) VALUES (%s, %s, %s, %s) "
-        "ON CONFLICT DO NOTHING RETURNING 1",
-        (zone, address, reason, at),
-    )
-    if added is not None:
-        await _bump_supp_version(conn, zone)
-    return added is not None
-
-
-async def _bump_supp_version(conn: Conn, zone: str) -> None:
-    await conn.execute(
-        "INSERT INTO supp_versions (zone, v) VALUES (%s, 1) "
-        "ON CONFLICT (zone) DO UPDATE SET v = supp_versions.v + 1",
-        (zone,),
-    )
+            cur = await conn.execute(*operations.suppression_versions(zone).postgres())
+            return operations.versions(await cur.fetchall(), zone)

@@ -6,10 +6,9 @@ import json
 
 from smtpguard.events.model import bare_message_id
 from smtpguard.policy.ledger import Record
-from smtpguard.policy.senders import suppression_key
 from smtpguard.store.base import IdField, StoredEvent, ZoneAudit
-from smtpguard.store.postgres.controls import _list
-from smtpguard.store.postgres.pool import Pool, _one, _translated
+from smtpguard.store.postgres.pool import Pool, _one, _run_script, _translated
+from smtpguard.store.sql import operations
 
 
 class Desk(Pool):
@@ -64,7 +63,9 @@ class Desk(Pool):
             if added is None:
                 return False
             if suppress_reason is not None and event.recipient is not None:
-                await _list(conn, zone, suppression_key(event.recipient), suppress_reason, event.received_at)
+                await _run_script(
+                    conn, operations.suppress_add(zone, event.recipient, suppress_reason, event.received_at)
+                )
             return True
 
     @_translated

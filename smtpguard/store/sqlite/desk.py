@@ -8,15 +8,15 @@ import sqlite3
 import time
 
 from smtpguard.policy.ledger import Record
-from smtpguard.policy.senders import suppression_key
 from smtpguard.store.base import (
     IdField,
     StoredEvent,
     ZoneAudit,
     id_forms,
 )
-from smtpguard.store.sqlite.access import Access
-from smtpguard.store.sqlite.rows import _ID_COLUMNS, _bump_supp_version
+from smtpguard.store.sql import operations
+from smtpguard.store.sqlite.access import Access, run_script
+from smtpguard.store.sqlite.rows import _ID_COLUMNS
 
 
 class Desk(Access):
@@ -66,12 +66,9 @@ class Desk(Access):
             if not added:
                 return False
             if suppress_reason is not None and event.recipient is not None:
-                listed = c.execute(
-                    "INSERT OR IGNORE INTO suppression (zone, address, reason, at) VALUES (?, ?, ?, ?)",
-                    (zone, suppression_key(event.recipient), suppress_reason, event.received_at),
-                ).rowcount
-                if listed:
-                    _bump_supp_version(c, zone)
+                run_script(
+                    c, operations.suppress_add(zone, event.recipient, suppress_reason, event.received_at)
+                )
             return True
 
         return await self._write(op)
