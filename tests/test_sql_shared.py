@@ -1,12 +1,15 @@
 """The SQL written once for SQLite and PostgreSQL (store/sql/): each dialect's rendering,
-and the fleet's statements (provider health, throttles, connection slots, AUTH failures)
-rendered for PostgreSQL byte for byte, step for step, as its store ran them before they
-were shared (the contract suite runs them on both stores)."""
+and the statements of the fleet (provider health, throttles, connection slots, AUTH
+failures), the zone controls (pauses, counters, suppression) and the desk (provider events,
+the zone audit, queue depths) rendered for PostgreSQL byte for byte, step for step, as its
+store ran them before they were shared (the contract suite runs them on both stores)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, TypeVar
 
+from smtpguard.store.base import StoredEvent, ZoneAudit
 from smtpguard.store.sql import operations
 from smtpguard.store.sql.statements import Plan, Result, Script
 
@@ -152,4 +155,43 @@ def test_suppression_renders_for_postgresql_as_before() -> None:
     assert operations.suppression_versions("z").postgres() == (
         "SELECT zone, v FROM supp_versions WHERE zone IN (%s, 'global')",
         ("z",),
+    )
+
+
+def test_provider_events_and_the_desk_render_for_postgresql_as_before() -> None:
+    event = StoredEvent(
+        at=5.0, source="sendgrid", type="bounce", provider_type="bounce", recipient="Ann@Example.COM",
+        status="5.1.1", id="ev-1", effect="suppressed", received_at=6.0,
+    )  # fmt: skip
+    data = json.dumps(event.to_dict(), separators=(",", ":"))
+    insert = (
+        "INSERT INTO provider_events (zone, source, event_id, key, received_at, data) "
+        "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING 1",
+        ("z", "sendgrid", "ev-1", "k", 6.0, data),
+    )
+    listed = (
+        "INSERT INTO suppression (zone, address, reason, at) VALUES (%s, %s, %s, %s) "
+        "ON CONFLICT DO NOTHING RETURNING 1",
+        ("z", "ann@example.com", "bounce", 6.0),
+    )
+    bump = (
+        "INSERT INTO supp_versions (zone, v) VALUES (%s, 1) "
+        "ON CONFLICT (zone) DO UPDATE SET v = supp_versions.v + 1",
+        ("z",),
+    )
+    one = Result([(1,)], 1)
+    # A new suppressing event lists its recipient; a repeated one changes nothing.
+    assert _steps(operations.apply_event("z", "k", event, "bounce"), [one, one, NONE]) == (
+        [insert, listed, bump],
+        True,
+    )
+    assert _steps(operations.apply_event("z", "k", event, "bounce"), [NONE]) == ([insert], False)
+    assert _steps(operations.apply_event("z", "k", event, None), [one]) == ([insert], True)
+    assert operations.audit_add("z", ZoneAudit(1.0, "ops", "pause", "", "why")).postgres() == (
+        "INSERT INTO zone_audit (zone, at, actor, action, key, note) VALUES (%s, %s, %s, %s, %s, %s)",
+        ("z", 1.0, "ops", "pause", "", "why"),
+    )
+    assert operations.QUEUE_DEPTHS.postgres() == (
+        "SELECT zone, lane, count(*) FROM queue GROUP BY zone, lane",
+        (),
     )

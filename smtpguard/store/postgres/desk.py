@@ -47,26 +47,7 @@ class Desk(Pool):
     @_translated
     async def apply_event(self, zone: str, key: str, event: StoredEvent, suppress_reason: str | None) -> bool:
         async with self._tx() as conn:
-            added = await _one(
-                conn,
-                "INSERT INTO provider_events (zone, source, event_id, key, received_at, data) "
-                "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING 1",
-                (
-                    zone,
-                    event.source,
-                    event.id,
-                    key,
-                    event.received_at,
-                    json.dumps(event.to_dict(), separators=(",", ":")),
-                ),
-            )
-            if added is None:
-                return False
-            if suppress_reason is not None and event.recipient is not None:
-                await _run_script(
-                    conn, operations.suppress_add(zone, event.recipient, suppress_reason, event.received_at)
-                )
-            return True
+            return await _run_script(conn, operations.apply_event(zone, key, event, suppress_reason))
 
     @_translated
     async def provider_events(self, zone: str, key: str) -> list[StoredEvent]:
@@ -125,10 +106,7 @@ class Desk(Pool):
     @_translated
     async def audit_add(self, zone: str, entry: ZoneAudit) -> None:
         async with self._conn() as conn:
-            await conn.execute(
-                "INSERT INTO zone_audit (zone, at, actor, action, key, note) VALUES (%s, %s, %s, %s, %s, %s)",
-                (zone, entry.at, entry.actor, entry.action, entry.key, entry.note),
-            )
+            await conn.execute(*operations.audit_add(zone, entry).postgres())
 
     @_translated
     async def audit_log(self, zone: str, since: float, limit: int = 1000) -> list[ZoneAudit]:
@@ -143,5 +121,5 @@ class Desk(Pool):
     @_translated
     async def queue_depths(self) -> dict[tuple[str, str], int]:
         async with self._conn() as conn:
-            cur = await conn.execute("SELECT zone, lane, count(*) FROM queue GROUP BY zone, lane")
-            return {(str(z), str(lane)): int(n) for z, lane, n in await cur.fetchall()}
+            cur = await conn.execute(*operations.QUEUE_DEPTHS.postgres())
+            return operations.queue_depths(await cur.fetchall())

@@ -1,6 +1,6 @@
 """The operations both SQL stores carry out alike, as plans (statements.py) and the reading
-of their rows. Written once here; each backend runs them (store/sqlite/fleet.py and
-controls.py, store/postgres/fleet.py and controls.py).
+of their rows. Written once here; each backend runs them (store/sqlite/ and store/postgres/,
+fleet.py, controls.py and desk.py).
 
 Provider health (DESIGN.md §6, §12): every instance publishes each provider's circuit and
 readiness probe; the console and /metrics read them all, ordered by provider, then instance.
@@ -12,15 +12,19 @@ its suppression list (§3: the zone's or the global list refuses at RCPT), with 
 version each change bumps so every instance knows to reload its copy. Cap usage and adding
 to the counters are each store's own: the PostgreSQL schema spreads a zone's counts over
 slot rows and takes arrays.
+
+The desk (§13, §14): a provider event is kept once per (zone, source, event id), and only
+its first arrival lists its recipient; the operators' actions go to the zone audit.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
 from smtpguard.policy.senders import suppression_key
-from smtpguard.store.base import CircuitState, ProbeState, Suppression
+from smtpguard.store.base import CircuitState, ProbeState, StoredEvent, Suppression, ZoneAudit
 from smtpguard.store.sql.statements import Lock, Plan, Script
 
 
@@ -198,3 +202,38 @@ def versions(rows: Iterable[tuple[Any, ...]], zone: str) -> tuple[int, int]:
     """The zone's list version and the global list's (0: never changed)."""
     got = {str(z): int(v) for z, v in rows}
     return got.get(zone, 0), got.get("global", 0)
+
+
+# --- provider events and the operator's desk ---------------------------------------------------
+def apply_event(zone: str, key: str, event: StoredEvent, suppress_reason: str | None) -> Script[bool]:
+    added = yield Plan(
+        "INSERT INTO provider_events (zone, source, event_id, key, received_at, data) "
+        "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING RETURNING 1",
+        (
+            zone,
+            event.source,
+            event.id,
+            key,
+            event.received_at,
+            json.dumps(event.to_dict(), separators=(",", ":")),
+        ),
+    )
+    if not added.rows:
+        return False  # a repeated delivery of the same event changes nothing
+    if suppress_reason is not None and event.recipient is not None:
+        yield from suppress_add(zone, event.recipient, suppress_reason, event.received_at)
+    return True
+
+
+def audit_add(zone: str, entry: ZoneAudit) -> Plan:
+    return Plan(
+        "INSERT INTO zone_audit (zone, at, actor, action, key, note) VALUES (?, ?, ?, ?, ?, ?)",
+        (zone, entry.at, entry.actor, entry.action, entry.key, entry.note),
+    )
+
+
+QUEUE_DEPTHS = Plan("SELECT zone, lane, count(*) FROM queue GROUP BY zone, lane")
+
+
+def queue_depths(rows: Iterable[tuple[Any, ...]]) -> dict[tuple[str, str], int]:
+    return {(str(z), str(lane)): int(n) for z, lane, n in rows}
