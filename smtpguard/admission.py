@@ -21,6 +21,7 @@ import ipaddress
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -122,3 +123,33 @@ class Admission:
                 "max_connections_per_ip": self.limits.max_connections_per_ip,
             },
         )
+
+
+class WriteDeadline:
+    """A side listener's client must take what is written to it. While asyncio has paused
+    writing (the socket's buffers are full: the client sends but does not read), the
+    connection has `seconds` (the listener's read_timeout) before `expired` is called. A
+    client that sends whole requests in time and never reads the answers is outside every
+    other deadline, and would hold its connection (and its slot) for good.
+
+    `expired` must abort the transport, not close it: close() waits for the buffered
+    answers to be read, which is what never happens."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, seconds: float, expired: Callable[[], None]) -> None:
+        self._loop = loop
+        self._seconds = seconds
+        self._expired = expired
+        self._timer: asyncio.TimerHandle | None = None
+
+    def paused(self) -> None:
+        if self._timer is None:
+            self._timer = self._loop.call_later(self._seconds, self._expire)
+
+    def resumed(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self) -> None:
+        self._timer = None
+        self._expired()

@@ -14,22 +14,23 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from smtpguard import class_pauses, replies
-from smtpguard.config import Config
-from smtpguard.policy import ledger
+from smtpguard.config import Config, ZoneConfig
+from smtpguard.ids import new_id
+from smtpguard.policy import ledger, queue
 from smtpguard.policy.ledger import Submission
-from smtpguard.policy.limits import cap_check, caps_for
+from smtpguard.policy.limits import cap_check, caps_for, user_caps_of
+from smtpguard.policy.queue import HOLD_PAUSED as HOLD_PAUSED  # moved to policy/queue.py
 from smtpguard.policy.queue import backoff_delay, lane_quotas, queue_due
 from smtpguard.relay import Envelope
 from smtpguard.replies import Reply
 from smtpguard.store import HELD, Claimed, Store, StoreUnavailable
-from smtpguard.submission import Result, Submitter, new_id, user_caps_of
+from smtpguard.submission import Result, Submitter
 
 log = logging.getLogger("smtpguard.delivery")
 
-HOLD_PAUSED = 1.0
-"""A paused zone's lane is looked at again this often, so `resume` takes effect quickly."""
 ORPHAN_SCAN_INTERVAL = 60.0
 """How often the worker looks for lanes that are no longer in queue.classes (a reload
 renamed or removed a class while its entries waited); also at start and after a reload."""
@@ -180,35 +181,19 @@ class DeliveryWorker:
                 return  # someone else moved it first; their write stands
             for token in verdict.refund:
                 await self.submitter.refund(rec.zone, token)
-            if zone is None:
-                await self._hold(taken, attempt_id, now + 60.0)
-                return
-            if zone.paused or await store.is_paused(rec.zone):
-                await self._hold(taken, attempt_id, now + HOLD_PAUSED)
-                return
-            if rec.lane is not None and await self.submitter.class_pauses.is_paused(rec.zone, rec.lane):
-                # This entry's class paused in its zone (DESIGN.md §16): given back unsent, no
-                # attempt recorded, until resume wakes it (or its max_age expires it on time);
-                # the other classes' entries flow.
-                until = now + class_pauses.HOLD
-                if taken.expires_at is not None:
-                    until = min(until, taken.expires_at)
-                await self._hold(taken, attempt_id, until)
-                return
-            throttled = await self.submitter.route.blocked_until(rec.zone)
-            if throttled is not None:
-                # Every provider of the zone's route asked to slow down: wait, unattempted.
-                await self._hold(taken, attempt_id, throttled)
-                return
-            caps = caps_for(zone.plan, zone.hourly_cap, zone.monthly_cap)
-            # The submitting user's own caps, counted at delivery as the zone's are.
-            user_caps = user_caps_of(zone, rec.username, caps)
-            check = cap_check(rec.zone, caps, attempt_id, now, rec.username, user_caps)
-            reached = await store.consume_cap(check)
-            if reached is not None:
-                # Capped: wait for a slot (monthly: look again in an hour; max_age may expire it).
-                await self._hold(taken, attempt_id, reached.free_at or now + 3600.0)
-                return
+            facts = queue.GateFacts(now, taken.expires_at, zone is not None, class_pauses.HOLD)
+            for _ in range(len(queue.Look) + 1):  # each look answers one rung
+                step = queue.gate(facts)
+                if isinstance(step, queue.Hold):
+                    await self._hold(taken, attempt_id, step.until)
+                    return
+                if isinstance(step, queue.Go):
+                    break
+                assert zone is not None  # the gate holds an entry of a zone that is gone
+                facts = await self._look(step, facts, zone, rec, attempt_id)
+            else:
+                raise AssertionError("the queue gate asked for more facts than it has rungs")
+            assert zone is not None
             backoff = self.config.queue.backoff
             tries = ledger.attempts_of_this_event(rec) + 1
             delay = backoff_delay(tries, backoff.base, backoff.max, self.rng.random())
@@ -228,6 +213,25 @@ class DeliveryWorker:
                 "delivery interrupted: store unavailable",
                 extra={"zone": rec.zone, "event_key": rec.key, "error": str(e)},
             )
+
+    async def _look(
+        self, look: queue.Look, facts: queue.GateFacts, zone: ZoneConfig, rec: ledger.Record, attempt_id: str
+    ) -> queue.GateFacts:
+        """Look up the one fact the gate asks for next."""
+        if look is queue.Look.PAUSE:
+            return replace(facts, paused=zone.paused or await self.store.is_paused(rec.zone))
+        if look is queue.Look.CLASS:
+            # This entry's class paused in its zone (DESIGN.md §16): the other classes flow.
+            held = rec.lane is not None and await self.submitter.class_pauses.is_paused(rec.zone, rec.lane)
+            return replace(facts, class_paused=held)
+        if look is queue.Look.THROTTLE:
+            until = await self.submitter.route.blocked_until(rec.zone)
+            return replace(facts, throttle_looked=True, throttled_until=until)
+        caps = caps_for(zone.plan, zone.hourly_cap, zone.monthly_cap)
+        # The submitting user's own caps, counted at delivery as the zone's are.
+        user_caps = user_caps_of(zone.users, rec.username, caps)
+        check = cap_check(rec.zone, caps, attempt_id, facts.now, rec.username, user_caps)
+        return replace(facts, cap_looked=True, cap=await self.store.consume_cap(check))
 
     async def _requeue_stands(self, final: ledger.Record, expected: int) -> bool:
         """Requeue, and say whether `final` is what the store now holds — also when the

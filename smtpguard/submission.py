@@ -11,37 +11,44 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import os
-import secrets
 import time
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from smtpguard import replies
 from smtpguard.class_pauses import ClassPauses
 from smtpguard.config import Config, ZoneConfig
+
+# ids, leases and settled moved out of this module; the `as` forms keep them importable from here.
+from smtpguard.ids import _SUFFIXES as _SUFFIXES
+from smtpguard.ids import _refill_suffixes as _refill_suffixes
+from smtpguard.ids import new_id as new_id
+from smtpguard.leases import LeaseKeeper as LeaseKeeper
+from smtpguard.leases import LeaseLost as LeaseLost
+from smtpguard.leases import _Held as _Held
 from smtpguard.policy import ledger, verp
-from smtpguard.policy.eventkey import event_key, message_id_for
-from smtpguard.policy.fingerprint import fingerprint
-from smtpguard.policy.ledger import LedgerSettings, Phase, Record, State, Submission
+from smtpguard.policy.admission import Refused, Rules, admit
+from smtpguard.policy.classes import class_names
+from smtpguard.policy.decisions import Decision, relayed_as
+from smtpguard.policy.ledger import LedgerSettings, Phase, Record, Submission
 from smtpguard.policy.limits import (
     CapReached,
     Caps,
+    Ending,
     cap_check,
+    cap_decision,
     cap_reply,
-    caps_for,
     token_month,
-    user_caps_for,
+    unit_fate,
 )
-from smtpguard.policy.message import HeaderLimits, Message, parse, smuggling_check
+from smtpguard.policy.message import HeaderLimits, Message
 from smtpguard.policy.outcome import Kind, Outcome, client_reply, is_recipient_unknown
 from smtpguard.policy.queue import queue_due
-from smtpguard.policy.senders import check_header_from, recipient_tag
+from smtpguard.policy.senders import recipient_tag
 from smtpguard.policy.strip import without_headers
 from smtpguard.relay import Envelope, Route
 from smtpguard.replies import Reply
+from smtpguard.settled import SettledCache as SettledCache
 from smtpguard.store import (
     Conflict,
     Paused,
@@ -60,27 +67,6 @@ _SETTLE_TRIES = 20
 failover, so neither a provider's answer nor a "not sent" is left to read `unknown`."""
 
 WAIT_POLL = 0.05
-
-
-def new_id(now: float) -> str:
-    """smtpguard's id for one attempt: time-ordered, unique across instances."""
-    if not _SUFFIXES:
-        _refill_suffixes()
-    return f"{int(now * 1000):011x}{_SUFFIXES.pop()}"
-
-
-_SUFFIXES: list[str] = []
-"""Random parts of new ids (4 bytes of os.urandom each), drawn 1,024 at a time: one
-getrandom call per 1,024 messages instead of one each (it was 1.5% of a message's CPU)."""
-
-
-def _refill_suffixes() -> None:
-    pool = secrets.token_hex(4 * 1024)
-    _SUFFIXES.extend(pool[i : i + 8] for i in range(0, len(pool), 8))
-
-
-# A forked worker must not hand out the ids its parent had drawn.
-os.register_at_fork(after_in_child=_SUFFIXES.clear)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,117 +94,6 @@ class Result:
     message_id: str | None = None
 
 
-class SettledCache:
-    """Delivered events this process has seen, so a duplicate is answered with no store
-    round trip. Sound because `delivered` is terminal: no transition leaves it, on any
-    instance, until the record is purged after `retention` — which the cache honours too.
-    Entries are slim copies (no attempt history) and the cache is bounded (LRU)."""
-
-    def __init__(self, max_entries: int = 20_000) -> None:
-        self._max = max_entries
-        self._entries: OrderedDict[tuple[str, str], Record] = OrderedDict()
-
-    def get(self, zone: str, key: str, now: float, retention: float) -> Record | None:
-        rec = self._entries.get((zone, key))
-        if rec is None:
-            return None
-        if now - rec.updated_at >= retention:
-            del self._entries[(zone, key)]
-            return None
-        self._entries.move_to_end((zone, key))
-        return rec
-
-    def remember(self, rec: Record | None) -> None:
-        if rec is None or rec.state is not State.DELIVERED:
-            return
-        if self._entries.get((rec.zone, rec.key)) is rec:
-            return  # a hit: get() has refreshed it already
-        self._entries[(rec.zone, rec.key)] = ledger.evolve(rec, attempts=(), audit=())
-        self._entries.move_to_end((rec.zone, rec.key))
-        if len(self._entries) > self._max:
-            self._entries.popitem(last=False)
-
-
-class LeaseLost(Exception):
-    """Another submission took the key over while this one relayed; stop before DATA."""
-
-
-@dataclass(slots=True)
-class _Held:
-    renew: Callable[[], Awaitable[None]]
-    every: float
-    renewed_at: float
-    running: asyncio.Task[None] | None = None
-
-
-class LeaseKeeper:
-    """Renews the lease of every relay in progress, from one task.
-
-    A relay longer than a third of its lease gets its lease renewed; most relays end long
-    before that. One task for all of them, rather than a task and a timer created and
-    cancelled per message, which cost a measurable share of the event loop under load. Each
-    renewal runs on its own, so one slow store call delays no other relay's renewal."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._held: dict[int, _Held] = {}
-        self._next = 0
-        self._task: asyncio.Task[None] | None = None
-        self._tick = math.inf
-        """The wait the task is in now; hold() compares against it, never scans every relay."""
-        self._sooner = asyncio.Event()
-
-    def hold(self, renew: Callable[[], Awaitable[None]], lease: float) -> int:
-        """Renew every lease/3 until release(); `renew` raising LeaseLost ends the renewals."""
-        every = lease / 3
-        self._next += 1
-        self._held[self._next] = _Held(renew, every, self._clock())
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run())
-        elif every / 2 < self._tick:
-            self._sooner.set()  # a shorter lease (after a reload): look again sooner
-        return self._next
-
-    def release(self, handle: int) -> None:
-        """Stop renewing; a renewal in progress is cancelled (the outcome write that follows
-        supersedes it, and a renewal that landed anyway only makes that write retry)."""
-        held = self._held.pop(handle, None)
-        if held is not None and held.running is not None:
-            held.running.cancel()
-
-    async def close(self) -> None:
-        tasks = [h.running for h in self._held.values() if h.running is not None]
-        if self._task is not None:
-            tasks.append(self._task)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks)
-
-    async def _run(self) -> None:
-        while self._held:
-            # A sixth of the shortest lease: every lease is renewed within half its length.
-            self._tick = min(h.every for h in self._held.values()) / 2
-            self._sooner.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._sooner.wait(), self._tick)
-            now = self._clock()
-            for handle, held in list(self._held.items()):
-                if now - held.renewed_at >= held.every and (held.running is None or held.running.done()):
-                    held.renewed_at = now
-                    held.running = asyncio.create_task(self._renew(handle, held))
-
-    async def _renew(self, handle: int, held: _Held) -> None:
-        try:
-            await held.renew()
-        except LeaseLost:
-            if self._held.get(handle) is held:
-                del self._held[handle]
-        except Exception as e:
-            # A renewal that fails must never cost the outcome of the relay it guards.
-            log.warning("lease renewal failed", extra={"error": str(e)})
-
-
 class Submitter:
     def __init__(
         self,
@@ -243,6 +118,7 @@ class Submitter:
         """Called after a store-and-forward acceptance, to wake the local delivery worker."""
         self.verp: VerpKey | None = None
         """With `events.mailbox.domain`: relayed mail's envelope sender carries a token."""
+        self._rules: tuple[Config, Rules] | None = None
 
     async def submit(
         self, principal: Principal, mail_from: str, rcpt_tos: list[str], raw: bytes, smtputf8: bool = False
@@ -250,64 +126,49 @@ class Submitter:
         zone = self.config.zones.get(principal.zone)
         if zone is None:
             # The zone was removed by a reload while this session was open.
-            return Result(replies.send_as_disabled(principal.zone), "rejected:zone_gone")
-        bad = smuggling_check(raw)
-        if bad:
-            return Result(bad, "rejected:bare_newline")
-        limits = self.config.limits
-        parsed = parse(raw, HeaderLimits(limits.max_header_size, limits.max_header_count))
-        if isinstance(parsed, Reply):
-            return Result(parsed, "rejected:malformed")
-        refused = check_header_from(parsed.get_all("From"), principal.zone, zone.senders)
-        if refused:
-            return Result(refused.reply, refused.decision)
-
-        fp = fingerprint(mail_from, rcpt_tos, parsed)
+            return Result(replies.send_as_disabled(principal.zone), Decision.ZONE_GONE)
+        attempt_id = new_id(self.clock())
+        admitted = admit(
+            raw,
+            mail_from,
+            rcpt_tos,
+            principal.zone,
+            principal.username,
+            zone,
+            self._admission_rules(),
+            attempt_id,
+        )
+        if isinstance(admitted, Refused):
+            if admitted.key is None:
+                return Result(admitted.reply, admitted.decision)
+            refused = Result(admitted.reply, admitted.decision, admitted.key, sg_id=attempt_id)
+            refused.message_id = admitted.message_id
+            return refused
+        key, message_id, lane, parsed = admitted.key, admitted.message_id, admitted.lane, admitted.message
         ek = self.config.event_key
-        found = event_key(parsed, ek.headers, zone.missing_key, fp)
-        if isinstance(found, Reply):
-            return Result(found, "rejected:key")
-        now = self.clock()
-        attempt_id = new_id(now)
-        if found is None:
-            key, derived = f"msg:{attempt_id}", False
-        else:
-            key, derived = found.value, found.derived
-        message_id = _first(parsed.get_all("Message-ID"))
-        # Joined to the message only once it is sent or queued, not for a duplicate.
-        added_header = b""
-        if message_id is None:
-            message_id = message_id_for(principal.zone, key, self.hostname)
-            added_header = f"Message-ID: {message_id}\r\n".encode()
 
         def content() -> bytes:
             # The key headers stop here (a provider's idempotency_header carries the key
             # on): they are smtpguard's business, not the recipient's. Queued mail is stored
             # so. Built only for a message that is sent or queued, in one copy.
-            return without_headers(raw, ek.headers, added_header) if ek.strip else added_header + raw
+            added = admitted.added_header
+            return without_headers(raw, ek.headers, added) if ek.strip else added + raw
 
         def ids(result: Result) -> Result:
             result.sg_id = result.sg_id or attempt_id
             result.message_id = message_id
             return result
 
-        lane: str | None = None
-        max_age: float | None = None
-        if zone.delivery == "queue":
-            chosen = message_class(parsed, self.config, zone)
-            if isinstance(chosen, Reply):
-                return ids(Result(chosen, "rejected:class", key))
-            lane, max_age = chosen, self.config.queue.classes[chosen].max_age
         sub = Submission(
             principal.zone,
             key,
-            fp,
+            admitted.fingerprint,
             attempt_id,
             self.instance,
             message_id,
-            derived,
+            admitted.derived,
             lane,
-            max_age,
+            admitted.max_age,
             tuple(sorted({recipient_tag(r) for r in rcpt_tos})),
             principal.username,
             # Kept where VERP replaces it on the wire (DESIGN.md §18).
@@ -325,7 +186,11 @@ class Submitter:
                 )
                 return ids(await self._accept_queued(sub, zone, settings, queued))
             reserved = await self._reserve(
-                sub, zone, settings, paused_class=lambda: self._paused_class(principal.zone, parsed, zone)
+                sub,
+                zone,
+                settings,
+                paused_class=lambda: self._paused_class(principal.zone, parsed, zone),
+                caps=(admitted.caps, admitted.user_caps),
             )
             if isinstance(reserved, Result):
                 return ids(reserved)
@@ -336,7 +201,7 @@ class Submitter:
                 "store unavailable; nothing relayed",
                 extra={"zone": principal.zone, "event_key": key, "error": str(e)},
             )
-            return ids(Result(replies.STORE_UNAVAILABLE, "store_unavailable", key))
+            return ids(Result(replies.STORE_UNAVAILABLE, Decision.STORE_UNAVAILABLE, key))
 
     async def _paused_class(self, zone_name: str, parsed: Message, zone: ZoneConfig) -> str | None:
         """Relay mode: the message's class when `pause ZONE --class` holds it (DESIGN.md
@@ -347,7 +212,22 @@ class Submitter:
         held = {c for z, c in pairs if z == zone_name}
         if not held:
             return None
-        return next((name for name in class_names(parsed, self.config, zone) if name in held), None)
+        q = self.config.queue
+        names = class_names(parsed, q.class_header, zone.default_class, q.default_class)
+        return next((name for name in names if name in held), None)
+
+    def _admission_rules(self) -> Rules:
+        """Admission's settings, built once per config (a reload swaps the config)."""
+        config = self.config
+        if self._rules is None or self._rules[0] is not config:
+            q = config.queue
+            limits = HeaderLimits(config.limits.max_header_size, config.limits.max_header_count)
+            max_ages = {name: c.max_age for name, c in q.classes.items()}
+            rules = Rules(
+                limits, config.event_key.headers, q.class_header, q.default_class, max_ages, self.hostname
+            )
+            self._rules = (config, rules)
+        return self._rules[1]
 
     def settings(self, zone: ZoneConfig) -> LedgerSettings:
         ek = self.config.event_key
@@ -369,6 +249,18 @@ class Submitter:
                     return
             await asyncio.sleep(0.05 * 2**attempt)
 
+    async def _refund_all(
+        self,
+        sub: Submission,
+        ending: Ending,
+        taken_over: Sequence[str] = (),
+        outcome: Outcome | None = None,
+        counted: bool = True,
+    ) -> None:
+        """Give back the units policy says this ending leaves unspent."""
+        for token in unit_fate(ending, sub.attempt_id, taken_over, outcome, counted):
+            await self.refund(sub.zone, token)
+
     async def _accept_queued(
         self, sub: Submission, zone: ZoneConfig, s: LedgerSettings, message: QueuedMessage
     ) -> Result:
@@ -384,7 +276,7 @@ class Submitter:
             return reserved
         if self.on_enqueue is not None:
             self.on_enqueue()
-        return Result(replies.queued(reserved.queue_id or sub.attempt_id), "queued", sub.key)
+        return Result(replies.queued(reserved.queue_id or sub.attempt_id), Decision.QUEUED, sub.key)
 
     async def _reserve(
         self,
@@ -393,6 +285,7 @@ class Submitter:
         s: LedgerSettings,
         write: Callable[[ledger.Proceed], Awaitable[ReserveResult]] | None = None,
         paused_class: Callable[[], Awaitable[str | None]] | None = None,
+        caps: tuple[Caps, Caps | None] | None = None,
     ) -> Record | Result:
         """Decide and reserve until one verdict sticks. Optimistic: assume the key is new,
         so a new key and a duplicate each cost one store round trip. A paused class forces
@@ -400,8 +293,6 @@ class Submitter:
         classes are only looked up once the ledger says the message would be sent, so a
         duplicate of a delivered event still answers 250 — from the settled cache even
         while the store is down (DESIGN.md §3 order)."""
-        caps = caps_for(zone.plan, zone.hourly_cap, zone.monthly_cap)
-        user_caps = user_caps_of(zone, sub.username, caps)
         deadline = self.clock() + self.config.event_key.inflight_wait
         current = self.settled.get(sub.zone, sub.key, self.clock(), self.config.event_key.retention)
         cached = current is not None
@@ -421,7 +312,7 @@ class Submitter:
                 continue
             if isinstance(verdict, ledger.Wait):
                 if now >= deadline:
-                    return Result(replies.in_flight(sub.key), "in_flight", sub.key)
+                    return Result(replies.in_flight(sub.key), Decision.IN_FLIGHT, sub.key)
                 await asyncio.sleep(WAIT_POLL)
                 current = await self.store.get(sub.zone, sub.key)
                 continue
@@ -436,20 +327,19 @@ class Submitter:
                 if write is not None:
                     result = await write(verdict)
                 else:
-                    cap = cap_check(sub.zone, caps, sub.attempt_id, now, sub.username, user_caps)
+                    # Relay mode's reservation counts the caps admission named (DESIGN.md §3).
+                    assert caps is not None, "a reservation without a write counts caps"
+                    cap = cap_check(sub.zone, caps[0], sub.attempt_id, now, sub.username, caps[1])
                     result = await self.store.reserve(
                         verdict.record, verdict.expected_version, cap, zone.paused or held is not None
                     )
             except StoreUnavailable:
                 # The reservation may have run with only its reply lost. Its unit goes back
-                # now; if the write stands, the record is ours and the submission that
-                # takes it over after its lease refunds the same token again (a no-op).
-                if write is None:
-                    await self.refund(sub.zone, sub.attempt_id)
+                # now; if the write stands, the record is ours.
+                await self._refund_all(sub, Ending.RESERVE_UNANSWERED, counted=write is None)
                 raise
             if isinstance(result, Reserved):
-                for token in verdict.refund:
-                    await self.refund(sub.zone, token)
+                await self._refund_all(sub, Ending.RESERVED, verdict.refund)
                 return verdict.record
             if isinstance(result, Conflict):
                 current = result.current
@@ -460,17 +350,16 @@ class Submitter:
                 ):
                     # Our own write landed and only its reply was lost (a retried script
                     # after a connection reset): the reservation is ours.
-                    for token in verdict.refund:
-                        await self.refund(sub.zone, token)
+                    await self._refund_all(sub, Ending.RESERVED, verdict.refund)
                     return current
                 continue
             if isinstance(result, Paused):
                 if held is not None:
-                    return Result(replies.class_paused(sub.zone, held), "paused", sub.key)
-                return Result(replies.paused(sub.zone), "paused", sub.key)
+                    return Result(replies.class_paused(sub.zone, held), Decision.PAUSED, sub.key)
+                return Result(replies.paused(sub.zone), Decision.PAUSED, sub.key)
             assert isinstance(result, CapReached)
             return Result(cap_reply(sub.zone, result), cap_decision(result), sub.key)
-        return Result(replies.in_flight(sub.key), "contended", sub.key)
+        return Result(replies.in_flight(sub.key), Decision.CONTENDED, sub.key)
 
     async def relay(
         self,
@@ -513,8 +402,8 @@ class Submitter:
         except (LeaseLost, StoreUnavailable) as e:
             # Stopped before DATA: nothing reached a provider, so the cap unit goes back.
             if isinstance(e, LeaseLost):
-                await self.refund(sub.zone, sub.attempt_id)
-                return Result(replies.in_flight(sub.key), "lease_lost", sub.key)
+                await self._refund_all(sub, Ending.LEASE_LOST)
+                return Result(replies.in_flight(sub.key), Decision.LEASE_LOST, sub.key)
             # The data_sent note (or a renewal) may have landed with only its reply lost:
             # left so, the event would read `unknown` after its lease though no DATA was
             # sent (DESIGN.md §11.6, §18). "Not sent" is written first, with a 250's retry
@@ -523,7 +412,7 @@ class Submitter:
             unsent = Outcome(Kind.UNAVAILABLE, None, detail=f"store: {e}"[:200], data_sent=False)
             self.leases.release(held)
             await self._settle(state["rec"], sub, unsent, s, retry_delay)
-            await self.refund(sub.zone, sub.attempt_id)
+            await self._refund_all(sub, Ending.STORE_LOST)
             raise
         except Exception as e:
             # A defect, not an SMTP outcome (providers translate every SMTP and OS error).
@@ -544,19 +433,20 @@ class Submitter:
             # route is usable, with no attempt counted (no backoff step, nothing in the
             # history) and its cap unit back; nothing reached any provider's DATA.
             await self._hold(state["rec"], sub, outcome.wait_until)
-            await self.refund(sub.zone, sub.attempt_id)
+            await self._refund_all(sub, Ending.HELD)
             return Result(
-                replies.no_provider(), "throttled", sub.key, sg_id=sub.attempt_id, message_id=sub.message_id
+                replies.no_provider(),
+                Decision.THROTTLED,
+                sub.key,
+                sg_id=sub.attempt_id,
+                message_id=sub.message_id,
             )
         await self._settle(state["rec"], sub, outcome, s, retry_delay)
-        if outcome.kind is Kind.UNAVAILABLE or outcome.data_sent is False:
-            # Nothing reached a provider's DATA (unavailable, or refused at MAIL or RCPT):
-            # nothing was spent, so the cap unit goes back (DESIGN.md §11.3).
-            await self.refund(sub.zone, sub.attempt_id)
+        await self._refund_all(sub, Ending.RELAYED, outcome=outcome)
         await self._suppress_bounced(sub.zone, outcome)
         return Result(
             client_reply(outcome, sub.attempt_id),
-            {"delivered": "relayed"}.get(outcome.kind.value, outcome.kind.value),
+            relayed_as(outcome.kind),
             sub.key,
             outcome.provider,
             outcome.upstream_id,
@@ -634,42 +524,3 @@ class Submitter:
                         now,
                     )
                 self.suppressions.invalidate(zone)
-
-
-def user_caps_of(zone: ZoneConfig, username: str | None, caps: Caps) -> Caps | None:
-    """The SMTP user's own caps inside the zone's (DESIGN.md §16), None when it has none."""
-    if username is None:
-        return None
-    for user in zone.users:
-        if user.username == username:
-            return user_caps_for(caps, user.hourly_cap, user.monthly_cap)
-    return None
-
-
-def cap_decision(reached: CapReached) -> str:
-    """The decision (stats, metrics) a cap refusal is counted as."""
-    return f"user_cap_{reached.window}" if reached.user is not None else f"cap_{reached.window}"
-
-
-def class_names(message: Message, config: Config, zone: ZoneConfig) -> list[str]:
-    """The classes the message's class header names (lower-cased, each value), or the
-    zone's default class when it has none: what queue mode validates and a class pause
-    matches against."""
-    values = message.get_all(config.queue.class_header)
-    if not values:
-        return [zone.default_class or config.queue.default_class]
-    return [v.strip().lower() for v in values]
-
-
-def message_class(message: Message, config: Config, zone: ZoneConfig) -> str | Reply:
-    names = class_names(message, config, zone)
-    name = names[0]
-    if len(names) > 1 or name not in config.queue.classes:
-        return replies.malformed_message(
-            f"{config.queue.class_header} must be one of {', '.join(sorted(config.queue.classes))}"
-        )
-    return name
-
-
-def _first(values: list[str]) -> str | None:
-    return values[0] if values else None

@@ -15,7 +15,13 @@ from tests.support import RedisServer, Upstream
 # smtpguard runs on uvloop by default (event_loop: auto) and on asyncio's loop without the
 # `fast` extra. The in-process tests of the wire (listener, DATA, STARTTLS, relay) run on both.
 BOTH_LOOPS = frozenset(
-    {"test_data_transfer.py", "test_e2e_relay.py", "test_hostile.py", "test_hostile_tls.py"}
+    {
+        "test_data_transfer.py",
+        "test_e2e_relay.py",
+        "test_hostile.py",
+        "test_hostile_tls.py",
+        "test_side_listener_attacks.py",
+    }
 )
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from smtpguard.events.apply import Applied, Applier
-from smtpguard.events.model import Kind, Match, ProviderEvent
+from smtpguard.policy.events import Kind, Match, ProviderEvent
 from smtpguard.policy.ledger import Record
 from smtpguard.policy.senders import recipient_tag
 from smtpguard.policy.sends import in_flight_through, sent_through

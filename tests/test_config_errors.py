@@ -413,3 +413,31 @@ def test_check_config_reads_the_verp_secret_as_serve_does(
         tmp, write_config(tmp / "v.yaml", base_config(tmp, 2525, events={"mailbox": box})).read_text(), capsys
     )
     assert problem in err, err
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        # The hosts given as a query parameter, not in the authority.
+        "postgresql://sg@/sg?host=db1,db2",
+        # A second target_session_attrs: libpq takes the last one.
+        "postgresql://sg@db1,db2/sg?target_session_attrs=read-write&target_session_attrs=any",
+        "postgresql://sg@/sg?host=db1,db2&target_session_attrs=primary&target_session_attrs=prefer-standby",
+    ],
+)
+def test_a_multi_host_url_that_libpq_may_connect_to_a_standby_is_refused(
+    tmp: Path, capsys: pytest.CaptureFixture[str], url: str
+) -> None:
+    cfg = base_config(tmp, 2525)
+    cfg["store"] = {"url": url}
+    text = write_config(tmp / "h.yaml", cfg).read_text()
+    err = check(tmp, text, capsys)
+    assert f"store.url (line {line_of(text, 'url: postgresql')})" in err, err
+    assert "needs target_session_attrs=read-write" in err, err
+
+
+def test_a_multi_host_url_with_read_write_last_is_accepted(tmp: Path) -> None:
+    cfg = base_config(tmp, 2525)
+    url = "postgresql://sg@/sg?target_session_attrs=any&host=db1,db2&target_session_attrs=read-write"
+    cfg["store"] = {"url": url}
+    assert loads(write_config(tmp / "h.yaml", cfg).read_text()).store.url == url

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from smtpguard.events.model import tag_value
+from smtpguard.policy.events import tag_value
 from tests import events_support as ev
 from tests.support import OTHER_PASSWORD, Upstream, message, running_guard, send
 from tests.test_events import RCPT, events_config, events_port, sent, suppressed

@@ -93,6 +93,9 @@ async def test_postmark_password_guesses_are_limited_per_address_and_logged(
     ]
     assert len(failures) == 5
     assert all(getattr(r, "client_ip", None) == "127.0.0.20" for r in failures)
+    # The 295 refused at the limit are counted, not logged one by one: a guesser sending
+    # as fast as it can must not turn into as many log lines.
+    assert sum("provider event refused" in m for m in caplog.messages) == 5
     logged = "\n".join(f"{r.getMessage()} {r.__dict__}" for r in caplog.records)
     assert "guess-0" not in logged and keys.postmark not in logged
     assert await suppressed(guard, "acme") == {}
@@ -205,3 +208,34 @@ def test_a_time_stored_before_the_check_renders_instead_of_failing_the_page() ->
     assert iso(float("nan")) == "invalid time (nan)"
     assert iso(1e300).startswith("invalid time")
     assert iso(0.0) == "1970-01-01T00:00:00Z"
+
+
+async def test_postmarks_right_credentials_pass_from_an_address_locked_by_wrong_ones(
+    guard: Server, upstream: Upstream, keys: ev.Keys
+) -> None:
+    """Postmark sends every customer's webhooks from the same few addresses, with whatever
+    Basic credentials each customer put in its webhook URL: any Postmark customer can send
+    wrong ones from Postmark's addresses. If that locked the address for everyone, a
+    stranger would silence the genuine webhooks for as long as they kept at it."""
+    port = events_port(guard)
+    _, queue_id = await sent(guard, upstream, "invoice:acme:shared")
+    postmark = "127.0.0.30"
+    connector = aiohttp.TCPConnector(local_addr=(postmark, 0), limit=4)
+    async with aiohttp.ClientSession(connector=connector) as s:
+        wrong = [
+            await post_from(
+                "", port, "postmark", ev.postmark(keys, ev.postmark_bounce(RCPT, queue_id), password=p), s
+            )
+            for p in ("another-customer-1", "another-customer-2") * 4
+        ]
+        assert [status for status, _ in wrong] == [401] * 5 + [429] * 3
+        status, doc = await post_from(
+            "", port, "postmark", ev.postmark(keys, ev.postmark_bounce(RCPT, queue_id)), s
+        )
+        assert (status, doc.get("applied")) == (200, 1), (status, doc)
+        # The wrong ones are still refused: the address stays limited for them.
+        again = await post_from(
+            "", port, "postmark", ev.postmark(keys, ev.postmark_bounce(RCPT, queue_id), password="x"), s
+        )
+        assert again[0] == 429
+    assert RCPT in await suppressed(guard, "acme")

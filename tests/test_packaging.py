@@ -414,9 +414,9 @@ def test_build_context_builds_the_package(tmp: Path) -> None:
         assert "smtpguard/store/sqlite/migrations/0001_schema.sql" in sqlite_sql
         assert [n for n in sqlite_sql if n not in zf.namelist()] == []
         # The Redis store reads its Lua scripts from these at import.
-        scripts = (ROOT / "smtpguard" / "store" / "redis_lua").rglob("*.lua")
+        scripts = (ROOT / "smtpguard" / "store" / "redis" / "lua").rglob("*.lua")
         lua = sorted(f.relative_to(ROOT).as_posix() for f in scripts)
-        assert "smtpguard/store/redis_lua/lib/cas_write.lua" in lua
+        assert "smtpguard/store/redis/lua/lib/cas_write.lua" in lua
         assert [n for n in lua if n not in zf.namelist()] == []
     assert f"{console_script()} = smtpguard.cli:main" in text
 

@@ -34,3 +34,34 @@ def test_servers_of_two_clusters_are_written_to_neither_whatever_their_timelines
     choice = choose([B, other])
     assert choice.refuse and choice.write_to is None
     assert "different clusters" in choice.reason
+
+
+def test_an_older_timeline_seen_before_a_newer_one_is_never_written_again() -> None:
+    first = choose([A, B])
+    assert first.write_to == B and first.newest == B
+    # The promoted server is away: the old primary alone accepts writes, and is refused.
+    alone = choose([A], first.newest)
+    assert alone.refuse and alone.write_to is None and alone.fenced == (A,)
+    assert "older timeline than 2" in alone.reason and alone.newest == B
+    # Back: written again, the old one still fenced.
+    back = choose([A, B], alone.newest)
+    assert back.write_to == B and back.fenced == (A,) and not back.refuse
+
+
+def test_a_newer_timeline_than_seen_moves_what_is_remembered() -> None:
+    c = Member("10.0.0.3:5432", "7001", 3)
+    one = choose([B])
+    assert one.write_to is None and not one.refuse and one.newest == B
+    # B alone again after C was promoted: B is on an older timeline now.
+    later = choose([B, c], one.newest)
+    assert later.write_to == c and later.newest == c
+    assert choose([B], later.newest).refuse
+    # A server of another cluster is not compared with this one's timelines (as before).
+    other = Member("10.0.0.9:5432", "9999", 1)
+    assert not choose([other], later.newest).refuse
+
+
+def test_a_server_of_the_newest_timeline_alone_with_an_older_one_is_pinned() -> None:
+    # Only B's timeline is current, but A also accepts writes: libpq could take A.
+    choice = choose([A, B], B)
+    assert choice.write_to == B and choice.fenced == (A,)

@@ -1,12 +1,12 @@
 """The pure parts of DESIGN.md §18: VERP tokens (policy/verp.py) and the one spelling of
-tags (events/model.py): millisecond tests, no I/O."""
+tags (policy/events.py): millisecond tests, no I/O."""
 
 from __future__ import annotations
 
 import pytest
 
-from smtpguard.events.model import ENCODED_TAG, is_our_tag_name, key_of_tag, tag_value
 from smtpguard.policy import verp
+from smtpguard.policy.events import ENCODED_TAG, is_our_tag_name, key_of_tag, tag_value
 
 SECRET = b"s3cret"
 SG = "0190a1b2c3d4e5f60718"

@@ -1,4 +1,4 @@
-"""The Redis store's Lua files (smtpguard/store/redis_lua/) and their loader, redis_scripts.py:
+"""The Redis store's Lua files (smtpguard/store/redis/lua/) and their loader, redis/scripts.py:
 every script assembles, is what RedisStore registers, and compiles on a real redis-server; a
 file the loader cannot assemble is refused with the file and the problem named."""
 

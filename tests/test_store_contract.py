@@ -17,9 +17,9 @@ import redis.asyncio as aioredis
 from redis.crc import key_slot
 
 from smtpguard.events.apply import Applied, Applier
-from smtpguard.events.model import Kind as EventKind
-from smtpguard.events.model import Match, ProviderEvent
 from smtpguard.policy import ledger
+from smtpguard.policy.events import Kind as EventKind
+from smtpguard.policy.events import Match, ProviderEvent
 from smtpguard.policy.ledger import LedgerSettings, Record, State, Submission
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached, Caps, cap_check, month_of
 from smtpguard.policy.outcome import Kind, Outcome, upstream_reply

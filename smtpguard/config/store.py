@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import re
+import urllib.parse
 
 from pydantic import Field, field_validator, model_validator
 
@@ -41,8 +41,13 @@ class StoreConfig(_Strict):
         if not v.startswith(STORE_SCHEMES):
             raise ValueError("store url must start with " + ", ".join(STORE_SCHEMES))
         if v.startswith(("postgresql://", "postgres://")):
-            hosts = v.split("://", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1]
-            if "," in hosts and not re.search(r"[?&]target_session_attrs=(read-write|primary)\b", v):
+            # As libpq reads it: hosts in the authority or a `host` parameter, and the last
+            # of several target_session_attrs.
+            hosts = v.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0].rsplit("@", 1)[-1]
+            query = urllib.parse.parse_qs(urllib.parse.urlsplit(v).query)
+            hosts += ",".join(query.get("host", []))
+            attrs = query.get("target_session_attrs", [""])[-1]
+            if "," in hosts and attrs not in ("read-write", "primary"):
                 raise ValueError(
                     "a store url naming several PostgreSQL hosts needs target_session_attrs=read-write "
                     "(else a connection may land on a standby, which refuses every write)"

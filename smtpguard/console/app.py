@@ -31,7 +31,7 @@ from smtpguard.config import Config, ConsoleConfig, OperatorConfig
 from smtpguard.console import trust, views
 from smtpguard.console.logins import LoginLimiter
 from smtpguard.console.sessions import COOKIE, LOGIN_COOKIE, Session, Sessions, fingerprint
-from smtpguard.http_listener import LimitedListener
+from smtpguard.http_listener import BodyAborted, LimitedListener
 from smtpguard.passwords import Verifier
 from smtpguard.policy.senders import address_problem, normalize_address
 from smtpguard.store import Store, StoreUnavailable
@@ -123,6 +123,14 @@ class Console:
             if e.status < 400:
                 raise
             response = self.page("error.html", request, status=e.status, message=e.reason)
+        except BodyAborted:
+            # Nothing was done: the form never arrived whole, and nobody is left to answer.
+            log.info(
+                "console: request body aborted", extra={"client_ip": request.remote, "path": request.path}
+            )
+            response = self.page(
+                "error.html", request, status=400, message="The form was not received whole."
+            )
         except Exception:
             log.exception("console: request failed", extra={"path": request.path})
             response = self.page(

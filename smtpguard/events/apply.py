@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable, Collection
 from enum import StrEnum
 
-from smtpguard.events.model import Match, ProviderEvent, StoredEvent, effect_of, key_of_tag
+from smtpguard.policy.events import Match, ProviderEvent, StoredEvent, effect_of, key_of_tag
 from smtpguard.policy.ledger import Record
 from smtpguard.policy.sends import in_flight_through, sent_through
 from smtpguard.store import Store

@@ -22,12 +22,12 @@ from typing import Any, cast
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
 from smtpguard import replies
-from smtpguard.admission import Admission, ListenerLimits, peer_ip
+from smtpguard.admission import Admission, ListenerLimits, WriteDeadline, peer_ip
 from smtpguard.config import MailboxConfig
 from smtpguard.events.apply import Applied, Applier, log_applied
-from smtpguard.events.model import Match, ProviderEvent
 from smtpguard.events.reports import NotAReport, read_report
 from smtpguard.policy import verp
+from smtpguard.policy.events import Match, ProviderEvent
 from smtpguard.policy.ledger import Record
 from smtpguard.policy.senders import recipient_tag, suppression_key
 from smtpguard.policy.sends import sent_as
@@ -38,6 +38,10 @@ log = logging.getLogger("smtpguard.events")
 
 SOURCE = "mailbox"
 """The source name of events read from the mailbox (in history, reasons and metrics)."""
+MAX_RECIPIENTS = 100
+"""Recipients one message may have here: a report is mailed to one address, and RFC 5321
+§4.5.3.1.8 asks no server to take more than 100. Without a limit a session repeating RCPT
+grows its envelope without end, each command well within its deadline."""
 
 
 class ReportHandler:
@@ -67,6 +71,8 @@ class ReportHandler:
     ) -> str:
         # A VERP address is taken whether or not its token verifies: a report to a bad
         # token joins the history as unverified, and refusing it would bounce a bounce.
+        if len(envelope.rcpt_tos) >= MAX_RECIPIENTS:
+            return str(replies.too_many_recipients(MAX_RECIPIENTS))
         if suppression_key(address) != self._address and not self._addressed(address).verp:
             return "550 5.1.1 this server takes delivery reports for one address only"
         envelope.rcpt_tos.append(address)
@@ -142,6 +148,7 @@ class _MailboxSMTP(SMTP):
         self._refused = False
         self._reading = False
         super().__init__(handler, timeout=limits.idle_timeout, **kw)
+        self._writing = WriteDeadline(self.loop, limits.read_timeout, self._not_reading)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self.transport is None and self._bucket is None:
@@ -160,7 +167,26 @@ class _MailboxSMTP(SMTP):
         if self._bucket is not None:
             self._admission.release(self._bucket)
             self._bucket = None
+        self._writing.resumed()
         super().connection_lost(error)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._bucket is not None:
+            self._writing.paused()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._writing.resumed()
+
+    def _not_reading(self) -> None:
+        log.info(
+            "events mailbox: replies not taken within read_timeout",
+            extra={"client_ip": peer_ip(self.transport) if self.transport else "?"},
+        )
+        if self.transport is not None:
+            # Not close(), as aiosmtpd's timeout does: it waits for the replies to be read.
+            cast(asyncio.Transport, self.transport).abort()
 
     def eof_received(self) -> bool | None:
         if self._refused:

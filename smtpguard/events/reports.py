@@ -17,7 +17,7 @@ import email.utils
 import hashlib
 from email.message import Message
 
-from smtpguard.events.model import ID_HEADER, Kind, Match, ProviderEvent
+from smtpguard.policy.events import ID_HEADER, Kind, Match, ProviderEvent
 from smtpguard.policy.senders import address_problem
 
 

@@ -14,7 +14,7 @@ import math
 from datetime import datetime
 from typing import Any
 
-from smtpguard.events.model import Malformed
+from smtpguard.policy.events import Malformed
 
 WINDOW = 366 * 86400.0
 """An event time further than this from the receiving clock, either way, is refused."""

@@ -21,9 +21,9 @@ from aiohttp import web
 from smtpguard.admission import ListenerLimits, client_bucket
 from smtpguard.config import LimitsConfig
 from smtpguard.events.apply import Applied, Applier, log_applied
-from smtpguard.events.model import Malformed
 from smtpguard.events.sources import Rejected, Source, Sources
 from smtpguard.http_listener import LimitedListener
+from smtpguard.policy.events import Malformed
 from smtpguard.store import StoreUnavailable
 
 log = logging.getLogger("smtpguard.events")
@@ -109,7 +109,19 @@ class EventsServer:
         """Postmark's webhook credentials are a password anyone can guess at: failures are
         limited per client address like SMTP AUTH (`limits.auth_failures` within
         `auth_failure_window`, then 429), in a count of their own (`events:ADDRESS`), so a
-        webhook's guesser cannot lock an SMTP client of the same address out of AUTH."""
+        webhook's guesser cannot lock an SMTP client of the same address out of AUTH.
+
+        The right credentials pass whatever that count says. Postmark sends every
+        customer's webhooks from the same few addresses, each with the credentials its
+        customer wrote into the webhook URL: a lock that refused the right ones too would let
+        any Postmark customer (or anyone behind the same proxy) silence the genuine webhooks
+        for as long as they kept sending wrong ones. What a locked guesser still learns from
+        200 against 429 is what a long random password (docs/events.md) makes worthless."""
+        try:
+            source.precheck(request.headers)
+            return None
+        except Rejected as e:
+            refusal = e
         ip = request.remote or "?"
         bucket = f"events:{client_bucket(ip)}"
         limits = self.auth_limits()
@@ -119,21 +131,14 @@ class EventsServer:
             now = self.clock()
             try:
                 if await store.auth_failures(bucket, now, window) >= limits.auth_failures:
+                    # Counted, not logged: the failure that reached the limit said so, and
+                    # a guesser sending as fast as it can must not become as many log lines.
                     self.observe(name, "-", "rejected_429")
-                    log.warning(
-                        "provider event refused: too many HTTP Basic failures from this address",
-                        extra={"source": name, "client_ip": ip},
-                    )
                     return _reply(
                         429,
                         "too many failed credentials from this address; retry later",
                         {"Retry-After": str(int(window))},
                     )
-                try:
-                    source.precheck(request.headers)
-                    return None
-                except Rejected as e:
-                    refusal = e
                 failures = await store.auth_failure(bucket, now, window)
             except StoreUnavailable as e:
                 log.error(
@@ -144,7 +149,13 @@ class EventsServer:
         # The reason only, never the header: it carries the password that was tried.
         log.warning(
             "provider event refused: HTTP Basic credentials",
-            extra={"source": name, "client_ip": ip, "reason": refusal.reason, "failures": failures},
+            extra={
+                "source": name,
+                "client_ip": ip,
+                "reason": refusal.reason,
+                "failures": failures,
+                "limited": failures >= limits.auth_failures,
+            },
         )
         return _reply(refusal.status, refusal.reason)
 

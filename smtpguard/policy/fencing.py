@@ -7,12 +7,17 @@ second send). So when two members accept writes, only the one on the newer timel
 written (a promotion starts a new timeline; the old primary stays on the one it had), and
 only among servers of the same cluster (one system identifier). Equal timelines, or two
 clusters, cannot be told apart: neither is written.
+
+What was seen is remembered: a server on an older timeline of the cluster than one seen
+accepting writes before is never written again, even when it is the only one left (the
+promoted server restarting, or cut off for a moment, would otherwise hand the fleet back
+to the old primary and its ledger of before the failover: every event since sent again).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -35,9 +40,43 @@ class Choice:
     """Write to none (451 4.3.0 until an operator stops one of them)."""
     fenced: tuple[Member, ...] = ()
     reason: str = ""
+    newest: Member | None = field(default=None, compare=False)
+    """The newest timeline seen accepting writes so far (kept for the next decision)."""
 
 
-def choose(writable: Sequence[Member]) -> Choice:
+def superseded(member: Member, newest: Member | None) -> bool:
+    """On an older timeline of the cluster than a server already seen accepting writes:
+    an old primary, whose ledger lacks everything written since the failover."""
+    return newest is not None and member.system_id == newest.system_id and member.timeline < newest.timeline
+
+
+def seen(newest: Member | None, member: Member) -> Member | None:
+    """`newest` after `member` was written to."""
+    if newest is None or (member.system_id == newest.system_id and member.timeline > newest.timeline):
+        return member
+    return newest
+
+
+def choose(writable: Sequence[Member], newest: Member | None = None) -> Choice:
+    """`newest`: the previous Choice's, so what was seen is never forgotten."""
+    old = tuple(m for m in writable if superseded(m, newest))
+    current = [m for m in writable if m not in old]
+    choice = _among(current)
+    if old:
+        assert newest is not None
+        names = ", ".join(f"{m.name} (timeline {m.timeline})" for m in old)
+        why = f"{names} fenced: on an older timeline than {newest.timeline}, seen accepting writes before"
+        if choice.refuse or choice.write_to is not None:
+            choice = replace(choice, fenced=old + choice.fenced, reason=f"{choice.reason}; {why}")
+        elif current:
+            choice = Choice(current[0], False, old, why)  # pinned: libpq would take either
+        else:
+            choice = Choice(None, True, old, f"{why}; no server on a newer timeline accepts writes")
+    written = choice.write_to or (current[0] if len(current) == 1 and not choice.refuse else None)
+    return replace(choice, newest=newest if written is None else seen(newest, written))
+
+
+def _among(writable: Sequence[Member]) -> Choice:
     if len(writable) < 2:
         return Choice(None)
     if len({m.system_id for m in writable}) > 1:

@@ -6,11 +6,15 @@ falls in, and what the client is told when a cap is reached.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Literal
+from enum import Enum
+from typing import Literal, Protocol
 
 from smtpguard import replies
+from smtpguard.policy.decisions import Decision
+from smtpguard.policy.outcome import Kind, Outcome
 from smtpguard.replies import Reply
 
 PlanName = Literal["free", "solo", "starter", "business", "agency", "unlimited"]
@@ -98,7 +102,7 @@ def month_of(now: float) -> str:
 
 def token_time(token: str) -> float | None:
     """When an attempt id (smtpguard's cap token) was made: its first 11 hex digits are
-    milliseconds since the epoch (submission.new_id)."""
+    milliseconds since the epoch (ids.new_id)."""
     if len(token) < 11:
         return None
     try:
@@ -126,6 +130,27 @@ def user_caps_for(zone: Caps, hourly: int | None, monthly: int | None) -> Caps |
     )
 
 
+class UserLimits(Protocol):
+    """A zone's SMTP user as far as caps go (config's UserConfig has this shape)."""
+
+    @property
+    def username(self) -> str: ...
+    @property
+    def hourly_cap(self) -> int | None: ...
+    @property
+    def monthly_cap(self) -> int | None: ...
+
+
+def user_caps_of(users: Iterable[UserLimits], username: str | None, caps: Caps) -> Caps | None:
+    """The SMTP user's own caps inside the zone's (DESIGN.md §16), None when it has none."""
+    if username is None:
+        return None
+    for user in users:
+        if user.username == username:
+            return user_caps_for(caps, user.hourly_cap, user.monthly_cap)
+    return None
+
+
 def cap_check(
     zone: str, caps: Caps, token: str, now: float, user: str | None = None, user_caps: Caps | None = None
 ) -> CapCheck:
@@ -146,3 +171,53 @@ def cap_reply(zone: str, reached: CapReached) -> Reply:
     if reached.window == "month":
         return replies.monthly_cap(zone, reached.cap)
     return replies.hourly_cap(zone, reached.cap, reached.free_at or 0.0)
+
+
+def cap_decision(reached: CapReached) -> Decision:
+    """The decision (stats, metrics) a cap refusal is counted as."""
+    return Decision(f"user_cap_{reached.window}" if reached.user is not None else f"cap_{reached.window}")
+
+
+class Ending(Enum):
+    """How an attempt's reservation or relay ended, as far as its cap unit goes."""
+
+    RESERVED = "reserved"
+    """The reservation stands (also when only its reply was lost and the write is ours)."""
+    RESERVE_UNANSWERED = "reserve_unanswered"
+    """The store failed during the reservation: it may have run with only its reply lost."""
+    LEASE_LOST = "lease_lost"
+    """Another submission took the key over before DATA."""
+    STORE_LOST = "store_lost"
+    """The store failed before DATA (the data_sent note or a renewal)."""
+    HELD = "held"
+    """Queued mail given back unsent while every provider of the route is throttled."""
+    RELAYED = "relayed"
+    """The route answered with an outcome."""
+
+
+def unit_fate(
+    ending: Ending,
+    attempt: str,
+    taken_over: Sequence[str] = (),
+    outcome: Outcome | None = None,
+    counted: bool = True,
+) -> tuple[str, ...]:
+    """The cap tokens to refund once an attempt ends (DESIGN.md §5, §11.3): a unit is spent
+    once anything may have reached a provider's DATA, and given back when nothing can have.
+
+    `taken_over` are the tokens of earlier attempts a standing reservation replaced (the
+    ledger's verdict names them); `counted` says whether the reservation took a unit at all
+    (store-and-forward acceptance does not: caps are counted at delivery)."""
+    if ending is Ending.RESERVED:
+        return tuple(taken_over)
+    if ending is Ending.RESERVE_UNANSWERED:
+        # If the write stands anyway, the submission that takes the record over after its
+        # lease refunds the same token again: a no-op.
+        return (attempt,) if counted else ()
+    if ending is Ending.RELAYED:
+        assert outcome is not None, "a relayed attempt has an outcome"
+        # Nothing reached a provider's DATA: unavailable, or refused at MAIL or RCPT.
+        spent = outcome.kind is not Kind.UNAVAILABLE and outcome.data_sent is not False
+        return () if spent else (attempt,)
+    # Lease lost, store lost, held for a throttle: stopped before any DATA.
+    return (attempt,)

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import aiosmtplib
 
 from smtpguard.config import ConfigError, SmtpProviderConfig, read_secret
-from smtpguard.events.tags import tagged
 from smtpguard.policy.eventkey import qualified_key
 from smtpguard.policy.failover import (
     Attempted,
@@ -37,6 +36,7 @@ from smtpguard.policy.failover import (
 )
 from smtpguard.policy.outcome import Kind, Outcome, queue_id, upstream_reply
 from smtpguard.policy.strip import without_headers
+from smtpguard.policy.tags import tagged
 from smtpguard.policy.throttle import is_rate_limit
 from smtpguard.provider_gate import IDLE_HOLD, ConnectionSlots
 from smtpguard.relay.base import BeforeData, Envelope, describe, log_unexpected
@@ -52,7 +52,7 @@ class SmtpProvider:
         self.name = cfg.name
         self.event_tag = event_tag
         """The kind of the event source reading this provider's webhooks: its custom-variable
-        header carries the event key back (events/tags.py)."""
+        header carries the event key back (policy/tags.py)."""
         self.cfg = cfg
         self.idempotent = cfg.idempotency_header is not None
         self.smtputf8: bool | None = None

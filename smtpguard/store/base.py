@@ -29,8 +29,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
-from smtpguard.events.model import StoredEvent as StoredEvent  # re-exported for the backends
-from smtpguard.events.model import bare_message_id
+from smtpguard.policy.events import StoredEvent as StoredEvent  # re-exported for the backends
+from smtpguard.policy.events import bare_message_id
 from smtpguard.policy.ledger import Record
 from smtpguard.policy.limits import CapCheck, CapReached
 from smtpguard.policy.queue import HELD as HELD  # re-exported: stores write it as a due time

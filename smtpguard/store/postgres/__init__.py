@@ -18,7 +18,7 @@ SKIP LOCKED`. Every write is committed before the call returns, as durable as th
 call returned.
 
 PostgresStore (here) keeps the ledger and queue operations; the rest of the package: pool.py
-(the pool, connection setup, each call's deadline and the server's clock), controls.py,
+(the pool, connection setup, each call's deadline, sampling the server's clock), controls.py,
 desk.py, fleet.py (one class per role, inherited, as in store/sqlite/), rows.py (record rows,
 their compare-and-swap and the cap units' arguments), and fencing.py, replication.py,
 migrate.py, upgrade.py with migrations/.
@@ -46,6 +46,7 @@ from smtpguard.store.postgres.controls import Controls
 from smtpguard.store.postgres.desk import Desk
 from smtpguard.store.postgres.fleet import Fleet
 from smtpguard.store.postgres.migrate import MIGRATIONS
+from smtpguard.store.postgres.pool import MIGRATE_WAIT as MIGRATE_WAIT
 from smtpguard.store.postgres.pool import POOL_SIZE as POOL_SIZE
 from smtpguard.store.postgres.pool import Pool, _one, _translated
 from smtpguard.store.postgres.replication import failover_problem

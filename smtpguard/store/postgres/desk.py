@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from smtpguard.events.model import bare_message_id
+from smtpguard.policy.events import bare_message_id
 from smtpguard.policy.ledger import Record
 from smtpguard.store.base import IdField, StoredEvent, ZoneAudit
 from smtpguard.store.postgres.pool import Pool, _one, _run_script, _translated

@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from smtpguard.policy.fencing import Choice, Member, choose
+from smtpguard.policy.fencing import Choice, Member, choose, seen, superseded
 from smtpguard.store.postgres.replication import FACTS_SQL, ServerFacts
 
 log = logging.getLogger("smtpguard.store")
@@ -85,6 +86,16 @@ class Fence:
             raise Fenced(f"postgresql: writing to no server: {self.choice.reason}")
         if winner is not None and (facts.system_id, facts.timeline) != (winner.system_id, winner.timeline):
             raise Fenced(f"postgresql: connected to a fenced server: {self.choice.reason}")
+        if not self.multi_host or facts.read_only:
+            return
+        member = Member(f"port {facts.port}", facts.system_id, facts.timeline)
+        if superseded(member, self.choice.newest):
+            self.stale()
+            raise Fenced(
+                f"postgresql: connected to a server on timeline {facts.timeline}, older than "
+                f"{self.choice.newest.timeline if self.choice.newest else '?'} seen accepting writes"
+            )
+        self.choice = replace(self.choice, newest=seen(self.choice.newest, member))
 
     async def refresh(self) -> bool:
         """Ask every server of the URL; True when the decision changed."""
@@ -92,7 +103,7 @@ class Fence:
             found = await asyncio.gather(*(self._probe(s) for s in self._servers))
             self._checked_at = time.monotonic()
             writable = [m for m in found if m is not None]
-            choice = choose(writable)
+            choice = choose(writable, self.choice.newest)
             changed = choice != self.choice
             self.choice = choice
             pin = None

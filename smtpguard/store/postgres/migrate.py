@@ -17,6 +17,7 @@ not allowed to change it is SchemaBehind, naming the role.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -39,6 +40,10 @@ MIGRATION_LOCK = 0x736D7470  # 'smtp': the advisory lock key every release uses
 LARGE_TABLE = 10_000
 """Rows above which an index is built concurrently: below, the build is milliseconds and
 the transaction is simpler."""
+LOCK_POLL = 0.2
+"""Seconds between tries at the migration lock while another instance migrates."""
+BUILD_TRIES = 5
+"""Concurrent builds of one index aborted as a deadlock before the migration gives up."""
 
 _INDEX = re.compile(r"^CREATE (UNIQUE )?INDEX (\w+) ON (\w+)\b[^;]*;[ \t]*\n?", re.MULTILINE)
 
@@ -73,14 +78,12 @@ async def migrate(conn: AsyncConnection[Any]) -> Migrated:
         return Migrated(before, before, (), 0.0)
     role = await _role(conn)
     await conn.execute("SET statement_timeout = 0")
-    try:
-        await conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK,))
-    except psycopg.Error as e:
-        raise SchemaBehind(_behind(role, before, e)) from e
+    await _lock(conn)
     concurrent: list[str] = []
     try:
-        done = await schema_version(conn)
-        for version, text in enumerate(MIGRATIONS[done:], start=done + 1):
+        # Read again under the lock: another instance may have migrated while we waited.
+        before = await schema_version(conn)
+        for version, text in enumerate(MIGRATIONS[before:], start=before + 1):
             try:
                 concurrent += await _migrate_one(conn, version, text)
             except psycopg.errors.InsufficientPrivilege as e:
@@ -89,11 +92,30 @@ async def migrate(conn: AsyncConnection[Any]) -> Migrated:
         await conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK,))
         await conn.execute("RESET statement_timeout")
     took = time.monotonic() - started
+    if before >= LATEST:
+        return Migrated(before, before, (), took)
     log.info(
         "store schema migrated",
         extra={"from": before, "to": LATEST, "concurrently": concurrent, "seconds": round(took, 3)},
     )
     return Migrated(before, LATEST, tuple(concurrent), took)
+
+
+async def _lock(conn: AsyncConnection[Any]) -> None:
+    """The migration lock, waited for between statements. pg_advisory_lock waits inside its
+    statement and so holds a snapshot; the instance holding the lock may be in CREATE INDEX
+    CONCURRENTLY, which waits for every older snapshot: each waits for the other and
+    PostgreSQL aborts one (the second `smtpguard migrate` failed with a deadlock). A try
+    holds a snapshot for a moment only."""
+    waiting = False
+    while True:
+        row = await (await conn.execute("SELECT pg_try_advisory_lock(%s)", (MIGRATION_LOCK,))).fetchone()
+        if row and row[0]:
+            return
+        if not waiting:
+            waiting = True
+            log.info("store schema: waiting for another instance's migration")
+        await asyncio.sleep(LOCK_POLL)
 
 
 async def _migrate_one(conn: AsyncConnection[Any], version: int, text: str) -> list[str]:
@@ -137,7 +159,19 @@ async def _build_concurrently(conn: AsyncConnection[Any], name: str, statement: 
     if row is not None:
         await conn.execute(sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {}").format(sql.Identifier(name)))
     concurrent = re.sub(r"^CREATE (UNIQUE )?INDEX ", r"CREATE \1INDEX CONCURRENTLY ", statement.strip())
-    await conn.execute(concurrent.rstrip(";").encode())
+    for attempt in range(1, BUILD_TRIES + 1):
+        try:
+            await conn.execute(concurrent.rstrip(";").encode())
+            return
+        except psycopg.errors.DeadlockDetected:
+            # A previous release waits for the migration lock inside its statement
+            # (pg_advisory_xact_lock) while this build waits for its snapshot; when the
+            # build is the side aborted, it leaves an invalid index: dropped, built again
+            # (the previous release's wait ends with its call's deadline).
+            if attempt == BUILD_TRIES:
+                raise
+            log.warning("store schema: index build %s aborted as a deadlock; building it again", name)
+            await conn.execute(sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {}").format(sql.Identifier(name)))
 
 
 async def _role(conn: AsyncConnection[Any]) -> str:
@@ -163,7 +197,11 @@ async def migrate_on_own_connection(conninfo: str, kwargs: dict[str, Any]) -> Mi
     try:
         async with conn:
             return await migrate(conn)
-    except (psycopg.OperationalError, OSError):
-        return None
+    except (psycopg.OperationalError, OSError) as e:
+        if conn.broken or isinstance(e, OSError):
+            return None  # the server went away: try again later
+        # The server answered with an error of its own (a deadlock, a disk full): saying
+        # "no server answered" would send the operator to the wrong place.
+        raise SchemaBehind(f"postgresql: migrating the schema failed: {type(e).__name__}: {e}".strip()) from e
     except psycopg.Error as e:
         raise SchemaBehind(f"postgresql: migrating the schema failed: {type(e).__name__}: {e}".strip()) from e

@@ -1,16 +1,15 @@
 """The pool and connection setup every role of the PostgreSQL store goes through: the
-deadline and error translation of each call, schema migration at open, fencing and
-replication on each new connection, and the server's clock (DESIGN.md §11.5, §15, §18)."""
+deadline and error translation of each call (store/errors.py), schema migration at open,
+fencing and replication on each new connection, and sampling the server's clock
+(store/clock.py; DESIGN.md §11.5, §15, §18)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import AsyncConnection
@@ -18,6 +17,8 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from smtpguard.store.base import StoreUnavailable, StoreUnfit
+from smtpguard.store.clock import OnServerClock, ServerClock
+from smtpguard.store.errors import translated
 from smtpguard.store.postgres import fencing
 from smtpguard.store.postgres.migrate import SchemaBehind, migrate_on_own_connection
 from smtpguard.store.postgres.replication import FACTS_SQL, Replication, ServerFacts
@@ -25,38 +26,35 @@ from smtpguard.store.sql.statements import Result, Script
 
 log = logging.getLogger("smtpguard.store")
 
-P = ParamSpec("P")
-T = TypeVar("T")
-S = TypeVar("S", bound="Pool")
 Conn = AsyncConnection[tuple[Any, ...]]
 
+T = TypeVar("T")
 _TIMEOUT = 2.0
 """Deadline of one store operation, of taking a connection from the pool, and of a connect."""
 POOL_SIZE = 32
 """Connections one process keeps at most (store.pool_size): each worker is a process."""
-_CLOCK_SAMPLE_EVERY = 10.0
+MIGRATE_WAIT = 5.0
+"""Seconds `open` waits for the schema migration before serving 451 while it goes on."""
 
 
-def _translated(
-    fn: Callable[Concatenate[S, P], Awaitable[T]],
-) -> Callable[Concatenate[S, P], Coroutine[Any, Any, T]]:
-    """The one place a driver error becomes StoreUnavailable (451 4.3.0, nothing relayed),
-    and where an operation gets its deadline."""
-
-    async def wrapper(self: S, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        try:
-            async with asyncio.timeout(_TIMEOUT):
-                return await fn(self, *args, **kwargs)
-        except (psycopg.Error, PoolTimeout, OSError) as e:  # OSError includes TimeoutError
-            if isinstance(e, psycopg.OperationalError | OSError):
-                self._connection_trouble()
-            raise StoreUnavailable(f"postgresql: {type(e).__name__}: {e}".strip()) from e
-
-    functools.update_wrapper(wrapper, fn)
-    return wrapper
+def _connection_trouble(store: Pool, e: Exception) -> None:
+    if isinstance(e, psycopg.OperationalError | OSError):
+        store._connection_trouble()
 
 
-class Pool:
+_translated = translated(
+    psycopg.Error,
+    PoolTimeout,
+    OSError,
+    backend="postgresql",
+    timeout=lambda: _TIMEOUT,
+    on_error=_connection_trouble,
+)
+"""The one place a driver error becomes StoreUnavailable (451 4.3.0, nothing relayed), and
+where an operation gets its deadline (store/errors.py)."""
+
+
+class Pool(OnServerClock):
     """The connections every role's operations go through (inherited by PostgresStore)."""
 
     def __init__(
@@ -79,10 +77,7 @@ class Pool:
         self._unfit: str | None = None
         self._waiting: str | None = None
         self._pool: AsyncConnectionPool[Conn] | None = None
-        self._mono: Callable[[], float] = time.monotonic
-        self._offset: float | None = None
-        """The server's clock minus this process's monotonic clock, from the last sample."""
-        self._last_now = 0.0
+        self._clock = ServerClock()
         self._clock_task: asyncio.Task[None] | None = None
         self._check_task: asyncio.Task[None] | None = None
         self._migrated = False
@@ -103,8 +98,24 @@ class Pool:
             kwargs["password"] = self._password
         self._kwargs = kwargs
         self._fence = fencing.Fence(self.url, kwargs)
-        if not await self._migrate_at_open():
-            self._migrate_task = asyncio.create_task(self._migrate_later())
+        first = asyncio.create_task(self._migrate_at_open())
+        try:
+            # Shielded: a migration has no deadline (a large index build, another instance
+            # holding the lock, a commit waiting for a synchronous standby that is not
+            # connected); past this wait it goes on and every call answers 451 meanwhile,
+            # rather than `serve` neither listening nor saying why.
+            migrated = await asyncio.wait_for(asyncio.shield(first), MIGRATE_WAIT)
+        except TimeoutError:
+            self._waiting = f"the schema migration has been running for more than {MIGRATE_WAIT:g} s"
+            log.warning(
+                "store schema migration still running; answering 451 until it ends (a large "
+                "index build, another instance migrating, or a commit waiting for a "
+                "synchronous standby that is not connected)"
+            )
+            self._migrate_task = asyncio.create_task(self._finish_migration(first))
+        else:
+            if not migrated:
+                self._migrate_task = asyncio.create_task(self._migrate_later())
         pool: AsyncConnectionPool[Conn] = AsyncConnectionPool(
             self._fence.conninfo,
             min_size=1,
@@ -125,7 +136,7 @@ class Pool:
         if self._migrated:
             with contextlib.suppress(StoreUnavailable):
                 await self.sync_clock()
-        self._clock_task = asyncio.create_task(self._track_clock())
+        self._clock_task = asyncio.create_task(self._clock.track(self.sync_clock))
         if self._fence.multi_host:
             self._watch_task = asyncio.create_task(self._watch())
 
@@ -148,6 +159,10 @@ class Pool:
             raise StoreUnavailable(
                 self._unfit or f"postgresql: schema not checked yet ({self._waiting or 'no server answered'})"
             )
+        if self._fence.choice.refuse:
+            # Known at once: waiting for the pool's timeout would only hold the session
+            # (the watch asks the servers again every fencing.CHECK_EVERY).
+            raise StoreUnavailable(f"postgresql: writing to no server: {self._fence.choice.reason}")
         async with self._pool.connection() as conn:
             yield conn
 
@@ -188,6 +203,22 @@ class Pool:
             return False
         self._migrated = done is not None
         return self._migrated
+
+    async def _finish_migration(self, first: asyncio.Task[bool]) -> None:
+        try:
+            done = await first
+        except asyncio.CancelledError:
+            first.cancel()
+            raise
+        except StoreUnfit as e:
+            log.critical("store unusable: %s", e)
+            return
+        if not done:
+            await self._migrate_later()
+            return
+        log.info("store schema migration done")
+        with contextlib.suppress(StoreUnavailable):
+            await self.sync_clock()
 
     async def _migrate_later(self) -> None:
         while not self._migrated:
@@ -231,34 +262,18 @@ class Pool:
         return ServerFacts.of(row)
 
     # --- the store's clock (DESIGN.md §11.5) --------------------------------------------------
-    def now(self) -> float:
-        """The server's clock, tracked between samples on this process's monotonic clock
-        (as the Redis backend tracks TIME): every instance measures leases on one clock.
-        Never moves backwards, even when a failover brings a server whose clock differs."""
-        if self._offset is None:
-            return time.time()
-        t = self._mono() + self._offset
-        if t < self._last_now:
-            return self._last_now
-        self._last_now = t
-        return t
-
     @_translated
     async def sync_clock(self) -> None:
         async with self._conn() as conn:
-            before = self._mono()
-            row = await (
-                await conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8")
-            ).fetchone()
-            after = self._mono()
-        assert row is not None
-        self._offset = float(row[0]) - (before + after) / 2
 
-    async def _track_clock(self) -> None:
-        while True:
-            await asyncio.sleep(_CLOCK_SAMPLE_EVERY if self._offset is not None else 0.2)
-            with contextlib.suppress(StoreUnavailable):
-                await self.sync_clock()
+            async def read() -> float:
+                row = await (
+                    await conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8")
+                ).fetchone()
+                assert row is not None
+                return float(row[0])
+
+            await self._clock.sample(read)
 
 
 # --- statements shared by the operations --------------------------------------------------------

@@ -9,7 +9,7 @@ from typing import Any
 
 import psycopg
 
-from smtpguard.events.model import bare_message_id
+from smtpguard.policy.events import bare_message_id
 from smtpguard.policy.ledger import Record
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached
 from smtpguard.store.base import Conflict, Paused, ReserveResult

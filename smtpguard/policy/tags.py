@@ -11,7 +11,7 @@ case or punctuation (X-Smtpguard-Id, X-Smtpguard-Key, X-PM-Metadata-smtpguard-ke
 X-PM-Metadata-SMTPGuard.Key, …) is removed, and in the JSON headers every look-alike of
 the `smtpguard_key` member is removed before ours is written, so one zone cannot point
 events at another zone's records (DESIGN.md §18: tags have one spelling). A key that
-cannot be a header value is written encoded (model.tag_value), never left out. Pure: bytes
+cannot be a header value is written encoded (events.tag_value), never left out. Pure: bytes
 in, bytes out.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from smtpguard.events.model import ID_HEADER, KEY_FIELD, is_our_tag_name, tag_value
+from smtpguard.policy.events import ID_HEADER, KEY_FIELD, is_our_tag_name, tag_value
 
 _POSTMARK = f"X-PM-Metadata-{KEY_FIELD}"
 _JSON_HEADERS = {"mailgun": "X-Mailgun-Variables", "sendgrid": "X-SMTPAPI"}

@@ -1,0 +1,93 @@
+"""Svix's signed webhooks (Resend and other providers delivering through Svix): svix-id,
+svix-timestamp and svix-signature headers, HMAC-SHA256 with the whsec_ secret; one email
+event a request, read as one event per recipient it names."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from smtpguard.events import signatures
+from smtpguard.events.sources.base import (
+    Rejected,
+    Verified,
+    _Base,
+    _header,
+    _json_object,
+    _named_headers,
+    _obj,
+    _str,
+    _strs,
+)
+from smtpguard.events.times import event_time
+from smtpguard.policy.events import ID_HEADER, Kind, Malformed, Match, ProviderEvent
+
+_RESEND_KINDS = {
+    "email.bounced": Kind.BOUNCE,
+    "email.complained": Kind.COMPLAINT,
+    "email.delivered": Kind.DELIVERED,
+    "email.delivery_delayed": Kind.DEFERRED,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Svix(_Base):
+    secret: str
+    kind: str = "svix"
+
+    def precheck(self, headers: Mapping[str, str]) -> None:
+        for name in ("svix-id", "svix-timestamp", "svix-signature"):
+            _header(headers, name)
+
+    def verify(self, body: bytes, headers: Mapping[str, str], now: float) -> Verified:
+        msg_id = _header(headers, "svix-id")
+        timestamp = _header(headers, "svix-timestamp")
+        if not signatures.svix(self.secret, msg_id, timestamp, body, _header(headers, "svix-signature")):
+            raise Rejected(401, "no svix-signature verifies with the secret")
+        try:
+            self._fresh(float(timestamp), now)
+        except ValueError:
+            raise Rejected(401, "svix-timestamp is not a number") from None
+        payload = _json_object(body)
+        return Verified(self._events(payload, msg_id, now))
+
+    def _events(self, payload: dict[str, Any], msg_id: str, now: float) -> list[ProviderEvent]:
+        event = _str(payload.get("type"))
+        if event is None:
+            raise Malformed("`type` is missing")
+        data = _obj(payload.get("data"), "data")
+        kind = _RESEND_KINDS.get(event, Kind.OTHER)
+        bounce = data.get("bounce") if isinstance(data.get("bounce"), dict) else {}
+        assert isinstance(bounce, dict)
+        if kind is Kind.BOUNCE and bounce.get("type") in ("Transient", "Undetermined"):
+            kind = Kind.SOFT_BOUNCE
+        status = "/".join(_strs(bounce.get("type"), bounce.get("subType")))
+        headers = _named_headers(data.get("headers"))
+        match = Match(
+            sg_ids=_strs(headers.get(ID_HEADER.lower())),
+            message_ids=_strs(headers.get("message-id")),
+            upstream_ids=_strs(data.get("email_id")),
+        )
+        to = data.get("to")
+        recipients: list[str | None] = [r for r in to if isinstance(r, str)] if isinstance(to, list) else []
+        if isinstance(to, str):
+            recipients = [to]
+        if kind in (Kind.BOUNCE, Kind.COMPLAINT) and len(recipients) > 1:
+            # The event names the email, not which of its recipients bounced or complained:
+            # suppressing all of them would punish the ones who did not.
+            kind = Kind.OTHER
+        at = event_time(payload.get("created_at") or data.get("created_at"), "created_at", now)
+        return [
+            ProviderEvent(
+                self.name,
+                kind,
+                event,
+                rcpt,
+                status,
+                at,
+                msg_id if len(recipients) <= 1 else f"{msg_id}:{i}",
+                match,
+            )
+            for i, rcpt in enumerate(recipients or [None])
+        ]
