@@ -3,7 +3,7 @@
 prometheus_client does the exposition format; the HTTP side is a few lines of asyncio so
 that /readyz can ask the store (an async call) on the same event loop as everything else.
 Label values are bounded: zones come from the config, decisions and classes from code.
-Every name here is listed in docs/runbook.md; tests/test_metrics.py checks the docs against a
+Every name here is listed in docs/runbook.md; tests/ops/test_metrics.py checks the docs against a
 real /metrics, so a renamed metric cannot leave the runbook behind.
 """
 

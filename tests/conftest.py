@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import uvloop
 
-from tests.hostile_support import assert_no_tracebacks
-from tests.postgres_support import PostgresServer
 from tests.support import RedisServer, Upstream
+from tests.support.hostile import assert_no_tracebacks
+from tests.support.postgres import PostgresServer
 
 # smtpguard runs on uvloop by default (event_loop: auto) and on asyncio's loop without the
 # `fast` extra. The in-process tests of the wire (listener, DATA, STARTTLS, relay) run on both.

@@ -1,6 +1,6 @@
 """The state store: one interface, three backends (DESIGN.md §7, §15).
 
-Promises every backend keeps (the contract suite in tests/test_store_contract.py checks
+Promises every backend keeps (the contract suite in tests/store/test_store_contract.py checks
 each one against SQLite, a real redis-server and a real PostgreSQL):
 
 - **Durable before answer.** When a write coroutine returns, the write survives a crash of

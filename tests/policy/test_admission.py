@@ -18,8 +18,8 @@ from smtpguard.policy.eventkey import MissingKeyMode, message_id_for
 from smtpguard.policy.limits import Caps, month_of
 from smtpguard.policy.message import HeaderLimits
 from smtpguard.server import Server
+from tests.queue.test_queue import queue_config
 from tests.support import Upstream, base_config, message, running_guard, send
-from tests.test_queue import queue_config
 
 
 def _raw(step: str) -> bytes:

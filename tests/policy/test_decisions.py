@@ -13,9 +13,9 @@ import pytest
 from smtpguard.policy.decisions import Decision, relayed_as, stat_name
 from smtpguard.policy.outcome import Kind
 from smtpguard.store import store_from_url
+from tests.ops.test_ops import http_get
+from tests.ops.test_ops import sample as labelled
 from tests.support import Behaviour, Upstream, base_config, message, running_guard, send
-from tests.test_ops import http_get
-from tests.test_ops import sample as labelled
 
 # What each submission below is counted as: (metrics decision label, stored stat name).
 EXPECTED = {

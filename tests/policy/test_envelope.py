@@ -4,7 +4,7 @@ Each case's address fails its own check and every later one, so the reply shows 
 comes first. The same table runs twice: over the wire, through a real client and a real
 in-process listener (the order the Handler applies), and against smtpguard.policy.envelope
 (the order as a pure rule). Suppression and the recipient-domain lookup (I/O, after the pure
-checks) are covered on the wire here and in tests/test_recipient_domains.py.
+checks) are covered on the wire here and in tests/wire/test_recipient_domains.py.
 """
 
 from __future__ import annotations

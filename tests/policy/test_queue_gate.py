@@ -29,8 +29,8 @@ from smtpguard.policy.queue import (
 )
 from smtpguard.store import QueueEntry
 from smtpguard.store.base import Store
+from tests.queue.test_queue import queue_config
 from tests.support import FakeClock, Upstream, message, running_guard, send
-from tests.test_queue import queue_config
 
 HOUR = 3600.0
 

@@ -1,0 +1,237 @@
+"""Store-and-forward (DESIGN.md §4a), counted at the upstream."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from smtpguard.cli import main
+from tests.support import (
+    Behaviour,
+    Upstream,
+    base_config,
+    free_port,
+    message,
+    running_guard,
+    send,
+    write_config,
+)
+from tests.support.eventually import eventually
+
+
+def queue_config(tmp: Path, port: int, **overrides: Any) -> dict[str, Any]:
+    caps = {"zones__acme__hourly_cap": 100_000, "zones__acme__monthly_cap": 1_000_000}
+    cfg = base_config(tmp, port, zones__acme__delivery="queue", **{**caps, **overrides})
+    # A closed upstream opens the circuit; keep its cooldown short so recovery is quick.
+    cfg["breaker"] = {"failure_threshold": 5, "cooldown": "1s"}
+    cfg["queue"] = {
+        "backoff": {"base": "200ms", "max": "1s"},
+        "workers": 8,
+        "poll_interval": "100ms",
+        "classes": {
+            "otp": {"max_age": "2s", "priority": 0},
+            "transactional": {"max_age": "3d", "priority": 1},
+            "bulk": {"max_age": "1d", "priority": 2},
+        },
+    }
+    return cfg
+
+
+async def test_accepted_while_upstream_down_then_delivered_once(tmp: Path) -> None:
+    port = free_port()
+    cfg = queue_config(tmp, port)
+    async with running_guard(cfg) as guard:
+        sem = asyncio.Semaphore(20)
+
+        async def submit(i: int) -> int:
+            async with sem:
+                return (await send(guard.ports[0], message(f"q{i}"))).code
+
+        codes = await asyncio.gather(*(submit(i) for i in range(200)))
+        assert codes.count(250) == 200
+        dups = await asyncio.gather(*(send(guard.ports[0], message(f"q{i}")) for i in range(0, 200, 20)))
+        assert all(d.code == 250 and "duplicate" in d.text and "queued" in d.text for d in dups)
+        up = Upstream(port)
+        await up.start()
+        try:
+            await up.wait_received(200, timeout=60)
+            more = await send(guard.ports[0], message("q7"))
+            await asyncio.sleep(0.5)
+        finally:
+            await up.stop()
+    keys = up.event_keys()
+    assert len(keys) == 200 and len(set(keys)) == 200
+    assert more.code == 250 and "duplicate" in more.text
+    print(f"queue: accepted=200 delivered={len(keys)} duplicates=0 lost={200 - len(set(keys))}")
+
+
+async def test_451_three_times_then_delivered_with_growing_gaps(
+    tmp: Path, upstream: Upstream, capsys: pytest.CaptureFixture[str]
+) -> None:
+    upstream.handler.script = [Behaviour(data="451 4.3.0 later")] * 3
+    cfg = queue_config(tmp, upstream.port)
+    path = write_config(tmp / "c.yaml", cfg)
+    async with running_guard(cfg) as guard:
+        reply = await send(guard.ports[0], message("r1"))
+        assert reply.code == 250 and "queued as" in reply.text
+        await upstream.wait_received(1)
+        await asyncio.sleep(0.3)
+    assert await asyncio.to_thread(main, ["history", "acme", "r1", "--json", "-c", str(path)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["state"] == "delivered" and doc["class"] == "transactional"
+    assert await asyncio.to_thread(main, ["history", "acme", "r1", "-c", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "class transactional, queued as" in text and text.count("attempt ") == 4
+    outcomes = [a["outcome"] for a in doc["attempts"]]
+    assert outcomes == ["deferred", "deferred", "deferred", "delivered"]
+    assert upstream.handler.transactions == 4 and len(upstream.received) == 1
+
+
+async def test_backoff_gaps_grow(tmp: Path, upstream: Upstream) -> None:
+    upstream.handler.script = [Behaviour(data="451 4.3.0 later")] * 3
+    cfg = queue_config(tmp, upstream.port)
+    async with running_guard(cfg) as guard:
+        await send(guard.ports[0], message("g1"))
+        await upstream.wait_received(1)
+        assert guard.store is not None
+        rec = await eventually(
+            lambda: guard.store.get("acme", "g1"),
+            lambda r: r is not None and r.state.value == "delivered",
+            timeout=5,
+            interval=0.05,
+        )
+    assert rec is not None and len(rec.attempts) == 4
+    times = [a.at for a in rec.attempts]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    # base 200ms doubling with equal jitter: [0.1,0.2), [0.2,0.4), [0.4,0.8)
+    assert gaps[0] >= 0.1 and gaps[2] >= 0.4 and gaps[2] > gaps[0]
+
+
+async def test_otp_expires_and_is_never_sent_after(tmp: Path) -> None:
+    port = free_port()
+    cfg = queue_config(tmp, port)
+    async with running_guard(cfg) as guard:
+        reply = await send(guard.ports[0], message("otp1", headers={"X-Message-Class": "otp"}))
+        assert reply.code == 250
+        assert guard.store is not None
+        await asyncio.sleep(3.0)
+        up = Upstream(port)
+        await up.start()
+        try:
+            await asyncio.sleep(1.5)
+            rec = await guard.store.get("acme", "otp1")
+            retry = await send(guard.ports[0], message("otp1", headers={"X-Message-Class": "otp"}))
+        finally:
+            await up.stop()
+    assert rec is not None and rec.state.value == "expired"
+    assert up.received == []
+    assert retry.code == 550 and retry.text.startswith("5.4.7")
+
+
+async def test_otp_overtakes_a_bulk_backlog(tmp: Path, upstream: Upstream) -> None:
+    upstream.handler.default = Behaviour(hang_after_dot=0.05)
+    cfg = queue_config(tmp, upstream.port)
+    cfg["queue"]["workers"] = 4
+    async with running_guard(cfg) as guard:
+        port = guard.ports[0]
+        sem = asyncio.Semaphore(20)
+
+        async def bulk(i: int) -> None:
+            async with sem:
+                await send(port, message(f"b{i}", headers={"X-Message-Class": "bulk"}))
+
+        await asyncio.gather(*(bulk(i) for i in range(500)))
+        for i in range(5):
+            assert (await send(port, message(f"o{i}", headers={"X-Message-Class": "otp"}))).code == 250
+        await upstream.wait_received(505, timeout=120)
+    order = upstream.event_keys()
+    last_otp = max(order.index(f"o{i}") for i in range(5))
+    bulk_after = sum(1 for k in order[last_otp + 1 :] if k and k.startswith("b"))
+    print(f"queue lanes: last otp delivered at position {last_otp} of 505; bulk after it: {bulk_after}")
+    assert len(order) == 505 and len(set(order)) == 505
+    assert bulk_after > 300
+
+
+async def test_pause_holds_the_lane_and_caps_hold_the_rest(tmp: Path, upstream: Upstream) -> None:
+    cfg = queue_config(tmp, upstream.port, zones__acme__hourly_cap=2)
+    path = write_config(tmp / "c.yaml", cfg)
+    async with running_guard(cfg) as guard:
+        assert await asyncio.to_thread(main, ["pause", "acme", "-c", str(path)]) == 0
+        for i in range(4):
+            assert (await send(guard.ports[0], message(f"h{i}"))).code == 250
+        await asyncio.sleep(0.8)
+        assert upstream.received == []
+        assert await asyncio.to_thread(main, ["resume", "acme", "-c", str(path)]) == 0
+        await upstream.wait_received(2)
+        await asyncio.sleep(0.8)
+        assert guard.store is not None
+        entries = await guard.store.queue_entries("acme")
+    assert len(upstream.received) == 2
+    assert len(entries) == 2 and all(e.due_at and e.due_at > 1e9 for e in entries)
+
+
+async def test_queue_cli_list_retry_drop(tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    port = free_port()
+    cfg = queue_config(tmp, port)
+    cfg["queue"]["backoff"] = {"base": "1h", "max": "1h"}
+    path = write_config(tmp / "c.yaml", cfg)
+    async with running_guard(cfg) as guard:
+        for k in ("l1", "l2"):
+            assert (await send(guard.ports[0], message(k))).code == 250
+        await asyncio.sleep(0.5)  # both tried once against the closed port, now deferred 1h
+        capsys.readouterr()
+        assert await asyncio.to_thread(main, ["queue", "list", "acme", "--json", "-c", str(path)]) == 0
+        listed = json.loads(capsys.readouterr().out)["entries"]
+        assert {e["key"] for e in listed} == {"l1", "l2"}
+        assert all(e["state"] == "deferred" for e in listed)
+        assert await asyncio.to_thread(main, ["queue", "drop", "acme", "l2", "-c", str(path)]) == 0
+        assert await asyncio.to_thread(main, ["queue", "drop", "acme", "l2", "-c", str(path)]) == 1
+        up = Upstream(port)
+        await up.start()
+        try:
+            assert await asyncio.to_thread(main, ["queue", "retry", "acme", "l1", "-c", str(path)]) == 0
+            assert guard.worker is not None
+            guard.worker.wake()
+            await up.wait_received(1)
+            dropped = await send(guard.ports[0], message("l2"))
+        finally:
+            await up.stop()
+    assert up.event_keys() == ["l1"]
+    assert dropped.code == 550 and "dropped by operator" in dropped.text
+    capsys.readouterr()
+    assert await asyncio.to_thread(main, ["history", "acme", "l2", "--json", "-c", str(path)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["state"] == "failed" and doc["audit"][-1]["action"] == "drop"
+
+
+async def test_unknown_class_is_refused(tmp: Path, upstream: Upstream) -> None:
+    cfg = queue_config(tmp, upstream.port)
+    async with running_guard(cfg) as guard:
+        reply = await send(guard.ports[0], message("x1", headers={"X-Message-Class": "marketing"}))
+    assert reply.code == 550 and reply.text.startswith("5.6.0") and "X-Message-Class" in reply.text
+
+
+async def test_released_failed_event_is_delivered_once(tmp: Path, upstream: Upstream) -> None:
+    upstream.handler.script = [Behaviour(data="554 5.7.1 policy")]
+    cfg = queue_config(tmp, upstream.port)
+    path = write_config(tmp / "c.yaml", cfg)
+    async with running_guard(cfg) as guard:
+        assert (await send(guard.ports[0], message("rel1"))).code == 250
+        assert guard.store is not None
+        rec = await eventually(
+            lambda: guard.store.get("acme", "rel1"),
+            lambda r: r is not None and r.state.value == "failed",
+            timeout=5,
+            interval=0.05,
+        )
+        assert rec is not None and rec.state.value == "failed"
+        assert await asyncio.to_thread(main, ["release", "acme", "rel1", "-c", str(path)]) == 0
+        await upstream.wait_received(1)
+        dup = await send(guard.ports[0], message("rel1"))
+    assert upstream.event_keys() == ["rel1"] and upstream.handler.transactions == 2
+    assert dup.code == 250 and "duplicate" in dup.text

@@ -1,0 +1,184 @@
+"""RedisStore._command keeps the connections of its ledger writes for the next write instead
+of returning them to redis-py's pool (DESIGN.md §15): a kept connection skips the pool's
+checkout check (is the socket still open, is this still the master). These tests make every
+kept connection stale — Redis restarted, a Sentinel failover — and count the ledger writes
+that fail afterwards (none may: one retry on a fresh connection is what a write gets), and
+cancel a write halfway through to check the cancellation is not turned into a retried write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from smtpguard.policy.ledger import Record
+from smtpguard.store import Reserved, StoreUnavailable
+from smtpguard.store.redis import _MAX_CONNECTIONS, _SPARE, RedisStore
+from tests.store.test_redis_sentinel import Node, replicas_online
+from tests.store.test_store_contract import fresh
+from tests.support import RedisServer
+
+
+async def _fill_kept(store: RedisStore, zone: str, n: int = 3 * _SPARE) -> None:
+    """n concurrent ledger writes, so that _SPARE connections are kept when they are done."""
+    # The set-once upgrades started at open first: while under way they hold a connection
+    # (the 65th of a full pool) and their scripts take a kept one through _command.
+    assert store._fold_task is not None
+    await asyncio.wait_for(store._fold_task, 10)
+    results = await asyncio.gather(
+        *(store.reserve(fresh(f"fill{i}", zone=zone), None, None, False) for i in range(n))
+    )
+    assert results == [Reserved()] * n
+    assert len(store._spare) == _SPARE  # the premise: every kept slot holds a connection
+
+
+async def _count_failures(store: RedisStore, zone: str, n: int) -> list[str]:
+    """n ledger writes one after the other; the errors of those that failed."""
+    failed: list[str] = []
+    for i in range(n):
+        try:
+            assert await store.reserve(fresh(f"after{i}", zone=zone), None, None, False) == Reserved()
+        except StoreUnavailable as e:
+            failed.append(str(e))
+    return failed
+
+
+async def test_writes_after_a_redis_restart_do_not_fail_on_kept_connections(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path)
+    server.start()
+    store = RedisStore(server.url)
+    await store.open()
+    try:
+        await _fill_kept(store, "keptrestart")
+        server.stop()
+        server.start()  # same port, empty: every kept connection is now closed by its peer
+        failed = await _count_failures(store, "keptrestart", 2 * _SPARE)
+        assert failed == []
+        for i in range(2 * _SPARE):
+            assert await store.get("keptrestart", f"after{i}") is not None
+    finally:
+        await store.close()
+        server.stop()
+
+
+@pytest.mark.slow
+async def test_writes_after_a_sentinel_failover_do_not_fail_on_kept_connections(tmp_path: Path) -> None:
+    """SENTINEL FAILOVER (a planned switch, the old master stays up and becomes a replica):
+    every kept connection points at the old master."""
+    nodes: list[Node] = []
+    store: RedisStore | None = None
+    try:
+        master = Node(tmp_path, "master")
+        nodes.append(master)
+        replica = Node(tmp_path, "replica", "--replicaof", "127.0.0.1", str(master.port))
+        nodes.append(replica)
+        deadline = time.monotonic() + 10
+        while replicas_online(master.port) < 1:
+            assert time.monotonic() < deadline, "replica did not sync"
+            await asyncio.sleep(0.1)
+        sentinel = Node(
+            tmp_path,
+            "sentinel",
+            f"sentinel monitor sg 127.0.0.1 {master.port} 1",
+            "sentinel down-after-milliseconds sg 1000",
+            "sentinel failover-timeout sg 5000",
+            sentinel=True,
+        )
+        nodes.append(sentinel)
+        probe = redis.Redis(port=sentinel.port, socket_timeout=1, decode_responses=True)
+        try:
+            while not probe.sentinel_slaves("sg"):
+                assert time.monotonic() < deadline + 10, "sentinel did not see the replica"
+                await asyncio.sleep(0.1)
+            store = RedisStore(f"redis+sentinel://127.0.0.1:{sentinel.port}/sg/0")
+            await store.open()
+            await _fill_kept(store, "keptfailover")
+            probe.execute_command("SENTINEL", "FAILOVER", "sg")
+            while int(probe.sentinel_get_master_addr_by_name("sg")[1]) != replica.port:
+                assert time.monotonic() < deadline + 30, "sentinel did not fail over"
+                await asyncio.sleep(0.05)
+        finally:
+            probe.close()
+        old = redis.Redis(port=master.port, socket_timeout=1, decode_responses=True)
+        try:
+            while old.info("replication")["role"] != "slave":
+                assert time.monotonic() < deadline + 40, "the old master was not demoted"
+                await asyncio.sleep(0.05)
+        finally:
+            old.close()
+        failed = await _count_failures(store, "keptfailover", 2 * _SPARE)
+        assert failed == []
+        new = redis.Redis(port=replica.port, socket_timeout=1)
+        try:
+            assert new.info("replication")["role"] == "master"
+        finally:
+            new.close()
+        for i in range(2 * _SPARE):
+            assert await store.get("keptfailover", f"after{i}") is not None
+    finally:
+        if store is not None:
+            await store.close()
+        for node in reversed(nodes):
+            node.stop()
+
+
+async def test_kept_connections_do_not_take_the_pools_connections(tmp_path: Path) -> None:
+    """A Sentinel pool refuses a connection past its limit instead of waiting: the idle kept
+    connections must not count against the _MAX_CONNECTIONS that redis-py's own calls (reads,
+    SCRIPT LOAD after a NOSCRIPT) may hold at once."""
+    nodes: list[Node] = []
+    store: RedisStore | None = None
+    try:
+        master = Node(tmp_path, "master")
+        nodes.append(master)
+        sentinel = Node(tmp_path, "sentinel", f"sentinel monitor sg 127.0.0.1 {master.port} 1", sentinel=True)
+        nodes.append(sentinel)
+        store = RedisStore(f"redis+sentinel://127.0.0.1:{sentinel.port}/sg/0")
+        await store.open()
+        await _fill_kept(store, "keptlimit")  # 16 kept connections, idle
+        reads = await asyncio.gather(
+            *(store.get("keptlimit", f"fill{i % (3 * _SPARE)}") for i in range(_MAX_CONNECTIONS)),
+            return_exceptions=True,
+        )
+        assert [r for r in reads if not isinstance(r, Record)] == []
+    finally:
+        if store is not None:
+            await store.close()
+        for node in reversed(nodes):
+            node.stop()
+
+
+async def test_a_write_cancelled_before_its_reply_is_not_retried(redis_server: RedisServer) -> None:
+    """With store.wait, a write cancelled while it waits for the script's reply (Redis is
+    paused) must end cancelled: not read WAIT's reply from the dropped connection, take that
+    for a dead connection and send the script again (a timed-out script may have run)."""
+    store = RedisStore(redis_server.url, wait=(1, 0.05))
+    await store.open()
+    admin = redis.Redis(port=redis_server.port)
+    try:
+        with pytest.raises(StoreUnavailable, match="0 of 1 replicas"):
+            await store.reserve(fresh("warm", zone="keptcancel"), None, None, False)  # a kept connection
+        admin.execute_command("CLIENT", "PAUSE", "600", "WRITE")
+        task = asyncio.create_task(store.reserve(fresh("cancelled", zone="keptcancel"), None, None, False))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        started = time.monotonic()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert time.monotonic() - started < 0.3  # not after the pause, on a second try
+        await asyncio.sleep(0.6)  # the pause is over: what Redis received has run
+        # The script ran at most once: the reservation holds the cancelled write's attempt.
+        got = await store.get("keptcancel", "cancelled")
+        assert got is None or got.sg_id == "att:cancelled"
+        # The next write on this store gets its own reply.
+        with pytest.raises(StoreUnavailable, match="0 of 1 replicas"):
+            await store.reserve(fresh("next", zone="keptcancel"), None, None, False)
+        assert (await store.get("keptcancel", "next")) is not None
+    finally:
+        admin.execute_command("CLIENT", "UNPAUSE")
+        admin.close()
+        await store.close()
