@@ -1,12 +1,15 @@
 """The SQL written once for SQLite and PostgreSQL (store/sql/): each dialect's rendering,
-and the fleet's statements (provider health, throttles, connection slots, AUTH failures)
-rendered for PostgreSQL byte for byte, step for step, as its store ran them before they
-were shared (the contract suite runs them on both stores)."""
+and the statements of the fleet (provider health, throttles, connection slots, AUTH
+failures), the zone controls (pauses, counters, suppression) and the desk (provider events,
+the zone audit, queue depths) rendered for PostgreSQL byte for byte, step for step, as its
+store ran them before they were shared (the contract suite runs them on both stores)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, TypeVar
 
+from smtpguard.store.base import StoredEvent, ZoneAudit
 from smtpguard.store.sql import operations
 from smtpguard.store.sql.statements import Plan, Result, Script
 
@@ -92,3 +95,103 @@ def test_connection_slots_and_auth_failures_render_for_postgresql_as_before() ->
         4,
     )
     assert operations.auth_failures("192.0.2.1", 100.0, 30.0).postgres() == counted
+
+
+def test_zone_controls_render_for_postgresql_as_before() -> None:
+    assert operations.set_paused("z", True).postgres() == (
+        "INSERT INTO paused (zone) VALUES (%s) ON CONFLICT DO NOTHING",
+        ("z",),
+    )
+    assert operations.set_paused("z", False).postgres() == ("DELETE FROM paused WHERE zone = %s", ("z",))
+    assert operations.is_paused("z").postgres() == ("SELECT 1 FROM paused WHERE zone = %s", ("z",))
+    assert operations.set_class_paused("z", "bulk", True).postgres() == (
+        "INSERT INTO paused_classes (zone, class) VALUES (%s, %s) ON CONFLICT DO NOTHING",
+        ("z", "bulk"),
+    )
+    assert operations.set_class_paused("z", "bulk", False).postgres() == (
+        "DELETE FROM paused_classes WHERE zone = %s AND class = %s",
+        ("z", "bulk"),
+    )
+    assert operations.PAUSED_CLASSES.postgres() == ("SELECT zone, class FROM paused_classes", ())
+    assert operations.counters("z").postgres() == ("SELECT name, value FROM counters WHERE zone = %s", ("z",))
+
+
+def test_suppression_renders_for_postgresql_as_before() -> None:
+    # The address is folded to its suppression key, as each store folded it before.
+    assert operations.suppressed("z", "Ann@Example.COM").postgres() == (
+        "SELECT zone FROM suppression WHERE address = %s AND zone IN (%s, 'global') "
+        "ORDER BY zone = 'global' LIMIT 1",
+        ("ann@example.com", "z"),
+    )
+    insert = (
+        "INSERT INTO suppression (zone, address, reason, at) VALUES (%s, %s, %s, %s) "
+        "ON CONFLICT DO NOTHING RETURNING 1",
+        ("z", "ann@example.com", "bounce", 7.0),
+    )
+    bump = (
+        "INSERT INTO supp_versions (zone, v) VALUES (%s, 1) "
+        "ON CONFLICT (zone) DO UPDATE SET v = supp_versions.v + 1",
+        ("z",),
+    )
+    add = lambda: operations.suppress_add("z", "Ann@Example.COM", "bounce", 7.0)  # noqa: E731
+    # Listed: the zone's version is bumped; already listed: nothing more is written.
+    assert _steps(add(), [Result([(1,)], 1), NONE]) == ([insert, bump], True)
+    assert _steps(add(), [NONE]) == ([insert], False)
+    delete = (
+        "DELETE FROM suppression WHERE zone = %s AND address = %s RETURNING 1",
+        ("z", "ann@example.com"),
+    )
+    remove = lambda: operations.suppress_remove("z", "Ann@Example.COM")  # noqa: E731
+    assert _steps(remove(), [Result([(1,)], 1), NONE]) == ([delete, bump], True)
+    assert _steps(remove(), [NONE]) == ([delete], False)
+    assert operations.suppress_list("z").postgres() == (
+        'SELECT zone, address, reason, at FROM suppression WHERE zone = %s ORDER BY address COLLATE "C"',
+        ("z",),
+    )
+    assert operations.suppress_list("z").sqlite() == (
+        "SELECT zone, address, reason, at FROM suppression WHERE zone = ? ORDER BY address",
+        ("z",),
+    )
+    assert operations.suppression_versions("z").postgres() == (
+        "SELECT zone, v FROM supp_versions WHERE zone IN (%s, 'global')",
+        ("z",),
+    )
+
+
+def test_provider_events_and_the_desk_render_for_postgresql_as_before() -> None:
+    event = StoredEvent(
+        at=5.0, source="sendgrid", type="bounce", provider_type="bounce", recipient="Ann@Example.COM",
+        status="5.1.1", id="ev-1", effect="suppressed", received_at=6.0,
+    )  # fmt: skip
+    data = json.dumps(event.to_dict(), separators=(",", ":"))
+    insert = (
+        "INSERT INTO provider_events (zone, source, event_id, key, received_at, data) "
+        "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING 1",
+        ("z", "sendgrid", "ev-1", "k", 6.0, data),
+    )
+    listed = (
+        "INSERT INTO suppression (zone, address, reason, at) VALUES (%s, %s, %s, %s) "
+        "ON CONFLICT DO NOTHING RETURNING 1",
+        ("z", "ann@example.com", "bounce", 6.0),
+    )
+    bump = (
+        "INSERT INTO supp_versions (zone, v) VALUES (%s, 1) "
+        "ON CONFLICT (zone) DO UPDATE SET v = supp_versions.v + 1",
+        ("z",),
+    )
+    one = Result([(1,)], 1)
+    # A new suppressing event lists its recipient; a repeated one changes nothing.
+    assert _steps(operations.apply_event("z", "k", event, "bounce"), [one, one, NONE]) == (
+        [insert, listed, bump],
+        True,
+    )
+    assert _steps(operations.apply_event("z", "k", event, "bounce"), [NONE]) == ([insert], False)
+    assert _steps(operations.apply_event("z", "k", event, None), [one]) == ([insert], True)
+    assert operations.audit_add("z", ZoneAudit(1.0, "ops", "pause", "", "why")).postgres() == (
+        "INSERT INTO zone_audit (zone, at, actor, action, key, note) VALUES (%s, %s, %s, %s, %s, %s)",
+        ("z", 1.0, "ops", "pause", "", "why"),
+    )
+    assert operations.QUEUE_DEPTHS.postgres() == (
+        "SELECT zone, lane, count(*) FROM queue GROUP BY zone, lane",
+        (),
+    )

@@ -1,19 +1,30 @@
 """The operations both SQL stores carry out alike, as plans (statements.py) and the reading
-of their rows. Written once here; each backend runs them (store/sqlite/fleet.py,
-store/postgres/__init__.py).
+of their rows. Written once here; each backend runs them (store/sqlite/ and store/postgres/,
+fleet.py, controls.py and desk.py).
 
 Provider health (DESIGN.md §6, §12): every instance publishes each provider's circuit and
 readiness probe; the console and /metrics read them all, ordered by provider, then instance.
 Connection slots (§16) and AUTH failures (§17: the lockout stays global) are counted across
 instances.
+
+Zone controls (§5, §16): a zone's pause switch and its classes' pauses, its counters, and
+its suppression list (§3: the zone's or the global list refuses at RCPT), with a per-zone
+version each change bumps so every instance knows to reload its copy. Cap usage and adding
+to the counters are each store's own: the PostgreSQL schema spreads a zone's counts over
+slot rows and takes arrays.
+
+The desk (§13, §14): a provider event is kept once per (zone, source, event id), and only
+its first arrival lists its recipient; the operators' actions go to the zone audit.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
-from smtpguard.store.base import CircuitState, ProbeState
+from smtpguard.policy.senders import suppression_key
+from smtpguard.store.base import CircuitState, ProbeState, StoredEvent, Suppression, ZoneAudit
 from smtpguard.store.sql.statements import Lock, Plan, Script
 
 
@@ -94,3 +105,135 @@ def auth_failures(ip: str, now: float, window: float) -> Plan:
 
 def count(rows: list[tuple[Any, ...]]) -> int:
     return int(rows[0][0])
+
+
+# --- zone controls ---------------------------------------------------------------------------
+def set_paused(zone: str, paused: bool) -> Plan:
+    if paused:
+        return Plan("INSERT INTO paused (zone) VALUES (?) ON CONFLICT DO NOTHING", (zone,))
+    return Plan("DELETE FROM paused WHERE zone = ?", (zone,))
+
+
+def is_paused(zone: str) -> Plan:
+    return Plan("SELECT 1 FROM paused WHERE zone = ?", (zone,))
+
+
+def set_class_paused(zone: str, message_class: str, paused: bool) -> Plan:
+    if paused:
+        return Plan(
+            "INSERT INTO paused_classes (zone, class) VALUES (?, ?) ON CONFLICT DO NOTHING",
+            (zone, message_class),
+        )
+    return Plan("DELETE FROM paused_classes WHERE zone = ? AND class = ?", (zone, message_class))
+
+
+PAUSED_CLASSES = Plan("SELECT zone, class FROM paused_classes")
+
+
+def paused_classes(rows: Iterable[tuple[Any, ...]]) -> set[tuple[str, str]]:
+    return {(str(z), str(c)) for z, c in rows}
+
+
+def counters(zone: str) -> Plan:
+    return Plan("SELECT name, value FROM counters WHERE zone = ?", (zone,))
+
+
+def counts(rows: Iterable[tuple[Any, ...]]) -> dict[str, int]:
+    return {str(name): int(value) for name, value in rows}
+
+
+# --- suppression -------------------------------------------------------------------------------
+def suppressed(zone: str, address: str) -> Plan:
+    # The zone's own listing answers before the global one.
+    return Plan(
+        "SELECT zone FROM suppression WHERE address = ? AND zone IN (?, 'global') "
+        "ORDER BY zone = 'global' LIMIT 1",
+        (suppression_key(address), zone),
+    )
+
+
+def listed_in(rows: list[tuple[Any, ...]]) -> str | None:
+    return str(rows[0][0]) if rows else None
+
+
+def suppress_add(zone: str, address: str, reason: str, at: float) -> Script[bool]:
+    added = yield Plan(
+        "INSERT INTO suppression (zone, address, reason, at) VALUES (?, ?, ?, ?) "
+        "ON CONFLICT DO NOTHING RETURNING 1",
+        (zone, suppression_key(address), reason, at),
+    )
+    if added.rows:
+        yield _bump_supp_version(zone)
+    return bool(added.rows)
+
+
+def suppress_remove(zone: str, address: str) -> Script[bool]:
+    gone = yield Plan(
+        "DELETE FROM suppression WHERE zone = ? AND address = ? RETURNING 1", (zone, suppression_key(address))
+    )
+    if gone.rows:
+        yield _bump_supp_version(zone)
+    return bool(gone.rows)
+
+
+def _bump_supp_version(zone: str) -> Plan:
+    return Plan(
+        "INSERT INTO supp_versions (zone, v) VALUES (?, 1) "
+        "ON CONFLICT (zone) DO UPDATE SET v = supp_versions.v + 1",
+        (zone,),
+    )
+
+
+def suppress_list(zone: str) -> Plan:
+    return Plan(
+        "SELECT zone, address, reason, at FROM suppression WHERE zone = ? ORDER BY address{bytewise}", (zone,)
+    )
+
+
+def suppressions(rows: Iterable[tuple[Any, ...]]) -> list[Suppression]:
+    return [Suppression(str(z), str(a), str(r), float(t)) for z, a, r, t in rows]
+
+
+def suppression_versions(zone: str) -> Plan:
+    return Plan("SELECT zone, v FROM supp_versions WHERE zone IN (?, 'global')", (zone,))
+
+
+def versions(rows: Iterable[tuple[Any, ...]], zone: str) -> tuple[int, int]:
+    """The zone's list version and the global list's (0: never changed)."""
+    got = {str(z): int(v) for z, v in rows}
+    return got.get(zone, 0), got.get("global", 0)
+
+
+# --- provider events and the operator's desk ---------------------------------------------------
+def apply_event(zone: str, key: str, event: StoredEvent, suppress_reason: str | None) -> Script[bool]:
+    added = yield Plan(
+        "INSERT INTO provider_events (zone, source, event_id, key, received_at, data) "
+        "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING RETURNING 1",
+        (
+            zone,
+            event.source,
+            event.id,
+            key,
+            event.received_at,
+            json.dumps(event.to_dict(), separators=(",", ":")),
+        ),
+    )
+    if not added.rows:
+        return False  # a repeated delivery of the same event changes nothing
+    if suppress_reason is not None and event.recipient is not None:
+        yield from suppress_add(zone, event.recipient, suppress_reason, event.received_at)
+    return True
+
+
+def audit_add(zone: str, entry: ZoneAudit) -> Plan:
+    return Plan(
+        "INSERT INTO zone_audit (zone, at, actor, action, key, note) VALUES (?, ?, ?, ?, ?, ?)",
+        (zone, entry.at, entry.actor, entry.action, entry.key, entry.note),
+    )
+
+
+QUEUE_DEPTHS = Plan("SELECT zone, lane, count(*) FROM queue GROUP BY zone, lane")
+
+
+def queue_depths(rows: Iterable[tuple[Any, ...]]) -> dict[tuple[str, str], int]:
+    return {(str(z), str(lane)): int(n) for z, lane, n in rows}

@@ -7,7 +7,7 @@ order as SQLite does (byte by byte), whatever the database's default collation.
 An operation of several statements is a Script: a generator that yields each Plan (or a
 Lock) and is sent the Result, deciding the next step from it, and returns the answer. Each
 backend runs it in one transaction of its own (store/sqlite/access.py run_script,
-store/postgres/__init__.py _run_script); the decisions are written once.
+store/postgres/pool.py _run_script); the decisions are written once.
 """
 
 from __future__ import annotations

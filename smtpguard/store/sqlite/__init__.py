@@ -36,6 +36,7 @@ from smtpguard.store.base import (
     StoreMissing,
     StoreUnavailable,
 )
+from smtpguard.store.sql import operations
 from smtpguard.store.sqlite.access import Access
 from smtpguard.store.sqlite.caps import _consume, _pause_or_cap, _refund_user, _trim
 from smtpguard.store.sqlite.controls import Controls
@@ -324,7 +325,5 @@ class SQLiteStore(Controls, Desk, Fleet, Access):
         return await self._read(op)
 
     async def queue_depths(self) -> dict[tuple[str, str], int]:
-        rows = await self._read(
-            lambda c: c.execute("SELECT zone, lane, COUNT(*) FROM queue GROUP BY zone, lane").fetchall()
-        )
-        return {(str(zone), str(lane)): int(n) for zone, lane, n in rows}
+        rows = await self._read(lambda c: c.execute(*operations.QUEUE_DEPTHS.sqlite()).fetchall())
+        return operations.queue_depths(rows)

@@ -8,15 +8,15 @@ import sqlite3
 import time
 
 from smtpguard.policy.ledger import Record
-from smtpguard.policy.senders import suppression_key
 from smtpguard.store.base import (
     IdField,
     StoredEvent,
     ZoneAudit,
     id_forms,
 )
-from smtpguard.store.sqlite.access import Access
-from smtpguard.store.sqlite.rows import _ID_COLUMNS, _bump_supp_version
+from smtpguard.store.sql import operations
+from smtpguard.store.sqlite.access import Access, run_script
+from smtpguard.store.sqlite.rows import _ID_COLUMNS
 
 
 class Desk(Access):
@@ -55,26 +55,9 @@ class Desk(Access):
         return await self._read(op)
 
     async def apply_event(self, zone: str, key: str, event: StoredEvent, suppress_reason: str | None) -> bool:
-        data = json.dumps(event.to_dict(), separators=(",", ":"))
-
-        def op(c: sqlite3.Connection) -> bool:
-            added = c.execute(
-                "INSERT OR IGNORE INTO provider_events (zone, source, event_id, key, received_at, data) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (zone, event.source, event.id, key, event.received_at, data),
-            ).rowcount
-            if not added:
-                return False
-            if suppress_reason is not None and event.recipient is not None:
-                listed = c.execute(
-                    "INSERT OR IGNORE INTO suppression (zone, address, reason, at) VALUES (?, ?, ?, ?)",
-                    (zone, suppression_key(event.recipient), suppress_reason, event.received_at),
-                ).rowcount
-                if listed:
-                    _bump_supp_version(c, zone)
-            return True
-
-        return await self._write(op)
+        return await self._write(
+            lambda c: run_script(c, operations.apply_event(zone, key, event, suppress_reason))
+        )
 
     async def remember_nonce(self, name: str, digest: str, until: float) -> bool:
         def op(c: sqlite3.Connection) -> bool:
@@ -145,13 +128,8 @@ class Desk(Access):
         return {str(state): int(n) for state, n in await self._read(op)}
 
     async def audit_add(self, zone: str, entry: ZoneAudit) -> None:
-        def op(c: sqlite3.Connection) -> None:
-            c.execute(
-                "INSERT INTO zone_audit (zone, at, actor, action, key, note) VALUES (?, ?, ?, ?, ?, ?)",
-                (zone, entry.at, entry.actor, entry.action, entry.key, entry.note),
-            )
-
-        await self._write(op)
+        plan = operations.audit_add(zone, entry)
+        await self._write(lambda c: c.execute(*plan.sqlite()))
 
     async def audit_log(self, zone: str, since: float, limit: int = 1000) -> list[ZoneAudit]:
         rows = await self._read(
