@@ -3,11 +3,13 @@ key so that moving Record/Attempt between modules cannot change what is written 
 
 from __future__ import annotations
 
+import ast
 import json
+from pathlib import Path
 
 import pytest
 
-from smtpguard.policy import ledger
+from smtpguard.policy import ledger, record
 from smtpguard.policy.ledger import Attempt, AuditEntry, Phase, Record, State
 from smtpguard.replies import Reply
 
@@ -140,3 +142,24 @@ def test_evolve_refuses_a_name_that_is_not_a_field() -> None:
     with pytest.raises(TypeError, match="no field stat"):
         ledger.evolve(FULL, stat=State.DELIVERED)
     assert ledger.evolve(FULL, version=8).version == 8 and FULL.version == 7
+
+
+def test_the_ledger_re_exports_the_record_names_as_the_same_objects() -> None:
+    # Stores, the CLI, tests and bench/ import these from the ledger; a copy instead of the
+    # same class would make isinstance and `is State.X` checks fail across the two paths.
+    for name in ("State", "Phase", "Attempt", "AuditEntry", "Record", "evolve"):
+        assert getattr(ledger, name) is getattr(record, name), name
+
+
+def test_record_module_stays_pure_and_below_the_ledger() -> None:
+    # policy imports only replies and other policy modules; record.py must not import the
+    # ledger (which imports it), or the two would form a cycle.
+    tree = ast.parse(Path(record.__file__).read_text())
+    imported = {
+        node.module
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith("__")
+    } | {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    ours = {m for m in imported if m.startswith("smtpguard")}
+    assert ours == {"smtpguard.replies"}
+    assert imported - ours <= {"dataclasses", "enum", "typing"}
