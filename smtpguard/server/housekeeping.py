@@ -9,6 +9,7 @@ import logging
 from collections import defaultdict
 from typing import TYPE_CHECKING, Protocol
 
+from smtpguard.policy.decisions import stat_name
 from smtpguard.policy.limits import caps_for, month_of
 from smtpguard.store import ReportsReplication, Store, StoreUnavailable
 
@@ -52,12 +53,6 @@ class StatsBuffer:
             except StoreUnavailable:
                 for name, n in counts.items():
                     self._pending[zone][name] += n
-
-
-def stat_name(decision: str) -> str:
-    if decision == "relayed":
-        return "sent"
-    return decision
 
 
 class Served(Protocol):
