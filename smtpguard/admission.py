@@ -17,13 +17,14 @@ in-memory counters; the SMTP listener's own counts are global across workers
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
+
+from smtpguard.policy.http_trust import limit_unit
 
 
 class HasListenerLimits(Protocol):
@@ -52,19 +53,6 @@ class ListenerLimits:
         return cls(cfg.max_connections, cfg.max_connections_per_ip, cfg.read_timeout, cfg.idle_timeout)
 
 
-def client_bucket(ip: str) -> str:
-    """What one client's connections are counted under: its IPv4 address, its IPv6 /64."""
-    try:
-        addr = ipaddress.ip_address(ip.split("%", 1)[0])
-    except ValueError:
-        return ip
-    if isinstance(addr, ipaddress.IPv6Address):
-        if addr.ipv4_mapped is not None:
-            return str(addr.ipv4_mapped)
-        return str(ipaddress.IPv6Network((addr, 64), strict=False))
-    return str(addr)
-
-
 def peer_ip(transport: asyncio.BaseTransport) -> str:
     peer = transport.get_extra_info("peername")
     return str(peer[0]) if isinstance(peer, tuple) and peer else "?"
@@ -89,7 +77,7 @@ class Admission:
 
     def admit(self, ip: str) -> str | None:
         """The bucket the connection is counted under, or None when it is refused."""
-        bucket = client_bucket(ip)
+        bucket = limit_unit(ip)
         if (
             self.total >= self.limits.max_connections
             or self.per_client[bucket] >= self.limits.max_connections_per_ip
@@ -153,3 +141,20 @@ class WriteDeadline:
     def _expire(self) -> None:
         self._timer = None
         self._expired()
+
+
+class WriteDeadlineProtocol(asyncio.BaseProtocol):
+    """asyncio's flow control for a side listener's connection: while writing to an admitted
+    connection is paused, its WriteDeadline runs (a refused one is closed already)."""
+
+    _writing: WriteDeadline
+    _bucket: str | None
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._bucket is not None:
+            self._writing.paused()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._writing.resumed()

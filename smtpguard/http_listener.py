@@ -42,7 +42,14 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from smtpguard.admission import WARN_EVERY, Admission, ListenerLimits, WriteDeadline, peer_ip
+from smtpguard.admission import (
+    WARN_EVERY,
+    Admission,
+    ListenerLimits,
+    WriteDeadline,
+    WriteDeadlineProtocol,
+    peer_ip,
+)
 
 LINGER = 2.0
 """After a response, the unread rest of a body is read and dropped this long at most."""
@@ -64,7 +71,7 @@ class BodyAborted(ConnectionResetError):
     left to answer."""
 
 
-class _LimitedHandler(RequestHandler):
+class _LimitedHandler(WriteDeadlineProtocol, RequestHandler):
     """aiohttp's protocol for one connection, admitted and timed by its listener."""
 
     def __init__(
@@ -117,15 +124,6 @@ class _LimitedHandler(RequestHandler):
             self._headers_in = False
             self._arm(self._listener.limits.read_timeout, self._too_slow)
         super().data_received(data)
-
-    def pause_writing(self) -> None:
-        super().pause_writing()
-        if self._bucket is not None:
-            self._writing.paused()
-
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        self._writing.resumed()
 
     def _not_reading(self) -> None:
         transport = self._conn

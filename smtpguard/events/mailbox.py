@@ -22,7 +22,7 @@ from typing import Any, cast
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
 from smtpguard import replies
-from smtpguard.admission import Admission, ListenerLimits, WriteDeadline, peer_ip
+from smtpguard.admission import Admission, ListenerLimits, WriteDeadline, WriteDeadlineProtocol, peer_ip
 from smtpguard.config import MailboxConfig
 from smtpguard.events.apply import Applied, Applier, log_applied
 from smtpguard.events.reports import NotAReport, read_report
@@ -134,7 +134,7 @@ def _was_recipient(record: Record, event: ProviderEvent) -> bool:
     return recipient_tag(event.recipient) in record.rcpt_tags
 
 
-class _MailboxSMTP(SMTP):
+class _MailboxSMTP(WriteDeadlineProtocol, SMTP):
     """aiosmtpd's SMTP for one mailbox connection, admitted and timed by its listener
     (DESIGN.md §18): idle_timeout between commands, read_timeout from a command's (or a
     message's) first byte to its end, however slowly it trickles."""
@@ -169,15 +169,6 @@ class _MailboxSMTP(SMTP):
             self._bucket = None
         self._writing.resumed()
         super().connection_lost(error)
-
-    def pause_writing(self) -> None:
-        super().pause_writing()
-        if self._bucket is not None:
-            self._writing.paused()
-
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        self._writing.resumed()
 
     def _not_reading(self) -> None:
         log.info(

@@ -18,11 +18,12 @@ from typing import Any
 
 from aiohttp import web
 
-from smtpguard.admission import ListenerLimits, client_bucket
+from smtpguard.admission import ListenerLimits
 from smtpguard.config import LimitsConfig
 from smtpguard.events.apply import Applied, Applier, log_applied
 from smtpguard.events.sources import Rejected, Source, Sources
 from smtpguard.http_listener import LimitedListener
+from smtpguard.policy import http_trust
 from smtpguard.policy.events import Malformed
 from smtpguard.store import StoreUnavailable
 
@@ -123,7 +124,7 @@ class EventsServer:
         except Rejected as e:
             refusal = e
         ip = request.remote or "?"
-        bucket = f"events:{client_bucket(ip)}"
+        bucket = f"events:{http_trust.limit_unit(ip)}"
         limits = self.auth_limits()
         window = limits.auth_failure_window
         store = self.applier.store

@@ -48,7 +48,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     # the floor: no smtpguard imports at all
     "smtpguard": frozenset(),
     "replies": frozenset(),
-    "admission": frozenset(),
+    "admission": frozenset({"policy"}),
     "connection_table": frozenset(),
     "heartbeat": frozenset(),
     "ids": frozenset(),

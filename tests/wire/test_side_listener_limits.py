@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from smtpguard.admission import client_bucket
 from smtpguard.config import ConfigError, loads
+from smtpguard.policy.http_trust import limit_unit
 from smtpguard.server import Server
 from tests.support import Upstream, base_config, password_hash, running_guard
 from tests.support import events as ev
@@ -217,10 +217,10 @@ async def test_the_caps_refuse_at_accept_and_give_slots_back(
 
 
 def test_an_ipv6_client_is_counted_by_its_64() -> None:
-    assert client_bucket("2001:db8:1:2::1") == client_bucket("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
-    assert client_bucket("2001:db8:1:3::1") != client_bucket("2001:db8:1:2::1")
-    assert client_bucket("::ffff:192.0.2.7") == "192.0.2.7"
-    assert client_bucket("192.0.2.7") == "192.0.2.7"
+    assert limit_unit("2001:db8:1:2::1") == limit_unit("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
+    assert limit_unit("2001:db8:1:3::1") != limit_unit("2001:db8:1:2::1")
+    assert limit_unit("::ffff:192.0.2.7") == "192.0.2.7"
+    assert limit_unit("192.0.2.7") == "192.0.2.7"
 
 
 def _cfg(tmp: Path, section: str, **limits: Any) -> dict[str, Any]:
