@@ -10,9 +10,9 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, ClassVar, Self
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, field_validator, model_validator
 
 from smtpguard.units import parse_duration, parse_rate, parse_size
 
@@ -67,6 +67,43 @@ def _host_port(value: str) -> tuple[str, int]:
     if not 0 <= p <= 65535:
         raise ValueError(f"port {p} is out of range")
     return host, p
+
+
+class _Listening(_Strict):
+    """A listener's `address`, host:port, checked when the file is read."""
+
+    address: str
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        _host_port(v)
+        return v
+
+    @property
+    def host(self) -> str:
+        return _host_port(self.address)[0]
+
+    @property
+    def port(self) -> int:
+        return _host_port(self.address)[1]
+
+
+class _Secret(_Strict):
+    """A secret named by environment variable or file (the model's `*_env` and `*_file`
+    fields), never inline: exactly one of them is given."""
+
+    _secret_noun: ClassVar[str] = "secret"
+    """What the error calls it: "never the secret inline", "never the key inline"."""
+
+    @model_validator(mode="after")
+    def _one_secret(self) -> Self:
+        fields = [f for f in type(self).model_fields if f.endswith(("_env", "_file"))]
+        given = [f for f in fields if getattr(self, f) is not None]
+        if len(given) != 1:
+            names = " or ".join(fields)
+            raise ValueError(f"give exactly one of {names} (never the {self._secret_noun} inline)")
+        return self
 
 
 def is_loopback(host: str) -> bool:

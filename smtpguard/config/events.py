@@ -8,23 +8,21 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from smtpguard.config.base import Duration, FieldProblem, FilePath, Size, _host_port, _Strict, is_loopback
+from smtpguard.config.base import (
+    Duration,
+    FieldProblem,
+    FilePath,
+    Size,
+    _host_port,
+    _Listening,
+    _Secret,
+    _Strict,
+    is_loopback,
+)
 from smtpguard.config.listener import TLSFiles
 from smtpguard.config.zones import _argon2_hash
 from smtpguard.policy import http_trust, verp
 from smtpguard.policy.senders import address_problem
-
-
-class _Secret(_Strict):
-    """A secret named by environment variable or file, never inline."""
-
-    @model_validator(mode="after")
-    def _one_secret(self) -> _Secret:
-        fields = [f for f in type(self).model_fields if f.endswith(("_env", "_file"))]
-        given = [f for f in fields if getattr(self, f) is not None]
-        if len(given) != 1:
-            raise ValueError(f"give exactly one of {' or '.join(fields)} (never the secret inline)")
-        return self
 
 
 class MailgunSource(_Secret):
@@ -192,7 +190,7 @@ def _proxy_network(value: str) -> str:
     return value
 
 
-class ConsoleConfig(SideListenerLimits):
+class ConsoleConfig(_Listening, SideListenerLimits):
     """The operator's console in the browser (DESIGN.md §14, §18)."""
 
     address: str = "127.0.0.1:9590"
@@ -204,15 +202,9 @@ class ConsoleConfig(SideListenerLimits):
     trusted_proxies: list[Annotated[str, AfterValidator(_proxy_network)]] = Field(default_factory=list)
     """Peers whose X-Forwarded-For names the client (CIDR or one address)."""
 
-    @field_validator("address")
-    @classmethod
-    def _address(cls, v: str) -> str:
-        _host_port(v)
-        return v
-
     @model_validator(mode="after")
     def _loopback_or_tls(self) -> ConsoleConfig:
-        if self.tls is None and not is_loopback(_host_port(self.address)[0]):
+        if self.tls is None and not is_loopback(self.host):
             raise FieldProblem(
                 ("address",),
                 "console.address is not loopback, so console.tls is required "
@@ -222,14 +214,6 @@ class ConsoleConfig(SideListenerLimits):
         if len(set(names)) != len(names):
             raise FieldProblem(("operators",), "console.operators usernames must be unique")
         return self
-
-    @property
-    def host(self) -> str:
-        return _host_port(self.address)[0]
-
-    @property
-    def port(self) -> int:
-        return _host_port(self.address)[1]
 
     @property
     def proxies(self) -> list[http_trust.Network]:

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from smtpguard.config.base import Duration, FieldProblem, FilePath, Size, _host_port, _Strict, is_loopback
+from smtpguard.config.base import (
+    Duration,
+    FieldProblem,
+    FilePath,
+    Size,
+    _Listening,
+    _Strict,
+    is_loopback,
+)
 
 
-class ListenerConfig(_Strict):
-    address: str
+class ListenerConfig(_Listening):
     tls: Literal["starttls", "implicit", "none"] = "starttls"
-
-    @field_validator("address")
-    @classmethod
-    def _address(cls, v: str) -> str:
-        _host_port(v)
-        return v
 
     @model_validator(mode="after")
     def _clear_auth_only_on_loopback(self) -> ListenerConfig:
@@ -28,14 +29,6 @@ class ListenerConfig(_Strict):
                 "in clear); use starttls or implicit",
             )
         return self
-
-    @property
-    def host(self) -> str:
-        return _host_port(self.address)[0]
-
-    @property
-    def port(self) -> int:
-        return _host_port(self.address)[1]
 
 
 class TLSFiles(_Strict):

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
-from smtpguard.config.base import Duration, FilePath, _Strict, is_loopback
+from smtpguard.config.base import Duration, FilePath, _Secret, _Strict, is_loopback
 
 if TYPE_CHECKING:
     from smtpguard.config.schema import Config
@@ -43,7 +43,9 @@ def _base_url(value: str) -> str:
     return value.rstrip("/")
 
 
-class _Api(_Strict):
+class _Api(_Secret):
+    _secret_noun = "key"
+
     base_url: str | None = None
     """Default: the provider's public API (DEFAULT_BASE_URLS)."""
     timeout: Duration = Field(10.0, gt=0, le=120)
@@ -55,14 +57,6 @@ class _Api(_Strict):
     @classmethod
     def _url(cls, v: str | None) -> str | None:
         return None if v is None else _base_url(v)
-
-    @model_validator(mode="after")
-    def _one_secret(self) -> _Api:
-        fields = [f for f in type(self).model_fields if f.endswith(("_env", "_file"))]
-        given = [f for f in fields if getattr(self, f) is not None]
-        if len(given) != 1:
-            raise ValueError(f"give exactly one of {' or '.join(fields)} (never the key inline)")
-        return self
 
     def url(self, kind: str) -> str:
         return self.base_url or DEFAULT_BASE_URLS[kind]

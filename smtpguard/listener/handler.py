@@ -75,10 +75,7 @@ class Handler:
 
     # --- AUTH --------------------------------------------------------------------------------
     async def auth_PLAIN(self, server: SMTP, args: list[str]) -> AuthResult:
-        if len(args) == 1:
-            blob = await _challenge(server, "")
-        else:
-            blob = await _initial_response(server, args[1])
+        blob = await _first_response(server, args, "")
         if blob is None:
             return AuthResult(success=False, handled=True)
         parts = blob.split(b"\x00")
@@ -88,10 +85,7 @@ class Handler:
         return await self._authenticate(server, parts[1], parts[2])
 
     async def auth_LOGIN(self, server: SMTP, args: list[str]) -> AuthResult:
-        if len(args) == 1:
-            login = await _challenge(server, "Username:")
-        else:
-            login = await _initial_response(server, args[1])
+        login = await _first_response(server, args, "Username:")
         if login is None:
             return AuthResult(success=False, handled=True)
         password = await _challenge(server, "Password:")
@@ -303,6 +297,14 @@ async def _challenge(server: SMTP, prompt: str) -> bytes | None:
     An over-long answer reaches challenge_auth as GuardSMTP's stand-in line: not base64."""
     blob = await server.challenge_auth(prompt)
     return blob if isinstance(blob, bytes) else None
+
+
+async def _first_response(server: SMTP, args: list[str], prompt: str) -> bytes | None:
+    """The first answer of an AUTH exchange: the initial response given with the command
+    (RFC 4954 §4), else the answer to a first challenge of `prompt`."""
+    if len(args) == 1:
+        return await _challenge(server, prompt)
+    return await _initial_response(server, args[1])
 
 
 async def _initial_response(server: SMTP, arg: str) -> bytes | None:
