@@ -22,15 +22,15 @@ from typing import Any
 
 from smtpguard import class_pauses
 from smtpguard.config import Config, ZoneConfig
-from smtpguard.policy import ledger
-from smtpguard.policy.ledger import AuditEntry, Record
+from smtpguard.policy import decisions, ledger
+from smtpguard.policy.ledger import AuditEntry, Record, State
 from smtpguard.policy.limits import Caps, caps_for, month_of, user_caps_for
 from smtpguard.policy.queue import queue_due
 from smtpguard.store import Store, StoreUnavailable
 from smtpguard.store.base import CapUsage, ZoneAudit
 
 Change = Callable[[Record, float], Record]
-_HELD = ("unknown", "failed")
+_HELD = (State.UNKNOWN, State.FAILED)
 log = logging.getLogger("smtpguard.desk")
 
 DECISIONS = ("delivered", "retry", "release")
@@ -107,7 +107,7 @@ async def change_record(
             raise NotFound(f"no record for zone {zone} key {key!r}")
         if expected_version is not None and rec.version != expected_version:
             decided = last_decision(rec)
-            if decided is not None and rec.state.value not in _HELD:
+            if decided is not None and rec.state not in _HELD:
                 raise AlreadyDecided(decided)
             # Still held (or never decided): an older decision is not the news; the page is.
             raise Refused(f"the record changed since this page was shown (now {rec.state.value}); reload it")
@@ -116,7 +116,7 @@ async def change_record(
             new = change(rec, now)
         except ledger.OperatorRefused as e:
             decided = last_decision(rec)
-            if decided is not None and rec.state.value not in _HELD:
+            if decided is not None and rec.state not in _HELD:
                 raise AlreadyDecided(decided) from None
             raise Refused(str(e)) from None
         if rec.lane is not None:
@@ -209,17 +209,20 @@ async def suppress_import(
     return n
 
 
-_HELD_COUNTS = (
-    "paused",
-    "cap_hour",
-    "cap_month",
-    "user_cap_hour",
-    "user_cap_month",
-    "in_flight",
-    "too_soon",
-    "failed_held",
-    "unknown_held",
-    "reused",
+_HELD_COUNTS = frozenset(
+    decisions.stat_name(d)
+    for d in (
+        decisions.Decision.PAUSED,
+        decisions.Decision.CAP_HOUR,
+        decisions.Decision.CAP_MONTH,
+        decisions.Decision.USER_CAP_HOUR,
+        decisions.Decision.USER_CAP_MONTH,
+        decisions.Decision.IN_FLIGHT,
+        decisions.Decision.TOO_SOON,
+        decisions.Decision.FAILED_HELD,
+        decisions.Decision.UNKNOWN_HELD,
+        decisions.Decision.REUSED,
+    )
 )
 """The stat names of decisions that held an event back (`stats`' "held")."""
 

@@ -35,6 +35,17 @@ def ping_interval(heartbeat: float) -> float:
     return min(1.0, heartbeat / 5)
 
 
+def _receive(sock: socket.socket) -> bytes | None:
+    """What a non-blocking end has to read: None when nothing is waiting, b"" when the
+    other end is gone (closed, or the socket failed)."""
+    try:
+        return sock.recv(4096)
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError:
+        return b""
+
+
 @dataclass
 class Beat:
     """The supervisor's end of one worker's heartbeat."""
@@ -57,15 +68,9 @@ class Beat:
 
     def tick(self, now: float, heartbeat: float) -> float:
         """Collect answers and ask again when due; the seconds an asked ping has waited."""
-        while True:
-            try:
-                got = self.sock.recv(4096)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                got = b""
-            if not got:
-                break  # the worker's end is closed: its exit is noticed by its status
+        # Until nothing is waiting (None) or the worker's end is closed (b""): its exit is
+        # noticed by its status.
+        while _receive(self.sock):
             self.waiting = None
         if now - self.asked >= ping_interval(heartbeat):
             self.asked = now
@@ -96,12 +101,9 @@ class Answerer:
         self.loop.add_reader(self.sock.fileno(), self._on_ping)
 
     def _on_ping(self) -> None:
-        try:
-            got = self.sock.recv(4096)
-        except (BlockingIOError, InterruptedError):
+        got = _receive(self.sock)
+        if got is None:
             return
-        except OSError:
-            got = b""
         if not got:
             self.close()
             self.on_gone()

@@ -41,15 +41,22 @@ def prepare(maildir: Path) -> None:
         (maildir / sub).mkdir(parents=True, exist_ok=True)
 
 
-def deliver(maildir: Path, name: str, data: bytes) -> bool:
-    """Write `data` as new/`name`; False (nothing written) if that name exists already."""
-    tmp = maildir / "tmp" / name
+def _create(path: Path, data: bytes) -> bool:
+    """Write `data` to a new file at `path`, synced; False (nothing written) if it exists."""
     try:
-        with open(tmp, "xb") as f:
+        with open(path, "xb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
     except FileExistsError:
+        return False
+    return True
+
+
+def deliver(maildir: Path, name: str, data: bytes) -> bool:
+    """Write `data` as new/`name`; False (nothing written) if that name exists already."""
+    tmp = maildir / "tmp" / name
+    if not _create(tmp, data):
         return False
     try:
         os.link(tmp, maildir / "new" / name)
@@ -59,13 +66,7 @@ def deliver(maildir: Path, name: str, data: bytes) -> bool:
         # No hard links here (a filesystem without them, or tmp/ and new/ on two devices):
         # create the name exclusively in new/ and write it there. Still never over another
         # message; a reader may see the file before it is complete.
-        try:
-            with open(maildir / "new" / name, "xb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        except FileExistsError:
-            return False
+        return _create(maildir / "new" / name, data)
     finally:
         tmp.unlink()
     return True

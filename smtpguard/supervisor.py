@@ -315,17 +315,15 @@ class Supervisor:
                 "worker stopped", extra={"worker": slot.index, "pid": proc.pid, "status": _describe(code)}
             )
             return
+        exited: dict[str, object] = {
+            "worker": slot.index,
+            "pid": proc.pid,
+            "status": _describe(code) + (" (missed its heartbeat)" if slot.wedged else ""),
+        }
         if not self.announced and not slot.ever_ready:
             # At start, a worker that cannot start is a config or store problem that every
             # worker shares (its own log lines above say which): stop, as workers: 1 would.
-            log.error(
-                "worker failed to start; stopping",
-                extra={
-                    "worker": slot.index,
-                    "pid": proc.pid,
-                    "status": _describe(code) + (" (missed its heartbeat)" if slot.wedged else ""),
-                },
-            )
+            log.error("worker failed to start; stopping", extra=exited)
             self.failed = True
             self._stop("stopping: a worker failed to start")
             return
@@ -335,9 +333,7 @@ class Supervisor:
         log.warning(
             "worker exited; restarting it",
             extra={
-                "worker": slot.index,
-                "pid": proc.pid,
-                "status": _describe(code) + (" (missed its heartbeat)" if slot.wedged else ""),
+                **exited,
                 "uptime_s": round(uptime, 1),
                 "restart_in_s": restart.delay,
                 "quick_exits": restart.streak,

@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from smtpguard import replies
+from smtpguard.policy.decisions import Decision
 from smtpguard.policy.outcome import Kind, Outcome
 
 # The record and its stored shape live in record.py; re-exported so that every import of
@@ -73,7 +74,7 @@ class Answer:
     """Reply now; nothing is written and nothing is sent."""
 
     reply: Reply
-    decision: str
+    decision: Decision
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +101,7 @@ class Transition:
     record: Record
     expected_version: int
     reply: Reply
-    decision: str
+    decision: Decision
 
 
 Verdict = Answer | Wait | Proceed | Transition
@@ -128,16 +129,17 @@ def decide(existing: Record | None, sub: Submission, now: float, s: LedgerSettin
             _audit(fresh, now, "smtpguard", "new_event", existing.state, fresh.state, note), existing.version
         )
     if existing.fingerprint != sub.fingerprint:
-        return Answer(replies.key_reused(sub.key), "reused")
+        return Answer(replies.key_reused(sub.key), Decision.REUSED)
 
     state = existing.state
     if _in_lane(existing):
         # Accepted for store-and-forward: the worker owns retries; the client is done.
-        return Answer(replies.duplicate_queued(sub.key, existing.queue_id or existing.sg_id), "duplicate")
+        queued_as = existing.queue_id or existing.sg_id
+        return Answer(replies.duplicate_queued(sub.key, queued_as), Decision.DUPLICATE)
     if state is State.DELIVERED:
-        return Answer(replies.duplicate(sub.key, existing.sg_id, existing.upstream_id), "duplicate")
+        return Answer(replies.duplicate(sub.key, existing.sg_id, existing.upstream_id), Decision.DUPLICATE)
     if state is State.QUEUED:
-        return Answer(replies.duplicate_queued(sub.key, existing.sg_id), "duplicate")
+        return Answer(replies.duplicate_queued(sub.key, existing.sg_id), Decision.DUPLICATE)
     if state is State.IN_FLIGHT:
         if leased:
             return Wait()
@@ -145,20 +147,20 @@ def decide(existing: Record | None, sub: Submission, now: float, s: LedgerSettin
             # The owner died after the final dot may have gone out: a blind retry is how
             # duplicates are made (RFC 1047). Hold it for an operator.
             lost = _lost_after_dot(existing, now, s)
-            return Transition(lost, existing.version, replies.outcome_unknown(sub.key), "unknown_held")
+            return Transition(lost, existing.version, replies.outcome_unknown(sub.key), Decision.UNKNOWN_HELD)
         # The owner died (or its reservation's reply was lost) before DATA: nothing was
         # sent, so this submission takes over and the abandoned attempt's unit goes back.
         taken = replace(_retry(existing, sub, now, s), unrefunded=_abandoned(existing))
         return Proceed(taken, existing.version, refund=taken.unrefunded)
     if state is State.DEFERRED:
         if existing.next_attempt_at is not None and now < existing.next_attempt_at:
-            return Answer(replies.retry_too_soon(sub.key, existing.next_attempt_at), "too_soon")
+            return Answer(replies.retry_too_soon(sub.key, existing.next_attempt_at), Decision.TOO_SOON)
         return Proceed(_retry(existing, sub, now, s), existing.version)
     if state is State.FAILED:
-        return Answer(existing.reply or replies.malformed_message("failed"), "failed_held")
+        return Answer(existing.reply or replies.malformed_message("failed"), Decision.FAILED_HELD)
     if state is State.UNKNOWN:
-        return Answer(replies.outcome_unknown(sub.key), "unknown_held")
-    return Answer(replies.expired(sub.key), "expired")
+        return Answer(replies.outcome_unknown(sub.key), Decision.UNKNOWN_HELD)
+    return Answer(replies.expired(sub.key), Decision.EXPIRED)
 
 
 KEPT_UNREFUNDED = 8
@@ -505,7 +507,7 @@ def on_claim(rec: Record, attempt_id: str, instance: str, now: float, s: LedgerS
         if rec.lease_until is not None and rec.lease_until > now:
             return Finish(None, "busy")
         if rec.phase is Phase.DATA_SENT:
-            return Finish(_lost_after_dot(rec, now, s), "unknown_held")
+            return Finish(_lost_after_dot(rec, now, s), Decision.UNKNOWN_HELD)
     if rec.expires_at is not None and now >= rec.expires_at:
         gone = _bump(
             rec, now, state=State.EXPIRED, owner=None, lease_until=None, phase=None, next_attempt_at=None
@@ -520,7 +522,7 @@ def on_claim(rec: Record, attempt_id: str, instance: str, now: float, s: LedgerS
             f"older than its class's max_age ({rec.lane})",
         )
         abandoned = _abandoned(rec) if rec.state is State.IN_FLIGHT else rec.unrefunded
-        return Finish(replace(gone, unrefunded=()), "expired", refund=abandoned)
+        return Finish(replace(gone, unrefunded=()), Decision.EXPIRED, refund=abandoned)
     taken = _bump(
         rec,
         now,

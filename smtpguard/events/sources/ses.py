@@ -30,26 +30,13 @@ _SES_SECTIONS = {
     "DeliveryDelay": "deliveryDelay",
 }
 """Where each SES event keeps its own time (the field a refused time is named by)."""
+
+# The fields SNS signs of each message type, in signing order (both subscription kinds alike).
+_SNS_SUBSCRIPTION_SIGNED = ("Message", "MessageId", "SubscribeURL", "Timestamp", "Token", "TopicArn", "Type")
 _SNS_SIGNED = {
     "Notification": ("Message", "MessageId", "Subject", "Timestamp", "TopicArn", "Type"),
-    "SubscriptionConfirmation": (
-        "Message",
-        "MessageId",
-        "SubscribeURL",
-        "Timestamp",
-        "Token",
-        "TopicArn",
-        "Type",
-    ),
-    "UnsubscribeConfirmation": (
-        "Message",
-        "MessageId",
-        "SubscribeURL",
-        "Timestamp",
-        "Token",
-        "TopicArn",
-        "Type",
-    ),
+    "SubscriptionConfirmation": _SNS_SUBSCRIPTION_SIGNED,
+    "UnsubscribeConfirmation": _SNS_SUBSCRIPTION_SIGNED,
 }
 
 
