@@ -103,6 +103,7 @@ class Submitter:
         instance: str,
         hostname: str,
         clock: Callable[[], float] = time.time,
+        verp: VerpKey | None = None,
     ) -> None:
         self.config = config
         self.store = store
@@ -116,7 +117,7 @@ class Submitter:
         self.class_pauses = ClassPauses(store)
         self.on_enqueue: Callable[[], None] | None = None
         """Called after a store-and-forward acceptance, to wake the local delivery worker."""
-        self.verp: VerpKey | None = None
+        self.verp = verp
         """With `events.mailbox.domain`: relayed mail's envelope sender carries a token."""
         self._rules: tuple[Config, Rules] | None = None
 

@@ -84,9 +84,7 @@ class Assembly:
         )
 
     def submitter(self, config: Config, store: Store, route: Route, verp: VerpKey | None) -> Submitter:
-        submitter = Submitter(config, store, route, self.instance, self.hostname, self.clock)
-        submitter.verp = verp
-        return submitter
+        return Submitter(config, store, route, self.instance, self.hostname, self.clock, verp=verp)
 
     def handler(
         self,
