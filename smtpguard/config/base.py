@@ -106,6 +106,16 @@ class _Secret(_Strict):
         return self
 
 
+def secret_when_needed(model: BaseModel, env: str, file: str, needed_by: str) -> None:
+    """An optional secret: at most one of the `env` and `file` fields, and one of them
+    whenever the `needed_by` field is set (named, never inline)."""
+    given_env, given_file = getattr(model, env), getattr(model, file)
+    if given_env and given_file:
+        raise FieldProblem((file,), f"give {env} or {file}, not both")
+    if getattr(model, needed_by) and not (given_env or given_file):
+        raise FieldProblem((needed_by,), f"{needed_by} needs {env} or {file} (never inline)")
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True

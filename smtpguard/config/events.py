@@ -18,6 +18,7 @@ from smtpguard.config.base import (
     _Secret,
     _Strict,
     is_loopback,
+    secret_when_needed,
 )
 from smtpguard.config.listener import TLSFiles
 from smtpguard.config.zones import _argon2_hash
@@ -127,10 +128,7 @@ class MailboxConfig(SideListenerLimits):
 
     @model_validator(mode="after")
     def _verp_secret(self) -> MailboxConfig:
-        if self.secret_env and self.secret_file:
-            raise FieldProblem(("secret_file",), "give secret_env or secret_file, not both")
-        if self.domain and not (self.secret_env or self.secret_file):
-            raise FieldProblem(("domain",), "domain needs secret_env or secret_file (never inline)")
+        secret_when_needed(self, "secret_env", "secret_file", needed_by="domain")
         return self
 
     @field_validator("address")

@@ -6,7 +6,15 @@ from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
-from smtpguard.config.base import _DNS_LABELS, Duration, FieldProblem, FilePath, Rate, _Strict
+from smtpguard.config.base import (
+    _DNS_LABELS,
+    Duration,
+    FieldProblem,
+    FilePath,
+    Rate,
+    _Strict,
+    secret_when_needed,
+)
 from smtpguard.config.verdicts import ApiConfig
 
 MIN_PROBE_INTERVAL = 10.0
@@ -91,10 +99,7 @@ class SmtpProviderConfig(_Strict):
 
     @model_validator(mode="after")
     def _secret(self) -> SmtpProviderConfig:
-        if self.password_env and self.password_file:
-            raise FieldProblem(("password_file",), "give password_env or password_file, not both")
-        if self.username and not (self.password_env or self.password_file):
-            raise FieldProblem(("username",), "username needs password_env or password_file (never inline)")
+        secret_when_needed(self, "password_env", "password_file", needed_by="username")
         if self.share and self.probe_interval is None:
             # The share goes only to a standby that answers its probes: without them smtpguard
             # cannot know it is ready, and an untested standby is what the share is meant to avoid.

@@ -216,19 +216,13 @@ class _MailboxSMTP(WriteDeadlineProtocol, SMTP):
 
 
 class MailboxServer:
-    def __init__(
-        self,
-        cfg: MailboxConfig,
-        applier: Applier,
-        hostname: str,
-        observe: Callable[[str, str, str], None],
-        key: VerpKey | None = None,
-        max_recipients: Callable[[], int] = lambda: 100,
-    ) -> None:
-        self.cfg = cfg
-        self.handler = ReportHandler(cfg, applier, observe, key, max_recipients)
+    """The mailbox's SMTP listener, answering as `hostname`; `handler` reads what it is sent."""
+
+    def __init__(self, handler: ReportHandler, hostname: str) -> None:
+        self.cfg = handler.cfg
+        self.handler = handler
         self.hostname = hostname
-        self.limits = ListenerLimits.of(cfg)
+        self.limits = ListenerLimits.of(self.cfg)
         self.admission = Admission(self.limits, "events.mailbox", log.name)
         self._server: asyncio.Server | None = None
         self.port = 0

@@ -59,9 +59,10 @@ def mailbox_server(
     verp: VerpKey | None,
     max_recipients: Callable[[], int],
 ) -> MailboxServer:
-    from smtpguard.events.mailbox import MailboxServer
+    from smtpguard.events.mailbox import MailboxServer, ReportHandler
 
-    return MailboxServer(mailbox, applier, hostname, metrics.provider_event, verp, max_recipients)
+    handler = ReportHandler(mailbox, applier, metrics.provider_event, verp, max_recipients)
+    return MailboxServer(handler, hostname)
 
 
 def console(config: Callable[[], Config], store: Store, console: ConsoleConfig) -> Console:
