@@ -34,6 +34,7 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from smtpguard import __version__
+from smtpguard.closing import close_server
 from smtpguard.policy.breaker import Circuit
 from smtpguard.policy.ledger import State
 
@@ -405,9 +406,7 @@ class HealthServer:
 
     async def stop(self) -> None:
         if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2)
+            await close_server(self._server)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

@@ -14,7 +14,6 @@ only when mailed to the VERP address its message left with (`b+TOKEN@DOMAIN`, DE
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any, cast
@@ -23,6 +22,7 @@ from aiosmtpd.smtp import SMTP, Envelope, Session
 
 from smtpguard import replies
 from smtpguard.admission import Admission, ListenerLimits, WriteDeadline, WriteDeadlineProtocol, peer_ip
+from smtpguard.closing import close_server
 from smtpguard.config import MailboxConfig
 from smtpguard.events.apply import Applied, Applier, log_applied
 from smtpguard.events.reports import NotAReport, read_report
@@ -248,7 +248,5 @@ class MailboxServer:
 
     async def stop(self) -> None:
         if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2)
+            await close_server(self._server)
             self._server = None

@@ -59,6 +59,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "run_dir": frozenset(),
     "turns": frozenset(),
     "units": frozenset(),
+    "closing": frozenset(),
     # pure rules (§3, §11): replies only
     "policy": frozenset({"replies"}),
     "http_listener": frozenset({"admission"}),
@@ -66,7 +67,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "store": frozenset({"policy"}),
     "config": frozenset({"policy", "units"}),
     "settled": frozenset({"policy"}),
-    "metrics": frozenset({"smtpguard", "policy"}),
+    "metrics": frozenset({"smtpguard", "closing", "policy"}),
     # small services over store and config
     "class_pauses": frozenset({"policy", "store"}),
     "suppression": frozenset({"policy", "store"}),
@@ -82,7 +83,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "relay": frozenset({"config", "policy", "provider_gate", "replies"}),
     "sink": frozenset({"config", "relay"}),
     "events": frozenset(
-        {"admission", "config", "http_listener", "policy", "replies", "store", "verp"}
+        {"admission", "closing", "config", "http_listener", "policy", "replies", "store", "verp"}
     ),
     "submission": frozenset(
         {
