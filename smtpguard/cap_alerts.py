@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from smtpguard.background import keep
 from smtpguard.config import Config
 from smtpguard.metrics import Metrics
 from smtpguard.policy.alerts import AlertLedger, Window, used_ratio
@@ -49,9 +50,7 @@ class CapAlerts:
         if zone in self._pending or zone not in self._config().zones:
             return
         self._pending.add(zone)
-        task = asyncio.ensure_future(self._later(zone))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        keep(self._tasks, self._later(zone))
 
     async def _later(self, zone: str) -> None:
         try:

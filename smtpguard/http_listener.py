@@ -50,6 +50,7 @@ from smtpguard.admission import (
     WriteDeadlineProtocol,
     peer_ip,
 )
+from smtpguard.background import keep
 
 LINGER = 2.0
 """After a response, the unread rest of a body is read and dropped this long at most."""
@@ -278,9 +279,7 @@ class LimitedListener:
             if bucket is None:
                 conn.close()
                 continue
-            task = loop.create_task(self._handshake(conn, tls, bucket, handler))
-            self.handshaking.add(task)
-            task.add_done_callback(self.handshaking.discard)
+            keep(self.handshaking, self._handshake(conn, tls, bucket, handler))
 
     async def _handshake(
         self, conn: socket.socket, tls: ssl.SSLContext, bucket: str, handler: Callable[[str], _LimitedHandler]

@@ -21,6 +21,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
 
+from smtpguard.background import keep
 from smtpguard.policy.throttle import CONNECTION_WAIT, RATE_WAIT, ProviderLimits, blocked_until
 from smtpguard.replies import Reply
 from smtpguard.store import Store, StoreUnavailable
@@ -184,9 +185,7 @@ class ConnectionSlots:
         if holder not in self._held:
             return
         self._held.discard(holder)
-        task = asyncio.ensure_future(self._drop(holder))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+        keep(self._releases, self._drop(holder))
 
     async def _drop(self, holder: str) -> None:
         with contextlib.suppress(StoreUnavailable):  # else its lease ends by itself

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from aiosmtpd.smtp import SMTP, AuthResult, Envelope, Session, TLSSetupException
 
 from smtpguard import replies
+from smtpguard.background import keep
 from smtpguard.config import Config, plan_send_as
 from smtpguard.connection_table import Connections
 from smtpguard.listener.protocol import GuardSMTP
@@ -252,17 +253,16 @@ class Handler:
             return str(replies.SHUTTING_DOWN)
         self.active += 1
         self.idle.clear()
-        task = asyncio.create_task(
+        task = keep(
+            self._submissions,
             self._submit(
                 principal,
                 envelope.mail_from,
                 list(envelope.rcpt_tos),
                 envelope.original_content or b"",
                 bool(envelope.smtp_utf8),
-            )
+            ),
         )
-        self._submissions.add(task)
-        task.add_done_callback(self._submissions.discard)
         # A client that hangs up after its final dot must not abandon a relay half done: the
         # submission runs to its recorded outcome, whoever is left to hear the reply.
         reply = await asyncio.shield(task)

@@ -13,6 +13,7 @@ import random
 import time
 from collections.abc import Callable, Mapping
 
+from smtpguard.background import keep
 from smtpguard.config import Config, SmtpProviderConfig
 from smtpguard.policy.readiness import judge_probe
 from smtpguard.readiness.probe import probe_smtp
@@ -111,9 +112,7 @@ class Prober:
                 await task
         self._tasks = []
 
-    def stop_later(self, background: set[asyncio.Future[None]]) -> None:
+    def stop_later(self, background: set[asyncio.Task[None]]) -> None:
         """Stop without waiting (a reload replaces the prober): kept in `background` so the
         server's stop still waits for it."""
-        task = asyncio.ensure_future(self.stop())
-        background.add(task)
-        task.add_done_callback(background.discard)
+        keep(background, self.stop())

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from smtpguard import notify
+from smtpguard.background import keep
 from smtpguard.cap_alerts import CapAlerts
 from smtpguard.config import Config, ConfigError, provider_secrets, read_secret
 from smtpguard.delivery import DeliveryWorker
@@ -505,9 +506,7 @@ async def run(config: Config, config_path: Path | None, role: WorkerRole | None 
             notify.ready(f"serving {len(server.config.zones)} zone(s)")
 
     def on_hup() -> None:
-        task = asyncio.create_task(reload())
-        reloads.add(task)
-        task.add_done_callback(reloads.discard)
+        keep(reloads, reload())
 
     if role is None:
         loop.add_signal_handler(signal.SIGHUP, on_hup)

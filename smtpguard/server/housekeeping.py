@@ -9,6 +9,7 @@ import logging
 from collections import defaultdict
 from typing import TYPE_CHECKING, Protocol
 
+from smtpguard.background import keep
 from smtpguard.policy.decisions import stat_name
 from smtpguard.policy.limits import caps_for, month_of
 from smtpguard.store import ReportsReplication, Store, StoreUnavailable
@@ -95,9 +96,9 @@ class Served(Protocol):
 class Housekeeping:
     def __init__(self, server: Served) -> None:
         self._server = server
-        self.background: set[asyncio.Future[None]] = set()
+        self.background: set[asyncio.Task[None]] = set()
         """Circuit writes and probers being stopped: waited for (bounded) at stop."""
-        self.publishing: set[asyncio.Future[None]] = set()
+        self.publishing: set[asyncio.Task[None]] = set()
         """Probe results on their way to the store (retried while it is unavailable)."""
         self._probe_generation: dict[str, int] = {}
 
@@ -155,9 +156,7 @@ class Housekeeping:
             server.route.ready[provider] = ready
         server.metrics.probed(provider, ready)
         if server.store is not None:
-            task = asyncio.ensure_future(self._publish_probe(provider, ready, detail))
-            self.publishing.add(task)
-            task.add_done_callback(self.publishing.discard)
+            keep(self.publishing, self._publish_probe(provider, ready, detail))
 
     async def _publish_probe(self, provider: str, ready: bool, detail: str) -> None:
         """To the store, for `stats`; retried while the store is unavailable, until a newer
@@ -181,9 +180,7 @@ class Housekeeping:
         """Metrics at once; the store too, so `smtpguard stats` shows every instance's view."""
         self._server.metrics.circuit(provider, circuit)
         if self._server.store is not None:
-            task = asyncio.ensure_future(self._publish_circuit(provider, circuit))
-            self.background.add(task)
-            task.add_done_callback(self.background.discard)
+            keep(self.background, self._publish_circuit(provider, circuit))
 
     async def _publish_circuit(self, provider: str, circuit: Circuit) -> None:
         server = self._server

@@ -60,9 +60,10 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "turns": frozenset(),
     "units": frozenset(),
     "closing": frozenset(),
+    "background": frozenset(),
     # pure rules (§3, §11): replies only
     "policy": frozenset({"replies"}),
-    "http_listener": frozenset({"admission"}),
+    "http_listener": frozenset({"admission", "background"}),
     # storage and settings: the rules' types, nothing that uses them
     "store": frozenset({"policy"}),
     "config": frozenset({"policy", "units"}),
@@ -71,11 +72,11 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     # small services over store and config
     "class_pauses": frozenset({"policy", "store"}),
     "suppression": frozenset({"policy", "store"}),
-    "provider_gate": frozenset({"policy", "replies", "store"}),
-    "readiness": frozenset({"config", "policy", "store"}),
+    "provider_gate": frozenset({"background", "policy", "replies", "store"}),
+    "readiness": frozenset({"background", "config", "policy", "store"}),
     "verp": frozenset({"config"}),
     "verdict_config": frozenset({"config"}),
-    "cap_alerts": frozenset({"config", "metrics", "policy", "store"}),
+    "cap_alerts": frozenset({"background", "config", "metrics", "policy", "store"}),
     "recipient_domains": frozenset({"policy", "readiness", "replies"}),
     "verdicts": frozenset({"config", "policy", "verdict_config"}),
     "desk": frozenset({"class_pauses", "config", "policy", "store"}),
@@ -99,15 +100,15 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     ),
     "listener": frozenset(
         {
-            "config", "connection_table", "passwords", "policy", "recipient_domains",
-            "replies", "store", "submission", "turns",
+            "background", "config", "connection_table", "passwords", "policy",
+            "recipient_domains", "replies", "store", "submission", "turns",
         }
     ),
     "workers": frozenset({"connection_table", "heartbeat", "listener"}),
     # assembly and lifecycle
     "server": frozenset(
         {
-            "admission", "cap_alerts", "config", "console", "delivery", "events",
+            "admission", "background", "cap_alerts", "config", "console", "delivery", "events",
             "heartbeat", "listener", "metrics", "notify", "passwords", "policy",
             "provider_gate", "readiness", "recipient_domains", "relay", "store",
             "submission", "verdict_config", "verp", "workers",
