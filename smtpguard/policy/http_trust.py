@@ -84,9 +84,11 @@ its privacy addresses (RFC 8981) change by themselves."""
 
 
 def limit_unit(client: str) -> str:
-    """What a per-address limit counts for `client` (as client_address() gives it): the
-    address for IPv4, its /64 for IPv6, so that one client cannot start a fresh count from
-    each of the addresses it holds. Anything that is not an address is counted as itself."""
+    """What a per-address limit counts for `client` (as client_address() or a connection's
+    peer gives it): the address for IPv4, its /64 for IPv6, so that one client cannot start
+    a fresh count from each of the addresses it holds. Used by the console's login limits
+    and every side listener's connection caps. Anything that is not an address is counted
+    as itself."""
     ip = address(client)
     if isinstance(ip, ipaddress.IPv6Address):
         return str(ipaddress.IPv6Network((ip, IPV6_CLIENT_PREFIX), strict=False))
