@@ -9,22 +9,25 @@ instances.
 
 Zone controls (§5, §16): a zone's pause switch and its classes' pauses, its counters, and
 its suppression list (§3: the zone's or the global list refuses at RCPT), with a per-zone
-version each change bumps so every instance knows to reload its copy. Cap usage and adding
-to the counters are each store's own: the PostgreSQL schema spreads a zone's counts over
-slot rows and takes arrays.
+version each change bumps so every instance knows to reload its copy. A user's cap usage and
+adding to the counters are each store's own: PostgreSQL takes arrays.
 
 The desk (§13, §14): a provider event is kept once per (zone, source, event id), and only
-its first arrival lists its recipient; the operators' actions go to the zone audit.
+its first arrival lists its recipient; a webhook nonce is taken once while it lives; records
+are found by an id each store keeps its own way, and listed; the operators' actions go to
+the zone audit.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+from smtpguard.policy.ledger import Record
+from smtpguard.policy.limits import HOUR
 from smtpguard.policy.senders import suppression_key
-from smtpguard.store.base import CircuitState, ProbeState, StoredEvent, Suppression, ZoneAudit
+from smtpguard.store.base import CapUsage, CircuitState, ProbeState, StoredEvent, Suppression, ZoneAudit
 from smtpguard.store.sql.statements import Lock, Plan, Script
 
 
@@ -134,6 +137,21 @@ def paused_classes(rows: Iterable[tuple[Any, ...]]) -> set[tuple[str, str]]:
     return {(str(z), str(c)) for z, c in rows}
 
 
+def cap_usage_of(zone: str, now: float, month: str) -> Plan:
+    # sum(): PostgreSQL spreads a zone's month over slot rows (store/postgres/rows.py); SQLite
+    # keeps one row.
+    return Plan(
+        "SELECT (SELECT count(*) FROM sends WHERE zone = ? AND at >= ?), "
+        "(SELECT sum(used) FROM monthly WHERE zone = ? AND month = ?)",
+        (zone, now - HOUR, zone, month),
+    )
+
+
+def cap_usage(rows: list[tuple[Any, ...]]) -> CapUsage:
+    hour, month = rows[0]
+    return CapUsage(hour=int(hour), month=int(month or 0))
+
+
 def counters(zone: str) -> Plan:
     return Plan("SELECT name, value FROM counters WHERE zone = ?", (zone,))
 
@@ -223,6 +241,70 @@ def apply_event(zone: str, key: str, event: StoredEvent, suppress_reason: str | 
     if suppress_reason is not None and event.recipient is not None:
         yield from suppress_add(zone, event.recipient, suppress_reason, event.received_at)
     return True
+
+
+def remember_nonce(name: str, digest: str, until: float, now: float) -> Script[bool]:
+    # An expired nonce is free again; a live one answers by its digest.
+    taken = yield Plan(
+        "INSERT INTO nonces (name, digest, until) VALUES (?, ?, ?) "
+        "ON CONFLICT (name) DO UPDATE SET digest = excluded.digest, until = excluded.until "
+        "WHERE nonces.until < ? RETURNING digest",
+        (name, digest, until, now),
+    )
+    if taken.rows:
+        return True
+    current = yield Plan("SELECT digest FROM nonces WHERE name = ?", (name,))
+    return bool(current.rows) and current.rows[0][0] == digest
+
+
+def events(rows: Iterable[tuple[Any, ...]]) -> list[StoredEvent]:
+    return [StoredEvent.from_dict(json.loads(data)) for (data,) in rows]
+
+
+def _among(column: str, forms: Sequence[str]) -> str:
+    return f"{column} = ?" if len(forms) == 1 else f"{column} IN ({', '.join('?' * len(forms))})"
+
+
+def find_records(column: str, forms: Sequence[str]) -> Plan:
+    """Records holding an id in any of `forms`; `column` reads it from a row of events (its
+    alias written `{t}`: each store keeps ids its own way)."""
+    return Plan(f"SELECT data FROM events WHERE {_among(column.format(t=''), forms)} LIMIT 100", tuple(forms))
+
+
+def records_for_event(column: str, forms: Sequence[str]) -> Plan:
+    # The other-zone test is part of the query, before the LIMIT (DESIGN.md §18): however
+    # many records of one zone hold the id, one record of another zone voids them all.
+    return Plan(
+        f"SELECT e.data FROM events e WHERE {_among(column.format(t='e.'), forms)} AND NOT EXISTS "
+        f"(SELECT 1 FROM events o WHERE {_among(column.format(t='o.'), forms)} AND o.zone <> e.zone) "
+        "ORDER BY e.updated_at DESC LIMIT 100",
+        (*forms, *forms),
+    )
+
+
+def list_records(zone: str, state: str | None, since: float | None, before: float | None, limit: int) -> Plan:
+    where: list[str] = ["zone = ?"]
+    params: list[str | float] = [zone]
+    index = "events_zone_updated"
+    if state is not None:
+        where.append("state = ?")
+        params.append(state)
+        index = "events_zone_state"
+    if since is not None:
+        where.append("updated_at >= ?")
+        params.append(since)
+    if before is not None:
+        where.append("updated_at < ?")
+        params.append(before)
+    return Plan(
+        f"SELECT data FROM events{{indexed {index}}} WHERE {' AND '.join(where)} "
+        "ORDER BY updated_at DESC LIMIT ?",
+        (*params, limit),
+    )
+
+
+def records(rows: Iterable[tuple[Any, ...]]) -> list[Record]:
+    return [Record.from_dict(json.loads(data)) for (data,) in rows]
 
 
 def audit_add(zone: str, entry: ZoneAudit) -> Plan:

@@ -8,9 +8,10 @@ connections in a small thread pool, so the event loop never blocks on SQLite.
 
 SQLiteStore (here) opens the file and keeps the ledger and queue operations; the rest of the
 package: writer.py (group commit), access.py (the writer and readers every role goes
-through), controls.py, desk.py, fleet.py (one class per role, inherited), rows.py (record
-rows and their compare-and-swap), caps.py (cap units), schema.py (connections, read-only
-stand-ins) and migrate.py with migrations/ (the schema, by PRAGMA user_version).
+through), controls.py, desk.py, fleet.py (one class per role, inherited, each over the
+shared roles of store/sql/roles.py), rows.py (record rows and their compare-and-swap),
+caps.py (cap units), schema.py (connections, read-only stand-ins) and migrate.py with
+migrations/ (the schema, by PRAGMA user_version).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from smtpguard.store.base import (
     StoreMissing,
     StoreUnavailable,
 )
-from smtpguard.store.sql import operations
 from smtpguard.store.sqlite.access import Access
 from smtpguard.store.sqlite.caps import _consume, _pause_or_cap, _refund_user, _trim
 from smtpguard.store.sqlite.controls import Controls
@@ -323,7 +323,3 @@ class SQLiteStore(Controls, Desk, Fleet, Access):
             ]
 
         return await self._read(op)
-
-    async def queue_depths(self) -> dict[tuple[str, str], int]:
-        rows = await self._read(lambda c: c.execute(*operations.QUEUE_DEPTHS.sqlite()).fetchall())
-        return operations.queue_depths(rows)

@@ -7,10 +7,7 @@ import sqlite3
 
 from smtpguard.policy.ledger import Record
 from smtpguard.policy.senders import suppression_key
-from smtpguard.store.base import (
-    Conflict,
-    IdField,
-)
+from smtpguard.store.base import Conflict
 
 
 def _load(c: sqlite3.Connection, zone: str, key: str) -> Record | None:
@@ -60,8 +57,6 @@ def _bump_supp_version(c: sqlite3.Connection, zone: str) -> None:
         (zone,),
     )
 
-
-_ID_COLUMNS: dict[IdField, str] = {"sg_id": "sg_id", "message_id": "message_id", "upstream_id": "upstream_id"}
 
 _OWN = "own"
 """_swap's answer when the record already equals the one being written: a retried write
