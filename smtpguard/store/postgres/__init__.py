@@ -40,8 +40,8 @@ from smtpguard.store.base import (
     QueueEntry,
     Reserved,
     ReserveResult,
-    StoreUnavailable,
 )
+from smtpguard.store.errors import answers
 from smtpguard.store.postgres.controls import Controls
 from smtpguard.store.postgres.desk import Desk
 from smtpguard.store.postgres.fleet import Fleet
@@ -106,10 +106,7 @@ class PostgresStore(Controls, Desk, Fleet, Pool):
         return problems
 
     async def ping(self) -> bool:
-        try:
-            return await self._ping()
-        except StoreUnavailable:
-            return False
+        return await answers(self._ping())
 
     @_translated
     async def _ping(self) -> bool:
