@@ -40,6 +40,7 @@ from smtpguard.store.base import (
     QueueEntry,
     Reserved,
     ReserveResult,
+    entry_columns,
 )
 from smtpguard.store.errors import answers
 from smtpguard.store.postgres.controls import Controls
@@ -286,13 +287,7 @@ class PostgresStore(Controls, Desk, Fleet, Pool):
                 (
                     record.zone,
                     record.key,
-                    record.lane or "",
-                    message.priority,
-                    record.next_attempt_at if record.next_attempt_at is not None else record.updated_at,
-                    record.updated_at,
-                    message.sender,
-                    json.dumps(list(message.recipients)),
-                    message.content,
+                    *entry_columns(record, message),
                     message.smtputf8,
                 ),
             )

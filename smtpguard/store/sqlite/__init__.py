@@ -36,6 +36,7 @@ from smtpguard.store.base import (
     ReserveResult,
     StoreMissing,
     StoreUnavailable,
+    entry_columns,
 )
 from smtpguard.store.sqlite.access import Access
 from smtpguard.store.sqlite.caps import _consume, _pause_or_cap, _refund_user, _trim
@@ -225,13 +226,7 @@ class SQLiteStore(Controls, Desk, Fleet, Access):
                 (
                     record.zone,
                     record.key,
-                    record.lane or "",
-                    message.priority,
-                    record.next_attempt_at or record.updated_at,
-                    record.updated_at,
-                    message.sender,
-                    json.dumps(list(message.recipients)),
-                    message.content,
+                    *entry_columns(record, message),
                     int(message.smtputf8),
                 ),
             )
