@@ -181,7 +181,7 @@ def suppress_add(zone: str, address: str, reason: str, at: float) -> Script[bool
         (zone, suppression_key(address), reason, at),
     )
     if added.rows:
-        yield _bump_supp_version(zone)
+        yield bump_supp_version(zone)
     return bool(added.rows)
 
 
@@ -190,11 +190,12 @@ def suppress_remove(zone: str, address: str) -> Script[bool]:
         "DELETE FROM suppression WHERE zone = ? AND address = ? RETURNING 1", (zone, suppression_key(address))
     )
     if gone.rows:
-        yield _bump_supp_version(zone)
+        yield bump_supp_version(zone)
     return bool(gone.rows)
 
 
-def _bump_supp_version(zone: str) -> Plan:
+def bump_supp_version(zone: str) -> Plan:
+    """Every instance reloads the zone's list on seeing its version move."""
     return Plan(
         "INSERT INTO supp_versions (zone, v) VALUES (?, 1) "
         "ON CONFLICT (zone) DO UPDATE SET v = supp_versions.v + 1",
