@@ -279,3 +279,14 @@ def test_listing_records_renders_for_postgresql_as_before() -> None:
         "SELECT data FROM events INDEXED BY events_zone_state WHERE zone = ? AND state = ? "
         "ORDER BY updated_at DESC LIMIT ?"
     )
+
+
+def test_the_queue_listing_renders_for_postgresql_as_before() -> None:
+    # As before but for the cast, now written CAST(… AS text) (SQLite has no `::`).
+    assert operations.queue_entries("z").postgres() == (
+        "SELECT q.zone, q.key, q.lane, e.state, q.due_at, q.claimed_until, q.enqueued_at, "
+        "length(q.content) FROM queue q LEFT JOIN events e ON e.zone = q.zone AND e.key = q.key "
+        "WHERE (CAST(%s AS text) IS NULL OR q.zone = %s) ORDER BY q.priority, q.due_at, q.zone, q.key",
+        ("z", "z"),
+    )
+    assert operations.QUEUE_LANES.postgres() == ("SELECT DISTINCT lane FROM queue", ())

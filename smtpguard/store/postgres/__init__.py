@@ -33,11 +33,9 @@ import psycopg
 from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached
 from smtpguard.store.base import (
-    HELD,
     Claimed,
     Conflict,
     QueuedMessage,
-    QueueEntry,
     Reserved,
     ReserveResult,
     entry_columns,
@@ -329,34 +327,3 @@ class PostgresStore(Controls, Desk, Fleet, Pool):
                     (due, record.zone, record.key),
                 )
             return None
-
-    @_translated
-    async def queue_entries(self, zone: str | None) -> list[QueueEntry]:
-        async with self._conn() as conn:
-            cur = await conn.execute(
-                "SELECT q.zone, q.key, q.lane, e.state, q.due_at, q.claimed_until, q.enqueued_at, "
-                "length(q.content) FROM queue q LEFT JOIN events e ON e.zone = q.zone AND e.key = q.key "
-                "WHERE (%s::text IS NULL OR q.zone = %s) ORDER BY q.priority, q.due_at, q.zone, q.key",
-                (zone, zone),
-            )
-            rows = await cur.fetchall()
-        now = self.now()
-        return [
-            QueueEntry(
-                str(z),
-                str(k),
-                str(lane),
-                str(state) if state else "?",
-                None if due >= HELD else float(due),
-                claimed is not None and claimed > now,
-                float(enq),
-                int(size),
-            )
-            for z, k, lane, state, due, claimed, enq, size in rows
-        ]
-
-    @_translated
-    async def queue_lanes(self) -> set[str]:
-        async with self._conn() as conn:
-            cur = await conn.execute("SELECT DISTINCT lane FROM queue")
-            return {str(lane) for (lane,) in await cur.fetchall()}

@@ -1,6 +1,6 @@
 """The operations both SQL stores carry out alike, as plans (statements.py) and the reading
-of their rows. Written once here; each backend runs them (store/sqlite/ and store/postgres/,
-fleet.py, controls.py and desk.py).
+of their rows. Written once here; the shared roles (roles.py) hand them to each backend's
+runner (store/sqlite/access.py, store/postgres/pool.py).
 
 Provider health (DESIGN.md §6, §12): every instance publishes each provider's circuit and
 readiness probe; the console and /metrics read them all, ordered by provider, then instance.
@@ -15,7 +15,7 @@ adding to the counters are each store's own: PostgreSQL takes arrays.
 The desk (§13, §14): a provider event is kept once per (zone, source, event id), and only
 its first arrival lists its recipient; a webhook nonce is taken once while it lives; records
 are found by an id each store keeps its own way, and listed; the operators' actions go to
-the zone audit.
+the zone audit; the queue is listed by entry, lane and depth.
 """
 
 from __future__ import annotations
@@ -27,7 +27,16 @@ from typing import Any
 from smtpguard.policy.ledger import Record
 from smtpguard.policy.limits import HOUR
 from smtpguard.policy.senders import suppression_key
-from smtpguard.store.base import CapUsage, CircuitState, ProbeState, StoredEvent, Suppression, ZoneAudit
+from smtpguard.store.base import (
+    HELD,
+    CapUsage,
+    CircuitState,
+    ProbeState,
+    QueueEntry,
+    StoredEvent,
+    Suppression,
+    ZoneAudit,
+)
 from smtpguard.store.sql.statements import Lock, Plan, Script
 
 
@@ -313,6 +322,39 @@ def audit_add(zone: str, entry: ZoneAudit) -> Plan:
         "INSERT INTO zone_audit (zone, at, actor, action, key, note) VALUES (?, ?, ?, ?, ?, ?)",
         (zone, entry.at, entry.actor, entry.action, entry.key, entry.note),
     )
+
+
+def queue_entries(zone: str | None) -> Plan:
+    # CAST: PostgreSQL cannot tell the type of a parameter that is only compared with NULL.
+    return Plan(
+        "SELECT q.zone, q.key, q.lane, e.state, q.due_at, q.claimed_until, q.enqueued_at, "
+        "length(q.content) FROM queue q LEFT JOIN events e ON e.zone = q.zone AND e.key = q.key "
+        "WHERE (CAST(? AS text) IS NULL OR q.zone = ?) ORDER BY q.priority, q.due_at, q.zone, q.key",
+        (zone, zone),
+    )
+
+
+def entries(rows: Iterable[tuple[Any, ...]], now: float) -> list[QueueEntry]:
+    return [
+        QueueEntry(
+            str(z),
+            str(k),
+            str(lane),
+            str(state) if state else "?",
+            None if due >= HELD else float(due),
+            claimed is not None and claimed > now,
+            float(enq),
+            int(size),
+        )
+        for z, k, lane, state, due, claimed, enq, size in rows
+    ]
+
+
+QUEUE_LANES = Plan("SELECT DISTINCT lane FROM queue")
+
+
+def lanes(rows: Iterable[tuple[Any, ...]]) -> set[str]:
+    return {str(lane) for (lane,) in rows}
 
 
 QUEUE_DEPTHS = Plan("SELECT zone, lane, count(*) FROM queue GROUP BY zone, lane")

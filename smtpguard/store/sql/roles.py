@@ -15,6 +15,7 @@ from smtpguard.store.base import (
     CircuitState,
     IdField,
     ProbeState,
+    QueueEntry,
     StoredEvent,
     Suppression,
     ZoneAudit,
@@ -42,6 +43,8 @@ class Runner:
         raise NotImplementedError
 
     def now(self) -> float:
+        # The store's clock: SQLiteStore's own, OnServerClock's (listed before Runner in
+        # Pool's bases, so that it, not this, is found).
         raise NotImplementedError
 
 
@@ -144,6 +147,13 @@ class Desk(Runner):
 
     async def audit_add(self, zone: str, entry: ZoneAudit) -> None:
         await self._execute(operations.audit_add(zone, entry))
+
+    async def queue_entries(self, zone: str | None) -> list[QueueEntry]:
+        rows = await self._rows(operations.queue_entries(zone))
+        return operations.entries(rows, self.now())
+
+    async def queue_lanes(self) -> set[str]:
+        return operations.lanes(await self._rows(operations.QUEUE_LANES))
 
     async def queue_depths(self) -> dict[tuple[str, str], int]:
         return operations.queue_depths(await self._rows(operations.QUEUE_DEPTHS))

@@ -27,11 +27,9 @@ from pathlib import Path
 from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached
 from smtpguard.store.base import (
-    HELD,
     Claimed,
     Conflict,
     QueuedMessage,
-    QueueEntry,
     Reserved,
     ReserveResult,
     StoreMissing,
@@ -114,12 +112,6 @@ class SQLiteStore(Controls, Desk, Fleet, Access):
 
     async def durability_problems(self) -> list[str]:
         return []  # synchronous=FULL in WAL, set at every connect
-
-    async def queue_lanes(self) -> set[str]:
-        def op(c: sqlite3.Connection) -> set[str]:
-            return {str(lane) for (lane,) in c.execute("SELECT DISTINCT lane FROM queue")}
-
-        return await self._read(op)
 
     async def ping(self) -> bool:
         try:
@@ -293,28 +285,3 @@ class SQLiteStore(Controls, Desk, Fleet, Access):
             return None
 
         return await self._write(op)
-
-    async def queue_entries(self, zone: str | None) -> list[QueueEntry]:
-        def op(c: sqlite3.Connection) -> list[QueueEntry]:
-            rows = c.execute(
-                "SELECT q.zone, q.key, q.lane, e.state, q.due_at, q.claimed_until, q.enqueued_at, "
-                "LENGTH(q.content) FROM queue q LEFT JOIN events e ON e.zone = q.zone AND e.key = q.key "
-                "WHERE (? IS NULL OR q.zone = ?) ORDER BY q.priority, q.due_at",
-                (zone, zone),
-            ).fetchall()
-            now = time.time()
-            return [
-                QueueEntry(
-                    z,
-                    k,
-                    lane,
-                    state or "?",
-                    None if due >= HELD else due,
-                    claimed is not None and claimed > now,
-                    enq,
-                    size,
-                )
-                for z, k, lane, state, due, claimed, enq, size in rows
-            ]
-
-        return await self._read(op)
