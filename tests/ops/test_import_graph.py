@@ -109,7 +109,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
             "admission", "cap_alerts", "config", "console", "delivery", "events",
             "heartbeat", "listener", "metrics", "notify", "passwords", "policy",
             "provider_gate", "readiness", "recipient_domains", "relay", "store",
-            "submission", "verdict_config", "verp", "workers",
+            "submission", "verdict_config", "verdicts", "verp", "workers",
         }
     ),
     "supervisor": frozenset(
