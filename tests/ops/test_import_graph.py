@@ -123,7 +123,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
         {
             "smtpguard", "config", "console", "desk", "logs", "metrics", "passwords",
             "policy", "readiness", "server", "sink", "store", "supervisor", "units",
-            "verp", "workers",
+            "verdicts", "verp", "workers",
         }
     ),
     "__main__": frozenset({"cli"}),
