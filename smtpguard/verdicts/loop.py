@@ -160,18 +160,21 @@ class VerdictLoop:
             await self._apply(config, provider, asked)
             return asked
 
-        return list(await asyncio.gather(*(one(d) for d in batch)))
+        asked = list(await asyncio.gather(*(one(d) for d in batch)))
+        failed = [a for a in asked if a.error is not None]
+        if failed:
+            # One line per provider per round, not one per record: a thousand unknown
+            # records while the API is down would otherwise flood the log.
+            log.warning(
+                "verdict: the provider's log could not be read; the records stay unknown",
+                extra={"provider": provider, "records": len(failed), "error": failed[0].error},
+            )
+        return asked
 
     async def _apply(self, config: Config, provider: str, asked: Asked) -> None:
         v = asked.verdict
         self._on_verdict(provider, v.kind.value)
         rec = asked.record
-        if asked.error is not None:
-            log.info(
-                "verdict: the provider's log could not be read",
-                extra={"zone": rec.zone, "event_key": rec.key, "provider": provider, "error": asked.error},
-            )
-            return
         if not v.settles:
             return
         written = await settle(

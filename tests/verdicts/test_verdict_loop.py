@@ -199,8 +199,13 @@ async def test_nothing_in_the_log_without_the_proof_stays_unknown(
 
 @SQLITE_ONLY
 async def test_api_down_stays_unknown_counts_errors_then_settles_when_it_answers(
-    tmp: Path, upstream: Upstream, store_url: str, monkeypatch: pytest.MonkeyPatch
+    tmp: Path,
+    upstream: Upstream,
+    store_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO)
     async with harness(tmp, upstream, store_url, monkeypatch) as h:
         await h.lost_and_logged("d1")
         # Every request of the look fails (the client retries a 5xx a bounded number of times).
@@ -208,6 +213,9 @@ async def test_api_down_stays_unknown_counts_errors_then_settles_when_it_answers
         # the client's backoff between its retries is real time: 0.5 + 1 + 2 s
         assert await h.after(2 * MINUTE + 1) == [VerdictKind.NONE_YET]
         await h.record("d1", State.UNKNOWN)
+        said = [r for r in caplog.records if "could not be read" in r.getMessage()]
+        assert len(said) == 1 and said[0].records == 1  # type: ignore[attr-defined]
+        assert all(API_KEY not in str(r.__dict__) for r in caplog.records)
         metrics = h.guard.metrics.render().decode()
         assert 'smtpguard_verdict_api_errors_total{kind="server",provider="primary"} 4.0' in metrics
         assert 'smtpguard_verdict_api_errors_total{kind="unavailable",provider="primary"} 1.0' in metrics
