@@ -78,7 +78,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "verdict_config": frozenset({"config"}),
     "cap_alerts": frozenset({"background", "config", "metrics", "policy", "store"}),
     "recipient_domains": frozenset({"policy", "readiness", "replies"}),
-    "verdicts": frozenset({"config", "policy", "verdict_config"}),
+    "verdicts": frozenset({"config", "desk", "policy", "store", "verdict_config"}),
     "desk": frozenset({"class_pauses", "config", "policy", "store"}),
     # adapters: the wire in, the wire out, the queue, the provider events
     "relay": frozenset({"config", "policy", "provider_gate", "replies"}),
@@ -111,7 +111,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
             "admission", "background", "cap_alerts", "config", "console", "delivery", "events",
             "heartbeat", "listener", "metrics", "notify", "passwords", "policy",
             "provider_gate", "readiness", "recipient_domains", "relay", "store",
-            "submission", "verdict_config", "verp", "workers",
+            "submission", "verdict_config", "verdicts", "verp", "workers",
         }
     ),
     "supervisor": frozenset(
@@ -125,7 +125,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
         {
             "smtpguard", "config", "console", "desk", "logs", "metrics", "passwords",
             "policy", "readiness", "server", "sink", "store", "supervisor", "units",
-            "verp", "workers",
+            "verdicts", "verp", "workers",
         }
     ),
     "__main__": frozenset({"cli"}),
