@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from smtpguard.console.app import Console
     from smtpguard.events.apply import Applier
     from smtpguard.events.mailbox import MailboxServer
+    from smtpguard.events.reconcile import Reconciler
     from smtpguard.events.sources import Sources
     from smtpguard.events.web import EventsServer
 
@@ -72,3 +73,24 @@ def console(config: Callable[[], Config], store: Store, console: ConsoleConfig) 
             [f"console: needs the `console` extra (pip install 'smtpguard[console]'): {e}"]
         ) from None
     return Console(config, store, console)
+
+
+def reconciler(config: Config, store: Store, applier: Applier, metrics: Metrics) -> Reconciler | None:
+    """§19 reconciliation: one client per provider with an `api`, each key read now (a
+    missing one fails at start). None without a `reconcile:` section."""
+    if config.reconcile is None:
+        return None
+    from smtpguard.events.reconcile import Reconciler, source_names
+    from smtpguard.verdicts import api_key, client_for
+
+    apis = {}
+    kinds: dict[str, str] = {}
+    for i, provider in enumerate(config.providers):
+        api = getattr(provider, "api", None)  # a Maildir provider has none
+        if api is not None:
+            key = api_key(api, f"providers[{i}].api")
+            apis[provider.name] = client_for(provider.name, api, key)
+            kinds[provider.name] = api.kind
+    sources = {} if config.events is None else config.events.sources
+    names = source_names(kinds, {name: (s.kind, s.provider) for name, s in sources.items()})
+    return Reconciler(store, applier, apis, names, config.reconcile.events, metrics.provider_event)

@@ -82,7 +82,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "relay": frozenset({"config", "policy", "provider_gate", "replies"}),
     "sink": frozenset({"config", "relay"}),
     "events": frozenset(
-        {"admission", "config", "http_listener", "policy", "replies", "store", "verp"}
+        {"admission", "config", "http_listener", "policy", "replies", "store", "verp", "verdicts"}
     ),
     "submission": frozenset(
         {
@@ -109,7 +109,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
             "admission", "cap_alerts", "config", "console", "delivery", "events",
             "heartbeat", "listener", "metrics", "notify", "passwords", "policy",
             "provider_gate", "readiness", "recipient_domains", "relay", "store",
-            "submission", "verdict_config", "verp", "workers",
+            "submission", "verdict_config", "verp", "workers", "verdicts",
         }
     ),
     "supervisor": frozenset(
@@ -150,8 +150,7 @@ STORE_BACKENDS: Mapping[str, str] = {
 # Modules still over MAX_LINES, each with the most lines it may have until it is split (issue
 # 26: both are being split on other branches). The test fails if one grows, and fails once one
 # is at or under MAX_LINES so that its entry is deleted here rather than left as an allowance.
-OVER_MAX_LINES_UNTIL_SPLIT: Mapping[str, int] = {
-}
+OVER_MAX_LINES_UNTIL_SPLIT: Mapping[str, int] = {}
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from smtpguard.policy.events import bare_message_id
 from smtpguard.policy.ledger import Record
 from smtpguard.store.base import IdField, StoredEvent, ZoneAudit
 from smtpguard.store.postgres.pool import Pool, _one, _run_script, _translated
-from smtpguard.store.sql import operations
+from smtpguard.store.sql import cursors, operations
 
 
 class Desk(Pool):
@@ -48,6 +48,16 @@ class Desk(Pool):
     async def apply_event(self, zone: str, key: str, event: StoredEvent, suppress_reason: str | None) -> bool:
         async with self._tx() as conn:
             return await _run_script(conn, operations.apply_event(zone, key, event, suppress_reason))
+
+    @_translated
+    async def reconcile_cursor(self, name: str) -> float | None:
+        async with self._conn() as conn:
+            return await _run_script(conn, cursors.cursor(name))
+
+    @_translated
+    async def advance_reconcile_cursor(self, name: str, expected: float | None, new: float) -> bool:
+        async with self._tx() as conn:
+            return await _run_script(conn, cursors.advance(name, expected, new))
 
     @_translated
     async def provider_events(self, zone: str, key: str) -> list[StoredEvent]:

@@ -14,7 +14,7 @@ from smtpguard.store.base import (
     ZoneAudit,
     id_forms,
 )
-from smtpguard.store.sql import operations
+from smtpguard.store.sql import cursors, operations
 from smtpguard.store.sqlite.access import Access, run_script
 from smtpguard.store.sqlite.rows import _ID_COLUMNS
 
@@ -70,6 +70,12 @@ class Desk(Access):
             return True
 
         return await self._write(op)
+
+    async def reconcile_cursor(self, name: str) -> float | None:
+        return await self._read(lambda c: run_script(c, cursors.cursor(name)))
+
+    async def advance_reconcile_cursor(self, name: str, expected: float | None, new: float) -> bool:
+        return await self._write(lambda c: run_script(c, cursors.advance(name, expected, new)))
 
     async def provider_events(self, zone: str, key: str) -> list[StoredEvent]:
         rows = await self._read(
