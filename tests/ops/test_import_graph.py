@@ -76,7 +76,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "verdict_config": frozenset({"config"}),
     "cap_alerts": frozenset({"config", "metrics", "policy", "store"}),
     "recipient_domains": frozenset({"policy", "readiness", "replies"}),
-    "verdicts": frozenset({"config", "policy", "verdict_config"}),
+    "verdicts": frozenset({"config", "desk", "policy", "store", "verdict_config"}),
     "desk": frozenset({"class_pauses", "config", "policy", "store"}),
     # adapters: the wire in, the wire out, the queue, the provider events
     "relay": frozenset({"config", "policy", "provider_gate", "replies"}),
