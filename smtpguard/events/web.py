@@ -20,6 +20,7 @@ from aiohttp import web
 
 from smtpguard.admission import ListenerLimits, client_bucket
 from smtpguard.config import LimitsConfig
+from smtpguard.events.acceptance import settle_if_accepted
 from smtpguard.events.apply import Applied, Applier, log_applied
 from smtpguard.events.sources import Rejected, Source, Sources
 from smtpguard.http_listener import LimitedListener
@@ -212,6 +213,9 @@ class EventsServer:
                 return _reply(401, "the signature's token was used before with another body (a replay)")
             for event in verified.events:
                 outcome, record = await self.applier.apply(source.provider, event)
+                await settle_if_accepted(
+                    self.applier.store, source.kind, name, event, outcome, record, self.clock
+                )
                 counts[outcome.value] += 1
                 self.observe(name, event.kind.value, outcome.value)
                 log_applied(name, event, outcome, record)
