@@ -113,7 +113,8 @@ async def test_each_source_kind_settles_an_unknown_record_and_the_retry_is_a_dup
     for n, (kind, event) in enumerate(ACCEPTING):
         key = f"invoice:{n}"
         record, message_id = await lost_reply(guard, upstream, key)
-        status, doc = await ev.post(events_port(guard), kind, acceptance(kind, keys, record, message_id, event))
+        signed = acceptance(kind, keys, record, message_id, event)
+        status, doc = await ev.post(events_port(guard), kind, signed)
         assert status == 200 and doc["applied"] == 1, (kind, event, doc)
 
         settled = await record_of(guard, key)
@@ -174,7 +175,9 @@ async def test_an_operator_decision_first_is_never_overridden(
 ) -> None:
     record, message_id = await lost_reply(guard, upstream, "invoice:decided")
     assert guard.store is not None
-    decided = await desk.decide(guard.store, "acme", "invoice:decided", "retry", "console:alice", record.version)
+    decided = await desk.decide(
+        guard.store, "acme", "invoice:decided", "retry", "console:alice", record.version
+    )
     assert decided.state is State.DEFERRED
     status, doc = await ev.post(
         events_port(guard), "mailgun", acceptance("mailgun", keys, record, message_id, "delivered")
