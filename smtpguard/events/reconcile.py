@@ -82,6 +82,7 @@ class Reconciler:
         apis: Mapping[str, LogApi],
         sources: Mapping[str, str],
         period: float,
+        clock: Callable[[], float],
         observe: Observe = lambda source, kind, outcome: None,
     ) -> None:
         self.store = store
@@ -90,6 +91,8 @@ class Reconciler:
         self.sources = sources
         """provider → the source name its reconciled events are stored under."""
         self.period = period
+        self.clock = clock
+        """The server's clock: the store's, or a test's injected one."""
         self.observe = observe
 
     async def poll(self) -> list[Polled]:
@@ -99,7 +102,7 @@ class Reconciler:
     async def poll_one(self, provider: str, api: LogApi) -> Polled:
         name = cursor_name(provider)
         cursor = await self.store.reconcile_cursor(name)
-        until = self.store.now()
+        until = self.clock()
         # Never read before: the last period only (a first start is not a backfill).
         since = (cursor if cursor is not None else until - self.period) - OVERLAP
         try:
@@ -139,13 +142,14 @@ def source_names(apis: Mapping[str, str], sources: Mapping[str, tuple[str, str]]
 
 async def run(reconciler: Reconciler) -> None:
     """`serve`'s loop: a poll every `reconcile.events`, until cancelled. A store failure
-    costs one poll, never the loop."""
+    costs one poll, never the loop (an API failure is poll_one's to count)."""
     while True:
+        # A period first: an instance restarting in a loop must not poll each time it starts.
+        await asyncio.sleep(reconciler.period)
         try:
             await reconciler.poll()
         except StoreUnavailable as e:
             log.warning("reconciliation not applied: store unavailable", extra={"error": str(e)})
-        await asyncio.sleep(reconciler.period)
 
 
 async def close(reconciler: Reconciler) -> None:

@@ -231,7 +231,9 @@ class Server:
             self.event_applier = side_listeners.applier(
                 self.store, self.submitter, lambda: self.config, self.clock
             )
-        self.reconciler = side_listeners.reconciler(config, self.store, self.event_applier, self.metrics)
+        self.reconciler = side_listeners.reconciler(
+            config, self.store, self.event_applier, self.metrics, self.clock
+        )
         if self.reconciler is not None:
             self._tasks.append(asyncio.create_task(reconcile.run(self.reconciler)))
 

@@ -75,7 +75,9 @@ def console(config: Callable[[], Config], store: Store, console: ConsoleConfig) 
     return Console(config, store, console)
 
 
-def reconciler(config: Config, store: Store, applier: Applier, metrics: Metrics) -> Reconciler | None:
+def reconciler(
+    config: Config, store: Store, applier: Applier, metrics: Metrics, clock: Callable[[], float]
+) -> Reconciler | None:
     """§19 reconciliation: one client per provider with an `api`, each key read now (a
     missing one fails at start). None without a `reconcile:` section."""
     if config.reconcile is None:
@@ -93,4 +95,4 @@ def reconciler(config: Config, store: Store, applier: Applier, metrics: Metrics)
             kinds[provider.name] = api.kind
     sources = {} if config.events is None else config.events.sources
     names = source_names(kinds, {name: (s.kind, s.provider) for name, s in sources.items()})
-    return Reconciler(store, applier, apis, names, config.reconcile.events, metrics.provider_event)
+    return Reconciler(store, applier, apis, names, config.reconcile.events, clock, metrics.provider_event)
