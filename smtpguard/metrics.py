@@ -201,6 +201,19 @@ class Metrics:
             ["source", "type", "outcome"],
             registry=r,
         )
+        self.verdicts = Counter(
+            "smtpguard_verdicts",
+            "Looks at a provider's log about an unknown outcome (DESIGN.md §19), by provider and verdict",
+            ["provider", "verdict"],
+            registry=r,
+        )
+        self.verdict_api_errors = Counter(
+            "smtpguard_verdict_api_errors",
+            "Failed requests to a provider's log API, by provider and kind "
+            "(auth, rate_limited, server, network, malformed, refused, unavailable)",
+            ["provider", "kind"],
+            registry=r,
+        )
         self.records = Gauge(
             "smtpguard_ledger_records",
             "Ledger records per zone and state",
@@ -312,6 +325,12 @@ class Metrics:
 
     def provider_event(self, source: str, kind: str, outcome: str) -> None:
         self._child(self.provider_events, source, kind, outcome).inc()
+
+    def verdict(self, provider: str, verdict: str) -> None:
+        self._child(self.verdicts, provider, verdict).inc()
+
+    def verdict_api_error(self, provider: str, kind: str, n: int) -> None:
+        self._child(self.verdict_api_errors, provider, kind).inc(n)
 
     def _child(self, metric: Any, *labels: str) -> Any:
         # prometheus_client's labels() validates and locks on every call; per message it

@@ -19,6 +19,7 @@ from smtpguard.cli.service import (
     cmd_serve,
     cmd_sink,
 )
+from smtpguard.cli.verdict import cmd_verdict
 from smtpguard.cli.zones import cmd_pause, cmd_resume, cmd_stats, cmd_suppress
 from smtpguard.config import DEFAULT_CONFIG
 from smtpguard.policy import ledger
@@ -232,6 +233,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="release even while an owner that lost its lease may still be sending (risks a second copy)",
     )
+    sp = cmd(
+        "verdict",
+        cmd_verdict,
+        "ask the provider's log about an unknown outcome now",
+        "Ask the log API of the provider an `unknown` record's attempt went through "
+        "(providers[].api, DESIGN.md §19) now, settle the record as the verdict loop would "
+        "(accepted: delivered; refused: failed; not accepted: deferred) and print what the "
+        "log said. Exit 0 on a verdict, 3 when there is none yet or no such record; a "
+        "record that is not unknown is printed with its state and left alone (exit 0).",
+    )
+    sp.add_argument("zone")
+    sp.add_argument("key")
     for name, fn in (("pause", cmd_pause), ("resume", cmd_resume)):
         sp = cmd(
             name,

@@ -143,14 +143,14 @@ def api_problem(providers_with_api: int, reconcile: ReconcileConfig | None) -> s
 
 
 def not_yet_applied(config: Config) -> dict[str, object] | None:
-    """What `serve` says at start when §19 is configured: the settings are accepted and
-    checked, but no verdict loop or reconciliation runs in this release, so an `unknown`
-    record still waits for an operator. None: nothing of §19 is configured."""
+    """What `serve` says at start when reconciliation is configured: the setting is accepted
+    and checked, but no reconciliation runs in this release (the verdict loop does run).
+    None: no `reconcile:`."""
     apis: dict[str, str] = {}
     for p in config.providers:
         api: _Api | None = getattr(p, "api", None)  # a Maildir provider has none
         if api is not None:
             apis[p.name] = getattr(api, "kind", "")
-    if not apis and config.verdicts is None and config.reconcile is None:
+    if config.reconcile is None:
         return None
     return {"apis": apis, "verdicts": config.verdicts is not None, "reconcile": config.reconcile is not None}

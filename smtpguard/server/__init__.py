@@ -35,6 +35,7 @@ from smtpguard.server.tls import tls_context as tls_context  # re-exported: cli,
 from smtpguard.store import Store, StoreUnavailable, StoreUnfit, store_from_url
 from smtpguard.submission import Principal, Submitter
 from smtpguard.verdict_config import not_yet_applied
+from smtpguard.verdicts import clients_for
 from smtpguard.verp import VerpKey, verp_key
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from smtpguard.events.sources import Sources
     from smtpguard.events.web import EventsServer
     from smtpguard.heartbeat import Answerer
+    from smtpguard.verdicts.loop import VerdictLoop
     from smtpguard.workers import WorkerRole
 
 
@@ -108,6 +110,8 @@ class Server:
         self.orphaned = asyncio.Event()
         """Set when this worker's supervisor is gone: the worker drains and exits."""
         self.heartbeat: Answerer | None = None
+        self.verdicts: VerdictLoop | None = None
+        """DESIGN.md §19, once per host (worker 0), when a provider has an `api`."""
         """A worker's answers to its supervisor's heartbeat, until the very end of stop()."""
 
     @property
@@ -137,6 +141,7 @@ class Server:
         secrets = provider_secrets(config)
         self.verp = verp_key(config)
         sources = _event_sources(config)
+        verdict_clients = clients_for(config) if self.singleton else {}
         ssl_ctx = self.ssl_ctx = self.tls_current = tls_context(config)
         if ssl_ctx is not None:
             ssl_ctx.sni_callback = self._select_certificate
@@ -203,6 +208,15 @@ class Server:
         if config.reconcile is not None and self.singleton:
             self._start_reconcile(config)
         self._tasks += self.housekeeping.start()
+        if verdict_clients:
+            from smtpguard.verdicts.loop import VerdictLoop  # aiohttp: only with an api
+
+            self.verdicts = VerdictLoop(
+                lambda: self.config, self.store, verdict_clients, self.clock,
+                self.metrics.verdict, self.metrics.verdict_api_error,
+            )  # fmt: skip
+            self._tasks.append(asyncio.create_task(self.verdicts.run()))
+            log.info("verdict loop started", extra={"apis": sorted(verdict_clients)})
         if self.role is not None:
             self._tasks.append(asyncio.create_task(self._watch_supervisor()))
         self._start_prober(config, secrets)
@@ -217,7 +231,7 @@ class Server:
         configured = not_yet_applied(config)
         if configured is not None and self.singleton:
             log.warning(
-                "verdicts are configured but not yet applied: unknown outcomes still wait for an operator",
+                "reconcile is configured but not yet applied: missed bounces wait for their webhooks",
                 extra=configured,
             )
 
@@ -393,6 +407,8 @@ class Server:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.housekeeping.drain()
+        if self.verdicts is not None:
+            await self.verdicts.close()
         if self.health is not None:
             await self.health.stop()
         if self.events is not None:

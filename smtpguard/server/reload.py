@@ -113,11 +113,16 @@ def _zone_routes(config: Config) -> dict[str, list[str]]:
 
 
 def _event_tags(config: Config) -> dict[str, str]:
-    """Provider name → the kind of the first event source reading its webhooks."""
+    """Provider name → the kind of the first event source reading its webhooks, else of its
+    log `api` (DESIGN.md §19: the log is searched by the tag, so it must be written)."""
     tags: dict[str, str] = {}
     if config.events is not None:
         for source in config.events.sources.values():
             tags.setdefault(source.provider, source.kind)
+    for p in config.providers:
+        api = getattr(p, "api", None)  # a Maildir provider has none
+        if api is not None:
+            tags.setdefault(p.name, api.kind)
     return tags
 
 

@@ -16,6 +16,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from smtpguard.config import Config
     from smtpguard.verdict_config import MailgunApi, PostmarkApi, SendgridApi
     from smtpguard.verdicts.model import LogApi
 
@@ -43,3 +44,14 @@ def api_key(api: MailgunApi | PostmarkApi | SendgridApi, what: str) -> str:
     if not value:
         raise ConfigError([f"{what}: the API key is empty"])
     return value
+
+
+def clients_for(config: Config) -> dict[str, LogApi]:
+    """A log client per provider with an `api`, its key read now (a ConfigError naming the
+    provider's api when the key is missing or empty)."""
+    clients: dict[str, LogApi] = {}
+    for i, p in enumerate(config.providers):
+        api = getattr(p, "api", None)  # a Maildir provider has none
+        if api is not None:
+            clients[p.name] = client_for(p.name, api, api_key(api, f"providers[{i}].api"))
+    return clients

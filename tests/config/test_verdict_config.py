@@ -1,6 +1,6 @@
 """`providers[].api`, `verdicts:` and `reconcile:` (DESIGN.md §19): accepted by check-config,
 refused with the YAML path and line when wrong, never holding a key inline; and `serve`
-says at start that they are configured but not yet applied."""
+says at start that reconciliation is configured but not yet applied."""
 
 from __future__ import annotations
 
@@ -160,21 +160,24 @@ def test_reconcile_more_often_than_a_minute_is_refused(tmp: Path, capsys: pytest
     assert f"reconcile.events (line {line_of(text, 'events: 10s')}): must be at least 60" in err
 
 
-async def test_serve_says_once_that_verdicts_are_configured_but_not_applied(
+async def test_serve_says_once_that_reconcile_is_configured_but_not_applied(
     tmp: Path, upstream: Upstream, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("POSTMARK_SERVER_TOKEN", SECRET)
     cfg = base_config(tmp, upstream.port)
     cfg["providers"][0]["api"] = {"kind": "postmark", "token_env": "POSTMARK_SERVER_TOKEN"}
     cfg["verdicts"] = {"after": "1m"}
+    cfg["reconcile"] = {"events": "15m"}
     caplog.set_level(logging.INFO)
     async with running_guard(cfg):
         pass
-    lines = [r for r in caplog.records if "verdicts are configured but not yet applied" in r.getMessage()]
+    lines = [r for r in caplog.records if "reconcile is configured but not yet applied" in r.getMessage()]
     assert len(lines) == 1
     assert lines[0].levelno == logging.WARNING
     assert lines[0].apis == {"primary": "postmark"}  # type: ignore[attr-defined]
-    assert (lines[0].verdicts, lines[0].reconcile) == (True, False)  # type: ignore[attr-defined]
+    assert (lines[0].verdicts, lines[0].reconcile) == (True, True)  # type: ignore[attr-defined]
+    # the verdict loop itself runs (tests/verdicts/test_verdict_loop.py)
+    assert [r.apis for r in caplog.records if r.getMessage() == "verdict loop started"] == [["primary"]]  # type: ignore[attr-defined]
     assert all(SECRET not in r.getMessage() and SECRET not in str(r.__dict__) for r in caplog.records)
 
 

@@ -109,7 +109,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
             "admission", "cap_alerts", "config", "console", "delivery", "events",
             "heartbeat", "listener", "metrics", "notify", "passwords", "policy",
             "provider_gate", "readiness", "recipient_domains", "relay", "store",
-            "submission", "verdict_config", "verp", "workers", "verdicts",
+            "submission", "verdict_config", "verdicts", "verp", "workers",
         }
     ),
     "supervisor": frozenset(
@@ -123,7 +123,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
         {
             "smtpguard", "config", "console", "desk", "logs", "metrics", "passwords",
             "policy", "readiness", "server", "sink", "store", "supervisor", "units",
-            "verp", "workers",
+            "verdicts", "verp", "workers",
         }
     ),
     "__main__": frozenset({"cli"}),

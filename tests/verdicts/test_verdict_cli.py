@@ -1,0 +1,92 @@
+"""`smtpguard verdict ZONE KEY` (DESIGN.md §19): asks now, settles as the loop would, prints
+what the log said. A real guard leaves the records unknown (the upstream takes the dot and
+drops before its 250); the command runs against the same store and a local fake log API,
+on the store's real clock."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from smtpguard.cli import main
+from smtpguard.policy.ledger import State
+from tests.support import Behaviour, Upstream, message, running_guard, send, write_config
+from tests.support.provider_api_fakes import FakeMailgun
+from tests.support.verdicts import API_ENV, API_KEY, MAILGUN_DOMAIN, message_id_of, tag_of, verdict_config
+
+
+async def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any]:
+    code = await asyncio.to_thread(main, list(argv))
+    out = capsys.readouterr().out
+    try:
+        return code, json.loads(out)
+    except ValueError:
+        return code, out
+
+
+async def test_verdict_asks_now_settles_and_prints_the_log(
+    tmp: Path,
+    upstream: Upstream,
+    store_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv(API_ENV, API_KEY)
+    fake = FakeMailgun(API_KEY, MAILGUN_DOMAIN)
+    await fake.start()
+    try:
+        cfg = verdict_config(tmp, upstream.port, store_url, "mailgun", fake.base_url)
+        c = str(write_config(tmp / "c.yaml", cfg))
+        async with running_guard(cfg) as guard:
+            assert guard.store is not None
+            upstream.handler.script = [Behaviour(drop_after_dot=True), Behaviour(drop_after_dot=True)]
+            for key in ("v1", "v2"):
+                assert (await send(guard.ports[0], message(key))).code == 451
+            v1 = upstream.received[0]
+            rec = await guard.store.get("acme", "v1")
+            assert rec is not None
+            fake.add(
+                "accepted", rec.attempts[-1].at + 1, message_id=message_id_of(v1), tag=tag_of(v1, "mailgun")
+            )
+
+            code, doc = await cli(capsys, "verdict", "acme", "v1", "--json", "-c", c)
+            assert code == 0 and (doc["verdict"], doc["state"], doc["settled"]) == (
+                "accepted",
+                "delivered",
+                True,
+            )
+            assert [e["kind"] for e in doc["log"]] == ["accepted"] and doc["log"][0]["tag"] == "acme:v1"
+            again = await send(guard.ports[0], message("v1"))
+            assert again.code == 250 and "duplicate" in again.text
+
+            # settled now: printed with its state and left alone
+            code, out = await cli(capsys, "verdict", "acme", "v1", "-c", c)
+            assert code == 0 and out.strip() == "acme v1: delivered (not unknown; left alone)"
+
+            # nothing in the log yet: none yet, exit 3, still unknown
+            code, out = await cli(capsys, "verdict", "acme", "v2", "-c", c)
+            assert code == 3
+            assert (
+                "log: nothing about this message" in out and "verdict: none yet; the record is unknown" in out
+            )
+            v2 = await guard.store.get("acme", "v2")
+            assert v2 is not None and v2.state is State.UNKNOWN
+
+            # the API refusing the key: none yet, exit 3, the key never printed
+            monkeypatch.setenv(API_ENV, "wrong-key")
+            code, out = await cli(capsys, "verdict", "acme", "v2", "-c", c)
+            assert code == 3 and "could not be read" in out and "wrong-key" not in out
+
+            code, _ = await cli(capsys, "verdict", "acme", "nope", "-c", c)
+            assert code == 3
+            code, _ = await cli(capsys, "verdict", "nozone", "v1", "-c", c)
+            assert code == 1
+            # each command's store connection is closed: the guard's own still serves
+            assert await guard.store.get("acme", "v2") is not None
+    finally:
+        await fake.stop()
+    assert upstream.event_keys() == ["v1", "v2"]

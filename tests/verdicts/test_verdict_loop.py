@@ -1,0 +1,341 @@
+"""The verdict loop in `serve` (DESIGN.md §19), row by row of the table: a real client, a
+real listener, a real upstream sink that takes the final dot and drops the connection
+before its reply (the lost 250), a real store, and a local fake of the provider's log API
+over real HTTP. The loop's clock is injected (the guard's and the fake's), so `after`,
+`every` and `absent_after` pass without sleeping; each round is the loop's own step.
+Every test counts what the upstream received."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from smtpguard import desk
+from smtpguard.policy.ledger import Record, State
+from smtpguard.policy.verdicts import VerdictKind
+from smtpguard.server import Server
+from smtpguard.verdicts.loop import VerdictLoop
+from tests.support import Behaviour, FakeClock, Received, Upstream, message, running_guard, send
+from tests.support.eventually import eventually
+from tests.support.provider_api_fakes import FakeApi, FakeMailgun, FakePostmark, FakeSendgrid
+from tests.support.verdicts import API_ENV, API_KEY, MAILGUN_DOMAIN, message_id_of, tag_of, verdict_config
+
+MINUTE = 60.0
+
+
+@dataclass
+class Harness:
+    guard: Server
+    clock: FakeClock
+    fake: FakeApi
+    upstream: Upstream
+    kind: str
+
+    @property
+    def loop(self) -> VerdictLoop:
+        assert self.guard.verdicts is not None, "serve started no verdict loop"
+        return self.guard.verdicts
+
+    async def lose_reply(self, key: str) -> Record:
+        """Submit `key`; the upstream takes the dot and drops before its 250: unknown."""
+        self.upstream.handler.script = [Behaviour(drop_after_dot=True)]
+        reply = await send(self.guard.ports[0], message(key))
+        assert reply.code == 451 and "unknown" in reply.text
+        return await self.record(key, State.UNKNOWN)
+
+    async def record(self, key: str, state: State | None = None) -> Record:
+        assert self.guard.store is not None
+        rec = await self.guard.store.get("acme", key)
+        assert rec is not None
+        if state is not None:
+            assert rec.state is state, f"{key} is {rec.state.value}, not {state.value}"
+        return rec
+
+    def last_received(self) -> Received:
+        return self.upstream.received[-1]
+
+    def log(self, received: Received, at: float, event: str = "accepted", reason: str = "") -> None:
+        """The provider's log shows `received` (as its tag and Message-ID say) at `at`."""
+        tag = tag_of(received, self.kind)
+        if isinstance(self.fake, FakeMailgun):
+            self.fake.add(event, at, message_id=message_id_of(received), tag=tag, reason=reason)
+        elif isinstance(self.fake, FakePostmark):
+            assert event == "accepted"
+            self.fake.add_message(at, tag=tag)
+        else:
+            assert isinstance(self.fake, FakeSendgrid)
+            self.fake.add_message(at, tag=tag, dropped=reason if event == "dropped" else None)
+
+    def other_acceptance(self, at: float) -> None:
+        """Another message's acceptance through the same provider: the ingestion proof."""
+        if isinstance(self.fake, FakeMailgun):
+            self.fake.add("accepted", at, message_id="<other.1@elsewhere.example>", tag="acme:other")
+        elif isinstance(self.fake, FakePostmark):
+            self.fake.add_message(at, tag="acme:other")
+        else:
+            assert isinstance(self.fake, FakeSendgrid)
+            self.fake.add_message(at, tag="acme:other")
+
+    async def after(self, seconds: float) -> list[VerdictKind]:
+        self.clock.t += seconds
+        return [a.verdict.kind for a in await self.loop.round()]
+
+
+def make_fake(kind: str, clock: FakeClock) -> FakeApi:
+    if kind == "mailgun":
+        return FakeMailgun(API_KEY, MAILGUN_DOMAIN, clock)
+    if kind == "postmark":
+        return FakePostmark(API_KEY, clock)
+    return FakeSendgrid(API_KEY, clock)
+
+
+@contextlib.asynccontextmanager
+async def harness(
+    tmp: Path, upstream: Upstream, store_url: str, monkeypatch: pytest.MonkeyPatch, kind: str = "mailgun"
+) -> AsyncIterator[Harness]:
+    monkeypatch.setenv(API_ENV, API_KEY)
+    clock = FakeClock()
+    fake = make_fake(kind, clock)
+    await fake.start()
+    try:
+        cfg = verdict_config(tmp, upstream.port, store_url, kind, fake.base_url)
+        async with running_guard(cfg, clock=clock) as guard:
+            yield Harness(guard, clock, fake, upstream, kind)
+    finally:
+        await fake.stop()
+
+
+def delivered(rec: Record) -> bool:
+    return rec.state is State.DELIVERED
+
+
+def audit_of(rec: Record) -> list[tuple[str, str, str]]:
+    return [(a.actor, a.action, a.note) for a in rec.audit if a.actor.startswith("verdict:")]
+
+
+@pytest.mark.parametrize("kind", ["mailgun", "postmark", "sendgrid"])
+async def test_accepted_in_the_log_delivers_and_the_retry_is_a_duplicate(
+    tmp: Path, upstream: Upstream, store_url: str, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    async with harness(tmp, upstream, store_url, monkeypatch, kind) as h:
+        rec = await h.lose_reply("a1")
+        h.log(h.last_received(), rec.attempts[-1].at + 1)
+        assert await h.after(MINUTE) == []  # before `after`: the log is not asked
+        assert h.fake.requests == []
+        assert await h.after(MINUTE + 1) == [VerdictKind.ACCEPTED]
+        done = await h.record("a1", State.DELIVERED)
+        assert audit_of(done)[0][:2] == ("verdict:primary", "verdict:accepted")
+        assert audit_of(done)[0][2].startswith("verdict accepted via api primary")
+        again = await send(h.guard.ports[0], message("a1"))
+        assert again.code == 250 and "duplicate" in again.text
+        assert await h.after(10 * MINUTE) == []  # settled: never asked again
+    assert upstream.event_keys() == ["a1"]
+
+
+async def test_refused_in_the_log_fails_with_its_reason(
+    tmp: Path, upstream: Upstream, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with harness(tmp, upstream, store_url, monkeypatch) as h:
+        rec = await h.lose_reply("r1")
+        h.log(h.last_received(), rec.attempts[-1].at + 1, "rejected", "Sandbox subdomains are for test only")
+        assert await h.after(2 * MINUTE + 1) == [VerdictKind.REFUSED]
+        failed = await h.record("r1", State.FAILED)
+        assert "Sandbox subdomains" in audit_of(failed)[0][2]
+        again = await send(h.guard.ports[0], message("r1"))
+        assert again.code == 550 and "Sandbox subdomains" in again.text
+    assert upstream.event_keys() == ["r1"]
+
+
+async def test_not_accepted_needs_absent_after_and_the_proof_then_the_retry_sends_once(
+    tmp: Path, upstream: Upstream, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with harness(tmp, upstream, store_url, monkeypatch) as h:
+        rec = await h.lose_reply("n1")
+        at = rec.attempts[-1].at
+        # The provider never took it (its log will never show it). Another message's
+        # acceptance after it proves the log has ingested past the attempt.
+        h.other_acceptance(at + 30)
+        assert await h.after(2 * MINUTE + 1) == [VerdictKind.NONE_YET]  # before absent_after
+        for _ in range(5):
+            assert await h.after(5 * MINUTE) == [VerdictKind.NONE_YET]
+        await h.record("n1", State.UNKNOWN)
+        assert await h.after(5 * MINUTE) == [VerdictKind.NOT_ACCEPTED]  # 32 min after
+        deferred = await h.record("n1", State.DEFERRED)
+        assert audit_of(deferred)[0][:2] == ("verdict:primary", "verdict:not_accepted")
+        sent = await send(h.guard.ports[0], message("n1"))
+        assert sent.code == 250 and "duplicate" not in sent.text
+        dup = await send(h.guard.ports[0], message("n1"))
+        assert dup.code == 250 and "duplicate" in dup.text
+    # the copy the provider never took, and the one resend it accepted
+    assert upstream.event_keys() == ["n1", "n1"]
+
+
+async def test_nothing_in_the_log_without_the_proof_stays_unknown(
+    tmp: Path, upstream: Upstream, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with harness(tmp, upstream, store_url, monkeypatch) as h:
+        await h.lose_reply("p1")
+        assert await h.after(2 * MINUTE + 1) == [VerdictKind.NONE_YET]
+        assert await h.after(40 * MINUTE) == [VerdictKind.NONE_YET]  # past absent_after, no proof
+        still = await h.record("p1", State.UNKNOWN)
+        assert audit_of(still) == []
+        held = await send(h.guard.ports[0], message("p1"))
+        assert held.code == 451 and "unknown" in held.text
+    assert upstream.event_keys() == ["p1"]
+
+
+async def test_api_down_stays_unknown_counts_errors_then_settles_when_it_answers(
+    tmp: Path, upstream: Upstream, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with harness(tmp, upstream, store_url, monkeypatch) as h:
+        rec = await h.lose_reply("d1")
+        h.log(h.last_received(), rec.attempts[-1].at + 1)
+        # Every request of the look fails (the client retries a 5xx a bounded number of times).
+        h.fake.fail(500, times=4)
+        # the client's backoff between its retries is real time: 0.5 + 1 + 2 s
+        assert await h.after(2 * MINUTE + 1) == [VerdictKind.NONE_YET]
+        await h.record("d1", State.UNKNOWN)
+        metrics = h.guard.metrics.render().decode()
+        assert 'smtpguard_verdict_api_errors_total{kind="server",provider="primary"} 4.0' in metrics
+        assert 'smtpguard_verdict_api_errors_total{kind="unavailable",provider="primary"} 1.0' in metrics
+        assert await h.after(5 * MINUTE) == [VerdictKind.ACCEPTED]
+        await h.record("d1", State.DELIVERED)
+        metrics = h.guard.metrics.render().decode()
+        assert 'smtpguard_verdicts_total{provider="primary",verdict="accepted"} 1.0' in metrics
+        assert 'smtpguard_verdicts_total{provider="primary",verdict="none_yet"} 1.0' in metrics
+    assert upstream.event_keys() == ["d1"]
+
+
+async def test_429_is_honoured_within_the_look(
+    tmp: Path, upstream: Upstream, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with harness(tmp, upstream, store_url, monkeypatch) as h:
+        rec = await h.lose_reply("t1")
+        h.log(h.last_received(), rec.attempts[-1].at + 1)
+        h.fake.fail(429, times=1, retry_after="1")
+        assert await h.after(2 * MINUTE + 1) == [VerdictKind.ACCEPTED]
+        first, second = h.fake.requests[0], h.fake.requests[1]
+        # the second request waited for Retry-After (monotonic times of arrival)
+        assert second.at - first.at >= 1.0
+        await h.record("t1", State.DELIVERED)
+        metrics = h.guard.metrics.render().decode()
+        assert 'smtpguard_verdict_api_errors_total{kind="rate_limited",provider="primary"} 1.0' in metrics
+    assert upstream.event_keys() == ["t1"]
+
+
+@pytest.mark.parametrize("decision", ["delivered", "retry"])
+async def test_an_operator_decision_first_is_never_touched(
+    tmp: Path, upstream: Upstream, store_url: str, monkeypatch: pytest.MonkeyPatch, decision: str
+) -> None:
+    async with harness(tmp, upstream, store_url, monkeypatch) as h:
+        rec = await h.lose_reply("o1")
+        h.log(h.last_received(), rec.attempts[-1].at + 1)
+        assert h.guard.store is not None
+        decided = await desk.decide(h.guard.store, "acme", "o1", decision, "cli:ops@host", None)
+        assert await h.after(2 * MINUTE + 1) == []  # not unknown any more: not even asked
+        after = await h.record("o1")
+        assert after.version == decided.version and audit_of(after) == []
+        reply = await send(h.guard.ports[0], message("o1"))
+        if decision == "delivered":
+            assert reply.code == 250 and "duplicate" in reply.text
+    # the operator's retry sends, as they decided; a verdict added nothing
+    assert upstream.event_keys() == ["o1"] * (1 if decision == "delivered" else 2)
+
+
+async def test_a_decision_between_the_look_and_the_write_wins(
+    tmp: Path, upstream: Upstream, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The operator resolves while the loop's request is in the air: the compare-and-swap
+    finds the record changed and the verdict leaves it alone."""
+    async with harness(tmp, upstream, store_url, monkeypatch) as h:
+        rec = await h.lose_reply("c1")
+        h.log(h.last_received(), rec.attempts[-1].at + 1)
+        store = h.guard.store
+        assert store is not None
+        client = h.loop.clients["primary"]
+        asked = client.entries
+
+        async def operator_first(attempt):  # type: ignore[no-untyped-def]
+            found = await asked(attempt)
+            await desk.decide(store, "acme", "c1", "retry", "cli:ops@host", None)
+            return found
+
+        monkeypatch.setattr(client, "entries", operator_first)
+        assert await h.after(2 * MINUTE + 1) == [VerdictKind.ACCEPTED]
+        after = await h.record("c1", State.DEFERRED)
+        assert audit_of(after) == []
+        assert [a.actor for a in after.audit][-1] == "cli:ops@host"
+    assert upstream.event_keys() == ["c1"]
+
+
+async def test_a_queued_event_follows_its_record(
+    tmp: Path, upstream: Upstream, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Store-and-forward: a not-accepted verdict re-queues the entry and the worker sends it
+    once; an accepted one takes it off the queue."""
+    monkeypatch.setenv(API_ENV, API_KEY)
+    clock = FakeClock()
+    fake = FakeMailgun(API_KEY, MAILGUN_DOMAIN, clock)
+    await fake.start()
+    cfg = verdict_config(tmp, upstream.port, store_url, "mailgun", fake.base_url)
+    cfg["zones"]["acme"]["delivery"] = "queue"
+    cfg["queue"] = {"poll_interval": "100ms", "backoff": {"base": "1s", "max": "2s"}}
+    try:
+        async with running_guard(cfg, clock=clock) as guard:
+            h = Harness(guard, clock, fake, upstream, "mailgun")
+            upstream.handler.script = [Behaviour(drop_after_dot=True), Behaviour(drop_after_dot=True)]
+            for key in ("q1", "q2"):
+                assert (await send(guard.ports[0], message(key))).code == 250
+            store = guard.store
+            assert store is not None
+            await eventually(
+                lambda: store.list_records("acme", "unknown", None, None, 10),
+                lambda recs: len(recs) == 2,
+                timeout=15,
+                interval=0.05,
+            )
+            q1 = next(r for r in upstream.received if r.header("X-Event-Key") == "q1")
+            at = (await h.record("q1")).attempts[-1].at
+            h.log(q1, at + 1)
+            h.other_acceptance(at + 30)
+            assert sorted(await h.after(2 * MINUTE + 1)) == sorted(
+                [VerdictKind.ACCEPTED, VerdictKind.NONE_YET]
+            )
+            await h.record("q1", State.DELIVERED)
+            assert await h.after(30 * MINUTE) == [VerdictKind.NOT_ACCEPTED]
+            clock.t += 2 * MINUTE  # past min_retry_interval: the worker's entry is due
+            await eventually(
+                lambda: h.record("q2"), lambda r: r.state is State.DELIVERED, timeout=15, interval=0.05
+            )
+            assert not [e for e in await store.queue_entries("acme") if e.key == "q1"]
+    finally:
+        await fake.stop()
+    assert sorted(k for k in upstream.event_keys() if k) == ["q1", "q2", "q2"]
+
+
+async def test_serve_runs_the_loop_on_its_own_and_logs_no_not_applied_warning(
+    tmp: Path,
+    upstream: Upstream,
+    store_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The background task, not a test's call, settles the record."""
+    caplog.set_level(logging.INFO)
+    monkeypatch.setattr("smtpguard.verdicts.loop.TICK", 0.05)
+    async with harness(tmp, upstream, store_url, monkeypatch) as h:
+        rec = await h.lose_reply("b1")
+        h.log(h.last_received(), rec.attempts[-1].at + 1)
+        h.clock.t += 2 * MINUTE + 1
+        await eventually(
+            lambda: h.record("b1"), lambda r: r.state is State.DELIVERED, timeout=10, interval=0.05
+        )
+    assert not any("not yet applied" in r.getMessage() for r in caplog.records)
+    assert any(r.getMessage() == "verdict loop started" for r in caplog.records)
+    assert all(API_KEY not in r.getMessage() and API_KEY not in str(r.__dict__) for r in caplog.records)
+    assert upstream.event_keys() == ["b1"]
