@@ -34,7 +34,6 @@ from smtpguard.server.tls import certificate_not_after
 from smtpguard.server.tls import tls_context as tls_context  # re-exported: cli, supervisor
 from smtpguard.store import Store, StoreUnavailable, StoreUnfit, store_from_url
 from smtpguard.submission import Principal, Submitter
-from smtpguard.verdict_config import not_yet_applied
 from smtpguard.verdicts import clients_for
 from smtpguard.verp import VerpKey, verp_key
 
@@ -228,12 +227,6 @@ class Server:
                 "event_loop": type(loop).__module__.split(".")[0],
             },
         )
-        configured = not_yet_applied(config)
-        if configured is not None and self.singleton:
-            log.warning(
-                "reconcile is configured but not yet applied: missed bounces wait for their webhooks",
-                extra=configured,
-            )
 
     def _start_reconcile(self, config: Config) -> None:
         """§19: poll the providers' log APIs for the events webhooks missed; once per host,
@@ -250,6 +243,7 @@ class Server:
         )
         if self.reconciler is not None:
             self._tasks.append(asyncio.create_task(reconcile.run(self.reconciler)))
+            log.info("reconciliation started", extra={"apis": sorted(self.reconciler.apis)})
 
     async def _start_events(self, config: Config, sources: Sources) -> None:
         """The provider-event listener (§13)."""

@@ -7,7 +7,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from smtpguard.config import Config, ConfigError, ConsoleConfig, EventsConfig, MailboxConfig
+from smtpguard.config import (
+    Config,
+    ConfigError,
+    ConsoleConfig,
+    EventsConfig,
+    MailboxConfig,
+    SmtpProviderConfig,
+)
 from smtpguard.metrics import Metrics
 from smtpguard.store import Store
 from smtpguard.submission import Submitter
@@ -83,16 +90,11 @@ def reconciler(
     if config.reconcile is None:
         return None
     from smtpguard.events.reconcile import Reconciler, source_names
-    from smtpguard.verdicts import api_key, client_for
+    from smtpguard.verdicts import clients_for
 
-    apis = {}
-    kinds: dict[str, str] = {}
-    for i, provider in enumerate(config.providers):
-        api = getattr(provider, "api", None)  # a Maildir provider has none
-        if api is not None:
-            key = api_key(api, f"providers[{i}].api")
-            apis[provider.name] = client_for(provider.name, api, key)
-            kinds[provider.name] = api.kind
+    # Clients of their own (the verdict loop has its own pool per API): each closes its own.
+    apis = clients_for(config)
+    kinds = {p.name: p.api.kind for p in config.providers if isinstance(p, SmtpProviderConfig) and p.api}
     sources = {} if config.events is None else config.events.sources
     names = source_names(kinds, {name: (s.kind, s.provider) for name, s in sources.items()})
     return Reconciler(store, applier, apis, names, config.reconcile.events, clock, metrics.provider_event)
