@@ -19,10 +19,11 @@ import pytest
 
 from smtpguard.cli import main
 from smtpguard.server import Server
+from tests.console.test_console import alice  # noqa: F401 - logged in to this module's guard
 from tests.events.test_events import RCPT, events_config, events_port, sent
 from tests.support import Upstream, running_guard
 from tests.support import events as ev
-from tests.support.console import Operator, console_config, console_port, hold
+from tests.support.console import Operator, console_config, hold
 from tests.support.provider_api_fakes import FakeMailgun
 from tests.support.utf8 import store_overrides
 
@@ -35,15 +36,6 @@ def store(request: pytest.FixtureRequest, tmp: Path) -> Any:
 
 
 @pytest.fixture
-def keys(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> ev.Keys:
-    k = ev.Keys.make(tmp)
-    for name, value in k.env().items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("MAILGUN_API_KEY", API_KEY)
-    return k
-
-
-@pytest.fixture
 async def mailgun() -> AsyncIterator[FakeMailgun]:
     fake = FakeMailgun(API_KEY, "mg.acme.example")
     await fake.start()
@@ -53,8 +45,14 @@ async def mailgun() -> AsyncIterator[FakeMailgun]:
 
 @pytest.fixture
 async def guard(
-    tmp: Path, upstream: Upstream, keys: ev.Keys, store: dict[str, Any], mailgun: FakeMailgun
+    tmp: Path,
+    upstream: Upstream,
+    keys: ev.Keys,
+    store: dict[str, Any],
+    mailgun: FakeMailgun,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> AsyncIterator[Server]:
+    monkeypatch.setenv("MAILGUN_API_KEY", API_KEY)
     console = console_config(tmp, upstream)["console"]
     cfg = events_config(tmp, upstream, keys, store, only="mailgun", console=console)
     cfg["providers"][0]["api"] = {
@@ -68,14 +66,6 @@ async def guard(
         yield server
 
 
-@pytest.fixture
-async def alice(guard: Server) -> AsyncIterator[Operator]:
-    op = Operator(console_port(guard))
-    assert (await op.login("alice")).status == 200
-    yield op
-    await op.close()
-
-
 async def found(op: Operator, q: str) -> list[tuple[str, str]]:
     page = await op.get(f"/search?q={quote(q, safe='')}")
     assert page.status == 200, page
@@ -83,7 +73,9 @@ async def found(op: Operator, q: str) -> list[tuple[str, str]]:
 
 
 async def test_the_search_box_finds_a_record_by_each_of_its_ids(
-    guard: Server, upstream: Upstream, alice: Operator
+    guard: Server,
+    upstream: Upstream,
+    alice: Operator,  # noqa: F811
 ) -> None:
     await sent(guard, upstream, "invoice:1")
     await sent(guard, upstream, "invoice:2")
@@ -115,7 +107,7 @@ async def test_the_search_box_finds_a_record_by_each_of_its_ids(
 async def test_a_verdict_shows_who_settled_it_and_the_api_key_shows_nowhere(
     guard: Server,
     upstream: Upstream,
-    alice: Operator,
+    alice: Operator,  # noqa: F811
     keys: ev.Keys,
     mailgun: FakeMailgun,
     tmp: Path,

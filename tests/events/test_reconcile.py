@@ -25,14 +25,10 @@ API_KEY = "key-3ax6xnjp29jd6fds4gc373sgvjxteol0"
 PERIOD = 900.0
 
 
-@pytest.fixture
-def keys(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> ev.Keys:
-    k = ev.Keys.make(tmp)
-    for name, value in k.env().items():
-        monkeypatch.setenv(name, value)
+@pytest.fixture(autouse=True)
+def api_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MAILGUN_API_KEY", API_KEY)
     monkeypatch.setenv("POSTMARK_SERVER_TOKEN", API_KEY)
-    return k
 
 
 @pytest.fixture(params=["sqlite", "redis"])
@@ -60,6 +56,10 @@ def reconcile_config(
     cfg["providers"][0]["api"] = api
     cfg["reconcile"] = {"events": f"{PERIOD:.0f}s"}
     return cfg
+
+
+def mailgun_api(fake: FakeMailgun) -> dict[str, Any]:
+    return {"kind": "mailgun", "key_env": "MAILGUN_API_KEY", "domain": fake.domain, "base_url": fake.base_url}
 
 
 async def poll(server: Server) -> Polled:
