@@ -81,13 +81,7 @@ async def test_a_bounce_no_webhook_brought_is_applied_once_whichever_way_it_come
     clock: FakeClock,
     mailgun: FakeMailgun,
 ) -> None:
-    api = {
-        "kind": "mailgun",
-        "key_env": "MAILGUN_API_KEY",
-        "domain": mailgun.domain,
-        "base_url": mailgun.base_url,
-    }
-    cfg = reconcile_config(tmp, upstream, keys, store, api, "mailgun")
+    cfg = reconcile_config(tmp, upstream, keys, store, mailgun_api(mailgun), "mailgun")
     async with running_guard(cfg, clock=clock) as guard:
         message_id, _ = await sent(guard, upstream, "invoice:1")
         bounce = mailgun.add(
@@ -127,13 +121,7 @@ async def test_the_cursor_survives_a_restart_and_a_failed_period_is_read_again(
     clock: FakeClock,
     mailgun: FakeMailgun,
 ) -> None:
-    api = {
-        "kind": "mailgun",
-        "key_env": "MAILGUN_API_KEY",
-        "domain": mailgun.domain,
-        "base_url": mailgun.base_url,
-    }
-    cfg = reconcile_config(tmp, upstream, keys, store, api, "mailgun")
+    cfg = reconcile_config(tmp, upstream, keys, store, mailgun_api(mailgun), "mailgun")
     async with running_guard(cfg, clock=clock) as guard:
         message_id, _ = await sent(guard, upstream, "invoice:1")
         first = await poll(guard)
