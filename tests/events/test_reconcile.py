@@ -58,8 +58,18 @@ def reconcile_config(
     return cfg
 
 
-def mailgun_api(fake: FakeMailgun) -> dict[str, Any]:
-    return {"kind": "mailgun", "key_env": "MAILGUN_API_KEY", "domain": fake.domain, "base_url": fake.base_url}
+@pytest.fixture
+def cfg(
+    tmp: Path, upstream: Upstream, keys: ev.Keys, store: dict[str, Any], mailgun: FakeMailgun
+) -> dict[str, Any]:
+    """A guard reading Mailgun's webhooks and reconciling with its log API (the fake)."""
+    api = {
+        "kind": "mailgun",
+        "key_env": "MAILGUN_API_KEY",
+        "domain": mailgun.domain,
+        "base_url": mailgun.base_url,
+    }
+    return reconcile_config(tmp, upstream, keys, store, api, "mailgun")
 
 
 async def poll(server: Server) -> Polled:
@@ -74,14 +84,8 @@ async def stored_events(server: Server, key: str) -> list[tuple[str, str, str | 
 
 
 async def test_a_bounce_no_webhook_brought_is_applied_once_whichever_way_it_comes_again(
-    tmp: Path,
-    upstream: Upstream,
-    keys: ev.Keys,
-    store: dict[str, Any],
-    clock: FakeClock,
-    mailgun: FakeMailgun,
+    cfg: dict[str, Any], upstream: Upstream, keys: ev.Keys, clock: FakeClock, mailgun: FakeMailgun
 ) -> None:
-    cfg = reconcile_config(tmp, upstream, keys, store, mailgun_api(mailgun), "mailgun")
     async with running_guard(cfg, clock=clock) as guard:
         message_id, _ = await sent(guard, upstream, "invoice:1")
         bounce = mailgun.add(
@@ -114,14 +118,8 @@ async def test_a_bounce_no_webhook_brought_is_applied_once_whichever_way_it_come
 
 
 async def test_the_cursor_survives_a_restart_and_a_failed_period_is_read_again(
-    tmp: Path,
-    upstream: Upstream,
-    keys: ev.Keys,
-    store: dict[str, Any],
-    clock: FakeClock,
-    mailgun: FakeMailgun,
+    cfg: dict[str, Any], upstream: Upstream, keys: ev.Keys, clock: FakeClock, mailgun: FakeMailgun
 ) -> None:
-    cfg = reconcile_config(tmp, upstream, keys, store, mailgun_api(mailgun), "mailgun")
     async with running_guard(cfg, clock=clock) as guard:
         message_id, _ = await sent(guard, upstream, "invoice:1")
         first = await poll(guard)
