@@ -56,6 +56,7 @@ def events_server(
         metrics.provider_event,
         ListenerLimits.of(events),
         lambda: config().limits,
+        metrics.verdict,
     )
 
 

@@ -123,6 +123,8 @@ async def test_each_source_kind_settles_an_unknown_record_and_the_retry_is_a_dup
 
         reply = await send(guard.ports[0], message(key, to=RCPT), recipients=[RCPT])
         assert reply.code == 250 and "duplicate" in reply.text, (kind, event, reply)
+    metrics = guard.metrics.render().decode()
+    assert f'smtpguard_verdicts_total{{provider="primary",verdict="accepted"}} {len(ACCEPTING)}.0' in metrics
     # One upstream copy per event, whatever came back.
     assert len(upstream.received) == len(ACCEPTING)
     assert upstream.handler.transactions == len(ACCEPTING)
