@@ -30,6 +30,10 @@ After every step:
     with the 250 not yet written, after the outcome, for a key never sent — through the
     record's provider or another: in flight it is retry-later and stores nothing; it is
     applied once, to its own zone's record only; a stranger is never suppressed.
+ 8. Verdicts (§19; tests/support/stateful_verdicts.py): the provider's log settles a record at
+    any moment with any verdict it could truthfully give; only an `unknown` record changes,
+    never while an owner that lost its lease may still be in DATA for `not accepted`, and
+    invariant 1 holds through it: never two upstream acceptances of one event.
 
 Runs with the `ci` profile by default; scripts/stateful runs the `long` one.
 """
@@ -84,6 +88,8 @@ from tests.support.stateful import (
     spawn_as,
 )
 from tests.support.stateful_events import STRANGER, EventModel, deliver_and_check
+from tests.support.stateful_verdicts import KINDS as VERDICT_KINDS
+from tests.support.stateful_verdicts import apply_verdict, truthful
 
 T = TypeVar("T")
 
@@ -927,6 +933,22 @@ class LedgerMachine(RuleBasedStateMachine):
             if written is None:
                 return f"now {new.state.value}"
         return "kept changing"
+
+    # --- verdicts (§19; tests/support/stateful_verdicts.py) ---------------------------------
+    @rule(msg=MSGS, drawn=st.sampled_from(VERDICT_KINDS))
+    @_marks_failure
+    def verdict(self, msg: Msg, drawn: str) -> None:
+        """The provider's log settles the event's record, at any moment, as truthfully as a
+        log can: never `not accepted` while the provider holds a copy."""
+        zone, key = msg.zone, msg.key
+        kind = truthful(drawn, self._provider_has_copy(zone, key))
+        store = self.direct
+        assert store is not None
+        interval = self.configs["a"].event_key.min_retry_interval
+        brief, changed = self.run(apply_verdict(store, zone, key, kind, self.clock, interval))
+        note(brief)
+        if changed:
+            self.model.operated.add((zone, key))
 
     # --- observation -------------------------------------------------------------------------
     def _txns(self, zone: str, key: str) -> list[Txn]:

@@ -4,7 +4,6 @@ shared with the console, and every CLI change audited as cli:USER@HOST."""
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ import pytest
 
 from smtpguard.cli import main
 from tests.support import Upstream, base_config, message, running_guard, send, write_config
+from tests.support.cli import cli
 from tests.support.console import hold
 from tests.support.utf8 import store_overrides
 
@@ -19,15 +19,6 @@ from tests.support.utf8 import store_overrides
 @pytest.fixture(params=["sqlite", "redis"])
 def store(request: pytest.FixtureRequest, tmp: Path) -> Any:
     yield from store_overrides(request, tmp, redis_db=10)
-
-
-async def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any]:
-    code = await asyncio.to_thread(main, list(argv))
-    out = capsys.readouterr().out
-    try:
-        return code, json.loads(out)
-    except ValueError:
-        return code, out
 
 
 async def test_list_by_state_newest_first_and_history_by_every_id(

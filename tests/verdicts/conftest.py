@@ -1,24 +1,17 @@
-"""The stores verdict tests run on: a real SQLite file, the session's real redis-server and,
-where a test asks for it, the session's real PostgreSQL."""
+"""The stores verdict tests run on: a real SQLite file, or a database of its own on the
+session's real redis-server."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis.asyncio as aioredis
 
-from tests.support import RedisServer
+from tests.support.utf8 import store_overrides
 
 
 @pytest.fixture(params=["sqlite", "redis"])
-async def store_url(request: pytest.FixtureRequest, tmp: Path) -> AsyncIterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp / 'state.db'}"
-        return
-    server: RedisServer = request.getfixturevalue("redis_server")
-    plain = aioredis.Redis.from_url(server.url)
-    await plain.flushall()
-    await plain.aclose()
-    yield server.url
+def store_url(request: pytest.FixtureRequest, tmp: Path) -> Iterator[str]:
+    for overrides in store_overrides(request, tmp, redis_db=12):
+        yield overrides["store__url"]

@@ -5,27 +5,15 @@ on the store's real clock."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from smtpguard.cli import main
 from smtpguard.policy.ledger import State
 from tests.support import Behaviour, Upstream, message, running_guard, send, write_config
+from tests.support.cli import cli
 from tests.support.provider_api_fakes import FakeMailgun
 from tests.support.verdicts import API_ENV, API_KEY, MAILGUN_DOMAIN, message_id_of, tag_of, verdict_config
-
-
-async def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any]:
-    code = await asyncio.to_thread(main, list(argv))
-    out = capsys.readouterr().out
-    try:
-        return code, json.loads(out)
-    except ValueError:
-        return code, out
 
 
 async def test_verdict_asks_now_settles_and_prints_the_log(

@@ -56,6 +56,12 @@ class Harness:
             assert rec.state is state, f"{key} is {rec.state.value}, not {state.value}"
         return rec
 
+    async def lost_and_logged(self, key: str, event: str = "accepted", reason: str = "") -> Record:
+        """lose_reply, and the provider's log shows the message a second after the attempt."""
+        rec = await self.lose_reply(key)
+        self.log(self.last_received(), rec.attempts[-1].at + 1, event, reason)
+        return rec
+
     def last_received(self) -> Received:
         return self.upstream.received[-1]
 
@@ -123,8 +129,7 @@ async def test_accepted_in_the_log_delivers_and_the_retry_is_a_duplicate(
     tmp: Path, upstream: Upstream, store_url: str, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     async with harness(tmp, upstream, store_url, monkeypatch, kind) as h:
-        rec = await h.lose_reply("a1")
-        h.log(h.last_received(), rec.attempts[-1].at + 1)
+        await h.lost_and_logged("a1")
         assert await h.after(MINUTE) == []  # before `after`: the log is not asked
         assert h.fake.requests == []
         assert await h.after(MINUTE + 1) == [VerdictKind.ACCEPTED]
@@ -141,8 +146,7 @@ async def test_refused_in_the_log_fails_with_its_reason(
     tmp: Path, upstream: Upstream, store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with harness(tmp, upstream, store_url, monkeypatch) as h:
-        rec = await h.lose_reply("r1")
-        h.log(h.last_received(), rec.attempts[-1].at + 1, "rejected", "Sandbox subdomains are for test only")
+        await h.lost_and_logged("r1", "rejected", "Sandbox subdomains are for test only")
         assert await h.after(2 * MINUTE + 1) == [VerdictKind.REFUSED]
         failed = await h.record("r1", State.FAILED)
         assert "Sandbox subdomains" in audit_of(failed)[0][2]
@@ -193,8 +197,7 @@ async def test_api_down_stays_unknown_counts_errors_then_settles_when_it_answers
     tmp: Path, upstream: Upstream, store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with harness(tmp, upstream, store_url, monkeypatch) as h:
-        rec = await h.lose_reply("d1")
-        h.log(h.last_received(), rec.attempts[-1].at + 1)
+        await h.lost_and_logged("d1")
         # Every request of the look fails (the client retries a 5xx a bounded number of times).
         h.fake.fail(500, times=4)
         # the client's backoff between its retries is real time: 0.5 + 1 + 2 s
@@ -215,8 +218,7 @@ async def test_429_is_honoured_within_the_look(
     tmp: Path, upstream: Upstream, store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with harness(tmp, upstream, store_url, monkeypatch) as h:
-        rec = await h.lose_reply("t1")
-        h.log(h.last_received(), rec.attempts[-1].at + 1)
+        await h.lost_and_logged("t1")
         h.fake.fail(429, times=1, retry_after="1")
         assert await h.after(2 * MINUTE + 1) == [VerdictKind.ACCEPTED]
         first, second = h.fake.requests[0], h.fake.requests[1]
@@ -233,8 +235,7 @@ async def test_an_operator_decision_first_is_never_touched(
     tmp: Path, upstream: Upstream, store_url: str, monkeypatch: pytest.MonkeyPatch, decision: str
 ) -> None:
     async with harness(tmp, upstream, store_url, monkeypatch) as h:
-        rec = await h.lose_reply("o1")
-        h.log(h.last_received(), rec.attempts[-1].at + 1)
+        await h.lost_and_logged("o1")
         assert h.guard.store is not None
         decided = await desk.decide(h.guard.store, "acme", "o1", decision, "cli:ops@host", None)
         assert await h.after(2 * MINUTE + 1) == []  # not unknown any more: not even asked
@@ -253,8 +254,7 @@ async def test_a_decision_between_the_look_and_the_write_wins(
     """The operator resolves while the loop's request is in the air: the compare-and-swap
     finds the record changed and the verdict leaves it alone."""
     async with harness(tmp, upstream, store_url, monkeypatch) as h:
-        rec = await h.lose_reply("c1")
-        h.log(h.last_received(), rec.attempts[-1].at + 1)
+        await h.lost_and_logged("c1")
         store = h.guard.store
         assert store is not None
         client = h.loop.clients["primary"]
@@ -329,8 +329,7 @@ async def test_serve_runs_the_loop_on_its_own_and_logs_no_not_applied_warning(
     caplog.set_level(logging.INFO)
     monkeypatch.setattr("smtpguard.verdicts.loop.TICK", 0.05)
     async with harness(tmp, upstream, store_url, monkeypatch) as h:
-        rec = await h.lose_reply("b1")
-        h.log(h.last_received(), rec.attempts[-1].at + 1)
+        await h.lost_and_logged("b1")
         h.clock.t += 2 * MINUTE + 1
         await eventually(
             lambda: h.record("b1"), lambda r: r.state is State.DELIVERED, timeout=10, interval=0.05
