@@ -18,7 +18,7 @@ from smtpguard.server import Server
 from tests.events.test_events import RCPT, events_config, events_port, sent, suppressed
 from tests.support import FakeClock, Upstream, message, running_guard, send
 from tests.support import events as ev
-from tests.support.provider_api_fakes import FakeMailgun, FakePostmark
+from tests.support.provider_api_fakes import FakeMailgun, FakePostmark, FakeSendgrid
 from tests.support.utf8 import store_overrides
 
 API_KEY = "key-3ax6xnjp29jd6fds4gc373sgvjxteol0"
@@ -29,6 +29,7 @@ PERIOD = 900.0
 def api_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MAILGUN_API_KEY", API_KEY)
     monkeypatch.setenv("POSTMARK_SERVER_TOKEN", API_KEY)
+    monkeypatch.setenv("SENDGRID_API_KEY", API_KEY)
 
 
 @pytest.fixture(params=["sqlite", "redis"])
@@ -172,4 +173,26 @@ async def test_a_postmark_bounce_reconciled_then_by_webhook_is_one_event(
             assert queue_id
     finally:
         await postmark.stop()
+    assert len(upstream.received) == 1
+
+
+async def test_sendgrid_suppression_entries_name_no_record_and_suppress_nothing(
+    tmp: Path, upstream: Upstream, keys: ev.Keys, store: dict[str, Any], clock: FakeClock
+) -> None:
+    """SendGrid's suppression lists give the address and a time, no message: reconciliation
+    cannot tie the entry to a record, so it counts it unmatched (docs/verdicts.md) and keeps
+    reading; the SendGrid webhook, which names the message, stays the way its bounces land."""
+    sendgrid = await FakeSendgrid(API_KEY, clock).start()
+    try:
+        api = {"kind": "sendgrid", "key_env": "SENDGRID_API_KEY", "base_url": sendgrid.base_url}
+        cfg = reconcile_config(tmp, upstream, keys, store, api, "sendgrid")
+        async with running_guard(cfg, clock=clock) as guard:
+            await sent(guard, upstream, "invoice:1")
+            sendgrid.add_suppression("bounces", email=RCPT, created=int(clock.t - 60), status="5.1.1")
+            polled = await poll(guard)
+            assert (polled.outcomes, polled.advanced) == ({"unmatched": 1}, True), polled
+            assert await suppressed(guard, "acme") == {}
+            assert await stored_events(guard, "invoice:1") == []
+    finally:
+        await sendgrid.stop()
     assert len(upstream.received) == 1
