@@ -11,12 +11,12 @@ from smtpguard.config.verdicts import VerdictsConfig
 from smtpguard.policy.eventkey import qualified_key
 from smtpguard.policy.events import tag_value
 from smtpguard.policy.ledger import Record
+from smtpguard.policy.verdict_records import attempt_of
 from smtpguard.policy.verdicts import (
     Attempt,
     LogEntry,
     Verdict,
     VerdictKind,
-    attempt_of,
     ingested_past,
     verdict,
 )

@@ -25,11 +25,12 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from smtpguard.config import Config
+from smtpguard.config import Config, ConfigError
 from smtpguard.config.verdicts import VerdictsConfig
 from smtpguard.policy.ledger import Record
 from smtpguard.policy.verdicts import Attempt, VerdictKind, next_look
 from smtpguard.store import Store, StoreUnavailable
+from smtpguard.verdicts import clients_for
 from smtpguard.verdicts.ask import Asked, Proof, ask, record_attempt
 from smtpguard.verdicts.model import LogApi
 from smtpguard.verdicts.settle import settle
@@ -80,6 +81,7 @@ class VerdictLoop:
         self._paced: dict[str, float] = {}
         """provider → when its last round ran."""
         self._errors_seen: dict[str, Counter[str]] = {}
+        self._apis = _apis(config())
 
     async def run(self) -> None:
         while True:
@@ -100,6 +102,7 @@ class VerdictLoop:
         """One pass: every due record of every paced-in provider, up to its batch. What was
         asked, for tests and `bench/verdicts.py`."""
         config = self._config()
+        await self._follow_reload(config)
         settings = settings_of(config)
         now = self._clock()
         due = await self._due(config, settings, now)
@@ -108,6 +111,28 @@ class VerdictLoop:
         results = await asyncio.gather(*rounds)
         self._count_errors()
         return [a for asked in results for a in asked]
+
+    async def _follow_reload(self, config: Config) -> None:
+        """A reload that changed a provider's `api` (or removed it) gets clients of the new
+        settings; a key that cannot be read keeps the old clients, and says so. (Adding the
+        first `api` to a config that had none needs a restart: no loop runs then.)"""
+        apis = _apis(config)
+        if apis == self._apis:
+            return
+        try:
+            clients = clients_for(config)
+        except ConfigError as e:
+            self._apis = apis  # said once per reload, not once per round
+            why = "; ".join(e.problems)
+            log.warning(
+                "verdicts: a reloaded api cannot be used; the previous ones stay", extra={"error": why}
+            )
+            return
+        old, self.clients, self._apis = self.clients, clients, apis
+        self._errors_seen = {}
+        for client in old.values():
+            with contextlib.suppress(Exception):
+                await client.close()
 
     def _kind(self, config: Config, provider: str) -> str:
         for p in config.providers:
@@ -135,18 +160,21 @@ class VerdictLoop:
             await self._apply(config, provider, asked)
             return asked
 
-        return list(await asyncio.gather(*(one(d) for d in batch)))
+        asked = list(await asyncio.gather(*(one(d) for d in batch)))
+        failed = [a for a in asked if a.error is not None]
+        if failed:
+            # One line per provider per round, not one per record: a thousand unknown
+            # records while the API is down would otherwise flood the log.
+            log.warning(
+                "verdict: the provider's log could not be read; the records stay unknown",
+                extra={"provider": provider, "records": len(failed), "error": failed[0].error},
+            )
+        return asked
 
     async def _apply(self, config: Config, provider: str, asked: Asked) -> None:
         v = asked.verdict
         self._on_verdict(provider, v.kind.value)
         rec = asked.record
-        if asked.error is not None:
-            log.info(
-                "verdict: the provider's log could not be read",
-                extra={"zone": rec.zone, "event_key": rec.key, "provider": provider, "error": asked.error},
-            )
-            return
         if not v.settles:
             return
         written = await settle(
@@ -228,6 +256,10 @@ class VerdictLoop:
                 if n > seen[kind]:
                     self._on_api_error(provider, kind, n - seen[kind])
                     seen[kind] = n
+
+
+def _apis(config: Config) -> dict[str, object]:
+    return {p.name: api for p in config.providers if (api := getattr(p, "api", None)) is not None}
 
 
 def _ident(rec: Record) -> tuple[str, str, str]:

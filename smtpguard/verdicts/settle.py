@@ -13,7 +13,8 @@ from typing import Literal
 from smtpguard.desk import NotFound, Refused, change_record
 from smtpguard.policy import ledger
 from smtpguard.policy.ledger import Record
-from smtpguard.policy.verdicts import Verdict, attempt_of, settled_record
+from smtpguard.policy.verdict_records import attempt_of, settled_record
+from smtpguard.policy.verdicts import Verdict
 from smtpguard.store import Store
 
 Channel = Literal["api", "events"]

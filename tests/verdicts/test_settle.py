@@ -4,8 +4,11 @@ real upstream that took the dot and dropped the connection before its reply."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from smtpguard import desk
 from smtpguard.policy.ledger import Record, State
@@ -13,6 +16,19 @@ from smtpguard.policy.verdicts import Verdict, VerdictKind
 from smtpguard.server import Server
 from smtpguard.verdicts.settle import settle
 from tests.support import Behaviour, FakeClock, Upstream, base_config, message, running_guard, send
+from tests.support.utf8 import store_overrides
+
+
+@pytest.fixture(params=["sqlite", "redis", "postgres"])
+def store_url(request: pytest.FixtureRequest, tmp: Path) -> Iterator[str]:
+    """settle() is the store's compare-and-swap: here on PostgreSQL too (cheap: no loop)."""
+    if request.param == "postgres":
+        from tests.store.test_postgres import database
+
+        yield database(request.getfixturevalue("postgres_server"))
+        return
+    for overrides in store_overrides(request, tmp, redis_db=12):
+        yield overrides["store__url"]
 
 
 def config(tmp: Path, upstream: Upstream, store_url: str) -> dict[str, Any]:

@@ -1,0 +1,66 @@
+"""What a verdict (DESIGN.md §19) does to a ledger record: which attempt of the record the
+log is asked about, and the record after a settling verdict. Pure, as policy.verdicts is;
+smtpguard/verdicts/settle.py writes the result through the store's compare-and-swap."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from smtpguard.policy.record import AuditEntry, Record, State, evolve
+from smtpguard.policy.verdicts import Attempt, Verdict, VerdictKind
+from smtpguard.replies import Reply, safe
+
+
+def attempt_of(rec: Record, tag: str | None) -> Attempt | None:
+    """The attempt whose outcome `rec` (unknown) leaves open, as the log is asked about it:
+    the provider its DATA went to, when, and its Message-ID. None when no provider is known
+    (nothing can be asked). `tag` is what the relay wrote for the record (tags.tagged)."""
+    mine = [a for a in rec.attempts if a.attempt_id in (rec.sg_id, f"{rec.sg_id}:lost")]
+    last = mine[0] if mine else None
+    provider = rec.via or (last.provider if last is not None else None)
+    if provider is None:
+        return None
+    at = last.at if last is not None else rec.updated_at
+    message_id = (last.message_id if last is not None else None) or rec.message_id
+    return Attempt(provider, at, tag, message_id)
+
+
+def settled_record(
+    rec: Record, verdict: Verdict, via: str, actor: str, now: float, retry_at: float
+) -> Record | None:
+    """The record after a settling verdict (accepted, refused, not accepted), audited under
+    `actor` as `verdict:KIND`, its note the history text `verdict KIND via VIA`; None when
+    it does not apply: the record is not `unknown`, or (not accepted) the owner that lost
+    its lease may still be in DATA, so a send now could be the second copy. `retry_at` (not
+    accepted): when the next attempt may go, the usual min_retry_interval after the attempt."""
+    if rec.state is not State.UNKNOWN or not verdict.settles:
+        return None
+    lost: dict[str, Any] = {"lost_owner": None, "lost_until": None}
+    if verdict.kind is VerdictKind.ACCEPTED:
+        new = evolve(
+            rec,
+            state=State.DELIVERED,
+            upstream_id=verdict.upstream_id or rec.upstream_id,
+            next_attempt_at=None,
+            **lost,
+        )
+    elif verdict.kind is VerdictKind.REFUSED:
+        reason = verdict.reason or "refused"
+        new = evolve(
+            rec,
+            state=State.FAILED,
+            reply=Reply(550, "5.0.0", f"refused by the provider per its log: {safe(reason)}"),
+            next_attempt_at=None,
+            **lost,
+        )
+    else:
+        if rec.lost_until is not None and now < rec.lost_until:
+            return None
+        new = evolve(rec, state=State.DEFERRED, next_attempt_at=max(now, retry_at), **lost)
+    note = f"verdict {verdict.kind.value.replace('_', ' ')} via {via}"
+    if verdict.kind is VerdictKind.ACCEPTED and new.upstream_id:
+        note += f"; upstream id {new.upstream_id}"
+    elif verdict.kind is VerdictKind.REFUSED:
+        note += f"; {verdict.reason or 'refused'}"
+    entry = AuditEntry(now, actor, f"verdict:{verdict.kind.value}", "unknown", new.state.value, note)
+    return evolve(new, version=rec.version + 1, updated_at=now, audit=(*rec.audit, entry))

@@ -1,0 +1,48 @@
+"""policy.verdict_records: what a verdict does to a record (DESIGN.md §19), pure."""
+
+from __future__ import annotations
+
+from smtpguard.policy.record import Attempt, Phase, Record, State
+from smtpguard.policy.verdict_records import attempt_of, settled_record
+from smtpguard.policy.verdicts import Verdict, VerdictKind
+
+T0 = 1_900_000_000.0
+
+
+def unknown(lost_until: float | None = None) -> Record:
+    lost = Attempt("sg1:lost", T0, "a", "primary", Phase.DATA_SENT.value, "unknown", message_id="<m@x>")
+    return Record(
+        zone="acme", key="k", state=State.UNKNOWN, fingerprint="f", created_at=T0 - 5,
+        updated_at=T0, version=3, sg_id="sg1", via="primary", message_id="<m@x>",
+        lost_owner="a" if lost_until else None, lost_until=lost_until, attempts=(lost,),
+    )  # fmt: skip
+
+
+def test_the_attempt_asked_about_is_the_lost_one_through_its_provider() -> None:
+    a = attempt_of(unknown(), "acme:k")
+    assert a is not None and (a.provider, a.at, a.tag, a.message_id) == ("primary", T0, "acme:k", "<m@x>")
+
+
+def settle(rec: Record, verdict: Verdict, now: float) -> Record | None:
+    return settled_record(rec, verdict, "api primary", "verdict:primary", now, T0)
+
+
+def test_not_accepted_waits_while_the_owner_may_still_be_in_data_the_rest_does_not() -> None:
+    rec = unknown(lost_until=T0 + 100)
+    assert settle(rec, Verdict(VerdictKind.NOT_ACCEPTED), T0 + 50) is None
+    later = settle(rec, Verdict(VerdictKind.NOT_ACCEPTED), T0 + 101)
+    assert later is not None and later.state is State.DEFERRED and later.next_attempt_at == T0 + 101
+    assert later.lost_until is None and later.version == 4
+    taken = settle(rec, Verdict(VerdictKind.ACCEPTED, "up-9"), T0 + 50)
+    assert taken is not None and taken.state is State.DELIVERED and taken.upstream_id == "up-9"
+    assert taken.audit[-1].note == "verdict accepted via api primary; upstream id up-9"
+
+
+def test_only_an_unknown_record_and_only_a_settling_verdict() -> None:
+    rec = unknown()
+    for kind in (VerdictKind.NONE_YET, VerdictKind.GAVE_UP):
+        assert settle(rec, Verdict(kind), T0) is None
+    for state in State:
+        if state is not State.UNKNOWN:
+            other = Record(**{**rec.to_dict(), "state": state.value, "attempts": [], "audit": []})  # type: ignore[arg-type]
+            assert settle(other, Verdict(VerdictKind.ACCEPTED), T0) is None
