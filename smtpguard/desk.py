@@ -79,7 +79,9 @@ def last_decision(rec: Record) -> Decision | None:
 
 
 def _is_decision(entry: AuditEntry) -> bool:
-    return entry.action.startswith("resolve:") or entry.action == "release"
+    # A verdict (DESIGN.md §19, actor `verdict:PROVIDER` or `verdict:SOURCE`) settles a held
+    # record as an operator would: it is shown, and refuses a stale page, the same way.
+    return entry.action.startswith(("resolve:", "verdict:")) or entry.action == "release"
 
 
 def decision_change(action: str, actor: str, force: bool = False) -> Change:

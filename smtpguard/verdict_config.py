@@ -12,7 +12,6 @@ from smtpguard.config.verdicts import (
     VerdictsConfig,
     _Api,
     api_problem,
-    not_yet_applied,
 )
 
 __all__ = [
@@ -26,5 +25,4 @@ __all__ = [
     "VerdictsConfig",
     "_Api",
     "api_problem",
-    "not_yet_applied",
 ]

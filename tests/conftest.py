@@ -9,6 +9,7 @@ import pytest
 import uvloop
 
 from tests.support import RedisServer, Upstream
+from tests.support import events as ev
 from tests.support.hostile import assert_no_tracebacks
 from tests.support.postgres import PostgresServer
 
@@ -72,3 +73,13 @@ def no_tracebacks(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     caplog.set_level(logging.DEBUG)
     yield
     assert_no_tracebacks(caplog.records)
+
+
+@pytest.fixture
+def keys(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> ev.Keys:
+    """Every provider event source's secrets (tests/support/events.py), in the environment
+    the config names them by. Test modules that define their own `keys` keep theirs."""
+    k = ev.Keys.make(tmp)
+    for name, value in k.env().items():
+        monkeypatch.setenv(name, value)
+    return k

@@ -8,15 +8,12 @@ YAML path and line.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
 from smtpguard.config.base import Duration, FilePath, _Secret, _Strict, is_loopback
-
-if TYPE_CHECKING:
-    from smtpguard.config.schema import Config
 
 MIN_EVERY = 30.0
 """Seconds: asking a provider's log more often than this per record only spends its rate
@@ -134,17 +131,3 @@ def api_problem(providers_with_api: int, reconcile: ReconcileConfig | None) -> s
     if reconcile is not None and providers_with_api == 0:
         return "reconcile polls providers' APIs, and no provider has an `api:` section"
     return None
-
-
-def not_yet_applied(config: Config) -> dict[str, object] | None:
-    """What `serve` says at start when reconciliation is configured: the setting is accepted
-    and checked, but no reconciliation runs in this release (the verdict loop does run).
-    None: no `reconcile:`."""
-    apis: dict[str, str] = {}
-    for p in config.providers:
-        api: _Api | None = getattr(p, "api", None)  # a Maildir provider has none
-        if api is not None:
-            apis[p.name] = getattr(api, "kind", "")
-    if config.reconcile is None:
-        return None
-    return {"apis": apis, "verdicts": config.verdicts is not None, "reconcile": config.reconcile is not None}

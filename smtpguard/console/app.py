@@ -28,7 +28,7 @@ from aiohttp import web
 from smtpguard import desk
 from smtpguard.admission import ListenerLimits
 from smtpguard.config import Config, ConsoleConfig, OperatorConfig
-from smtpguard.console import trust, views
+from smtpguard.console import search, trust, views
 from smtpguard.console.logins import LoginLimiter
 from smtpguard.console.sessions import COOKIE, LOGIN_COOKIE, Session, Sessions, fingerprint
 from smtpguard.http_listener import BodyAborted, LimitedListener
@@ -89,6 +89,7 @@ class Console:
         r.add_get("/suppression/{zone}", self.suppression)
         r.add_post("/suppression/{zone}/{action:add|remove}", self.suppression_change)
         r.add_get("/queue", self.queue)
+        r.add_get("/search", self.search)
         self._listener: LimitedListener | None = None
         self.port = 0
 
@@ -367,6 +368,13 @@ class Console:
         if found is None:
             raise web.HTTPNotFound(reason="no such record")
         return self.page("history.html", request, h=found, zone=zone)
+
+    async def search(self, request: web.Request) -> web.StreamResponse:
+        q = request.query.get("q", "")
+        if len(q) > search.QUERY_MAX:
+            raise web.HTTPBadRequest(reason=f"the search is longer than {search.QUERY_MAX} characters")
+        found = await search.search(self.config(), self.store, q)
+        return self.page("search.html", request, q=q.strip(), found=found, query_max=search.QUERY_MAX)
 
     async def records(self, request: web.Request) -> web.StreamResponse:
         zone = self._zone(request)

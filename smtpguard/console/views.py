@@ -116,7 +116,8 @@ async def decisions(config: Config, store: Store) -> list[HeldRow]:
             for rec in await store.list_records(zone, state, None, None, LIST_LIMIT):
                 seen[(zone, rec.key)] = HeldRow(rec, last_decision(rec))
         for entry in await store.audit_log(zone, now - DECIDED_SHOWN_FOR, AUDIT_READ):
-            if not entry.action.startswith("decide:") or (zone, entry.key) in seen:
+            # An operator's decision, or a provider's verdict (§19) taken like one.
+            if not entry.action.startswith(("decide:", "verdict:")) or (zone, entry.key) in seen:
                 continue
             decided = await store.get(zone, entry.key)
             if decided is not None:
@@ -217,4 +218,4 @@ def age(now: float, at: float | None) -> str:
 
 
 def template_globals() -> dict[str, Any]:
-    return {"iso": iso, "age": age}
+    return {"iso": iso, "age": age, "decision": last_decision}

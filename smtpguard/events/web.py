@@ -20,6 +20,7 @@ from aiohttp import web
 
 from smtpguard.admission import ListenerLimits
 from smtpguard.config import LimitsConfig
+from smtpguard.events.acceptance import settle_if_accepted
 from smtpguard.events.apply import Applied, Applier, log_applied
 from smtpguard.events.sources import Rejected, Source, Sources
 from smtpguard.http_listener import LimitedListener
@@ -49,12 +50,15 @@ class EventsServer:
         observe: Observe,
         limits: ListenerLimits | None = None,
         auth_limits: Callable[[], LimitsConfig] = LimitsConfig,
+        on_verdict: Callable[[str, str], None] = lambda provider, verdict: None,
     ) -> None:
         self.sources = sources
         self.applier = applier
         self.clock = clock
         self.observe = observe
         self.auth_limits = auth_limits
+        self.on_verdict = on_verdict
+        """(provider, verdict) → smtpguard_verdicts_total, for a webhook that settled a record."""
         """`limits.auth_failures` within `auth_failure_window`, as the running config has it."""
         self._applying: dict[str, asyncio.Semaphore] = {}
         self._auth_turns: dict[str, tuple[asyncio.Lock, list[int]]] = {}
@@ -213,6 +217,10 @@ class EventsServer:
                 return _reply(401, "the signature's token was used before with another body (a replay)")
             for event in verified.events:
                 outcome, record = await self.applier.apply(source.provider, event)
+                if await settle_if_accepted(
+                    self.applier.store, source.kind, name, event, outcome, record, self.clock
+                ):
+                    self.on_verdict(source.provider, "accepted")
                 counts[outcome.value] += 1
                 self.observe(name, event.kind.value, outcome.value)
                 log_applied(name, event, outcome, record)

@@ -35,7 +35,6 @@ from smtpguard.server.tls import certificate_not_after
 from smtpguard.server.tls import tls_context as tls_context  # re-exported: cli, supervisor
 from smtpguard.store import Store, StoreUnavailable, StoreUnfit, store_from_url
 from smtpguard.submission import Principal, Submitter
-from smtpguard.verdict_config import not_yet_applied
 from smtpguard.verdicts import clients_for
 from smtpguard.verp import VerpKey, verp_key
 
@@ -43,6 +42,7 @@ if TYPE_CHECKING:
     from smtpguard.console.app import Console
     from smtpguard.events.apply import Applier
     from smtpguard.events.mailbox import MailboxServer
+    from smtpguard.events.reconcile import Reconciler
     from smtpguard.events.sources import Sources
     from smtpguard.events.web import EventsServer
     from smtpguard.heartbeat import Answerer
@@ -90,6 +90,7 @@ class Server:
         self.verp: VerpKey | None = None
         self.console: Console | None = None
         self.event_applier: Applier | None = None
+        self.reconciler: Reconciler | None = None
         self.housekeeping = Housekeeping(self)
         self.assembly = Assembly(
             self.metrics, self.clock, self.instance, self.hostname, self.housekeeping.circuit_changed
@@ -204,6 +205,8 @@ class Server:
             await self._start_events(config, sources)
         if config.console is not None and self.singleton:
             await self._start_console(config)
+        if config.reconcile is not None and self.singleton:
+            self._start_reconcile(config)
         self._tasks += self.housekeeping.start()
         if verdict_clients:
             from smtpguard.verdicts.loop import VerdictLoop  # aiohttp: only with an api
@@ -225,12 +228,23 @@ class Server:
                 "event_loop": type(loop).__module__.split(".")[0],
             },
         )
-        configured = not_yet_applied(config)
-        if configured is not None and self.singleton:
-            log.warning(
-                "reconcile is configured but not yet applied: missed bounces wait for their webhooks",
-                extra=configured,
+
+    def _start_reconcile(self, config: Config) -> None:
+        """§19: poll the providers' log APIs for the events webhooks missed; once per host,
+        and once per fleet in effect (the store's cursors, events/reconcile.py)."""
+        assert self.store is not None and self.submitter is not None
+        from smtpguard.events import reconcile
+
+        if self.event_applier is None:
+            self.event_applier = side_listeners.applier(
+                self.store, self.submitter, lambda: self.config, self.clock
             )
+        self.reconciler = side_listeners.reconciler(
+            config, self.store, self.event_applier, self.metrics, self.clock
+        )
+        if self.reconciler is not None:
+            self._tasks.append(asyncio.create_task(reconcile.run(self.reconciler)))
+            log.info("reconciliation started", extra={"apis": sorted(self.reconciler.apis)})
 
     async def _start_events(self, config: Config, sources: Sources) -> None:
         """The provider-event listener (§13)."""
@@ -398,6 +412,10 @@ class Server:
             await self.mailbox.stop()
         if self.console is not None:
             await self.console.stop()
+        if self.reconciler is not None:
+            from smtpguard.events import reconcile
+
+            await reconcile.close(self.reconciler)
         if self.store is not None:
             await self.stats.flush(self.store)
         if self.route is not None:

@@ -7,7 +7,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from smtpguard.config import Config, ConfigError, ConsoleConfig, EventsConfig, MailboxConfig
+from smtpguard.config import (
+    Config,
+    ConfigError,
+    ConsoleConfig,
+    EventsConfig,
+    MailboxConfig,
+    SmtpProviderConfig,
+)
 from smtpguard.metrics import Metrics
 from smtpguard.store import Store
 from smtpguard.submission import Submitter
@@ -17,6 +24,7 @@ if TYPE_CHECKING:
     from smtpguard.console.app import Console
     from smtpguard.events.apply import Applier
     from smtpguard.events.mailbox import MailboxServer
+    from smtpguard.events.reconcile import Reconciler
     from smtpguard.events.sources import Sources
     from smtpguard.events.web import EventsServer
 
@@ -48,6 +56,7 @@ def events_server(
         metrics.provider_event,
         ListenerLimits.of(events),
         lambda: config().limits,
+        metrics.verdict,
     )
 
 
@@ -73,3 +82,21 @@ def console(config: Callable[[], Config], store: Store, console: ConsoleConfig) 
             [f"console: needs the `console` extra (pip install 'smtpguard[console]'): {e}"]
         ) from None
     return Console(config, store, console)
+
+
+def reconciler(
+    config: Config, store: Store, applier: Applier, metrics: Metrics, clock: Callable[[], float]
+) -> Reconciler | None:
+    """§19 reconciliation: one client per provider with an `api`, each key read now (a
+    missing one fails at start). None without a `reconcile:` section."""
+    if config.reconcile is None:
+        return None
+    from smtpguard.events.reconcile import Reconciler, source_names
+    from smtpguard.verdicts import clients_for
+
+    # Clients of their own (the verdict loop has its own pool per API): each closes its own.
+    apis = clients_for(config)
+    kinds = {p.name: p.api.kind for p in config.providers if isinstance(p, SmtpProviderConfig) and p.api}
+    sources = {} if config.events is None else config.events.sources
+    names = source_names(kinds, {name: (s.kind, s.provider) for name, s in sources.items()})
+    return Reconciler(store, applier, apis, names, config.reconcile.events, clock, metrics.provider_event)

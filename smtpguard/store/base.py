@@ -319,6 +319,15 @@ class Store(Protocol):
         digest. A signature scheme that signs a nonce but not the body (Mailgun) needs it:
         the nonce reused with another body is a replay."""
 
+    async def reconcile_cursor(self, name: str) -> float | None:
+        """Where reconciliation of the log API `name` (DESIGN.md §19) has read up to: the end
+        of the last period whose events are applied, on the store's clock; None: never."""
+
+    async def advance_reconcile_cursor(self, name: str, expected: float | None, new: float) -> bool:
+        """Compare-and-swap, fleet-wide: set the cursor to `new` if it is `expected` (None:
+        absent) and answer True; else change nothing and answer False (another instance
+        applied the period first, which the events' own idempotence made harmless)."""
+
     # --- the operator's desk (DESIGN.md §14) -------------------------------------------------
     async def list_records(
         self, zone: str, state: str | None, since: float | None, before: float | None, limit: int

@@ -134,14 +134,16 @@ class MailgunLog(ApiClient):
         ident = field(item, "id")
         if not isinstance(ident, str):
             ident = hashlib.sha256(f"{event}|{recipient}|{at}|{mid}".encode()).hexdigest()[:32]
-        code = field(item, "delivery-status", "code")
+        # Spelt as Mailgun's webhook spells the same event (events/sources/mailgun.py), so
+        # the history and the suppression reason read the same whichever way it came.
+        code = field(item, "delivery-status", "enhanced-code") or field(item, "delivery-status", "code")
         return ReportedEvent(
             provider=self.provider,
             kind=kind,
             recipient=recipient,
             at=at,
             id=ident,
-            provider_type=event,
+            provider_type="failed/permanent" if event == "failed" else event,
             status=str(code) if code is not None else "",
             message_id=mid if isinstance(mid, str) else None,
             upstream_id=bare_message_id(mid) if isinstance(mid, str) else None,

@@ -120,14 +120,17 @@ class PostmarkLog(ApiClient):
         if kind is None or not isinstance(email, str) or at is None or ident is None:
             return None
         mid = field(item, "MessageID")
-        code = field(item, "TypeCode")
+        # Named and spelt as Postmark's bounce webhook names the same bounce (its RecordType,
+        # Type and ID; events/sources/postmark.py), so that the one arriving second is a
+        # duplicate of the first, whichever way each came.
+        record_type = "SpamComplaint" if kind is Reported.COMPLAINT else "Bounce"
         return ReportedEvent(
             provider=self.provider,
             kind=kind,
             recipient=email,
             at=at,
-            id=f"postmark-bounce-{ident}",
-            provider_type=str(btype),
-            status=str(code) if code is not None else "",
+            id=f"{record_type}:{ident}",
+            provider_type=record_type if record_type == "SpamComplaint" else f"Bounce/{btype}",
+            status=str(btype) if record_type == "Bounce" else "",
             upstream_id=mid if isinstance(mid, str) else None,
         )

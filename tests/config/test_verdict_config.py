@@ -1,6 +1,6 @@
 """`providers[].api`, `verdicts:` and `reconcile:` (DESIGN.md §19): accepted by check-config,
 refused with the YAML path and line when wrong, never holding a key inline; and `serve`
-says at start that reconciliation is configured but not yet applied."""
+runs the verdict loop and reconciliation they configure, saying so once."""
 
 from __future__ import annotations
 
@@ -160,7 +160,7 @@ def test_reconcile_more_often_than_a_minute_is_refused(tmp: Path, capsys: pytest
     assert f"reconcile.events (line {line_of(text, 'events: 10s')}): must be at least 60" in err
 
 
-async def test_serve_says_once_that_reconcile_is_configured_but_not_applied(
+async def test_serve_runs_the_verdict_loop_and_reconciliation_and_says_so_once(
     tmp: Path, upstream: Upstream, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("POSTMARK_SERVER_TOKEN", SECRET)
@@ -169,15 +169,13 @@ async def test_serve_says_once_that_reconcile_is_configured_but_not_applied(
     cfg["verdicts"] = {"after": "1m"}
     cfg["reconcile"] = {"events": "15m"}
     caplog.set_level(logging.INFO)
-    async with running_guard(cfg):
-        pass
-    lines = [r for r in caplog.records if "reconcile is configured but not yet applied" in r.getMessage()]
-    assert len(lines) == 1
-    assert lines[0].levelno == logging.WARNING
-    assert lines[0].apis == {"primary": "postmark"}  # type: ignore[attr-defined]
-    assert (lines[0].verdicts, lines[0].reconcile) == (True, True)  # type: ignore[attr-defined]
-    # the verdict loop itself runs (tests/verdicts/test_verdict_loop.py)
+    async with running_guard(cfg) as server:
+        assert server.reconciler is not None and sorted(server.reconciler.apis) == ["primary"]
+    assert not any("not yet applied" in r.getMessage() for r in caplog.records)
+    # the verdict loop itself runs (tests/verdicts/test_verdict_loop.py), reconciliation too
+    # (tests/events/test_reconcile.py)
     assert [r.apis for r in caplog.records if r.getMessage() == "verdict loop started"] == [["primary"]]  # type: ignore[attr-defined]
+    assert [r.apis for r in caplog.records if r.getMessage() == "reconciliation started"] == [["primary"]]  # type: ignore[attr-defined]
     assert all(SECRET not in r.getMessage() and SECRET not in str(r.__dict__) for r in caplog.records)
 
 

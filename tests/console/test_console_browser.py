@@ -164,3 +164,22 @@ async def test_a_viewer_in_the_browser_sees_no_buttons(
     assert await page.locator('[data-key="invoice:1"]').count() == 1
     assert await page.locator("button[name=action]").count() == 0
     await shot(page, "decisions-viewer")
+
+
+async def test_the_search_box_in_the_header_finds_a_record_by_its_message_id(
+    browser: Any, guard: Server, upstream: Upstream
+) -> None:
+    assert (await send(guard.ports[0], message("invoice:77"))).code == 250
+    message_id = upstream.received[-1].header("Message-ID") or ""
+    page = await login(browser, console_port(guard), "alice")
+    await page.fill("header input[name=q]", message_id)
+    await page.press("header input[name=q]", "Enter")
+    await page.wait_for_url("**/search?q=*")
+    row = page.locator('tr[data-key="invoice:77"]')
+    assert await row.count() == 1
+    assert (await row.get_attribute("data-by")) == "Message-ID"
+    await shot(page, "search")
+    await row.locator("a").click()
+    await page.wait_for_url("**/events/acme/invoice%3A77")
+    assert "invoice:77" in await page.inner_text("h1")
+    assert len(upstream.received) == 1

@@ -1,8 +1,9 @@
 """The last landed release and this one serving one PostgreSQL ledger (DESIGN.md §18).
 
-A rolling upgrade from 44f68cc (schema 4, the same as this release's): the old release
-makes the store with its own migrations and serves; this release starts on it (nothing to
-migrate, no lock taken) and serves beside it. The same events are submitted to both at
+A rolling upgrade from 44f68cc (schema 4; this release adds the reconciliation cursors,
+schema 5, a table the old release never touches): the old release makes the store with its
+own migrations and serves; this release starts on it, migrates it while the old one keeps
+serving, and serves beside it. The same events are submitted to both at
 once and again to each: counted at the upstream, each is sent once, and each instance
 answers the other's as a duplicate.
 """
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 LAST_RELEASE = "44f68cc"
+LAST_SCHEMA = 4
 KEYS = 12
 
 
@@ -60,9 +62,12 @@ async def test_the_last_release_and_this_one_serve_one_ledger(
             await old.wait_port(old_port, timeout=30)
             with psycopg.connect(url, autocommit=True) as conn:
                 row = conn.execute("SELECT max(version) FROM smtpguard_schema").fetchone()
-            assert row == (LATEST,), "the last release made the same schema"
+            assert row == (LAST_SCHEMA,), "the last release made its own schema"
             new.start()
             await new.wait_port(new_port, timeout=30)
+            with psycopg.connect(url, autocommit=True) as conn:
+                row = conn.execute("SELECT max(version) FROM smtpguard_schema").fetchone()
+            assert row == (LATEST,), "this release migrated it"
             together = [
                 await asyncio.gather(*(send(port, message(f"roll:{i}")) for port in (old_port, new_port)))
                 for i in range(KEYS)

@@ -310,7 +310,7 @@ def test_the_postmark_client_reads_the_documented_messages_and_bounces() -> None
     reported = client._reported(bounce)
     assert reported is not None
     assert (reported.kind, reported.recipient) == (Reported.BOUNCE, "anything@blackhole.postmarkapp.com")
-    assert reported.id == "postmark-bounce-692560173"
+    assert reported.id == "Bounce:692560173"
     assert reported.upstream_id == "2c1b63fe-43f2-4db5-91b0-8bdfa44a9316"
 
 

@@ -66,6 +66,7 @@ from smtpguard.store.redis.keys import (
     _auth_key,
     _connections_key,
     _counts_key,
+    _cursor_key,
     _event_ids_key,
     _events_key,
     _ids,
@@ -114,6 +115,7 @@ _CLAIM = redis_scripts.load("claim")
 _LANES_OF = redis_scripts.load("lanes_of")
 _ENTRIES = redis_scripts.load("entries")
 _APPLY_EVENT = redis_scripts.load("apply_event")
+_ADVANCE_CURSOR = redis_scripts.load("advance_cursor")
 _STATES_PAGE = redis_scripts.load("states_page")
 _RATE_SLOT = redis_scripts.load("rate_slot")
 _THROTTLE = redis_scripts.load("throttle")
@@ -152,6 +154,7 @@ class RedisStore(OnServerClock, Ledger, Claims, Desk, Suppressions, Upgrades):
         self._entries: AsyncScript | None = None
         self._lanes_of: AsyncScript | None = None
         self._apply_event: AsyncScript | None = None
+        self._advance_cursor: AsyncScript | None = None
         self._states_page: AsyncScript | None = None
         self._rate_slot: AsyncScript | None = None
         self._throttle: AsyncScript | None = None
@@ -186,6 +189,7 @@ class RedisStore(OnServerClock, Ledger, Claims, Desk, Suppressions, Upgrades):
         self._entries = client.register_script(_ENTRIES)
         self._lanes_of = client.register_script(_LANES_OF)
         self._apply_event = client.register_script(_APPLY_EVENT)
+        self._advance_cursor = client.register_script(_ADVANCE_CURSOR)
         self._states_page = client.register_script(_STATES_PAGE)
         self._rate_slot = client.register_script(_RATE_SLOT)
         self._throttle = client.register_script(_THROTTLE)
@@ -375,6 +379,17 @@ class RedisStore(OnServerClock, Ledger, Claims, Desk, Suppressions, Upgrades):
         if await self._r.set(key, digest, nx=True, ex=ttl):
             return True
         return bool(await self._r.get(key) == digest)
+
+    @_translated
+    async def reconcile_cursor(self, name: str) -> float | None:
+        value = await self._r.get(_cursor_key(name))
+        return None if value is None else float(value)
+
+    @_translated
+    async def advance_reconcile_cursor(self, name: str, expected: float | None, new: float) -> bool:
+        # repr round-trips a float exactly, so the stored text is what the reader compared.
+        was = "" if expected is None else repr(expected)
+        return bool(await self._eval(self._advance_cursor, [_cursor_key(name)], [was, repr(new)]))
 
     @_translated
     async def provider_events(self, zone: str, key: str) -> list[StoredEvent]:

@@ -190,6 +190,11 @@ def _nonce_key(name: str) -> str:
     return f"sg:nonce:{name}"
 
 
+def _cursor_key(name: str) -> str:
+    """A reconciliation cursor (DESIGN.md §19): where the log API `name` was read up to."""
+    return f"sg:cursor:{name}"
+
+
 def _ids(r: Record) -> tuple[str, str, str]:
     """What lua/lib/indexes.lua indexes the record under: its smtpguard id, its
     Message-ID without <>, its upstream id."""

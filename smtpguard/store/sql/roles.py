@@ -20,7 +20,7 @@ from smtpguard.store.base import (
     Suppression,
     ZoneAudit,
 )
-from smtpguard.store.sql import operations
+from smtpguard.store.sql import cursors, operations
 from smtpguard.store.sql.statements import Plan, Script
 
 T = TypeVar("T")
@@ -122,6 +122,13 @@ class Desk(Runner):
         """Where this store keeps a record's `field` (an expression over a row of `events`,
         its alias written `{t}`) and the forms `value` may stand there in."""
         raise NotImplementedError
+
+    # --- reconciliation cursors (§19) -------------------------------------------------------
+    async def reconcile_cursor(self, name: str) -> float | None:
+        return await self._script(cursors.cursor, name)
+
+    async def advance_reconcile_cursor(self, name: str, expected: float | None, new: float) -> bool:
+        return await self._script(cursors.advance, name, expected, new)
 
     # --- provider events (§13) ---------------------------------------------------------------
     async def find_records(self, field: IdField, value: str) -> list[Record]:
