@@ -1,0 +1,56 @@
+"""`outbox init SOURCE` and `outbox schema`: the outbox table of DESIGN.md §20."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from smtpguard.cli.context import EXIT_OK, EXIT_STORE, CLIError, UsageError, _config, emit
+from smtpguard.config import read_secret
+from smtpguard.outbox.schema import DEFAULT_TABLE, ddl
+
+
+class OutboxUnavailable(CLIError):
+    code = EXIT_STORE
+
+
+def cmd_outbox(args: argparse.Namespace) -> int:
+    if args.action == "schema":
+        table = args.table or DEFAULT_TABLE
+        if args.source is not None:
+            src = _config(args).outbox.get(args.source)
+            if src is None:
+                raise UsageError(f"no outbox source {args.source!r} in the config")
+            table = src.table
+        print(ddl(table), end="")
+        return EXIT_OK
+    if args.source is None:
+        raise UsageError("outbox init needs a SOURCE: a name under `outbox:` in the config")
+    config = _config(args)
+    src = config.outbox.get(args.source)
+    if src is None:
+        known = ", ".join(sorted(config.outbox)) or "none"
+        raise UsageError(f"no outbox source {args.source!r} in the config (sources: {known})")
+    password = read_secret(src.password_env, src.password_file, f"outbox.{args.source}")
+    asyncio.run(_init(src.url, password, src.table))
+    if args.json:
+        emit({"source": args.source, "table": src.table, "created": True})
+    else:
+        print(f"outbox {args.source}: table {src.table} and its trigger are in place")
+    return EXIT_OK
+
+
+async def _init(url: str, password: str | None, table: str) -> None:
+    import psycopg
+
+    try:
+        kwargs: dict[str, object] = {"autocommit": True, "connect_timeout": 10}
+        if password is not None:
+            kwargs["password"] = password
+        async with await psycopg.AsyncConnection.connect(url, **kwargs) as conn:  # type: ignore[arg-type]
+            # One simple query: its statements commit together or not at all.
+            await conn.execute(ddl(table))
+    except psycopg.OperationalError as e:
+        raise OutboxUnavailable(f"outbox database unavailable: {str(e).strip().splitlines()[0]}") from None
+    except psycopg.Error as e:
+        raise CLIError(f"outbox init refused by the database: {str(e).strip().splitlines()[0]}") from None
