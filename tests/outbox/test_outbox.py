@@ -1,0 +1,104 @@
+"""The outbox (DESIGN.md §20) end to end: rows committed in a real PostgreSQL by the
+application, read by an in-process smtpguard, relayed to a recording upstream, counted."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+from smtpguard.server import Server
+from tests.support import Upstream, eventually, running_guard, send
+from tests.support.outbox import app_database, insert, open_states, outbox_config, receipts, row
+from tests.support.postgres import PostgresServer
+
+
+def reader_of(server: Server):  # type: ignore[no-untyped-def]
+    (reader,) = server.outbox
+    return reader
+
+
+async def settled(url: str, n: int, timeout: float = 20) -> dict[str, dict[str, object]]:
+    found = await eventually(
+        lambda: receipts(url), lambda f: len(f) == n and not open_states(f), timeout=timeout, interval=0.05
+    )
+    return found
+
+
+async def test_a_committed_row_is_sent_once_with_its_receipt(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer
+) -> None:
+    url = app_database(postgres_server)
+    async with running_guard(outbox_config(tmp, upstream.port, url)):
+        await insert(url, [row("invoice:acme:1")])
+        found = await settled(url, 1)
+    r = found["invoice:acme:1"]
+    assert r["state"] == "sent"
+    assert str(r["reply"]).startswith("250 2.0.0 [sg:")
+    assert r["sg_id"] and r["upstream_id"] == "Q1"
+    assert r["attempts"] == 1 and r["done_at"] is not None and r["next_attempt_at"] is None
+    assert upstream.event_keys() == ["invoice:acme:1"]
+    # Bare LFs from as_bytes() went out as CRLF lines, not refused as smuggling.
+    assert b"\r\nSubject: Invoice 1\r\n" in upstream.received[0].content
+
+
+async def test_a_rolled_back_row_is_never_sent(tmp: Path, upstream: Upstream, postgres_server: PostgresServer) -> None:
+    url = app_database(postgres_server)
+    async with running_guard(outbox_config(tmp, upstream.port, url)):
+        await insert(url, [row("order:rolled-back")], commit=False)
+        await insert(url, [row("order:committed")])
+        # The committed row, inserted after, is the positive event the negative waits on.
+        found = await settled(url, 1)
+    assert list(found) == ["order:committed"]
+    assert upstream.event_keys() == ["order:committed"]
+
+
+async def test_a_key_already_sent_by_smtp_ends_duplicate(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer
+) -> None:
+    from tests.support import message
+
+    url = app_database(postgres_server)
+    async with running_guard(outbox_config(tmp, upstream.port, url)) as server:
+        reply = await send(server.ports[0], message("invoice:acme:7"))
+        assert reply.code == 250
+        await insert(url, [row("invoice:acme:7")])
+        found = await settled(url, 1)
+    r = found["invoice:acme:7"]
+    assert r["state"] == "duplicate"
+    assert "duplicate" in str(r["reply"])
+    assert upstream.event_keys() == ["invoice:acme:7"]
+
+
+async def test_poison_rows_fail_naming_the_problem_and_never_block_the_rows_after_them(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer
+) -> None:
+    url = app_database(postgres_server)
+    cfg = outbox_config(tmp, upstream.port, url, batch=2)
+    cfg["limits"] = {"max_message_size": 2000}
+    good = [row(f"good:{i}") for i in range(4)]
+    poison = [
+        replace(row("poison:unparsable"), message=b"this is not a message\njust text\n"),
+        replace(row("poison:nul"), message=b"Subject: a NUL\n\nbody\x00\n"),
+        row("poison:bad-address", rcpt_to=("no-at-sign",)),
+        row("poison:unmapped", mail_from="ceo@elsewhere.example"),
+        row("poison:oversize", body="x" * 3000),
+        row("poison:header-from", header_from="other@elsewhere.example"),
+        row("poison:no-rcpt", rcpt_to=()),
+    ]
+    async with running_guard(cfg):
+        await insert(url, [*poison[:3], good[0], *poison[3:], *good[1:]])
+        found = await settled(url, 11)
+    assert {k: found[k]["state"] for k in found if k.startswith("good:")} == dict.fromkeys(
+        (g.event_key for g in good), "sent"
+    )
+    assert Counter(upstream.event_keys()) == Counter(g.event_key for g in good)
+    replies = {k: str(found[k]["reply"]) for k in found if k.startswith("poison:")}
+    assert all(found[k]["state"] == "failed" for k in replies), replies
+    assert "header line without a field name" in replies["poison:unparsable"]
+    assert replies["poison:nul"].startswith("550 5.5.2")
+    assert replies["poison:bad-address"].startswith("5") and "recipient" in replies["poison:bad-address"]
+    assert replies["poison:unmapped"].startswith("550 5.7.1") and "ceo@elsewhere.example" in replies["poison:unmapped"]
+    assert replies["poison:oversize"].startswith("552 5.3.4")
+    assert replies["poison:header-from"].startswith("550 5.7.1")
+    assert replies["poison:no-rcpt"].startswith("554 5.5.1")
