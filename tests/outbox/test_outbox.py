@@ -42,7 +42,9 @@ async def test_a_committed_row_is_sent_once_with_its_receipt(
     assert b"\r\nSubject: Invoice 1\r\n" in upstream.received[0].content
 
 
-async def test_a_rolled_back_row_is_never_sent(tmp: Path, upstream: Upstream, postgres_server: PostgresServer) -> None:
+async def test_a_rolled_back_row_is_never_sent(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer
+) -> None:
     url = app_database(postgres_server)
     async with running_guard(outbox_config(tmp, upstream.port, url)):
         await insert(url, [row("order:rolled-back")], commit=False)
@@ -98,7 +100,121 @@ async def test_poison_rows_fail_naming_the_problem_and_never_block_the_rows_afte
     assert "header line without a field name" in replies["poison:unparsable"]
     assert replies["poison:nul"].startswith("550 5.5.2")
     assert replies["poison:bad-address"].startswith("5") and "recipient" in replies["poison:bad-address"]
-    assert replies["poison:unmapped"].startswith("550 5.7.1") and "ceo@elsewhere.example" in replies["poison:unmapped"]
+    assert (
+        replies["poison:unmapped"].startswith("550 5.7.1")
+        and "ceo@elsewhere.example" in replies["poison:unmapped"]
+    )
     assert replies["poison:oversize"].startswith("552 5.3.4")
     assert replies["poison:header-from"].startswith("550 5.7.1")
     assert replies["poison:no-rcpt"].startswith("554 5.5.1")
+
+
+async def test_a_4xx_is_retried_after_backoff_then_sent(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer
+) -> None:
+    from tests.support import Behaviour, FakeClock
+
+    url = app_database(postgres_server)
+    clock = FakeClock()
+    upstream.handler.script = [Behaviour(data="451 4.3.0 upstream busy, try later")]
+    async with running_guard(outbox_config(tmp, upstream.port, url), clock=clock) as server:
+        await insert(url, [row("invoice:acme:451")])
+        first = await eventually(
+            lambda: receipts(url), lambda f: str(f["invoice:acme:451"]["reply"]).startswith("451"),
+            timeout=10, interval=0.05,
+        )  # fmt: skip
+        r = first["invoice:acme:451"]
+        assert r["state"] == "pending" and r["attempts"] == 1
+        # Backoff with jitter, never sooner than min_retry_interval (60s in the test config).
+        wait = r["next_attempt_at"].timestamp() - clock.t  # type: ignore[union-attr]
+        assert 60 - 1 <= wait <= 3 * 86400
+        passes = reader_of(server).counters.passes
+        await eventually(
+            lambda: reader_of(server).counters.passes, lambda n: n >= passes + 3, timeout=10, interval=0.05
+        )
+        assert upstream.handler.data_commands == 1  # not due yet: nothing tried again
+        clock.t += wait + 1
+        reader_of(server).wake()
+        found = await settled(url, 1)
+    assert found["invoice:acme:451"]["state"] == "sent"
+    assert found["invoice:acme:451"]["attempts"] == 2
+    assert upstream.event_keys() == ["invoice:acme:451"]
+    assert upstream.handler.data_commands == 2
+
+
+async def test_caps_and_pause_hold_rows_pending(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer
+) -> None:
+    url = app_database(postgres_server)
+    cfg = outbox_config(tmp, upstream.port, url, batch=1)
+    cfg["zones"]["acme"]["hourly_cap"] = 1
+    async with running_guard(cfg):
+        await insert(url, [row("capped:1"), row("capped:2")])
+        found = await eventually(
+            lambda: receipts(url), lambda f: all(r["reply"] for r in f.values()), timeout=10, interval=0.05
+        )
+    assert found["capped:1"]["state"] == "sent"
+    assert found["capped:2"]["state"] == "pending" and str(found["capped:2"]["reply"]).startswith("451 4.7.0")
+    assert found["capped:2"]["next_attempt_at"] is not None
+    assert upstream.event_keys() == ["capped:1"]
+
+    url = app_database(postgres_server)
+    cfg = outbox_config(tmp, upstream.port, url)
+    cfg["zones"]["acme"]["paused"] = True
+    async with running_guard(cfg):
+        await insert(url, [row("paused:1")])
+        found = await eventually(
+            lambda: receipts(url), lambda f: f["paused:1"]["reply"] is not None, timeout=10, interval=0.05
+        )
+    assert found["paused:1"]["state"] == "pending"
+    assert str(found["paused:1"]["reply"]).startswith("451 4.7.0") and "paused" in str(
+        found["paused:1"]["reply"]
+    )
+    assert upstream.event_keys() == ["capped:1"]
+
+
+async def test_a_notification_wakes_the_reader_long_before_its_poll(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer
+) -> None:
+    url = app_database(postgres_server)
+    async with running_guard(outbox_config(tmp, upstream.port, url, poll="30s")) as server:
+        reader = reader_of(server)
+        await eventually(lambda: reader.counters.passes, lambda n: n >= 1, timeout=10, interval=0.02)
+        await insert(url, [row("notify:1")])
+        found = await settled(url, 1, timeout=10)
+        # Sent by a pass a notification started: no 30 s poll has run out yet.
+        assert reader.counters.polls == 0
+        assert reader.counters.notified >= 1
+    assert found["notify:1"]["state"] == "sent"
+    assert upstream.event_keys() == ["notify:1"]
+
+
+async def test_a_held_row_follows_its_record_once_an_operator_settles_it(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer
+) -> None:
+    from smtpguard import desk
+    from tests.support import Behaviour, FakeClock
+
+    url = app_database(postgres_server)
+    clock = FakeClock()
+    # The message reaches the provider and the reply never comes: the outcome is unknown.
+    # The second is refused at MAIL: it never reached DATA, so it is pending, never held.
+    upstream.handler.script = [Behaviour(drop_after_dot=True), Behaviour(mail="451 4.3.0 not now")]
+    async with running_guard(outbox_config(tmp, upstream.port, url, batch=1), clock=clock) as server:
+        await insert(url, [row("held:1"), row("never-data:1", rcpt_to=("a@example.com",))])
+        held = await eventually(
+            lambda: receipts(url), lambda f: all(r["reply"] for r in f.values()), timeout=15, interval=0.05
+        )
+        assert held["held:1"]["state"] == "held" and str(held["held:1"]["reply"]).startswith("451 4.3.0")
+        assert held["never-data:1"]["state"] == "pending"
+        assert str(held["never-data:1"]["reply"]).startswith("451")
+        assert upstream.event_keys().count("held:1") == 1
+        assert server.store is not None
+        await desk.decide(server.store, "acme", "held:1", "delivered", "cli:test", None)
+        clock.t += 61
+        reader_of(server).wake()
+        found = await eventually(
+            lambda: receipts(url), lambda f: f["held:1"]["state"] == "sent", timeout=10, interval=0.05
+        )
+    assert found["held:1"]["state"] == "sent" and found["held:1"]["done_at"] is not None
+    assert upstream.event_keys().count("held:1") == 1

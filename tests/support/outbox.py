@@ -58,7 +58,9 @@ async def insert(url: str, rows: Sequence[OutRow], commit: bool = True) -> None:
     """One application transaction inserting `rows`, committed or rolled back."""
     async with await psycopg.AsyncConnection.connect(url) as conn:
         async with conn.cursor() as cur:
-            await cur.executemany(_INSERT, [(r.event_key, r.message, r.mail_from, list(r.rcpt_to)) for r in rows])
+            await cur.executemany(
+                _INSERT, [(r.event_key, r.message, r.mail_from, list(r.rcpt_to)) for r in rows]
+            )
         if commit:
             await conn.commit()
         else:
