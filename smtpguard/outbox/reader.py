@@ -51,6 +51,11 @@ class Counters:
     """Passes started because `poll` ran out, not by a notification (tests read it)."""
     notified: int = 0
     reconnects: int = 0
+    """Connections made, the first one included."""
+    outages: int = 0
+    """Times the database was found gone."""
+    rows: int = 0
+    """Rows claimed and handled by this reader."""
 
 
 class OutboxReader:
@@ -166,6 +171,7 @@ class OutboxReader:
                     polled = False
                     continue
             except (psycopg.Error, OSError) as e:
+                self.counters.outages += 1
                 log.warning(
                     "outbox database unavailable; reconnecting",
                     extra={"source": self.name, "error": f"{type(e).__name__}: {e}"[:300], "retry_in": delay},
@@ -208,11 +214,14 @@ class OutboxReader:
         async def one(row: Row) -> None:
             async with turns:
                 written = await self._handle(row)
-            if written is not None:
-                self._unwritten[row.id] = written
+            self._unwritten[row.id] = written
+            # The database may have gone meanwhile: the receipt waits for it (below).
+            with contextlib.suppress(psycopg.Error, OSError):
                 await self._write(row.id, written)
 
         await asyncio.gather(*(one(r) for r in claimed))
+        self.counters.rows += len(claimed)
+        await self._flush_unwritten()
         return len(claimed) >= self.src.batch
 
     async def _write(self, row_id: int, w: Written) -> None:
@@ -234,7 +243,7 @@ class OutboxReader:
         self.on_counts(self.name, counts, None if oldest is None else max(now - oldest, 0.0))
 
     # --- one row -------------------------------------------------------------------------
-    async def _handle(self, row: Row) -> Written | None:
+    async def _handle(self, row: Row) -> Written:
         if row.sg_id is not None:
             followed = await self._follow(row)
             if followed is not None:

@@ -45,6 +45,11 @@ async def submit_row(
         )
     except StoreUnavailable:
         return principal, Result(replies.STORE_UNAVAILABLE, Decision.STORE_UNAVAILABLE, event_key)
+    except Exception:
+        # As the listener does for a session: a defect answers 451 (the row is tried again,
+        # and the ledger never sends one event twice), it does not stop the reader.
+        log.exception("internal error while submitting an outbox row", extra={"source": source})
+        return principal, Result(replies.INTERNAL_ERROR, "internal_error", event_key)
 
 
 async def _submit(

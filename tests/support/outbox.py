@@ -92,7 +92,12 @@ def open_states(found: dict[str, dict[str, Any]]) -> list[str]:
     return [k for k, r in found.items() if r["state"] in ("pending", "held")]
 
 
-def outbox_config(tmp: Path, upstream_port: int, app_url: str, **source: Any) -> dict[str, Any]:
+def outbox_config(
+    tmp: Path, upstream_port: int, app_url: str, volume: bool = False, **source: Any
+) -> dict[str, Any]:
+    """With `volume`, zone acme's caps are out of the way of a backlog of hundreds of rows."""
     cfg = base_config(tmp, upstream_port)
+    if volume:
+        cfg["zones"]["acme"].update({"hourly_cap": 1_000_000, "monthly_cap": 10_000_000})
     cfg["outbox"] = {"shop": {"url": app_url, "zone": "acme", "user": "acme-app", "poll": "0.2s", **source}}
     return cfg
