@@ -166,10 +166,10 @@ async def test_rails_and_laravel_statements_verbatim(
         statement = re.sub(r"\?", lambda _: f"${next(counter)}", statement)
     params = [f"order-confirmed:{order}", _message(order), "billing@acme.example", "customer@example.com"]
     async with running_guard(outbox_config(tmp, upstream.port, url)):
-        async with await psycopg.AsyncConnection.connect(url, cursor_factory=psycopg.AsyncRawCursor) as conn:
-            async with conn.transaction():
-                await conn.execute("UPDATE orders SET status = 'confirmed' WHERE id = $1", [order])
-                await conn.execute(statement, params)  # type: ignore[arg-type]
+        conn = await psycopg.AsyncConnection.connect(url, cursor_factory=psycopg.AsyncRawCursor)
+        async with conn, conn.transaction():
+            await conn.execute("UPDATE orders SET status = 'confirmed' WHERE id = $1", [order])
+            await conn.execute(statement, params)  # type: ignore[arg-type]
         await delivered(url, upstream, [f"order-confirmed:{order}"])
     assert statuses(url) == {order: "confirmed"}
 
