@@ -91,7 +91,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
         }
     ),
     "console": frozenset(
-        {"admission", "config", "desk", "http_listener", "passwords", "policy", "store", "turns"}
+        {"admission", "config", "desk", "http_listener", "passwords", "policy", "store", "turns", "outbox"}
     ),
     "delivery": frozenset(
         {"class_pauses", "config", "ids", "policy", "relay", "replies", "store", "submission"}

@@ -218,3 +218,52 @@ async def test_a_held_row_follows_its_record_once_an_operator_settles_it(
         )
     assert found["held:1"]["state"] == "sent" and found["held:1"]["done_at"] is not None
     assert upstream.event_keys().count("held:1") == 1
+
+
+async def test_the_console_queue_page_and_the_metrics_show_each_outbox(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer
+) -> None:
+    import aiohttp
+
+    from tests.support import Behaviour, free_port
+    from tests.support.console import Operator, console_config, console_port
+
+    url = app_database(postgres_server)
+    cfg = console_config(tmp, upstream)
+    cfg["outbox"] = outbox_config(tmp, upstream.port, url, batch=1)["outbox"]
+    unreachable = f"postgresql://app@127.0.0.1:{free_port()}/gone"
+    cfg["outbox"]["gone"] = {"url": unreachable, "zone": "acme", "user": "acme-app", "poll": "30s"}
+    metrics_port = free_port()
+    cfg["metrics"] = {"address": f"127.0.0.1:{metrics_port}"}
+    upstream.handler.script = [Behaviour(), Behaviour(data="554 5.7.1 refused by policy")]
+    async with running_guard(cfg) as server:
+        await insert(url, [row("console:1"), row("console:2")])
+        await settled(url, 2)
+        # The counts are refreshed at most once a second: wait for the metric, bounded.
+        async with aiohttp.ClientSession() as http:
+
+            async def scrape() -> str:
+                async with http.get(f"http://127.0.0.1:{metrics_port}/metrics") as r:
+                    return await r.text()
+
+            text = await eventually(
+                scrape,
+                lambda t: 'smtpguard_outbox_rows{source="shop",state="failed"} 1.0' in t,
+                timeout=10,
+                interval=0.1,
+            )
+        assert 'smtpguard_outbox_rows{source="shop",state="sent"} 1.0' in text
+        assert 'smtpguard_outbox_rows{source="shop",state="failed"} 1.0' in text
+        assert 'smtpguard_outbox_lag_seconds{source="shop"} 0.0' in text
+        op = Operator(console_port(server))
+        try:
+            assert (await op.login("alice")).status == 200
+            page = await op.get("/queue")
+        finally:
+            await op.close()
+    assert page.status == 200
+    assert (
+        "<td>shop</td><td>acme</td><td>smtpguard_outbox</td><td>0</td><td>0</td><td>1</td><td>0</td><td>1</td>"
+        in page.text
+    )
+    assert "<td>gone</td>" in page.text and "unreadable: OperationalError" in page.text

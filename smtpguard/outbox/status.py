@@ -1,0 +1,46 @@
+"""Each outbox source's rows by state and its lag, read from its table: the console's
+queue page shows them (it may run without serve, so it asks the table, not a reader)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import psycopg
+from psycopg import AsyncConnection
+
+from smtpguard.config import Config, ConfigError, read_secret
+from smtpguard.outbox import rows
+
+
+@dataclass
+class SourceStatus:
+    source: str
+    zone: str
+    table: str
+    counts: dict[str, int] = field(default_factory=dict)
+    lag: float | None = None
+    """Seconds since the oldest pending row was written; None when none is pending."""
+    problem: str | None = None
+    """Why the table could not be read (the database unreachable, no table, no secret)."""
+
+
+async def outbox_status(config: Config, timeout: float = 3.0) -> list[SourceStatus]:
+    out = []
+    for name, src in config.outbox.items():
+        status = SourceStatus(name, src.zone, src.table)
+        out.append(status)
+        try:
+            password = read_secret(src.password_env, src.password_file, f"outbox.{name}")
+            kwargs: dict[str, object] = {"autocommit": True, "connect_timeout": max(int(timeout), 1)}
+            if password is not None:
+                kwargs["password"] = password
+            async with await AsyncConnection.connect(src.url, **kwargs) as conn:  # type: ignore[arg-type]
+                status.counts, oldest = await rows.counts(conn, src.table)
+            status.lag = None if oldest is None else max(time.time() - oldest, 0.0)
+        except ConfigError as e:
+            status.problem = e.problems[0]
+        except psycopg.Error as e:
+            # The first line only: libpq's message, never the URL's secret (none is in it).
+            status.problem = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+    return out
