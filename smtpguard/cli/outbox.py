@@ -6,7 +6,6 @@ import argparse
 import asyncio
 
 from smtpguard.cli.context import EXIT_OK, EXIT_STORE, CLIError, UsageError, _config, emit
-from smtpguard.config import read_secret
 from smtpguard.outbox.schema import DEFAULT_TABLE, ddl
 
 
@@ -31,8 +30,10 @@ def cmd_outbox(args: argparse.Namespace) -> int:
     if src is None:
         known = ", ".join(sorted(config.outbox)) or "none"
         raise UsageError(f"no outbox source {args.source!r} in the config (sources: {known})")
-    password = read_secret(src.password_env, src.password_file, f"outbox.{args.source}")
-    asyncio.run(_init(src.url, password, src.table))
+    # psycopg is the `postgres` extra: imported by the commands that talk to a database.
+    from smtpguard.outbox.connection import password_of
+
+    asyncio.run(_init(src.url, password_of(args.source, src), src.table))
     if args.json:
         emit({"source": args.source, "table": src.table, "created": True})
     else:
@@ -43,11 +44,10 @@ def cmd_outbox(args: argparse.Namespace) -> int:
 async def _init(url: str, password: str | None, table: str) -> None:
     import psycopg
 
+    from smtpguard.outbox.connection import connect
+
     try:
-        kwargs: dict[str, object] = {"autocommit": True, "connect_timeout": 10}
-        if password is not None:
-            kwargs["password"] = password
-        async with await psycopg.AsyncConnection.connect(url, **kwargs) as conn:  # type: ignore[arg-type]
+        async with await connect(url, password, 10.0) as conn:
             # One simple query: its statements commit together or not at all.
             await conn.execute(ddl(table))
     except psycopg.OperationalError as e:

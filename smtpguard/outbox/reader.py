@@ -21,8 +21,9 @@ import psycopg
 from psycopg import AsyncConnection
 from psycopg.rows import TupleRow
 
-from smtpguard.config import OutboxSource, read_secret
+from smtpguard.config import OutboxSource
 from smtpguard.outbox import rows
+from smtpguard.outbox.connection import connect, password_of
 from smtpguard.outbox.rows import Row, Written
 from smtpguard.outbox.schema import channel
 from smtpguard.outbox.submit import submit_row
@@ -111,11 +112,8 @@ class OutboxReader:
 
     # --- connections ---------------------------------------------------------------------
     async def _connect(self) -> None:
-        kwargs: dict[str, object] = {"autocommit": True, "connect_timeout": 5}
-        if self._password is not None:
-            kwargs["password"] = self._password
-        self._conn = await AsyncConnection.connect(self.src.url, **kwargs)  # type: ignore[arg-type]
-        listen = await AsyncConnection.connect(self.src.url, **kwargs)  # type: ignore[arg-type]
+        self._conn = await connect(self.src.url, self._password)
+        listen = await connect(self.src.url, self._password)
         await listen.execute(f"LISTEN {channel(self.src.table)}")
         self._listener = asyncio.create_task(self._listen(listen))
 
@@ -331,6 +329,7 @@ def readers(
     stops serve at start, naming the source, as a provider's does)."""
     found = []
     for name, src in submitter.config.outbox.items():
-        password = read_secret(src.password_env, src.password_file, f"outbox.{name}")
-        found.append(OutboxReader(name, src, password, submitter, clock, on_result, on_counts, domains))
+        found.append(
+            OutboxReader(name, src, password_of(name, src), submitter, clock, on_result, on_counts, domains)
+        )
     return found

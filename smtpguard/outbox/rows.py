@@ -63,7 +63,8 @@ RETURNING o.id, o.event_key, o.message, o.mail_from, o.rcpt_to, o.created_at, o.
 
 _RECEIPT = """
 UPDATE {t}
-SET state = %(state)s, reply = %(reply)s, sg_id = %(sg_id)s, upstream_id = %(upstream_id)s,
+SET state = %(state)s, reply = coalesce(%(reply)s, reply), sg_id = %(sg_id)s,
+    upstream_id = coalesce(%(upstream_id)s, upstream_id),
     next_attempt_at = %(next)s, done_at = CASE WHEN %(done)s THEN %(now)s END
 WHERE id = %(id)s AND state IN ('pending', 'held')
 """
@@ -104,7 +105,8 @@ async def claim(
 
 async def write(conn: AsyncConnection[TupleRow], table: str, row_id: int, w: Written, now: float) -> bool:
     """The receipt, unless the row already holds a final one (another instance's, written
-    first): a final receipt is never rewritten. False when nothing was written."""
+    first): a final receipt is never rewritten. False when nothing was written. A reply or
+    upstream id of None keeps the row's (a followed row that is still waiting)."""
     cur = await conn.execute(
         _q(_RECEIPT, table),
         {

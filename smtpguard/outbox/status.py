@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass, field
 
 import psycopg
-from psycopg import AsyncConnection
 
-from smtpguard.config import Config, ConfigError, read_secret
+from smtpguard.config import Config, ConfigError
 from smtpguard.outbox import rows
+from smtpguard.outbox.connection import connect, password_of
 
 
 @dataclass
@@ -31,11 +31,8 @@ async def outbox_status(config: Config, timeout: float = 3.0) -> list[SourceStat
         status = SourceStatus(name, src.zone, src.table)
         out.append(status)
         try:
-            password = read_secret(src.password_env, src.password_file, f"outbox.{name}")
-            kwargs: dict[str, object] = {"autocommit": True, "connect_timeout": max(int(timeout), 1)}
-            if password is not None:
-                kwargs["password"] = password
-            async with await AsyncConnection.connect(src.url, **kwargs) as conn:  # type: ignore[arg-type]
+            conn = await connect(src.url, password_of(name, src), timeout)
+            async with conn:
                 status.counts, oldest = await rows.counts(conn, src.table)
             status.lag = None if oldest is None else max(time.time() - oldest, 0.0)
         except ConfigError as e:

@@ -267,3 +267,34 @@ async def test_the_console_queue_page_and_the_metrics_show_each_outbox(
         in page.text
     )
     assert "<td>gone</td>" in page.text and "unreadable: OperationalError" in page.text
+
+
+async def test_a_queue_mode_zone_answers_queued_and_the_row_follows_its_record_to_sent(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer
+) -> None:
+    url = app_database(postgres_server)
+    cfg = outbox_config(tmp, upstream.port, url)
+    cfg["zones"]["acme"]["delivery"] = "queue"
+    from tests.support import FakeClock
+
+    clock = FakeClock()
+    async with running_guard(cfg, clock=clock) as server:
+        await insert(url, [row("queued:1")])
+        queued = await eventually(
+            lambda: receipts(url), lambda f: f["queued:1"]["reply"] is not None, timeout=10, interval=0.05
+        )
+        assert str(queued["queued:1"]["reply"]).startswith("250 2.0.0") and "queued" in str(
+            queued["queued:1"]["reply"]
+        )
+        assert queued["queued:1"]["sg_id"]
+        await upstream.wait_received(1)
+        # The store-and-forward worker delivered it; the row learns so from the record.
+        next_look = queued["queued:1"]["next_attempt_at"]
+        assert next_look is not None
+        clock.t = next_look.timestamp() + 1  # type: ignore[union-attr]
+        reader_of(server).wake()
+        found = await settled(url, 1)
+    r = found["queued:1"]
+    assert r["state"] == "sent" and r["upstream_id"] == "Q1"
+    assert str(r["reply"]).startswith("250")
+    assert upstream.event_keys() == ["queued:1"]
