@@ -88,6 +88,7 @@ class OutboxReader:
         self._conn: AsyncConnection[TupleRow] | None = None
         self._listener: asyncio.Task[None] | None = None
         self._unwritten: dict[int, Written] = {}
+        self._writing = asyncio.Lock()
         self._counted_at = 0.0
 
     def start(self) -> None:
@@ -215,21 +216,25 @@ class OutboxReader:
             self._unwritten[row.id] = written
             # The database may have gone meanwhile: the receipt waits for it (below).
             with contextlib.suppress(psycopg.Error, OSError):
-                await self._write(row.id, written)
+                await self._flush_unwritten()
 
         await asyncio.gather(*(one(r) for r in claimed))
         self.counters.rows += len(claimed)
         await self._flush_unwritten()
         return len(claimed) >= self.src.batch
 
-    async def _write(self, row_id: int, w: Written) -> None:
-        assert self._conn is not None
-        await rows.write(self._conn, self.src.table, row_id, w, self.clock())
-        self._unwritten.pop(row_id, None)
-
     async def _flush_unwritten(self) -> None:
-        for row_id, w in list(self._unwritten.items()):
-            await self._write(row_id, w)
+        """Write every receipt waiting, in one transaction. Rows that finish while one
+        flush runs wait for the lock and go together in the next: a group commit."""
+        async with self._writing:
+            batch = dict(self._unwritten)
+            if not batch:
+                return
+            assert self._conn is not None
+            await rows.write(self._conn, self.src.table, batch, self.clock())
+            for row_id, w in batch.items():
+                if self._unwritten.get(row_id) is w:
+                    del self._unwritten[row_id]
 
     async def _count(self) -> None:
         now = self.clock()
