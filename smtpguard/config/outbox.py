@@ -34,6 +34,10 @@ class OutboxSource(_Strict):
     def _url(cls, v: str) -> str:
         if not v.startswith(("postgresql://", "postgres://")):
             raise ValueError("an outbox url must start with postgresql:// (the outbox is a PostgreSQL table)")
+        userinfo = v.split("://", 1)[1].split("/", 1)[0].rpartition("@")[0]
+        if ":" in userinfo or "password=" in v:
+            # The config file is read by operators and kept in repositories: no secret in it.
+            raise ValueError("no password in the outbox url: use password_env or password_file")
         return v
 
     @field_validator("table")

@@ -71,7 +71,9 @@ WHERE id = %(id)s AND state IN ('pending', 'held')
 """
 
 _COUNTS = """
-SELECT state, count(*), min(created_at) FILTER (WHERE state = 'pending') FROM {t} GROUP BY state
+SELECT state, count(*),
+       min(greatest(created_at, not_before)) FILTER (WHERE state = 'pending')
+FROM {t} GROUP BY state
 """
 
 
@@ -129,7 +131,9 @@ async def write(
 
 
 async def counts(conn: AsyncConnection[TupleRow], table: str) -> tuple[dict[str, int], float | None]:
-    """Rows per state (every state named, 0 included) and the oldest pending row's created_at."""
+    """Rows per state (every state named, 0 included) and when the longest-waiting pending
+    row became due: its created_at, or its not_before when that is later (mail scheduled
+    for tomorrow is not late today)."""
     cur = await conn.execute(_q(_COUNTS, table))
     out = {s.value: 0 for s in RowState}
     oldest: float | None = None
