@@ -209,6 +209,15 @@ async def test_a_held_row_follows_its_record_once_an_operator_settles_it(
         assert held["never-data:1"]["state"] == "pending"
         assert str(held["never-data:1"]["reply"]).startswith("451")
         assert upstream.event_keys().count("held:1") == 1
+        # Looked at again while its record is still unknown: held, its reply kept.
+        reader = reader_of(server)
+        clock.t += 61
+        passes = reader.counters.passes
+        reader.wake()
+        await eventually(lambda: reader.counters.passes, lambda n: n >= passes + 2, timeout=10, interval=0.05)
+        again = (await receipts(url))["held:1"]
+        assert again["state"] == "held" and again["reply"] == held["held:1"]["reply"]
+        assert again["next_attempt_at"] > held["held:1"]["next_attempt_at"]  # type: ignore[operator]
         assert server.store is not None
         await desk.decide(server.store, "acme", "held:1", "delivered", "cli:test", None)
         clock.t += 61
