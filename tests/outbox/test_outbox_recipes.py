@@ -199,3 +199,13 @@ def test_outbox_init_names_an_unknown_source_and_an_unreachable_database(
     assert "no outbox source 'nope'" in capsys.readouterr().err
     assert main(["outbox", "init", "-c", str(path), "shop"]) == 4
     assert "outbox database unavailable" in capsys.readouterr().err
+
+
+def test_check_config_names_an_outbox_password_that_is_missing(
+    capsys: pytest.CaptureFixture[str], tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SHOP_OUTBOX_PASSWORD", raising=False)
+    cfg = outbox_config(tmp, 25, "postgresql://app@127.0.0.1:1/app", password_env="SHOP_OUTBOX_PASSWORD")
+    path = write_config(tmp / "c.yaml", cfg)
+    assert main(["check-config", "-c", str(path)]) == 1
+    assert "outbox.shop: environment variable SHOP_OUTBOX_PASSWORD is not set" in capsys.readouterr().err
