@@ -251,6 +251,20 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",  # the store's count, exported by worker 0 alone
         )
+        self.outbox_rows = Gauge(
+            "smtpguard_outbox_rows",
+            "Rows of each outbox source by state (DESIGN.md §20)",
+            ["source", "state"],
+            registry=r,
+            multiprocess_mode="livemax",  # the table's count, exported by worker 0 alone
+        )
+        self.outbox_lag = Gauge(
+            "smtpguard_outbox_lag_seconds",
+            "Age of the oldest pending row of each outbox source (0 when none is pending)",
+            ["source"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.synchronous = Gauge(
             "smtpguard_store_synchronous",
             "1 while a synchronous standby of the PostgreSQL store is streaming, 0 while none is; "
@@ -301,6 +315,11 @@ class Metrics:
     def upstream(self, provider: str, reply_class: str, seconds: float) -> None:
         self._child(self.upstream_replies, provider, reply_class).inc()
         self._child(self.upstream_latency, provider).observe(seconds)
+
+    def outbox(self, source: str, counts: Mapping[str, int], lag: float | None) -> None:
+        for state, n in counts.items():
+            self.outbox_rows.labels(source, state).set(n)
+        self.outbox_lag.labels(source).set(lag or 0.0)
 
     def queue_depths(self, depth: Mapping[tuple[str, str], int]) -> None:
         if self.multiprocess is None:

@@ -80,6 +80,7 @@ INTERNAL_ERROR = Reply(
 )
 OK_SENDER = Reply(250, "2.1.0", "Sender OK")
 OK_RECIPIENT = Reply(250, "2.1.5", "Recipient OK")
+NO_RECIPIENTS = Reply(554, "5.5.1", "No valid recipients")
 
 
 def bad_address(what: str, reason: str) -> Reply:
@@ -124,6 +125,12 @@ def recipient_domain_unroutable(domain: str, why: str) -> Reply:
 
 def too_many_recipients(limit: int) -> Reply:
     return Reply(452, "4.5.3", f"Too many recipients (limit {limit})")
+
+
+def too_many_recipients_in_row(limit: int) -> Reply:
+    """An outbox row cannot send the rest in a second transaction as an SMTP client would:
+    more recipients than the limit is final for it."""
+    return Reply(550, "5.5.3", f"Too many recipients in one row (limit {limit})")
 
 
 # --- message and event key -------------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import Any
 
 from smtpguard import __version__
 from smtpguard.cli.context import EXIT_CODES, JSON_SCHEMA
+from smtpguard.cli.outbox import cmd_outbox
 from smtpguard.cli.records import cmd_history, cmd_list, cmd_queue, cmd_release, cmd_resolve
 from smtpguard.cli.service import (
     cmd_check_config,
@@ -310,6 +311,17 @@ def build_parser() -> argparse.ArgumentParser:
         "same at start. SQLite and Redis stores have nothing to run. Exit 0 when the schema "
         "is current, 4 when the store is unreachable or the role may not change it.",
     )
+    sp = cmd(
+        "outbox",
+        cmd_outbox,
+        "create or print the outbox table",
+        "The outbox (DESIGN.md §20): init SOURCE creates the table and its NOTIFY trigger in "
+        "the source's database (idempotent); schema [SOURCE] prints the DDL for a migration "
+        "tool (--table names the table when no config is at hand).",
+    )
+    sp.add_argument("action", choices=["init", "schema"])
+    sp.add_argument("source", nargs="?", help="a name under `outbox:` in the config")
+    sp.add_argument("--table", help="schema only: the table name (default smtpguard_outbox)")
     sp = cmd(
         "sink",
         cmd_sink,

@@ -39,6 +39,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     try:
         config = _config(args)
         provider_secrets(config)
+        for name, src in config.outbox.items():  # serve reads them at start too
+            read_secret(src.password_env, src.password_file, f"outbox.{name}")
         verp_key(config)  # serve reads it at start: a missing or empty one is refused here too
         if config.tls is not None:
             from smtpguard.server import tls_context

@@ -44,6 +44,7 @@ from smtpguard.config.events import (
 )
 from smtpguard.config.listener import LimitsConfig, ListenerConfig, TLSFiles
 from smtpguard.config.loading import LoadedConfig, load, loads, parse_yaml
+from smtpguard.config.outbox import OutboxSource
 from smtpguard.config.providers import (
     MIN_PROBE_INTERVAL,
     BreakerConfig,
@@ -89,6 +90,7 @@ __all__ = [
     "MessageClass",
     "MetricsConfig",
     "OperatorConfig",
+    "OutboxSource",
     "PostmarkSource",
     "ProviderConfig",
     "QueueConfig",

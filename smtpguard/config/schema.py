@@ -11,6 +11,7 @@ from smtpguard.config.dns import DnsConfig
 from smtpguard.config.event_key import EventKeyConfig
 from smtpguard.config.events import ConsoleConfig, EventsConfig
 from smtpguard.config.listener import LimitsConfig, ListenerConfig, TLSFiles
+from smtpguard.config.outbox import SOURCE_NAME, OutboxSource
 from smtpguard.config.providers import BreakerConfig, ProviderConfig, SmtpProviderConfig
 from smtpguard.config.queue import QueueConfig
 from smtpguard.config.store import StoreConfig
@@ -65,6 +66,8 @@ class Config(_Strict):
     by each message near max_message_size, and messages that end together add up; a worker
     killed for that cuts every session it holds."""
     zones: dict[str, ZoneConfig] = Field(min_length=1)
+    outbox: dict[str, OutboxSource] = Field(default_factory=dict)
+    """Application tables of send requests, by source name (DESIGN.md §20)."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
@@ -166,6 +169,22 @@ class Config(_Strict):
                 if user.username == username:
                     return zname, user
         return None
+
+    @model_validator(mode="after")
+    def _outbox_checks(self) -> Config:
+        for name, src in self.outbox.items():
+            if not SOURCE_NAME.fullmatch(name):
+                raise FieldProblem(
+                    ("outbox", name), f"outbox source name {name!r}: lower-case letters, digits, . _ -"
+                )
+            zone = self.zones.get(src.zone)
+            if zone is None:
+                raise FieldProblem(("outbox", name, "zone"), f"zone {src.zone!r} is not one of zones")
+            if all(u.username != src.user for u in zone.users):
+                raise FieldProblem(
+                    ("outbox", name, "user"), f"user {src.user!r} is not a user of zone {src.zone}"
+                )
+        return self
 
     @model_validator(mode="after")
     def _verdict_checks(self) -> Config:

@@ -412,4 +412,16 @@ class Console:
         raise web.HTTPSeeOther(f"/suppression/{quote(zone)}")
 
     async def queue(self, request: web.Request) -> web.StreamResponse:
-        return self.page("queue.html", request, lanes=await views.queue(self.store), now=self.store.now())
+        outboxes = []
+        if self.config().outbox:
+            # psycopg is the `postgres` extra: only a config with an outbox needs it here.
+            from smtpguard.outbox.status import outbox_status
+
+            outboxes = await outbox_status(self.config())
+        return self.page(
+            "queue.html",
+            request,
+            lanes=await views.queue(self.store),
+            outboxes=outboxes,
+            now=self.store.now(),
+        )

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from smtpguard.events.sources import Sources
     from smtpguard.events.web import EventsServer
     from smtpguard.heartbeat import Answerer
+    from smtpguard.outbox.reader import OutboxReader
     from smtpguard.verdicts.loop import VerdictLoop
     from smtpguard.workers import WorkerRole
 
@@ -85,6 +86,7 @@ class Server:
         self.health: HealthServer | None = None
         self.submitter: Submitter | None = None
         self.worker: DeliveryWorker | None = None
+        self.outbox: list[OutboxReader] = []
         self.events: EventsServer | None = None
         self.mailbox: MailboxServer | None = None
         self.verp: VerpKey | None = None
@@ -174,6 +176,7 @@ class Server:
         submitter = self.assembly.submitter(config, self.store, self.route, self.verp)
         self.submitter = submitter
         self._ensure_worker()
+        self._start_outbox()
         self.handler = self.assembly.handler(config, submitter, self.store, self.housekeeping.on_result)
         if self.role is not None:
             self.handler.connections = self.role.connections()
@@ -336,6 +339,23 @@ class Server:
         self.worker.start()
         log.info("store-and-forward worker started", extra={"workers": self.config.queue.workers})
 
+    def _start_outbox(self) -> None:
+        """The outbox readers (DESIGN.md §20), one set per host: claims let several hosts
+        share one table, and one reader per worker would only add connections."""
+        if not self.config.outbox or not self.singleton or self.submitter is None:
+            return
+        from smtpguard.outbox.reader import readers
+
+        self.outbox = readers(
+            self.submitter,
+            self.clock,
+            lambda p, result: self.housekeeping.on_result(p, result, 0.0),
+            self.metrics.outbox,
+            lambda: self.handler.recipient_domains if self.handler is not None else None,
+        )
+        for reader in self.outbox:
+            reader.start()
+
     async def readiness(self) -> tuple[bool, str]:
         if self.draining:
             return False, "draining: stopping, no new connections"
@@ -383,6 +403,8 @@ class Server:
         if self.handler is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.handler.idle.wait(), self.config.limits.drain_timeout)
+        for reader in self.outbox:
+            await reader.stop(self.config.limits.drain_timeout)
         if self.worker is not None:
             await self.worker.stop(self.config.limits.drain_timeout)
         if self.submitter is not None:

@@ -441,3 +441,30 @@ def test_a_multi_host_url_with_read_write_last_is_accepted(tmp: Path) -> None:
     url = "postgresql://sg@/sg?target_session_attrs=any&host=db1,db2&target_session_attrs=read-write"
     cfg["store"] = {"url": url}
     assert loads(write_config(tmp / "h.yaml", cfg).read_text()).store.url == url
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ({"url": "postgresql://app:hunter2@db/shop"}, "outbox.shop.url (line"),
+        ({"url": "mysql://app@db/shop"}, "outbox.shop.url (line"),
+        ({"table": "Shop-Mail"}, "outbox.shop.table (line"),
+        ({"zone": "nope"}, "outbox.shop.zone (line"),
+        ({"user": "globex-app"}, "outbox.shop.user (line"),
+        ({"poll": "0s"}, "outbox.shop.poll (line"),
+        ({"batch": 0}, "outbox.shop.batch (line"),
+        ({"typo": 1}, "outbox.shop.typo (line"),
+    ],
+)
+def test_outbox_errors_name_the_field_and_its_line(
+    source: dict[str, object], expected: str, tmp: Path
+) -> None:
+    cfg = base_config(tmp, 2525)
+    cfg["outbox"] = {
+        "shop": {"url": "postgresql://app@db/shop", "zone": "acme", "user": "acme-app", **source}
+    }
+    with pytest.raises(ConfigError) as e:
+        loads(yaml.safe_dump(cfg, sort_keys=False))
+    text = str(e.value)
+    assert expected in text, text
+    assert "hunter2" not in text

@@ -93,11 +93,12 @@ ALLOWED: Mapping[str, frozenset[str]] = {
         }
     ),
     "console": frozenset(
-        {"admission", "config", "desk", "http_listener", "passwords", "policy", "store", "turns"}
+        {"admission", "config", "desk", "http_listener", "passwords", "policy", "store", "turns", "outbox"}
     ),
     "delivery": frozenset(
         {"class_pauses", "config", "ids", "policy", "relay", "replies", "store", "submission"}
     ),
+    "outbox": frozenset({"config", "policy", "recipient_domains", "replies", "store", "submission"}),
     "listener": frozenset(
         {
             "background", "config", "connection_table", "passwords", "policy",
@@ -111,7 +112,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
             "admission", "background", "cap_alerts", "config", "console", "delivery", "events",
             "heartbeat", "listener", "metrics", "notify", "passwords", "policy",
             "provider_gate", "readiness", "recipient_domains", "relay", "store",
-            "submission", "verdict_config", "verdicts", "verp", "workers",
+            "submission", "verdict_config", "verdicts", "verp", "workers", "outbox",
         }
     ),
     "supervisor": frozenset(
@@ -125,7 +126,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
         {
             "smtpguard", "config", "console", "desk", "logs", "metrics", "passwords",
             "policy", "readiness", "server", "sink", "store", "supervisor", "units",
-            "verdicts", "verp", "workers",
+            "verdicts", "verp", "workers", "outbox",
         }
     ),
     "__main__": frozenset({"cli"}),
@@ -137,7 +138,9 @@ MAY_IMPORT_TOP = frozenset({"cli", "__main__", "supervisor", "workers"})
 TOP_ROOMS = frozenset({"server", "cli"})
 
 # What storage must never reach: the rooms that use it.
-STORE_NEVER = frozenset({"events", "console", "listener", "relay", "server", "cli", "submission", "delivery"})
+STORE_NEVER = frozenset(
+    {"events", "console", "listener", "relay", "server", "cli", "submission", "delivery", "outbox"}
+)
 
 # Inside store/: the shared layer (base, errors, clock, sql, the registry in __init__) never
 # imports a backend, and no backend imports another. redis_scripts is the Redis loader's old

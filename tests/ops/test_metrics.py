@@ -72,9 +72,11 @@ _NOT_METRICS = {
     "smtpguard_count_unit",
     "smtpguard_claim",
     "smtpguard_schema",
+    "smtpguard_outbox",
 }
 """Names of the same shape that are not metrics: the provider variable of docs/events*.md,
-the PostgreSQL store's functions and schema table of docs/stores.md."""
+the PostgreSQL store's functions and schema table of docs/stores.md, the outbox table of
+docs/outbox.md."""
 
 
 def documented_names() -> dict[str, list[str]]:

@@ -1,0 +1,49 @@
+"""`outbox:`: PostgreSQL tables an application writes send requests into (DESIGN.md §20)."""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import Field, field_validator
+
+from smtpguard.config.base import Duration, FilePath, _Strict
+
+_TABLE = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+SOURCE_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
+
+
+class OutboxSource(_Strict):
+    url: str
+    """libpq URL of the application's database; the password comes from password_env or
+    password_file, never from the URL in a file that is shared."""
+    password_env: str | None = None
+    password_file: FilePath | None = None
+    table: str = "smtpguard_outbox"
+    zone: str
+    """Every row is submitted as this zone…"""
+    user: str
+    """…and this user of it (its own caps apply, DESIGN.md §16)."""
+    poll: Duration = Field(2.0, ge=0.05, le=3600.0)
+    """LISTEN/NOTIFY wakes the reader at once; polling is the fallback (a lost notification,
+    a row whose not_before or retry time came)."""
+    batch: int = Field(100, ge=1, le=10_000)
+    """Rows claimed in one short transaction."""
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("postgresql://", "postgres://")):
+            raise ValueError("an outbox url must start with postgresql:// (the outbox is a PostgreSQL table)")
+        userinfo = v.split("://", 1)[1].split("/", 1)[0].rpartition("@")[0]
+        if ":" in userinfo or "password=" in v:
+            # The config file is read by operators and kept in repositories: no secret in it.
+            raise ValueError("no password in the outbox url: use password_env or password_file")
+        return v
+
+    @field_validator("table")
+    @classmethod
+    def _table(cls, v: str) -> str:
+        # Written into DDL and every statement as an identifier: only names that need no quoting.
+        if not _TABLE.fullmatch(v):
+            raise ValueError("table must be a lower-case SQL name: letters, digits and _, at most 63")
+        return v

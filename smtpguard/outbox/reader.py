@@ -1,0 +1,340 @@
+"""The outbox reader of one source: woken by LISTEN/NOTIFY, polling as the fallback; claims
+due rows, submits each through the SMTP pipeline (submit.py), writes the receipt back.
+
+The application's database may go away at any moment. The reader then reconnects with
+backoff and never stops serve; a receipt it could not write is kept and written once the
+database is back (unless another instance wrote a final one first), so no row is marked
+while away and none is lost: a claim is only a time, and a row whose claim lapsed is
+submitted again, which the ledger answers without sending twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psycopg
+from psycopg import AsyncConnection
+from psycopg.rows import TupleRow
+
+from smtpguard.config import OutboxSource
+from smtpguard.outbox import rows
+from smtpguard.outbox.connection import connect, password_of
+from smtpguard.outbox.rows import Row, Written
+from smtpguard.outbox.schema import channel
+from smtpguard.outbox.submit import submit_row
+from smtpguard.policy import outbox as policy
+from smtpguard.policy.classes import class_names
+from smtpguard.policy.message import HeaderLimits, parse
+from smtpguard.policy.outbox import Retry, RowState
+from smtpguard.recipient_domains import RecipientDomains
+from smtpguard.replies import Reply
+from smtpguard.store import StoreUnavailable
+from smtpguard.submission import Principal, Result, Submitter
+
+log = logging.getLogger("smtpguard.outbox")
+
+CONCURRENCY = 16
+"""Rows of one batch submitted at once: enough to keep a provider pool busy."""
+RECONNECT_MAX = 5.0
+COUNT_EVERY = 1.0
+"""The rows-per-state gauges are refreshed at most this often (one GROUP BY)."""
+
+
+@dataclass(slots=True)
+class Counters:
+    passes: int = 0
+    polls: int = 0
+    """Passes started because `poll` ran out, not by a notification (tests read it)."""
+    notified: int = 0
+    reconnects: int = 0
+    """Connections made, the first one included."""
+    outages: int = 0
+    """Times the database was found gone."""
+    rows: int = 0
+    """Rows claimed and handled by this reader."""
+
+
+class OutboxReader:
+    def __init__(
+        self,
+        name: str,
+        src: OutboxSource,
+        password: str | None,
+        submitter: Submitter,
+        clock: Callable[[], float],
+        on_result: Callable[[Principal, Result], None] = lambda p, r: None,
+        on_counts: Callable[[str, dict[str, int], float | None], None] = lambda s, c, o: None,
+        domains: Callable[[], RecipientDomains | None] = lambda: None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.name = name
+        self.src = src
+        self._password = password
+        self.submitter = submitter
+        self.clock = clock
+        self.on_result = on_result
+        self.on_counts = on_counts
+        self.domains = domains
+        self.rng = rng or random.Random()
+        self.counters = Counters()
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._task: asyncio.Task[None] | None = None
+        self._conn: AsyncConnection[TupleRow] | None = None
+        self._listener: asyncio.Task[None] | None = None
+        self._unwritten: dict[int, Written] = {}
+        self._writing = asyncio.Lock()
+        self._counted_at = 0.0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def stop(self, timeout: float) -> None:
+        """Stop claiming; the batch under way finishes (bounded). Rows left claimed come due
+        again when their claim lapses; the ledger answers them."""
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, timeout)
+            except (TimeoutError, asyncio.CancelledError):
+                log.warning(
+                    "outbox stopped mid-batch; its claims lapse and return", extra={"source": self.name}
+                )
+        await self._disconnect()
+
+    # --- connections ---------------------------------------------------------------------
+    async def _connect(self) -> None:
+        self._conn = await connect(self.src.url, self._password)
+        listen = await connect(self.src.url, self._password)
+        await listen.execute(f"LISTEN {channel(self.src.table)}")
+        self._listener = asyncio.create_task(self._listen(listen))
+
+    async def _listen(self, conn: AsyncConnection[TupleRow]) -> None:
+        try:
+            async for _ in conn.notifies():
+                self.counters.notified += 1
+                self._wake.set()
+        except psycopg.Error:
+            # The database went away: the next pass finds out, and reconnects both.
+            self._wake.set()
+        finally:
+            with contextlib.suppress(psycopg.Error, OSError):
+                await conn.close()
+
+    async def _disconnect(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError, psycopg.Error):
+                await self._listener
+            self._listener = None
+        if self._conn is not None:
+            with contextlib.suppress(psycopg.Error, OSError):
+                await self._conn.close()
+            self._conn = None
+
+    def _connected(self) -> bool:
+        return (
+            self._conn is not None
+            and not self._conn.closed
+            and self._listener is not None
+            and not self._listener.done()
+        )
+
+    # --- the loop ------------------------------------------------------------------------
+    async def _run(self) -> None:
+        delay = 0.2
+        polled = False
+        while not self._stopping:
+            try:
+                if not self._connected():
+                    await self._disconnect()
+                    await self._connect()
+                    self.counters.reconnects += 1
+                    log.info("outbox connected", extra={"source": self.name, "table": self.src.table})
+                await self._flush_unwritten()
+                self.counters.passes += 1
+                self.counters.polls += polled
+                full = await self._pass()
+                await self._count()
+                delay = 0.2
+                if full:
+                    polled = False
+                    continue
+            except (psycopg.Error, OSError) as e:
+                self.counters.outages += 1
+                log.warning(
+                    "outbox database unavailable; reconnecting",
+                    extra={"source": self.name, "error": f"{type(e).__name__}: {e}"[:300], "retry_in": delay},
+                )
+                await self._disconnect()
+                await self._sleep(delay)
+                delay = min(delay * 2, RECONNECT_MAX)
+                polled = False
+                continue
+            except Exception as e:
+                # A defect must not stop serve, nor this source for good.
+                log.error(
+                    "outbox pass failed",
+                    extra={"source": self.name, "error": f"{type(e).__name__}: {e}"[:300]},
+                )
+                await self._sleep(RECONNECT_MAX)
+                continue
+            polled = not await self._sleep(self.src.poll)
+
+    async def _sleep(self, seconds: float) -> bool:
+        """True when woken (a notification, a stop) before `seconds` ran out."""
+        try:
+            await asyncio.wait_for(self._wake.wait(), seconds)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._wake.clear()
+
+    async def _pass(self) -> bool:
+        """One claim and its rows; True when the batch was full (more may be due now)."""
+        assert self._conn is not None
+        now = self.clock()
+        until = now + self.submitter.config.event_key.lease
+        claimed = await rows.claim(self._conn, self.src.table, now, until, self.src.batch)
+        if not claimed:
+            return False
+        turns = asyncio.Semaphore(CONCURRENCY)
+
+        async def one(row: Row) -> None:
+            async with turns:
+                written = await self._handle(row)
+            self._unwritten[row.id] = written
+            # The database may have gone meanwhile: the receipt waits for it (below).
+            with contextlib.suppress(psycopg.Error, OSError):
+                await self._flush_unwritten()
+
+        await asyncio.gather(*(one(r) for r in claimed))
+        self.counters.rows += len(claimed)
+        await self._flush_unwritten()
+        return len(claimed) >= self.src.batch
+
+    async def _flush_unwritten(self) -> None:
+        """Write every receipt waiting, in one transaction. Rows that finish while one
+        flush runs wait for the lock and go together in the next: a group commit."""
+        async with self._writing:
+            batch = dict(self._unwritten)
+            if not batch:
+                return
+            assert self._conn is not None
+            await rows.write(self._conn, self.src.table, batch, self.clock())
+            for row_id, w in batch.items():
+                if self._unwritten.get(row_id) is w:
+                    del self._unwritten[row_id]
+
+    async def _count(self) -> None:
+        now = self.clock()
+        if now - self._counted_at < COUNT_EVERY:
+            return
+        assert self._conn is not None
+        counts, oldest = await rows.counts(self._conn, self.src.table)
+        self._counted_at = now
+        self.on_counts(self.name, counts, None if oldest is None else max(now - oldest, 0.0))
+
+    # --- one row -------------------------------------------------------------------------
+    async def _handle(self, row: Row) -> Written:
+        if row.sg_id is not None:
+            followed = await self._follow(row)
+            if followed is not None:
+                return followed
+        principal, result = await submit_row(
+            self.submitter,
+            self.name,
+            self.src,
+            row.event_key,
+            row.message,
+            row.mail_from,
+            row.rcpt_to,
+            self.domains(),
+        )
+        self.on_result(principal, result)
+        now = self.clock()
+        r = policy.receipt(
+            result.decision,
+            result.reply,
+            now,
+            row.created_at,
+            self._max_age(row) if result.reply.temporary else float("inf"),
+            row.attempts,
+            self._retry(),
+            self.rng.random(),
+        )
+        keep = r.follow or r.done
+        return Written(
+            r.state,
+            str(result.reply),
+            result.sg_id if keep else None,
+            result.upstream_id if r.state is RowState.SENT else None,
+            r.next_attempt_at,
+            r.done,
+        )
+
+    async def _follow(self, row: Row) -> Written | None:
+        """A row whose own submission is its record's (held, or queued): the record says
+        what became of it. None: submit the row again (the ledger decides)."""
+        try:
+            record = await self.submitter.store.get(self.src.zone, row.event_key)
+        except StoreUnavailable:
+            return Written(row.state, None, row.sg_id, None, self.clock() + self._retry().follow_every, False)
+        state = policy.settled(record.state.value if record is not None else None)
+        if state is RowState.PENDING:
+            return None
+        if state is None:
+            return Written(row.state, None, row.sg_id, None, self.clock() + self._retry().follow_every, False)
+        assert record is not None
+        reply = str(record.reply) if record.reply is not None else None
+        return Written(state, reply, row.sg_id, record.upstream_id, None, True)
+
+    def _retry(self) -> Retry:
+        config = self.submitter.config
+        b = config.queue.backoff
+        follow = config.verdicts.every if config.verdicts is not None else 60.0
+        return Retry(b.base, b.max, config.event_key.min_retry_interval, min(follow, 60.0))
+
+    def _max_age(self, row: Row) -> float:
+        """The max_age of the row's message class (its class header, else the zone's or the
+        queue's default class), as a queued message of that class would have."""
+        config = self.submitter.config
+        q = config.queue
+        zone = config.zones.get(self.src.zone)
+        default = zone.default_class if zone is not None else None
+        limits = HeaderLimits(config.limits.max_header_size, config.limits.max_header_count)
+        parsed = parse(policy.wire_form(row.message), limits)
+        names = (
+            [] if isinstance(parsed, Reply) else class_names(parsed, q.class_header, default, q.default_class)
+        )
+        for name in names:
+            if name in q.classes:
+                return q.classes[name].max_age
+        return q.classes[q.default_class].max_age
+
+
+def readers(
+    submitter: Submitter,
+    clock: Callable[[], float],
+    on_result: Callable[[Principal, Result], None],
+    on_counts: Callable[[str, dict[str, int], float | None], None],
+    domains: Callable[[], RecipientDomains | None],
+) -> list[OutboxReader]:
+    """One reader per configured source, each with its password read now (a missing one
+    stops serve at start, naming the source, as a provider's does)."""
+    found = []
+    for name, src in submitter.config.outbox.items():
+        found.append(
+            OutboxReader(name, src, password_of(name, src), submitter, clock, on_result, on_counts, domains)
+        )
+    return found

@@ -1,0 +1,144 @@
+"""Every statement on an outbox table: claim due rows, write a receipt, count by state.
+
+Claims are short transactions: `FOR UPDATE SKIP LOCKED` picks due rows no other instance is
+claiming, and the claim itself is `next_attempt_at` pushed past the ledger lease. An
+instance killed with its claims simply lets them come due again; the ledger (not the row)
+decides whether anything is sent, so a second instance or a restart never sends twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from psycopg import AsyncConnection, sql
+from psycopg.rows import TupleRow
+
+from smtpguard.policy.outbox import RowState
+
+
+def stamp(epoch: float) -> datetime:
+    return datetime.fromtimestamp(epoch, UTC)
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    id: int
+    event_key: str
+    message: bytes
+    mail_from: str
+    rcpt_to: tuple[str, ...]
+    created_at: float
+    attempts: int
+    sg_id: str | None
+    state: RowState
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    state: RowState
+    reply: str | None
+    sg_id: str | None
+    upstream_id: str | None
+    next_attempt_at: float | None
+    done: bool
+
+
+_CLAIM = """
+WITH due AS (
+    SELECT id FROM {t}
+    WHERE state IN ('pending', 'held')
+      AND (next_attempt_at IS NULL OR next_attempt_at <= %(now)s)
+      AND (not_before IS NULL OR not_before <= %(now)s)
+    ORDER BY next_attempt_at NULLS FIRST, id
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {t} AS o
+SET next_attempt_at = %(until)s,
+    attempts = o.attempts + CASE WHEN o.sg_id IS NULL THEN 1 ELSE 0 END
+FROM due WHERE o.id = due.id
+RETURNING o.id, o.event_key, o.message, o.mail_from, o.rcpt_to, o.created_at, o.attempts, o.sg_id, o.state
+"""
+
+_RECEIPT = """
+UPDATE {t}
+SET state = %(state)s, reply = coalesce(%(reply)s, reply), sg_id = %(sg_id)s,
+    upstream_id = coalesce(%(upstream_id)s, upstream_id),
+    next_attempt_at = %(next)s, done_at = CASE WHEN %(done)s THEN %(now)s END
+WHERE id = %(id)s AND state IN ('pending', 'held')
+"""
+
+_COUNTS = """
+SELECT state, count(*),
+       min(greatest(created_at, not_before)) FILTER (WHERE state = 'pending')
+FROM {t} GROUP BY state
+"""
+
+
+def _q(template: str, table: str) -> sql.Composed:
+    return sql.SQL(template).format(t=sql.Identifier(table))
+
+
+async def claim(
+    conn: AsyncConnection[TupleRow], table: str, now: float, until: float, batch: int
+) -> list[Row]:
+    """Due rows, oldest first, claimed until `until` in one short transaction."""
+    async with conn.transaction():
+        cur = await conn.execute(
+            _q(_CLAIM, table), {"now": stamp(now), "until": stamp(until), "batch": batch}
+        )
+        found = await cur.fetchall()
+    return [
+        Row(
+            int(r[0]),
+            str(r[1]),
+            bytes(r[2]),
+            str(r[3]),
+            tuple(r[4] or ()),
+            r[5].timestamp(),
+            int(r[6]),
+            r[7],
+            RowState(r[8]),
+        )
+        for r in found
+    ]
+
+
+async def write(
+    conn: AsyncConnection[TupleRow], table: str, receipts: Mapping[int, Written], now: float
+) -> None:
+    """Receipts by row id, in one transaction (one commit for many rows: the drain rate is
+    not one fsync per row). A row that already holds a final receipt (another instance's,
+    written first) is left alone: a final receipt is never rewritten. A reply or upstream
+    id of None keeps the row's (a followed row that is still waiting)."""
+    params = [
+        {
+            "state": w.state.value,
+            "reply": w.reply,
+            "sg_id": w.sg_id,
+            "upstream_id": w.upstream_id,
+            "next": stamp(w.next_attempt_at) if w.next_attempt_at is not None else None,
+            "done": w.done,
+            "now": stamp(now),
+            "id": row_id,
+        }
+        for row_id, w in receipts.items()
+    ]
+    async with conn.transaction(), conn.cursor() as cur:
+        await cur.executemany(_q(_RECEIPT, table), params)
+
+
+async def counts(conn: AsyncConnection[TupleRow], table: str) -> tuple[dict[str, int], float | None]:
+    """Rows per state (every state named, 0 included) and when the longest-waiting pending
+    row became due: its created_at, or its not_before when that is later (mail scheduled
+    for tomorrow is not late today)."""
+    cur = await conn.execute(_q(_COUNTS, table))
+    out = {s.value: 0 for s in RowState}
+    oldest: float | None = None
+    for state, n, first in await cur.fetchall():
+        out[str(state)] = int(n)
+        if first is not None:
+            oldest = first.timestamp()
+    return out, oldest
