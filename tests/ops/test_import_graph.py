@@ -78,6 +78,9 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "recipient_domains": frozenset({"policy", "readiness", "replies"}),
     "verdicts": frozenset({"config", "policy", "verdict_config"}),
     "desk": frozenset({"class_pauses", "config", "policy", "store"}),
+    "receivers": frozenset(
+        {"class_pauses", "config", "metrics", "policy", "readiness", "replies", "store"}
+    ),
     # adapters: the wire in, the wire out, the queue, the provider events
     "relay": frozenset({"config", "policy", "provider_gate", "replies"}),
     "sink": frozenset({"config", "relay"}),
@@ -94,12 +97,15 @@ ALLOWED: Mapping[str, frozenset[str]] = {
         {"admission", "config", "desk", "http_listener", "passwords", "policy", "store", "turns"}
     ),
     "delivery": frozenset(
-        {"class_pauses", "config", "ids", "policy", "relay", "replies", "store", "submission"}
+        {
+            "class_pauses", "config", "ids", "policy", "receivers", "relay", "replies",
+            "store", "submission",
+        }
     ),
     "listener": frozenset(
         {
-            "config", "connection_table", "passwords", "policy", "recipient_domains",
-            "replies", "store", "submission", "turns",
+            "config", "connection_table", "passwords", "policy", "receivers",
+            "recipient_domains", "replies", "store", "submission", "turns",
         }
     ),
     "workers": frozenset({"connection_table", "heartbeat", "listener"}),
@@ -108,7 +114,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
         {
             "admission", "cap_alerts", "config", "console", "delivery", "events",
             "heartbeat", "listener", "metrics", "notify", "passwords", "policy",
-            "provider_gate", "readiness", "recipient_domains", "relay", "store",
+            "provider_gate", "readiness", "receivers", "recipient_domains", "relay", "store",
             "submission", "verdict_config", "verp", "workers",
         }
     ),
