@@ -24,6 +24,7 @@ from smtpguard.cli.context import (
     iso,
 )
 from smtpguard.config import Config
+from smtpguard.policy import receivers
 from smtpguard.policy.senders import address_problem, normalize_address
 from smtpguard.store import Store
 
@@ -32,8 +33,13 @@ def cmd_pause(args: argparse.Namespace, paused: bool = True) -> int:
     config = _config(args)
     zone = _zone(config, args.zone)
     message_class = getattr(args, "message_class", None)
+    receiver = getattr(args, "receiver", None)
+    if message_class is not None and receiver is not None:
+        raise UsageError("give --class or --receiver, not both")
     if message_class is not None:
         return _pause_class(config, zone, _class(config, message_class), paused, args.json)
+    if receiver is not None:
+        return _pause_receiver(config, zone, _receiver(config, receiver), paused, args.json)
 
     asyncio.run(_with_store(config, lambda store: desk.set_zone_paused(store, zone, paused, actor())))
     if args.json:
@@ -62,6 +68,27 @@ def _pause_class(config: Config, zone: str, message_class: str, paused: bool, as
         emit({"zone": zone, "class": message_class, "paused": paused})
         return 0
     print(f"class {message_class} of zone {zone} {'paused' if paused else 'resumed'}")
+    return 0
+
+
+def _receiver(config: Config, name: str) -> str:
+    wanted = name.strip().lower()
+    known = {*config.receiver_table(), receivers.OTHER}
+    if wanted in known:
+        return wanted
+    raise UsageError(f"unknown receiver {name!r} (configured: {', '.join(sorted(known))})")
+
+
+def _pause_receiver(config: Config, zone: str, receiver: str, paused: bool, as_json: bool) -> int:
+    """DESIGN.md §21: the zone's recipients of one receiving provider held on every instance
+    within a second."""
+    asyncio.run(
+        _with_store(config, lambda store: desk.set_receiver_paused(store, zone, receiver, paused, actor()))
+    )
+    if as_json:
+        emit({"zone": zone, "receiver": receiver, "paused": paused})
+        return 0
+    print(f"receiver {receiver} of zone {zone} {'paused' if paused else 'resumed'}")
     return 0
 
 
@@ -190,6 +217,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
         )
         if r["paused_classes"]:
             print(f"  paused classes: {', '.join(r['paused_classes'])}")
+        if r["paused_receivers"]:
+            print(f"  paused receivers: {', '.join(r['paused_receivers'])}")
+        for name, c in r["receivers"].items():
+            print(
+                f"  receiver {name}: sent {c['sent']}, delivered {c['delivered']}, deferred "
+                f"{c['deferred']}, bounces {c['bounce']}, complaints {c['complaint']}"
+            )
         for u in r["user_caps"]:
             print(
                 f"  user {u['username']}: hour {u['hour']['used']}/{u['hour']['limit']}, "

@@ -57,6 +57,26 @@ def receiver_of_control(name: str) -> str | None:
     return name[len(CONTROL_PREFIX) :] if name.startswith(CONTROL_PREFIX) else None
 
 
+def stat_name(receiver: str, kind: str) -> str:
+    """The store counter a receiver's sends (`sent`) or events are kept under."""
+    return f"receiver:{receiver}:{kind}"
+
+
+def receiver_counts(counts: Mapping[str, int]) -> dict[str, dict[str, int]]:
+    """The store's counters of one zone → receiver → {sent, delivered, deferred, bounce,
+    complaint}, for `stats`."""
+    out: dict[str, dict[str, int]] = {}
+    for name, n in counts.items():
+        receiver = receiver_of_control(name)
+        if receiver is None:
+            continue
+        rname, _, kind = receiver.partition(":")
+        if kind in EVENT_TYPES or kind == "sent":
+            row = out.setdefault(rname, dict.fromkeys(("sent", *sorted(EVENT_TYPES)), 0))
+            row[kind] += n
+    return dict(sorted(out.items()))
+
+
 def table(overrides: Mapping[str, Sequence[str]] | None) -> dict[str, tuple[str, ...]]:
     """The built-in receivers with the config's over them: a name given replaces that
     receiver's suffixes (`[]` removes it); a new name adds one."""

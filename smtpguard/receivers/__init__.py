@@ -20,12 +20,12 @@ from smtpguard.policy.receivers import Shaping
 from smtpguard.readiness.dns import DnsClient
 from smtpguard.receivers.gate import ReceiverGate
 from smtpguard.receivers.lookup import ReceiverLookup
-from smtpguard.receivers.watch import ReceiverWatch, receiver_counts, stat_name
+from smtpguard.receivers.watch import ReceiverWatch
 from smtpguard.replies import Reply
 from smtpguard.store import Store, StoreUnavailable
 from smtpguard.store.base import ZoneAudit
 
-__all__ = ["Receivers", "enabled", "receiver_counts", "stat_name"]
+__all__ = ["Receivers", "enabled"]
 
 log = logging.getLogger("smtpguard.receivers")
 

@@ -13,30 +13,9 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from smtpguard.metrics import Metrics
-from smtpguard.policy import receivers
-from smtpguard.policy.receivers import ALERT_KINDS, EVENT_TYPES, AlertCounts, AlertRule, Shaping
+from smtpguard.policy.receivers import ALERT_KINDS, EVENT_TYPES, AlertCounts, AlertRule, Shaping, stat_name
 
 log = logging.getLogger("smtpguard.receivers")
-
-
-def stat_name(receiver: str, kind: str) -> str:
-    """The store counter a receiver's sends (`sent`) or events are kept under."""
-    return f"receiver:{receiver}:{kind}"
-
-
-def receiver_counts(counts: Mapping[str, int]) -> dict[str, dict[str, int]]:
-    """The store's counters of one zone → receiver → {sent, delivered, deferred, bounce,
-    complaint}, for `stats`."""
-    out: dict[str, dict[str, int]] = {}
-    for name, n in counts.items():
-        receiver = receivers.receiver_of_control(name)
-        if receiver is None:
-            continue
-        rname, _, kind = receiver.partition(":")
-        if kind in EVENT_TYPES or kind == "sent":
-            row = out.setdefault(rname, dict.fromkeys(("sent", *sorted(EVENT_TYPES)), 0))
-            row[kind] += n
-    return dict(sorted(out.items()))
 
 
 class ReceiverWatch:
