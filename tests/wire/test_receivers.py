@@ -1,0 +1,307 @@
+"""Receiving providers (DESIGN.md §21) end to end: a real DNS server (NSD) serving MX records
+of each kind, a real listener, a real SMTP client and a recording upstream; sends and events
+counted per receiver, a receiver's max_rate and pause refusing only its recipients at RCPT,
+and DNS trouble that counts as `other` and never holds mail up."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from smtpguard.cli import main
+from smtpguard.metrics import Metrics
+from smtpguard.policy.receivers import control_name
+from tests.support import RedisServer, Upstream, base_config, message, running_guard, send, write_config
+from tests.support import events as ev
+from tests.support.dns import NsdServer, bad_resolver, nsd
+from tests.support.eventually import eventually
+
+RECORDS = [
+    "gm IN MX 5 aspmx.l.google.com.",
+    "gm IN MX 10 alt1.aspmx.l.google.com.",
+    "ms IN MX 10 ms-test.mail.protection.outlook.com.",
+    "yh IN MX 1 mta5.am0.yahoodns.net.",
+    "ap IN MX 10 mx01.mail.icloud.com.",
+    # No MX: the domain itself is matched (here by the config's own `corp` receiver).
+    "corp IN A 192.0.2.2",
+    "plain IN MX 10 mx.hosting.example.",
+    # A suffix matches whole labels: notgoogle.com is not google.com.
+    "fake IN MX 10 mx.notgoogle.com.",
+]
+
+RCPTS = {
+    "gmail": "a@gm.test",
+    "microsoft": "b@ms.test",
+    "yahoo": "c@yh.test",
+    "apple": "d@ap.test",
+    "corp": "e@corp.test",
+    "other": "f@plain.test",
+}
+
+
+@pytest.fixture(scope="module")
+def dns_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NsdServer]:
+    with nsd(tmp_path_factory.mktemp("dns"), "test", RECORDS, ttl=300, negative=60) as server:
+        yield server
+
+
+def receiving_config(tmp: Path, upstream: Upstream, nameserver: str, **more: Any) -> dict[str, Any]:
+    cfg = base_config(tmp, upstream.port, **more)
+    cfg["dns"] = {"nameservers": [nameserver], "timeout": "2s"}
+    cfg["receivers"] = {"corp": ["corp.test"]}
+    return cfg
+
+
+def sends(metrics: Metrics, zone: str, receiver: str) -> float:
+    return float(metrics.receiver_sends.labels(zone, receiver)._value.get())
+
+
+def events_of(metrics: Metrics, zone: str, receiver: str, kind: str) -> float:
+    return float(metrics.receiver_events.labels(zone, receiver, kind)._value.get())
+
+
+async def test_sends_are_counted_per_receiver(
+    tmp: Path, upstream: Upstream, dns_server: NsdServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = receiving_config(tmp, upstream, dns_server.nameserver)
+    path = tmp / "smtpguard.yaml"
+    async with running_guard(cfg, config_path=path) as guard:
+        recipients = [*RCPTS.values(), "g@fake.test"]
+        reply = await send(guard.ports[0], message("k1"), recipients=recipients)
+        assert reply.code == 250, reply
+        await upstream.wait_received(1)
+        assert upstream.received[0].rcpt_tos == recipients
+        assert len(upstream.received) == 1
+        counted = {r: sends(guard.metrics, "acme", r) for r in RCPTS}
+        assert counted == {"gmail": 1, "microsoft": 1, "yahoo": 1, "apple": 1, "corp": 1, "other": 2}
+        assert (
+            'smtpguard_receiver_sends_total{receiver="gmail",zone="acme"} 1.0'
+            in guard.metrics.render().decode()
+        )
+        # A duplicate of the delivered event sends nothing and counts nothing.
+        assert (await send(guard.ports[0], message("k1"), recipients=recipients)).code == 250
+        assert len(upstream.received) == 1
+        assert sends(guard.metrics, "acme", "gmail") == 1
+        # One MX lookup per domain: the count after DATA is served from RCPT's cache.
+        receivers = guard.assembly.receivers
+        assert receivers is not None and receivers.lookup.lookups == len(recipients)
+        # `stats` reads the fleet's counters from the store once they are flushed.
+        assert guard.store is not None
+        store = guard.store
+        await eventually(
+            lambda: store.counts("acme"),
+            lambda c: c.get("receiver:other:sent") == 2,
+            timeout=10,
+            interval=0.1,
+        )
+        assert await asyncio.to_thread(main, ["stats", "acme", "--json", "-c", str(path)]) == 0
+        row = json.loads(capsys.readouterr().out)["zones"][0]
+        assert row["receivers"]["gmail"]["sent"] == 1 and row["receivers"]["other"]["sent"] == 2
+        assert await asyncio.to_thread(main, ["stats", "acme", "-c", str(path)]) == 0
+        assert "receiver microsoft: sent 1, delivered 0" in capsys.readouterr().out
+
+
+def _instance(tmp: Path, upstream: Upstream, nameserver: str, url: str, name: str) -> dict[str, Any]:
+    cfg = receiving_config(tmp, upstream, nameserver, store__url=url, store__unsafe=True)
+    cfg["instance"] = name
+    # One microsoft recipient a minute, fleet-wide: the second within the test is over it.
+    cfg["zones"]["acme"]["receivers"] = {"microsoft": {"max_rate": "1/m"}}
+    return cfg
+
+
+async def test_max_rate_refuses_only_its_receivers_recipients_on_two_instances(
+    tmp: Path, upstream: Upstream, dns_server: NsdServer, redis_server: RedisServer
+) -> None:
+    url = redis_server.url.rsplit("/", 1)[0] + "/11"
+    plain = redis.Redis.from_url(url)
+    plain.flushdb()
+    try:
+        one = _instance(tmp, upstream, dns_server.nameserver, url, "i1")
+        two = _instance(tmp, upstream, dns_server.nameserver, url, "i2")
+        async with running_guard(one) as a, running_guard(two) as b:
+            first = await send(a.ports[0], message("k1"), recipients=["m1@ms.test", "g1@gm.test"])
+            assert first.code == 250, first
+            second = await send(b.ports[0], message("k2"), recipients=["m2@ms.test", "g2@gm.test"])
+            # The helper reports the refused recipient; the message went to the other.
+            assert second.code == 451 and second.text.startswith("4.7.1"), second
+            assert "microsoft" in second.text
+            await upstream.wait_received(2)
+            assert [r.rcpt_tos for r in upstream.received] == [["m1@ms.test", "g1@gm.test"], ["g2@gm.test"]]
+            # Through the first instance again: the slot is the fleet's, not the instance's.
+            third = await send(a.ports[0], message("k3"), recipients=["m3@ms.test"])
+            assert third.code == 451 and third.text.startswith("4.7.1"), third
+            assert len(upstream.received) == 2
+            assert sends(a.metrics, "acme", "microsoft") + sends(b.metrics, "acme", "microsoft") == 1
+            assert sends(b.metrics, "acme", "gmail") == 1
+    finally:
+        plain.flushdb()
+        plain.close()
+
+
+async def test_pause_and_resume_by_the_cli_reach_a_running_serve(
+    tmp: Path, upstream: Upstream, dns_server: NsdServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = receiving_config(tmp, upstream, dns_server.nameserver)
+    path = tmp / "smtpguard.yaml"
+    async with running_guard(cfg, config_path=path) as guard:
+        port = guard.ports[0]
+        assert await asyncio.to_thread(main, ["pause", "acme", "--receiver", "yahoo", "-c", str(path)]) == 0
+        assert "receiver yahoo of zone acme paused" in capsys.readouterr().out
+        n = iter(range(100))
+
+        async def to_yahoo() -> Any:
+            return await send(port, message(f"y{next(n)}"), recipients=["y@yh.test", "g@gm.test"])
+
+        held = await eventually(to_yahoo, lambda r: r.code == 451, timeout=5, interval=0.1)
+        assert held.code == 451 and held.text.startswith("4.7.1") and "paused" in held.text, held
+        # The gmail recipient of the same transaction went through, and nothing to yahoo.
+        assert all("y@yh.test" not in r.rcpt_tos for r in upstream.received[-1:])
+        assert upstream.received[-1].rcpt_tos == ["g@gm.test"]
+        assert await asyncio.to_thread(main, ["resume", "acme", "--receiver", "yahoo", "-c", str(path)]) == 0
+        back = await eventually(to_yahoo, lambda r: r.code == 250, timeout=5, interval=0.1)
+        assert back.code == 250, back
+        assert upstream.received[-1].rcpt_tos == ["y@yh.test", "g@gm.test"]
+        assert guard.store is not None
+        audit = [(e.action, e.key) for e in await guard.store.audit_log("acme", 0)]
+        assert ("pause:receiver", "yahoo") in audit and ("resume:receiver", "yahoo") in audit
+        assert await guard.store.paused_classes() == set()
+        # Unknown receiver names are a usage error naming the known ones.
+        assert main(["pause", "acme", "--receiver", "aol", "-c", str(path)]) == 2
+        assert "unknown receiver 'aol'" in capsys.readouterr().err
+
+
+async def test_a_receiver_paused_in_config_holds_its_recipients(
+    tmp: Path, upstream: Upstream, dns_server: NsdServer
+) -> None:
+    cfg = receiving_config(tmp, upstream, dns_server.nameserver)
+    cfg["zones"]["acme"]["receivers"] = {"yahoo": {"paused": True}}
+    async with running_guard(cfg) as guard:
+        only = await send(guard.ports[0], message("k1"), recipients=["y@yh.test"])
+        assert only.code == 451 and only.text.startswith("4.7.1"), only
+        both = await send(guard.ports[0], message("k2"), recipients=["y@yh.test", "m@ms.test"])
+        assert both.code == 451, both
+        await upstream.wait_received(1)
+        assert [r.rcpt_tos for r in upstream.received] == [["m@ms.test"]]
+
+
+async def test_queue_mode_holds_a_paused_receivers_entry_until_resumed(
+    tmp: Path, upstream: Upstream, dns_server: NsdServer
+) -> None:
+    cfg = receiving_config(tmp, upstream, dns_server.nameserver, zones__acme__delivery="queue")
+    async with running_guard(cfg) as guard:
+        assert guard.store is not None
+        await guard.store.set_class_paused("acme", control_name("yahoo"), True)
+        receivers = guard.assembly.receivers
+        assert receivers is not None
+        await receivers.gate._pauses.paused()  # the copy every RCPT reads, fresh
+        queued = await send(guard.ports[0], message("k1"), recipients=["y@yh.test"])
+        assert queued.code == 250 and "queued" in queued.text, queued
+        other = await send(guard.ports[0], message("k2"), recipients=["g@gm.test"])
+        assert other.code == 250, other
+        # The gmail entry goes; the yahoo one waits in the lane, nothing sent for it.
+        await upstream.wait_received(1)
+        assert upstream.received[0].rcpt_tos == ["g@gm.test"]
+        rec = await guard.store.get("acme", "k1")
+        assert rec is not None and rec.state.value == "queued"
+        await guard.store.set_class_paused("acme", control_name("yahoo"), False)
+        await upstream.wait_received(2, timeout=15)
+        assert [r.rcpt_tos for r in upstream.received] == [["g@gm.test"], ["y@yh.test"]]
+
+
+@pytest.fixture
+def keys(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> ev.Keys:
+    k = ev.Keys.make(tmp)
+    for name, value in k.env().items():
+        monkeypatch.setenv(name, value)
+    return k
+
+
+async def test_provider_events_are_counted_per_receiver(
+    tmp: Path, upstream: Upstream, dns_server: NsdServer, keys: ev.Keys
+) -> None:
+    cfg = receiving_config(tmp, upstream, dns_server.nameserver)
+    cfg["events"] = {"address": "127.0.0.1:0", "sources": {"mailgun": keys.sources()["mailgun"]}}
+    async with running_guard(cfg) as guard:
+        assert (await send(guard.ports[0], message("k1"), recipients=["m@ms.test"])).code == 250
+        assert (await send(guard.ports[0], message("k2"), recipients=["g@gm.test"])).code == 250
+        await upstream.wait_received(2)
+        ms_id, gm_id = (r.header("Message-ID") for r in upstream.received)
+        assert guard.events is not None
+        port = guard.events.port
+        bounce = ev.mailgun(keys, ev.mailgun_event("failed", "m@ms.test", ms_id, severity="permanent"))
+        complaint = ev.mailgun(keys, ev.mailgun_event("complained", "g@gm.test", gm_id))
+        delivered = ev.mailgun(keys, ev.mailgun_event("delivered", "g@gm.test", gm_id))
+        for signed in (bounce, complaint, delivered, bounce):  # the bounce twice: applied once
+            status, _ = await ev.post(port, "mailgun", signed)
+            assert status == 200
+        got = {
+            (r, k): events_of(guard.metrics, "acme", r, k)
+            for r, k in (("microsoft", "bounce"), ("gmail", "complaint"), ("gmail", "delivered"))
+        }
+        assert got == {("microsoft", "bounce"): 1, ("gmail", "complaint"): 1, ("gmail", "delivered"): 1}
+        assert events_of(guard.metrics, "acme", "gmail", "bounce") == 0
+        assert len(upstream.received) == 2
+
+
+async def test_dns_down_counts_other_and_mail_flows(tmp: Path, upstream: Upstream) -> None:
+    with bad_resolver(silent=True) as resolver:
+        cfg = base_config(tmp, upstream.port)
+        cfg["dns"] = {"nameservers": [resolver.nameserver], "timeout": "300ms"}
+        cfg["receivers"] = {}
+        cfg["zones"]["acme"]["receivers"] = {"gmail": {"max_rate": "1/h"}, "other": {"paused": False}}
+        async with running_guard(cfg) as guard:
+            receivers = guard.assembly.receivers
+            assert receivers is not None
+            # The RCPT's wait is the resolver's lifetime, set from dns.timeout.
+            assert receivers.lookup.dns.timeout == 0.3
+            assert receivers.lookup.dns._resolver.lifetime == 0.3
+            for key in ("k1", "k2"):
+                reply = await send(guard.ports[0], message(key), recipients=["a@gm.test", "b@gm.test"])
+                assert reply.code == 250, reply
+            await upstream.wait_received(2)
+            assert [r.rcpt_tos for r in upstream.received] == [["a@gm.test", "b@gm.test"]] * 2
+            assert resolver.queries >= 1
+            # Timed out once, then `other` from the cache for TROUBLE_TTL: one lookup.
+            assert receivers.lookup.lookups == 1 and receivers.lookup.troubles == 1
+            assert sends(guard.metrics, "acme", "other") == 4
+            assert sends(guard.metrics, "acme", "gmail") == 0
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "expected"),
+    [
+        (
+            ("zones", "acme", "receivers", "microsoft", "max_rate"),
+            "5/q",
+            "zones.acme.receivers.microsoft.max_rate (line",
+        ),
+        (("zones", "acme", "receivers", "yahoo", "paused"), "yes", "zones.acme.receivers.yahoo.paused (line"),
+        (("zones", "acme", "receivers", "aol"), {"paused": True}, "zones.acme.receivers.aol (line"),
+        (
+            ("zones", "acme", "receivers", "gmail", "alert", "complaint_rate"),
+            "2 percent",
+            "complaint_rate (line",
+        ),
+        (("receivers", "microsoft"), "outlook.com", "receivers.microsoft (line"),
+        (("receivers", "Other"), ["x.example"], "receivers.Other (line"),
+    ],
+    ids=["max_rate", "paused", "unknown-receiver", "share", "suffixes-not-a-list", "bad-name"],
+)
+def test_bad_receiver_settings_name_their_path_and_line(
+    tmp: Path, where: tuple[str, ...], value: Any, expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = base_config(tmp, 2525)
+    node = cfg
+    for part in where[:-1]:
+        node = node.setdefault(part, {})
+    node[where[-1]] = value
+    path = write_config(tmp / "bad.yaml", cfg)
+    assert main(["check-config", "-c", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert expected in err, err
