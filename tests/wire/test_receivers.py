@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,16 @@ import redis
 from smtpguard.cli import main
 from smtpguard.metrics import Metrics
 from smtpguard.policy.receivers import control_name
-from tests.support import RedisServer, Upstream, base_config, message, running_guard, send, write_config
+from tests.support import (
+    FakeClock,
+    RedisServer,
+    Upstream,
+    base_config,
+    message,
+    running_guard,
+    send,
+    write_config,
+)
 from tests.support import events as ev
 from tests.support.dns import NsdServer, bad_resolver, nsd
 from tests.support.eventually import eventually
@@ -273,6 +283,9 @@ async def test_dns_down_counts_other_and_mail_flows(tmp: Path, upstream: Upstrea
             assert sends(guard.metrics, "acme", "gmail") == 0
 
 
+ZR = "zones.acme.receivers."
+
+
 @pytest.mark.parametrize(
     ("where", "value", "expected"),
     [
@@ -305,3 +318,47 @@ def test_bad_receiver_settings_name_their_path_and_line(
     assert main(["check-config", "-c", str(path)]) == 1
     err = capsys.readouterr().err
     assert expected in err, err
+
+
+async def test_an_alert_warns_once_per_window_and_sets_its_gauge(
+    tmp: Path, upstream: Upstream, dns_server: NsdServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = receiving_config(tmp, upstream, dns_server.nameserver)
+    cfg["zones"]["acme"]["receivers"] = {"gmail": {"alert": {"complaint_rate": "50%", "window": "1h"}}}
+    clock = FakeClock()
+    clock.t = (clock.t // 3600) * 3600 + 60  # a minute into a window
+    caplog.set_level(logging.WARNING, "smtpguard.receivers")
+
+    def warnings() -> int:
+        return sum(
+            1
+            for r in caplog.records
+            if r.name == "smtpguard.receivers" and "complaint_rate" in r.getMessage()
+        )
+
+    def gauge(guard: Any) -> float:
+        return float(guard.metrics.receiver_alert.labels("acme", "gmail", "complaint_rate")._value.get())
+
+    async with running_guard(cfg, clock=clock) as guard:
+        n = iter(range(100))
+
+        async def two_sends() -> None:
+            for _ in range(2):
+                assert (
+                    await send(guard.ports[0], message(f"k{next(n)}"), recipients=["g@gm.test"])
+                ).code == 250
+
+        await two_sends()
+        assert len(upstream.received) == 2
+        # The one function the events applier calls: 1 complaint in 2 sends is 50%.
+        guard._receiver_event("acme", "g@gm.test", "complaint")
+        assert warnings() == 1 and gauge(guard) == 1
+        guard._receiver_event("acme", "g@gm.test", "complaint")
+        await two_sends()
+        assert warnings() == 1  # the same window: no second warning, however often crossed
+        clock.t += 3600  # the next window
+        await two_sends()
+        assert gauge(guard) == 0 and warnings() == 1
+        guard._receiver_event("acme", "g@gm.test", "complaint")
+        assert warnings() == 2 and gauge(guard) == 1
+        assert len(upstream.received) == 6
