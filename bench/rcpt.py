@@ -1,7 +1,9 @@
-"""The RCPT recipient-domain check's cost (`recipient_domains: check`, DESIGN.md §12): the
-same RCPT load through `python -m smtpguard serve` with the check off, on with every
-domain already cached, and on with every RCPT a domain not seen before (one DNS lookup to
-a local NSD each), side by side in one run, with each row's ratio to `off`.
+"""The RCPT cost of DNS at RCPT: the recipient-domain check (`recipient_domains: check`,
+DESIGN.md §12) and the receiver lookup (`receivers:`, §21). The same RCPT load through
+`python -m smtpguard serve` with both off, the check on with every domain already cached
+and with every RCPT a domain not seen before (one DNS lookup to a local NSD each), and the
+receiver lookup on (check off), cached and uncached, side by side in one run, with each
+row's ratio to `off`.
 
     .venv/bin/python -m bench.rcpt                   # 10 sessions, 3 s per scenario
     .venv/bin/python -m bench.rcpt --quick           # 1 s per scenario
@@ -53,7 +55,7 @@ cached IN MX 10 mx.{ORIGIN}.
 *.fresh IN MX 10 mx.{ORIGIN}.
 mx IN A 127.0.0.1
 """
-SCENARIOS = ("off", "on-cached", "on-uncached")
+SCENARIOS = ("off", "on-cached", "on-uncached", "receivers-cached", "receivers-uncached")
 
 
 def start_nsd(tmp: Path) -> tuple[Proc, int]:
@@ -104,7 +106,7 @@ async def measure(port: int, pid: int, scenario: str, args: argparse.Namespace) 
 
     def address() -> bytes:
         n = next(counter)
-        if scenario == "on-cached":
+        if scenario.endswith("-cached"):
             return f"RCPT TO:<u{n}@cached.{ORIGIN}>\r\n".encode()
         return f"RCPT TO:<u@d{n}.fresh.{ORIGIN}>\r\n".encode()
 
@@ -154,7 +156,11 @@ def config(port: int, dns_port: int, scenario: str, store_url: str) -> dict[str,
     cfg = guard_config(port, free_port(), store_url, pool_size=1, limits={"max_recipients": 1000})
     cfg["dns"] = {"nameservers": [f"127.0.0.1:{dns_port}"], "timeout": "2s"}
     zone = next(iter(cfg["zones"].values()))
-    zone["recipient_domains"] = "off" if scenario == "off" else "check"
+    zone["recipient_domains"] = "check" if scenario.startswith("on-") else "off"
+    if scenario.startswith("receivers-"):
+        # The built-in receivers, and a max_rate no RCPT reaches: the whole decision is made.
+        cfg["receivers"] = {}
+        zone["receivers"] = {"gmail": {"max_rate": "1000000/s"}}
     return cfg
 
 
@@ -204,11 +210,37 @@ def micro(dns_port: int, n: int = 20000) -> dict[str, float]:
             await checker.refusal(f"u@m{i}.fresh.{ORIGIN}")
         return (time.process_time() - started) / m * 1e6
 
+    from smtpguard.receivers.lookup import ReceiverLookup
+
+    lookup = ReceiverLookup(checker.dns, config_receivers())
+
+    async def receivers_cached() -> float:
+        await lookup.receiver(f"warm@cached.{ORIGIN}")
+        started = time.process_time()
+        for i in range(n):
+            await lookup.receiver(f"u{i}@cached.{ORIGIN}")
+        return (time.process_time() - started) / n * 1e6
+
+    async def receivers_uncached() -> float:
+        m = 300
+        started = time.process_time()
+        for i in range(m):
+            await lookup.receiver(f"u@r{i}.fresh.{ORIGIN}")
+        return (time.process_time() - started) / m * 1e6
+
     return {
         "off_test_ns": off_ns,
         "cached_us": asyncio.run(cached()),
         "uncached_us": asyncio.run(uncached()),
+        "receivers_cached_us": asyncio.run(receivers_cached()),
+        "receivers_uncached_us": asyncio.run(receivers_uncached()),
     }
+
+
+def config_receivers() -> dict[str, tuple[str, ...]]:
+    from smtpguard.policy.receivers import table
+
+    return table(None)
 
 
 def main() -> None:
@@ -239,7 +271,7 @@ def main() -> None:
     base = rows.get("off")
     print(f"{args.sessions} sessions, {args.rcpts} RCPTs per MAIL, {args.duration:g} s per scenario")
     print(
-        f"{'scenario':14} {'RCPT/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'cpu µs/RCPT':>12} {'refused':>8}"
+        f"{'scenario':18} {'RCPT/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'cpu µs/RCPT':>12} {'refused':>8}"
         f" {'x off RCPT/s':>13} {'x off cpu':>10}"
     )
     for s in scenarios:
@@ -248,7 +280,7 @@ def main() -> None:
         cpu_ratio = r["cpu_us_per_rcpt"] / base["cpu_us_per_rcpt"] if base else float("nan")
         r["ratios"] = {"rcpt_s_vs_off": ratio, "cpu_vs_off": cpu_ratio}
         print(
-            f"{s:14} {r['rcpt_s']:>9.0f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f}"
+            f"{s:18} {r['rcpt_s']:>9.0f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f}"
             f" {r['cpu_us_per_rcpt']:>12.0f}"
             f" {r['refused']:>8} {ratio:>13.2f} {cpu_ratio:>10.2f}"
         )
@@ -258,6 +290,10 @@ def main() -> None:
         f"({costs['off_test_ns'] / 1000 / off_cpu * 100:.3f}% of a served RCPT's {off_cpu:.0f} µs); "
         f"on, cached {costs['cached_us']:.1f} µs; on, uncached {costs['uncached_us']:.0f} µs "
         "(one MX lookup to NSD through dnspython)"
+    )
+    print(
+        f"in-process CPU per RCPT, receiver lookup: cached {costs['receivers_cached_us']:.1f} µs; "
+        f"uncached {costs['receivers_uncached_us']:.0f} µs"
     )
     path = write_result(
         "rcpt",
