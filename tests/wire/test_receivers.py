@@ -362,3 +362,65 @@ async def test_an_alert_warns_once_per_window_and_sets_its_gauge(
         guard._receiver_event("acme", "g@gm.test", "complaint")
         assert warnings() == 2 and gauge(guard) == 1
         assert len(upstream.received) == 6
+
+
+async def test_queue_mode_waits_for_a_receivers_max_rate(
+    tmp: Path, upstream: Upstream, dns_server: NsdServer
+) -> None:
+    cfg = receiving_config(tmp, upstream, dns_server.nameserver, zones__acme__delivery="queue")
+    cfg["zones"]["acme"]["receivers"] = {"microsoft": {"max_rate": "1/m"}}
+    async with running_guard(cfg) as guard:
+        assert guard.store is not None
+        store = guard.store
+        for key, rcpt in (("k1", "m1@ms.test"), ("k2", "m2@ms.test")):
+            reply = await send(guard.ports[0], message(key), recipients=[rcpt])
+            assert reply.code == 250 and "queued" in reply.text, reply  # accepted, not 451
+        await upstream.wait_received(1)
+
+        async def second() -> Any:
+            return await store.get("acme", "k2")
+
+        # The second entry is given back to its lane until the receiver's next slot (~1 min).
+        held = await eventually(
+            second,
+            lambda r: (
+                r is not None and r.next_attempt_at is not None and r.next_attempt_at > store.now() + 30
+            ),
+            timeout=10,
+            interval=0.1,
+        )
+        assert held is not None and held.state.value == "queued" and held.attempts == ()
+        assert held.next_attempt_at is not None and held.next_attempt_at > store.now() + 30
+        assert [r.rcpt_tos for r in upstream.received] == [["m1@ms.test"]]
+
+
+async def test_on_alert_pause_holds_the_receiver_through_the_store(
+    tmp: Path, upstream: Upstream, dns_server: NsdServer
+) -> None:
+    cfg = receiving_config(tmp, upstream, dns_server.nameserver)
+    alert = {"complaint_rate": "50%", "window": "1h"}
+    cfg["zones"]["acme"]["receivers"] = {
+        "gmail": {"alert": alert, "on_alert": "pause"},
+        "microsoft": {"alert": alert, "on_alert": "slow", "max_rate": "10/s"},
+    }
+    async with running_guard(cfg) as guard:
+        assert guard.store is not None
+        store = guard.store
+        assert (await send(guard.ports[0], message("k1"), recipients=["g@gm.test", "m@ms.test"])).code == 250
+        guard._receiver_event("acme", "g@gm.test", "complaint")
+        guard._receiver_event("acme", "m@ms.test", "complaint")
+        pairs = await eventually(store.paused_classes, timeout=5, interval=0.05)
+        assert pairs == {("acme", control_name("gmail"))}
+        audit = [(a.actor, a.action, a.key) for a in await store.audit_log("acme", 0)]
+        assert audit == [("alert", "pause:receiver", "gmail")]
+        # `slow` halves microsoft's rate until its window ends (no store write, no pause).
+        receivers = guard.assembly.receivers
+        assert receivers is not None
+        until = receivers.gate.slowed[("acme", "microsoft")]
+        assert until % 3600 == 0 and 0 < until - guard.clock() <= 3600
+        # This instance's copy of the controls is at most half a second old.
+        seen = await eventually(lambda: receivers.gate.paused("acme", "gmail"), timeout=5, interval=0.05)
+        assert seen
+        held = await send(guard.ports[0], message("k2"), recipients=["g@gm.test"])
+        assert held.code == 451 and held.text.startswith("4.7.1"), held
+        assert len(upstream.received) == 1
