@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from tests.support import (
     write_config,
 )
 from tests.support import events as ev
+from tests.support.console import Operator, console_config, console_port
 from tests.support.dns import NsdServer, bad_resolver, nsd
 from tests.support.eventually import eventually
 
@@ -424,3 +426,55 @@ async def test_on_alert_pause_holds_the_receiver_through_the_store(
         held = await send(guard.ports[0], message("k2"), recipients=["g@gm.test"])
         assert held.code == 451 and held.text.startswith("4.7.1"), held
         assert len(upstream.received) == 1
+
+
+async def test_a_reload_turns_receivers_on_and_changes_their_settings(
+    tmp: Path, upstream: Upstream, dns_server: NsdServer
+) -> None:
+    cfg = base_config(tmp, upstream.port)
+    cfg["dns"] = {"nameservers": [dns_server.nameserver], "timeout": "2s"}
+    path = tmp / "smtpguard.yaml"
+    async with running_guard(cfg, config_path=path) as guard:
+        assert guard.handler is not None and guard.handler.receivers is None  # off: no lookups
+        assert (await send(guard.ports[0], message("k1"), recipients=["y@yh.test"])).code == 250
+        cfg["zones"]["acme"]["receivers"] = {"yahoo": {"paused": True}}
+        write_config(path, cfg)
+        assert await guard.reload()
+        first = guard.handler.receivers
+        assert first is not None and guard.worker is not None and guard.worker.receivers is first
+        held = await send(guard.ports[0], message("k2"), recipients=["y@yh.test"])
+        assert held.code == 451 and held.text.startswith("4.7.1"), held
+        cfg["zones"]["acme"]["receivers"] = {"yahoo": {"paused": False}}
+        write_config(path, cfg)
+        assert await guard.reload()
+        assert guard.handler.receivers is first  # kept: its MX cache and alert windows stay
+        assert (await send(guard.ports[0], message("k3"), recipients=["y@yh.test"])).code == 250
+        await upstream.wait_received(2)
+        assert [r.rcpt_tos for r in upstream.received] == [["y@yh.test"], ["y@yh.test"]]
+        assert sends(guard.metrics, "acme", "yahoo") == 1  # counted once watching was on
+
+
+async def test_the_console_shows_each_zones_receivers(
+    tmp: Path, upstream: Upstream, dns_server: NsdServer
+) -> None:
+    cfg = console_config(tmp, upstream)
+    cfg["dns"] = {"nameservers": [dns_server.nameserver], "timeout": "2s"}
+    cfg["zones"]["acme"]["receivers"] = {"yahoo": {"paused": True}}
+    async with running_guard(cfg) as guard:
+        assert (await send(guard.ports[0], message("k1"), recipients=["g@gm.test", "m@ms.test"])).code == 250
+        assert guard.store is not None
+        store = guard.store
+        flushed = await eventually(
+            lambda: store.counts("acme"), lambda c: "receiver:gmail:sent" in c, timeout=10, interval=0.1
+        )
+        assert flushed["receiver:gmail:sent"] == 1
+        alice = Operator(console_port(guard))
+        try:
+            assert (await alice.login("alice")).status == 200
+            page = (await alice.get("/")).text
+        finally:
+            await alice.close()
+        assert 'data-receivers="acme"' in page and 'data-receivers="globex"' not in page
+        assert re.search(r'data-receiver="gmail">.*?data-count="sent">1<', page, re.S)
+        assert re.search(r'data-receiver="microsoft">.*?data-count="sent">1<', page, re.S)
+        assert 'data-paused-receiver="yahoo"' in page
