@@ -7,7 +7,7 @@ import asyncio
 import csv
 import io
 import sys
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,14 +60,24 @@ def _class(config: Config, name: str) -> str:
 
 def _pause_class(config: Config, zone: str, message_class: str, paused: bool, as_json: bool) -> int:
     """DESIGN.md §16: one class of the zone held on every instance within a second."""
-
-    asyncio.run(
-        _with_store(config, lambda store: desk.set_class_paused(store, zone, message_class, paused, actor()))
+    return _pause_one(
+        config,
+        lambda store: desk.set_class_paused(store, zone, message_class, paused, actor()),
+        {"zone": zone, "class": message_class, "paused": paused},
+        f"class {message_class} of zone {zone}",
+        as_json,
     )
+
+
+def _pause_one(
+    config: Config, change: Callable[[Store], Awaitable[None]], doc: dict[str, Any], what: str, as_json: bool
+) -> int:
+    """A pause or resume of part of a zone: through the store, then said (`doc` with --json)."""
+    asyncio.run(_with_store(config, change))
     if as_json:
-        emit({"zone": zone, "class": message_class, "paused": paused})
+        emit(doc)
         return 0
-    print(f"class {message_class} of zone {zone} {'paused' if paused else 'resumed'}")
+    print(f"{what} {'paused' if doc['paused'] else 'resumed'}")
     return 0
 
 
@@ -82,14 +92,13 @@ def _receiver(config: Config, name: str) -> str:
 def _pause_receiver(config: Config, zone: str, receiver: str, paused: bool, as_json: bool) -> int:
     """DESIGN.md §21: the zone's recipients of one receiving provider held on every instance
     within a second."""
-    asyncio.run(
-        _with_store(config, lambda store: desk.set_receiver_paused(store, zone, receiver, paused, actor()))
+    return _pause_one(
+        config,
+        lambda store: desk.set_receiver_paused(store, zone, receiver, paused, actor()),
+        {"zone": zone, "receiver": receiver, "paused": paused},
+        f"receiver {receiver} of zone {zone}",
+        as_json,
     )
-    if as_json:
-        emit({"zone": zone, "receiver": receiver, "paused": paused})
-        return 0
-    print(f"receiver {receiver} of zone {zone} {'paused' if paused else 'resumed'}")
-    return 0
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
