@@ -170,12 +170,16 @@ async def set_class_paused(store: Store, zone: str, message_class: str, paused: 
     await store.set_class_paused(zone, message_class, paused)
     await audit(store, zone, actor, "pause:class" if paused else "resume:class", message_class)
     if not paused:
-        # Queued entries held while paused come back now, not when their hold ends; once
-        # more after every instance has read the resume, for an entry an instance held
-        # on its last look at the pause.
-        await class_pauses.wake_held(store, zone, message_class, store.now())
-        await asyncio.sleep(class_pauses.REFRESH * 2)
-        await class_pauses.wake_held(store, zone, message_class, store.now())
+        await _wake_after_resume(store, zone, message_class)
+
+
+async def _wake_after_resume(store: Store, zone: str, message_class: str | None) -> None:
+    # Queued entries held while paused come back now, not when their hold ends; once more
+    # after every instance has read the resume, for an entry an instance held on its last
+    # look at the pause.
+    await class_pauses.wake_held(store, zone, message_class, store.now())
+    await asyncio.sleep(class_pauses.REFRESH * 2)
+    await class_pauses.wake_held(store, zone, message_class, store.now())
 
 
 async def set_receiver_paused(store: Store, zone: str, receiver: str, paused: bool, actor: str) -> None:
@@ -183,6 +187,10 @@ async def set_receiver_paused(store: Store, zone: str, receiver: str, paused: bo
     within a second, kept beside the class pauses (policy/receivers.py)."""
     await store.set_class_paused(zone, receivers.control_name(receiver), paused)
     await audit(store, zone, actor, "pause:receiver" if paused else "resume:receiver", receiver)
+    if not paused:
+        # The receiver's entries may sit in any lane: every held entry of the zone due within
+        # the hold is woken (one that is held for another reason is held again at its claim).
+        await _wake_after_resume(store, zone, None)
 
 
 def split_controls(pairs: set[tuple[str, str]], zone: str) -> tuple[list[str], list[str]]:

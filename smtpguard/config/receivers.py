@@ -82,6 +82,11 @@ class ReceiverShaping(_Strict):
 
 
 def _suffixes(value: object) -> object:
+    if isinstance(value, dict):
+        raise ValueError(
+            "expected a list of MX host suffixes, e.g. [google.com, googlemail.com]; "
+            "max_rate, paused and alert go under zones.ZONE.receivers"
+        )
     if not isinstance(value, list):
         raise ValueError("expected a list of MX host suffixes, e.g. [google.com, googlemail.com]")
     out = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 
-from smtpguard.class_pauses import ClassPauses
+from smtpguard.class_pauses import HOLD, ClassPauses
 from smtpguard.policy import receivers
 from smtpguard.policy.receivers import RCPT_BURST, Shaping
 from smtpguard.replies import Reply
@@ -20,8 +20,10 @@ from smtpguard.store import Store, StoreUnavailable
 
 log = logging.getLogger("smtpguard.receivers")
 
-PAUSE_HOLD = 5.0
-"""Seconds a queued entry held by a paused receiver waits before it is looked at again."""
+PAUSE_HOLD = HOLD
+"""Seconds a queued entry held by a paused receiver waits before it is looked at again: a
+class pause's (a paused receiver may hold a large backlog); `resume --receiver` wakes the
+held entries at once."""
 
 
 def slot_name(zone: str, receiver: str) -> str:

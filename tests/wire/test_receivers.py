@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import redis
 
+from smtpguard import desk
 from smtpguard.cli import main
 from smtpguard.metrics import Metrics
 from smtpguard.policy.receivers import control_name
@@ -221,8 +222,9 @@ async def test_queue_mode_holds_a_paused_receivers_entry_until_resumed(
         assert upstream.received[0].rcpt_tos == ["g@gm.test"]
         rec = await guard.store.get("acme", "k1")
         assert rec is not None and rec.state.value == "queued"
-        await guard.store.set_class_paused("acme", control_name("yahoo"), False)
-        await upstream.wait_received(2, timeout=15)
+        # Resumed as the CLI does it: the held entry is woken, not left for its 30 s hold.
+        await desk.set_receiver_paused(guard.store, "acme", "yahoo", False, "cli:test")
+        await upstream.wait_received(2, timeout=10)
         assert [r.rcpt_tos for r in upstream.received] == [["g@gm.test"], ["y@yh.test"]]
 
 
@@ -304,9 +306,18 @@ ZR = "zones.acme.receivers."
             "complaint_rate (line",
         ),
         (("receivers", "microsoft"), "outlook.com", "receivers.microsoft (line"),
+        (("receivers", "microsoft", "max_rate"), "5/s", "go under zones.ZONE.receivers"),
         (("receivers", "Other"), ["x.example"], "receivers.Other (line"),
     ],
-    ids=["max_rate", "paused", "unknown-receiver", "share", "suffixes-not-a-list", "bad-name"],
+    ids=[
+        "max_rate",
+        "paused",
+        "unknown-receiver",
+        "share",
+        "suffixes-not-a-list",
+        "shaping-at-top",
+        "bad-name",
+    ],
 )
 def test_bad_receiver_settings_name_their_path_and_line(
     tmp: Path, where: tuple[str, ...], value: Any, expected: str, capsys: pytest.CaptureFixture[str]
