@@ -177,7 +177,7 @@ def run_scenario(
         guard.stop()
 
 
-def micro(dns_port: int, n: int = 20000) -> dict[str, float]:
+def micro(dns_port: int, tmp: Path, n: int = 20000) -> dict[str, float]:
     """The check's own cost, in this process, without the SMTP session around it: the test
     the listener makes when the check is off, `RecipientDomains.refusal` and the receiver
     lookup (`ReceiverLookup.receiver`) on a cached domain and on fresh ones — CPU numbers
@@ -218,13 +218,35 @@ def micro(dns_port: int, n: int = 20000) -> dict[str, float]:
 
     check = asyncio.run(per_call(checker.refusal, "m"))
     receiver = asyncio.run(per_call(lookup.receiver, "r"))
+    shaped = asyncio.run(shaping(lookup, tmp, n))
     return {
         "off_test_ns": off_ns,
         "cached_us": check[0],
         "uncached_us": check[1],
         "receivers_cached_us": receiver[0],
         "receivers_uncached_us": receiver[1],
+        "receivers_rcpt_us": shaped,
     }
+
+
+async def shaping(lookup: Any, tmp: Path, n: int) -> float:
+    """µs of CPU for RCPT's whole receiver step on a cached domain: the lookup, then the
+    pause and max_rate decision (a SQLite store's controls, read at most every 0.5 s)."""
+    from smtpguard.class_pauses import ClassPauses
+    from smtpguard.receivers.gate import ReceiverGate
+    from smtpguard.store import store_from_url
+
+    store = store_from_url(f"sqlite:///{tmp / 'micro.db'}")
+    await store.open()
+    try:
+        gate = ReceiverGate(store, ClassPauses(store), lambda: {}, time.time)
+        await gate.rcpt_refusal("acme", await lookup.receiver(f"warm@cached.{ORIGIN}"))
+        started = time.process_time()
+        for i in range(n):
+            await gate.rcpt_refusal("acme", await lookup.receiver(f"u{i}@cached.{ORIGIN}"))
+        return (time.process_time() - started) / n * 1e6
+    finally:
+        await store.close()
 
 
 def config_receivers() -> dict[str, tuple[str, ...]]:
@@ -251,7 +273,7 @@ def main() -> None:
     with workdir("smtpguard-bench-rcpt-") as tmp:
         nsd, dns_port = start_nsd(tmp)
         try:
-            costs = micro(dns_port)
+            costs = micro(dns_port, tmp)
             for r in range(args.repeat):
                 for s in scenarios:  # interleaved: a slow moment of the machine hits every row
                     rounds[s].append(run_scenario(tmp, dns_port, s, r, args))
@@ -283,7 +305,8 @@ def main() -> None:
     )
     print(
         f"in-process CPU per RCPT, receiver lookup: cached {costs['receivers_cached_us']:.1f} µs; "
-        f"uncached {costs['receivers_uncached_us']:.0f} µs"
+        f"uncached {costs['receivers_uncached_us']:.0f} µs; "
+        f"lookup and shaping decision, cached {costs['receivers_rcpt_us']:.1f} µs"
     )
     path = write_result(
         "rcpt",
