@@ -12,6 +12,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable, Sequence
 
+from smtpguard import desk
 from smtpguard.class_pauses import ClassPauses
 from smtpguard.config import Config
 from smtpguard.metrics import Metrics
@@ -23,7 +24,6 @@ from smtpguard.receivers.lookup import ReceiverLookup
 from smtpguard.receivers.watch import ReceiverWatch
 from smtpguard.replies import Reply
 from smtpguard.store import Store, StoreUnavailable
-from smtpguard.store.base import ZoneAudit
 
 __all__ = ["Receivers", "enabled"]
 
@@ -129,9 +129,7 @@ class Receivers:
             self.gate.slowed[(zone, receiver)] = (now // own.alert.window + 1) * own.alert.window
             return
         try:
-            await self._store.set_class_paused(zone, policy.control_name(receiver), True)
-            entry = ZoneAudit(self._store.now(), "alert", "pause:receiver", receiver, "")
-            await self._store.audit_add(zone, entry)
+            await desk.set_receiver_paused(self._store, zone, receiver, True, "alert")
         except StoreUnavailable as e:
             log.warning(
                 "on_alert: pause could not be stored",

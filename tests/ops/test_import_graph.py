@@ -79,7 +79,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "verdicts": frozenset({"config", "policy", "verdict_config"}),
     "desk": frozenset({"class_pauses", "config", "policy", "store"}),
     "receivers": frozenset(
-        {"class_pauses", "config", "metrics", "policy", "readiness", "replies", "store"}
+        {"class_pauses", "config", "desk", "metrics", "policy", "readiness", "replies", "store"}
     ),
     # adapters: the wire in, the wire out, the queue, the provider events
     "relay": frozenset({"config", "policy", "provider_gate", "replies"}),
