@@ -179,36 +179,44 @@ def rcpt_refusal(receiver: str, paused: bool, slot_granted: bool | None) -> Repl
 @dataclass(slots=True)
 class _Window:
     wid: int
-    sends: int = 0
-    events: dict[str, int] = field(default_factory=dict)
+    base: dict[str, int]
+    """The receiver's counters (sent, and each event type) as this window began."""
+    last: dict[str, int]
     warned: set[str] = field(default_factory=set)
 
 
 @dataclass(slots=True)
-class AlertCounts:
-    """Sends and events per (zone, receiver) in the current window of each rule, and the
-    alerts already given in it: a rate crossed logs once per window, however long it stays
-    crossed. Windows are aligned to the epoch (`floor(now / window)`), so every instance
-    agrees where one ends."""
+class AlertWindows:
+    """A receiver's alert rates over consecutive windows, from the fleet's running counters
+    (the store's, which every instance adds to), and the alerts already given in each: a
+    rate crossed warns once per window, however long it stays crossed. Windows are aligned
+    to the epoch (`floor(now / window)`). A window's counts start from the last reading of
+    the window before (or from the first reading, after a start)."""
 
     windows: dict[tuple[str, str], _Window] = field(default_factory=dict)
 
-    def _window(self, zone: str, receiver: str, rule: AlertRule, now: float) -> _Window:
+    def observe(
+        self, zone: str, receiver: str, rule: AlertRule, totals: Mapping[str, int], now: float
+    ) -> list[str]:
+        """The alert kinds newly crossed, given the counters read at `now`."""
         wid = int(now // rule.window)
-        current = self.windows.get((zone, receiver))
-        if current is None or current.wid != wid:
-            current = self.windows[(zone, receiver)] = _Window(wid)
-        return current
-
-    def sent(self, zone: str, receiver: str, rule: AlertRule, now: float, n: int = 1) -> list[str]:
-        w = self._window(zone, receiver, rule, now)
-        w.sends += n
-        return self._crossed(w, rule)
-
-    def event(self, zone: str, receiver: str, rule: AlertRule, kind: str, now: float) -> list[str]:
-        w = self._window(zone, receiver, rule, now)
-        w.events[kind] = w.events.get(kind, 0) + 1
-        return self._crossed(w, rule)
+        w = self.windows.get((zone, receiver))
+        if w is None or w.wid not in (wid, wid - 1):
+            w = _Window(wid, dict(totals), dict(totals))
+        elif w.wid != wid:
+            w = _Window(wid, w.last, dict(totals))
+        else:
+            w.last = dict(totals)
+        self.windows[(zone, receiver)] = w
+        sends = w.last.get("sent", 0) - w.base.get("sent", 0)
+        if sends <= 0:
+            return []  # no share of nothing: events before any send wait for one
+        fresh = []
+        for kind, threshold in rule.rates.items():
+            if kind not in w.warned and self._count(w, kind) / sends >= threshold:
+                w.warned.add(kind)
+                fresh.append(kind)
+        return fresh
 
     def active(self, zone: str, receiver: str, rule: AlertRule, now: float) -> set[str]:
         """The alert kinds given in the window `now` is in (the gauge's 1s)."""
@@ -219,19 +227,10 @@ class AlertCounts:
 
     def rate(self, zone: str, receiver: str, kind: str) -> float:
         w = self.windows.get((zone, receiver))
-        if w is None or not w.sends:
-            return 0.0
-        return w.events.get(ALERT_KINDS[kind], 0) / w.sends
+        sends = w.last.get("sent", 0) - w.base.get("sent", 0) if w is not None else 0
+        return self._count(w, kind) / sends if w is not None and sends > 0 else 0.0
 
     @staticmethod
-    def _crossed(w: _Window, rule: AlertRule) -> list[str]:
-        if not w.sends:
-            return []  # no share of nothing: an event before any send waits for one
-        fresh = []
-        for kind, threshold in rule.rates.items():
-            if kind in w.warned:
-                continue
-            if w.events.get(ALERT_KINDS[kind], 0) / w.sends >= threshold:
-                w.warned.add(kind)
-                fresh.append(kind)
-        return fresh
+    def _count(w: _Window, kind: str) -> int:
+        event = ALERT_KINDS[kind]
+        return w.last.get(event, 0) - w.base.get(event, 0)

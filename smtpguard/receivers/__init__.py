@@ -1,6 +1,7 @@
 """Receiving providers (DESIGN.md §21): a recipient's mailbox provider found from its MX
-hosts (lookup.py), its mail shaped per zone (gate.py) and watched (watch.py). Receivers joins
-them for the listener, the delivery worker and the provider-event applier.
+hosts (lookup.py), its mail shaped per zone (gate.py), counted (watch.py) and its alert rates
+judged (alerts.py). Receivers joins them for the listener, the delivery worker and the
+provider-event applier.
 
 On when the config has a top-level `receivers:` (`{}` for the built-ins alone) or any zone
 has `receivers:`; otherwise RCPT makes no MX lookup for it.
@@ -19,6 +20,7 @@ from smtpguard.metrics import Metrics
 from smtpguard.policy import receivers as policy
 from smtpguard.policy.receivers import Shaping
 from smtpguard.readiness.dns import DnsClient
+from smtpguard.receivers.alerts import ALERT_INTERVAL, ReceiverAlerts
 from smtpguard.receivers.gate import ReceiverGate
 from smtpguard.receivers.lookup import ReceiverLookup
 from smtpguard.receivers.watch import ReceiverWatch
@@ -52,14 +54,20 @@ class Receivers:
         metrics: Metrics,
         bump: Callable[[str, str], None],
         clock: Callable[[], float],
+        judge_alerts: bool = True,
     ) -> None:
         self._store = store
         self._clock = clock
         self.shaping: dict[str, dict[str, Shaping]] = {}
         self.lookup = ReceiverLookup(dns, config.receiver_table())
         self.gate = ReceiverGate(store, pauses, lambda: self.shaping, clock)
-        self.watch = ReceiverWatch(metrics, bump, lambda: self.shaping, clock)
+        self.watch = ReceiverWatch(metrics, bump)
+        self.alerts = ReceiverAlerts(store, metrics, lambda: self.shaping, clock, self._act)
         self._background: set[asyncio.Task[None]] = set()
+        self._alerting: asyncio.Task[None] | None = None
+        if judge_alerts:
+            # One judge per host (worker 0), as for the cap alerts: one warning a window.
+            self._alerting = asyncio.get_running_loop().create_task(self._judge_alerts())
         self.configure(config)
 
     def configure(self, config: Config) -> None:
@@ -90,7 +98,7 @@ class Receivers:
         addresses = list(recipients)
         known = [self.lookup.cached(a) for a in addresses]
         if all(r is not None for r in known):
-            self._counted(zone, self.watch.sent(zone, [r for r in known if r is not None]))
+            self.watch.sent(zone, [r for r in known if r is not None])
             return
         self._spawn(self._sent_later(zone, addresses))
 
@@ -101,23 +109,25 @@ class Receivers:
             return
         cached = self.lookup.cached(recipient)
         if cached is not None:
-            self._counted(zone, self.watch.event(zone, cached, kind))
+            self.watch.event(zone, cached, kind)
             return
         self._spawn(self._event_later(zone, recipient, kind))
 
     async def _sent_later(self, zone: str, addresses: list[str]) -> None:
         found = [await self.lookup.receiver(a) for a in addresses]
-        self._counted(zone, self.watch.sent(zone, found))
+        self.watch.sent(zone, found)
 
     async def _event_later(self, zone: str, recipient: str, kind: str) -> None:
         receiver = await self.lookup.receiver(recipient)
-        self._counted(zone, self.watch.event(zone, receiver, kind))
+        self.watch.event(zone, receiver, kind)
 
-    def _counted(self, zone: str, crossed: list[tuple[str, str]]) -> None:
-        for rname, _kind in crossed:
-            own = self.shaping.get(zone, {}).get(rname)
-            if own is not None and own.on_alert is not None:
-                self._spawn(self._act(zone, rname, own))
+    async def _judge_alerts(self) -> None:
+        while True:
+            await asyncio.sleep(ALERT_INTERVAL)
+            try:
+                await self.alerts.refresh()
+            except Exception:  # a bug here must not stop the judging, nor reach mail
+                log.exception("receiver alerts: refresh failed")
 
     async def _act(self, zone: str, receiver: str, own: Shaping) -> None:
         """`on_alert`: `slow` halves max_rate for the rest of the window; `pause` pauses the
@@ -145,7 +155,16 @@ class Receivers:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def stop_judging(self) -> None:
+        """Replaced by a reload (another resolver): the new one judges from now on."""
+        if self._alerting is not None:
+            self._alerting.cancel()
+            self._background.add(self._alerting)
+            self._alerting.add_done_callback(self._background.discard)
+            self._alerting = None
+
     async def close(self) -> None:
+        self.stop_judging()
         for task in list(self._background):
             task.cancel()
         if self._background:

@@ -299,7 +299,9 @@ class Server:
     def _receivers(self, config: Config) -> None:
         """Receiving providers (DESIGN.md §21) for the listener and the queue's worker."""
         assert self.handler is not None and self.store is not None
-        found = self.assembly.receivers_for(config, self.store, self.handler.submitter, self.stats.bump)
+        found = self.assembly.receivers_for(
+            config, self.store, self.handler.submitter, self.stats.bump, self.singleton
+        )
         self.handler.receivers = found
         if self.worker is not None:
             self.worker.receivers = found

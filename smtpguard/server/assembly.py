@@ -110,9 +110,18 @@ class Assembly:
         )
 
     def receivers_for(
-        self, config: Config, store: Store, submitter: Submitter, bump: Callable[[str, str], None]
+        self,
+        config: Config,
+        store: Store,
+        submitter: Submitter,
+        bump: Callable[[str, str], None],
+        judge_alerts: bool,
     ) -> Receivers | None:
         """The receivers of `config` (None when it watches none), for start and each reload."""
+        if self.receivers is not None and not (
+            enabled(config) and self.receivers.lookup.dns.config == config.dns
+        ):
+            self.receivers.stop_judging()  # replaced below, or off: its counts are all in
         if not enabled(config):
             self.receivers = None
         elif self.receivers is not None and self.receivers.lookup.dns.config == config.dns:
@@ -122,7 +131,9 @@ class Assembly:
             if dns.problem:
                 log.warning("receivers: every recipient counts as other: %s", dns.problem)
             pauses = submitter.class_pauses
-            self.receivers = Receivers(config, dns, store, pauses, self.metrics, bump, self.clock)
+            self.receivers = Receivers(
+                config, dns, store, pauses, self.metrics, bump, self.clock, judge_alerts
+            )
         return self.receivers
 
     def factory(

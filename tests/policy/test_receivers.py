@@ -9,8 +9,8 @@ from smtpguard.policy.dnsdata import Lookup
 from smtpguard.policy.receivers import (
     DEFAULT_RECEIVERS,
     OTHER,
-    AlertCounts,
     AlertRule,
+    AlertWindows,
     control_name,
     domain_of,
     match,
@@ -79,15 +79,26 @@ def test_receiver_counts_from_the_stored_counters() -> None:
 
 def test_an_alert_crosses_once_per_window() -> None:
     rule = AlertRule(3600.0, {"complaint_rate": 0.1, "bounce_rate": 0.5})
-    counts = AlertCounts()
+    windows = AlertWindows()
     t = 7200.0  # the start of a window
-    assert counts.event("acme", "gmail", rule, "complaint", t) == []  # no sends yet: no share
-    assert counts.sent("acme", "gmail", rule, t, 9) == ["complaint_rate"]  # 1/9 >= 10%
-    assert counts.event("acme", "gmail", rule, "complaint", t + 1) == []  # already given
-    assert counts.active("acme", "gmail", rule, t + 3599) == {"complaint_rate"}
-    assert counts.active("acme", "gmail", rule, t + 3600) == set()
-    # The next window starts from nothing: 1 complaint in 20 sends is 5%, under 10%.
-    assert counts.sent("acme", "gmail", rule, t + 3600, 20) == []
-    assert counts.event("acme", "gmail", rule, "complaint", t + 3601) == []
-    assert counts.event("acme", "gmail", rule, "complaint", t + 3602) == ["complaint_rate"]
-    assert counts.rate("acme", "gmail", "complaint_rate") == 0.1
+
+    def seen(totals: dict[str, int], at: float) -> list[str]:
+        return windows.observe("acme", "gmail", rule, totals, at)
+
+    # The first reading is where counting starts (a restart does not count the past again).
+    assert seen({"sent": 500, "complaint": 400}, t) == []
+    assert seen({"sent": 500, "complaint": 401}, t + 1) == []  # no sends
+    assert seen({"sent": 509, "complaint": 401}, t + 2) == ["complaint_rate"]
+    assert windows.rate("acme", "gmail", "complaint_rate") == 1 / 9
+    assert seen({"sent": 509, "complaint": 405}, t + 3) == []  # given
+    assert windows.active("acme", "gmail", rule, t + 3599) == {"complaint_rate"}
+    assert windows.active("acme", "gmail", rule, t + 3600) == set()
+    # The next window starts from the last reading of this one: 1 complaint in 20 is 5%.
+    assert seen({"sent": 529, "complaint": 406}, t + 3601) == []
+    assert seen({"sent": 529, "complaint": 407}, t + 3602) == ["complaint_rate"]
+    assert windows.rate("acme", "gmail", "complaint_rate") == 0.1
+    # A window with no reading in between: the next reading starts afresh.
+    assert seen({"sent": 900, "complaint": 900}, t + 4 * 3600) == []
+    assert windows.observe(
+        "acme", "gmail", rule, {"sent": 910, "bounce": 5, "complaint": 900}, t + 4 * 3600 + 1
+    ) == ["bounce_rate"]

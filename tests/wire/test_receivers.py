@@ -353,6 +353,8 @@ async def test_an_alert_warns_once_per_window_and_sets_its_gauge(
         return float(guard.metrics.receiver_alert.labels("acme", "gmail", "complaint_rate")._value.get())
 
     async with running_guard(cfg, clock=clock) as guard:
+        assert guard.store is not None and guard.assembly.receivers is not None
+        store, alerts = guard.store, guard.assembly.receivers.alerts
         n = iter(range(100))
 
         async def two_sends() -> None:
@@ -361,18 +363,39 @@ async def test_an_alert_warns_once_per_window_and_sets_its_gauge(
                     await send(guard.ports[0], message(f"k{next(n)}"), recipients=["g@gm.test"])
                 ).code == 250
 
+        async def judged(sent: int, complaints: int) -> None:
+            """Once the fleet's counters (flushed each second) show these totals, judge them
+            (serve's own judging every 5 s may come first: the warnings say what happened)."""
+
+            def totals(c: dict[str, int]) -> tuple[int, int]:
+                return c.get("receiver:gmail:sent", 0), c.get("receiver:gmail:complaint", 0)
+
+            counts = await eventually(
+                lambda: store.counts("acme"),
+                lambda c: totals(c) == (sent, complaints),
+                timeout=10,
+                interval=0.05,
+            )
+            assert totals(counts) == (sent, complaints)
+            await alerts.refresh()
+
+        await judged(0, 0)  # the window's first reading: counting starts here
+        assert warnings() == 0
         await two_sends()
-        assert len(upstream.received) == 2
         # The one function the events applier calls: 1 complaint in 2 sends is 50%.
         guard._receiver_event("acme", "g@gm.test", "complaint")
+        await judged(2, 1)
         assert warnings() == 1 and gauge(guard) == 1
         guard._receiver_event("acme", "g@gm.test", "complaint")
         await two_sends()
-        assert warnings() == 1  # the same window: no second warning, however often crossed
-        clock.t += 3600  # the next window
-        await two_sends()
+        await judged(4, 2)  # the same window, still crossed: no second warning
+        assert warnings() == 1 and gauge(guard) == 1
+        clock.t += 3600  # the next window: counted from the last reading of this one
+        await judged(4, 2)
         assert gauge(guard) == 0 and warnings() == 1
+        await two_sends()
         guard._receiver_event("acme", "g@gm.test", "complaint")
+        await judged(6, 3)
         assert warnings() == 2 and gauge(guard) == 1
         assert len(upstream.received) == 6
 
@@ -422,13 +445,26 @@ async def test_on_alert_pause_holds_the_receiver_through_the_store(
         assert (await send(guard.ports[0], message("k1"), recipients=["g@gm.test", "m@ms.test"])).code == 250
         guard._receiver_event("acme", "g@gm.test", "complaint")
         guard._receiver_event("acme", "m@ms.test", "complaint")
+        receivers = guard.assembly.receivers
+        assert receivers is not None
+        # Judged from the fleet's counters: the first reading starts the window's count.
+        await receivers.alerts.refresh()
+        assert (await send(guard.ports[0], message("k1b"), recipients=["g@gm.test", "m@ms.test"])).code == 250
+        guard._receiver_event("acme", "g@gm.test", "complaint")
+        guard._receiver_event("acme", "m@ms.test", "complaint")
+        counted = await eventually(
+            lambda: store.counts("acme"),
+            lambda c: c.get("receiver:microsoft:complaint") == 2,
+            timeout=10,
+            interval=0.05,
+        )
+        assert counted.get("receiver:gmail:complaint") == 2
+        await receivers.alerts.refresh()
         pairs = await eventually(store.paused_classes, timeout=5, interval=0.05)
         assert pairs == {("acme", control_name("gmail"))}
         audit = [(a.actor, a.action, a.key) for a in await store.audit_log("acme", 0)]
         assert audit == [("alert", "pause:receiver", "gmail")]
         # `slow` halves microsoft's rate until its window ends (no store write, no pause).
-        receivers = guard.assembly.receivers
-        assert receivers is not None
         until = receivers.gate.slowed[("acme", "microsoft")]
         assert until % 3600 == 0 and 0 < until - guard.clock() <= 3600
         # This instance's copy of the controls is at most half a second old.
@@ -436,7 +472,7 @@ async def test_on_alert_pause_holds_the_receiver_through_the_store(
         assert seen
         held = await send(guard.ports[0], message("k2"), recipients=["g@gm.test"])
         assert held.code == 451 and held.text.startswith("4.7.1"), held
-        assert len(upstream.received) == 1
+        assert len(upstream.received) == 2
 
 
 async def test_a_reload_turns_receivers_on_and_changes_their_settings(
