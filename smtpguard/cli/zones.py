@@ -37,16 +37,32 @@ def cmd_pause(args: argparse.Namespace, paused: bool = True) -> int:
     if message_class is not None and receiver is not None:
         raise UsageError("give --class or --receiver, not both")
     if message_class is not None:
-        return _pause_class(config, zone, _class(config, message_class), paused, args.json)
+        # DESIGN.md §16: one class of the zone held on every instance within a second.
+        c = _class(config, message_class)
+        return _pause_one(
+            config,
+            lambda store: desk.set_class_paused(store, zone, c, paused, actor()),
+            {"zone": zone, "class": c, "paused": paused},
+            f"class {c} of zone {zone}",
+            args.json,
+        )
     if receiver is not None:
-        return _pause_receiver(config, zone, _receiver(config, receiver), paused, args.json)
-
-    asyncio.run(_with_store(config, lambda store: desk.set_zone_paused(store, zone, paused, actor())))
-    if args.json:
-        emit({"zone": zone, "paused": paused})
-        return 0
-    print(f"zone {zone} {'paused' if paused else 'resumed'}")
-    return 0
+        # DESIGN.md §21: the zone's recipients of one receiving provider, likewise.
+        r = _receiver(config, receiver)
+        return _pause_one(
+            config,
+            lambda store: desk.set_receiver_paused(store, zone, r, paused, actor()),
+            {"zone": zone, "receiver": r, "paused": paused},
+            f"receiver {r} of zone {zone}",
+            args.json,
+        )
+    return _pause_one(
+        config,
+        lambda store: desk.set_zone_paused(store, zone, paused, actor()),
+        {"zone": zone, "paused": paused},
+        f"zone {zone}",
+        args.json,
+    )
 
 
 def _class(config: Config, name: str) -> str:
@@ -56,17 +72,6 @@ def _class(config: Config, name: str) -> str:
         return wanted
     known = ", ".join(sorted(config.queue.classes))
     raise UsageError(f"unknown message class {name!r} (configured: {known})")
-
-
-def _pause_class(config: Config, zone: str, message_class: str, paused: bool, as_json: bool) -> int:
-    """DESIGN.md §16: one class of the zone held on every instance within a second."""
-    return _pause_one(
-        config,
-        lambda store: desk.set_class_paused(store, zone, message_class, paused, actor()),
-        {"zone": zone, "class": message_class, "paused": paused},
-        f"class {message_class} of zone {zone}",
-        as_json,
-    )
 
 
 def _pause_one(
@@ -87,18 +92,6 @@ def _receiver(config: Config, name: str) -> str:
     if wanted in known:
         return wanted
     raise UsageError(f"unknown receiver {name!r} (configured: {', '.join(sorted(known))})")
-
-
-def _pause_receiver(config: Config, zone: str, receiver: str, paused: bool, as_json: bool) -> int:
-    """DESIGN.md §21: the zone's recipients of one receiving provider held on every instance
-    within a second."""
-    return _pause_one(
-        config,
-        lambda store: desk.set_receiver_paused(store, zone, receiver, paused, actor()),
-        {"zone": zone, "receiver": receiver, "paused": paused},
-        f"receiver {receiver} of zone {zone}",
-        as_json,
-    )
 
 
 def cmd_resume(args: argparse.Namespace) -> int:

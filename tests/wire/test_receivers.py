@@ -20,6 +20,7 @@ from smtpguard import desk
 from smtpguard.cli import main
 from smtpguard.metrics import Metrics
 from smtpguard.policy.receivers import control_name
+from tests.events.test_events import keys  # noqa: F401 - the signing keys, in the env
 from tests.support import (
     FakeClock,
     RedisServer,
@@ -228,16 +229,11 @@ async def test_queue_mode_holds_a_paused_receivers_entry_until_resumed(
         assert [r.rcpt_tos for r in upstream.received] == [["g@gm.test"], ["y@yh.test"]]
 
 
-@pytest.fixture
-def keys(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> ev.Keys:
-    k = ev.Keys.make(tmp)
-    for name, value in k.env().items():
-        monkeypatch.setenv(name, value)
-    return k
-
-
 async def test_provider_events_are_counted_per_receiver(
-    tmp: Path, upstream: Upstream, dns_server: NsdServer, keys: ev.Keys
+    tmp: Path,
+    upstream: Upstream,
+    dns_server: NsdServer,
+    keys: ev.Keys,  # noqa: F811 - the fixture imported above
 ) -> None:
     cfg = receiving_config(tmp, upstream, dns_server.nameserver)
     cfg["events"] = {"address": "127.0.0.1:0", "sources": {"mailgun": keys.sources()["mailgun"]}}
