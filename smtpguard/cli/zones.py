@@ -30,39 +30,41 @@ from smtpguard.store import Store
 
 
 def cmd_pause(args: argparse.Namespace, paused: bool = True) -> int:
+    """The zone, one class of it (DESIGN.md §16) or its recipients of one receiving provider
+    (§21), held or let go on every instance (within a second for a class or a receiver)."""
     config = _config(args)
     zone = _zone(config, args.zone)
     message_class = getattr(args, "message_class", None)
     receiver = getattr(args, "receiver", None)
+    change: Callable[[Store], Awaitable[None]]
     if message_class is not None and receiver is not None:
         raise UsageError("give --class or --receiver, not both")
     if message_class is not None:
-        # DESIGN.md §16: one class of the zone held on every instance within a second.
         c = _class(config, message_class)
-        return _pause_one(
-            config,
+        change, doc, what = (
             lambda store: desk.set_class_paused(store, zone, c, paused, actor()),
-            {"zone": zone, "class": c, "paused": paused},
+            {"zone": zone, "class": c},
             f"class {c} of zone {zone}",
-            args.json,
         )
-    if receiver is not None:
-        # DESIGN.md §21: the zone's recipients of one receiving provider, likewise.
+    elif receiver is not None:
         r = _receiver(config, receiver)
-        return _pause_one(
-            config,
+        change, doc, what = (
             lambda store: desk.set_receiver_paused(store, zone, r, paused, actor()),
-            {"zone": zone, "receiver": r, "paused": paused},
+            {"zone": zone, "receiver": r},
             f"receiver {r} of zone {zone}",
-            args.json,
         )
-    return _pause_one(
-        config,
-        lambda store: desk.set_zone_paused(store, zone, paused, actor()),
-        {"zone": zone, "paused": paused},
-        f"zone {zone}",
-        args.json,
-    )
+    else:
+        change, doc, what = (
+            lambda store: desk.set_zone_paused(store, zone, paused, actor()),
+            {"zone": zone},
+            f"zone {zone}",
+        )
+    asyncio.run(_with_store(config, change))
+    if args.json:
+        emit({**doc, "paused": paused})
+        return 0
+    print(f"{what} {'paused' if paused else 'resumed'}")
+    return 0
 
 
 def _class(config: Config, name: str) -> str:
@@ -72,18 +74,6 @@ def _class(config: Config, name: str) -> str:
         return wanted
     known = ", ".join(sorted(config.queue.classes))
     raise UsageError(f"unknown message class {name!r} (configured: {known})")
-
-
-def _pause_one(
-    config: Config, change: Callable[[Store], Awaitable[None]], doc: dict[str, Any], what: str, as_json: bool
-) -> int:
-    """A pause or resume of part of a zone: through the store, then said (`doc` with --json)."""
-    asyncio.run(_with_store(config, change))
-    if as_json:
-        emit(doc)
-        return 0
-    print(f"{what} {'paused' if doc['paused'] else 'resumed'}")
-    return 0
 
 
 def _receiver(config: Config, name: str) -> str:
