@@ -1,7 +1,9 @@
-"""The RCPT recipient-domain check's cost (`recipient_domains: check`, DESIGN.md §12): the
-same RCPT load through `python -m smtpguard serve` with the check off, on with every
-domain already cached, and on with every RCPT a domain not seen before (one DNS lookup to
-a local NSD each), side by side in one run, with each row's ratio to `off`.
+"""The RCPT cost of DNS at RCPT: the recipient-domain check (`recipient_domains: check`,
+DESIGN.md §12) and the receiver lookup (`receivers:`, §21). The same RCPT load through
+`python -m smtpguard serve` with both off, the check on with every domain already cached
+and with every RCPT a domain not seen before (one DNS lookup to a local NSD each), and the
+receiver lookup on (check off), cached and uncached, side by side in one run, with each
+row's ratio to `off`.
 
     .venv/bin/python -m bench.rcpt                   # 10 sessions, 3 s per scenario
     .venv/bin/python -m bench.rcpt --quick           # 1 s per scenario
@@ -23,6 +25,7 @@ import contextlib
 import itertools
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +56,7 @@ cached IN MX 10 mx.{ORIGIN}.
 *.fresh IN MX 10 mx.{ORIGIN}.
 mx IN A 127.0.0.1
 """
-SCENARIOS = ("off", "on-cached", "on-uncached")
+SCENARIOS = ("off", "on-cached", "on-uncached", "receivers-cached", "receivers-uncached")
 
 
 def start_nsd(tmp: Path) -> tuple[Proc, int]:
@@ -104,7 +107,7 @@ async def measure(port: int, pid: int, scenario: str, args: argparse.Namespace) 
 
     def address() -> bytes:
         n = next(counter)
-        if scenario == "on-cached":
+        if scenario.endswith("-cached"):
             return f"RCPT TO:<u{n}@cached.{ORIGIN}>\r\n".encode()
         return f"RCPT TO:<u@d{n}.fresh.{ORIGIN}>\r\n".encode()
 
@@ -154,7 +157,11 @@ def config(port: int, dns_port: int, scenario: str, store_url: str) -> dict[str,
     cfg = guard_config(port, free_port(), store_url, pool_size=1, limits={"max_recipients": 1000})
     cfg["dns"] = {"nameservers": [f"127.0.0.1:{dns_port}"], "timeout": "2s"}
     zone = next(iter(cfg["zones"].values()))
-    zone["recipient_domains"] = "off" if scenario == "off" else "check"
+    zone["recipient_domains"] = "check" if scenario.startswith("on-") else "off"
+    if scenario.startswith("receivers-"):
+        # The built-in receivers, and a max_rate no RCPT reaches: the whole decision is made.
+        cfg["receivers"] = {}
+        zone["receivers"] = {"gmail": {"max_rate": "1000000/s"}}
     return cfg
 
 
@@ -170,10 +177,11 @@ def run_scenario(
         guard.stop()
 
 
-def micro(dns_port: int, n: int = 20000) -> dict[str, float]:
+def micro(dns_port: int, tmp: Path, n: int = 20000) -> dict[str, float]:
     """The check's own cost, in this process, without the SMTP session around it: the test
-    the listener makes when the check is off, and `RecipientDomains.refusal` on a cached
-    domain — CPU numbers that the machine's other load moves far less than a served run."""
+    the listener makes when the check is off, `RecipientDomains.refusal` and the receiver
+    lookup (`ReceiverLookup.receiver`) on a cached domain and on fresh ones — CPU numbers
+    that the machine's other load moves far less than a served run."""
     from smtpguard.config import DnsConfig, ZoneConfig
     from smtpguard.readiness.dns import DnsClient
     from smtpguard.recipient_domains import RecipientDomains
@@ -190,25 +198,61 @@ def micro(dns_port: int, n: int = 20000) -> dict[str, float]:
         off_test()
     off_ns = (time.process_time() - started) / n * 1e9
 
-    async def cached() -> float:
-        await checker.refusal(f"warm@cached.{ORIGIN}")
+    from smtpguard.receivers.lookup import ReceiverLookup
+
+    lookup = ReceiverLookup(checker.dns, config_receivers())
+
+    async def per_call(ask: Callable[[str], Awaitable[object]], fresh: str) -> tuple[float, float]:
+        """µs of CPU per call: to one cached domain (after one warm-up), and to domains
+        never seen before (one MX lookup each)."""
+        await ask(f"warm@cached.{ORIGIN}")
         started = time.process_time()
         for i in range(n):
-            await checker.refusal(f"u{i}@cached.{ORIGIN}")
-        return (time.process_time() - started) / n * 1e6
-
-    async def uncached() -> float:
+            await ask(f"u{i}@cached.{ORIGIN}")
+        cached = (time.process_time() - started) / n * 1e6
         m = 300
         started = time.process_time()
         for i in range(m):
-            await checker.refusal(f"u@m{i}.fresh.{ORIGIN}")
-        return (time.process_time() - started) / m * 1e6
+            await ask(f"u@{fresh}{i}.fresh.{ORIGIN}")
+        return cached, (time.process_time() - started) / m * 1e6
 
+    check = asyncio.run(per_call(checker.refusal, "m"))
+    receiver = asyncio.run(per_call(lookup.receiver, "r"))
+    shaped = asyncio.run(shaping(lookup, tmp, n))
     return {
         "off_test_ns": off_ns,
-        "cached_us": asyncio.run(cached()),
-        "uncached_us": asyncio.run(uncached()),
+        "cached_us": check[0],
+        "uncached_us": check[1],
+        "receivers_cached_us": receiver[0],
+        "receivers_uncached_us": receiver[1],
+        "receivers_rcpt_us": shaped,
     }
+
+
+async def shaping(lookup: Any, tmp: Path, n: int) -> float:
+    """µs of CPU for RCPT's whole receiver step on a cached domain: the lookup, then the
+    pause and max_rate decision (a SQLite store's controls, read at most every 0.5 s)."""
+    from smtpguard.class_pauses import ClassPauses
+    from smtpguard.receivers.gate import ReceiverGate
+    from smtpguard.store import store_from_url
+
+    store = store_from_url(f"sqlite:///{tmp / 'micro.db'}")
+    await store.open()
+    try:
+        gate = ReceiverGate(store, ClassPauses(store), lambda: {}, time.time)
+        await gate.rcpt_refusal("acme", await lookup.receiver(f"warm@cached.{ORIGIN}"))
+        started = time.process_time()
+        for i in range(n):
+            await gate.rcpt_refusal("acme", await lookup.receiver(f"u{i}@cached.{ORIGIN}"))
+        return (time.process_time() - started) / n * 1e6
+    finally:
+        await store.close()
+
+
+def config_receivers() -> dict[str, tuple[str, ...]]:
+    from smtpguard.policy.receivers import table
+
+    return table(None)
 
 
 def main() -> None:
@@ -229,7 +273,7 @@ def main() -> None:
     with workdir("smtpguard-bench-rcpt-") as tmp:
         nsd, dns_port = start_nsd(tmp)
         try:
-            costs = micro(dns_port)
+            costs = micro(dns_port, tmp)
             for r in range(args.repeat):
                 for s in scenarios:  # interleaved: a slow moment of the machine hits every row
                     rounds[s].append(run_scenario(tmp, dns_port, s, r, args))
@@ -239,7 +283,7 @@ def main() -> None:
     base = rows.get("off")
     print(f"{args.sessions} sessions, {args.rcpts} RCPTs per MAIL, {args.duration:g} s per scenario")
     print(
-        f"{'scenario':14} {'RCPT/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'cpu µs/RCPT':>12} {'refused':>8}"
+        f"{'scenario':18} {'RCPT/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'cpu µs/RCPT':>12} {'refused':>8}"
         f" {'x off RCPT/s':>13} {'x off cpu':>10}"
     )
     for s in scenarios:
@@ -248,7 +292,7 @@ def main() -> None:
         cpu_ratio = r["cpu_us_per_rcpt"] / base["cpu_us_per_rcpt"] if base else float("nan")
         r["ratios"] = {"rcpt_s_vs_off": ratio, "cpu_vs_off": cpu_ratio}
         print(
-            f"{s:14} {r['rcpt_s']:>9.0f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f}"
+            f"{s:18} {r['rcpt_s']:>9.0f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f}"
             f" {r['cpu_us_per_rcpt']:>12.0f}"
             f" {r['refused']:>8} {ratio:>13.2f} {cpu_ratio:>10.2f}"
         )
@@ -258,6 +302,11 @@ def main() -> None:
         f"({costs['off_test_ns'] / 1000 / off_cpu * 100:.3f}% of a served RCPT's {off_cpu:.0f} µs); "
         f"on, cached {costs['cached_us']:.1f} µs; on, uncached {costs['uncached_us']:.0f} µs "
         "(one MX lookup to NSD through dnspython)"
+    )
+    print(
+        f"in-process CPU per RCPT, receiver lookup: cached {costs['receivers_cached_us']:.1f} µs; "
+        f"uncached {costs['receivers_uncached_us']:.0f} µs; "
+        f"lookup and shaping decision, cached {costs['receivers_rcpt_us']:.1f} µs"
     )
     path = write_result(
         "rcpt",

@@ -70,13 +70,14 @@ class ClassPauses:
         return (zone, message_class) in await self.paused()
 
 
-async def wake_held(store: Store, zone: str, message_class: str, now: float) -> int:
+async def wake_held(store: Store, zone: str, message_class: str | None, now: float) -> int:
     """After `resume ZONE --class C`: the class's entries held while it was paused made due
-    now, rather than when their hold ends. Idempotent (an entry woken or claimed meanwhile
-    is left alone); returns how many were woken."""
+    now, rather than when their hold ends (None: every class's, after `resume ZONE
+    --receiver R`). Idempotent (an entry woken or claimed meanwhile is left alone); returns
+    how many were woken."""
     woken = 0
     for entry in await store.queue_entries(zone):
-        if entry.lane != message_class or entry.claimed:
+        if (message_class is not None and entry.lane != message_class) or entry.claimed:
             continue
         rec = await store.get(zone, entry.key)
         new = ledger.wake(rec, now, HOLD) if rec is not None else None

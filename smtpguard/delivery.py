@@ -20,10 +20,12 @@ from smtpguard import class_pauses, replies
 from smtpguard.config import Config, ZoneConfig
 from smtpguard.ids import new_id
 from smtpguard.policy import ledger, queue
+from smtpguard.policy.decisions import Decision
 from smtpguard.policy.ledger import Submission
 from smtpguard.policy.limits import cap_check, caps_for, user_caps_of
 from smtpguard.policy.queue import HOLD_PAUSED as HOLD_PAUSED  # moved to policy/queue.py
 from smtpguard.policy.queue import backoff_delay, lane_quotas, queue_due
+from smtpguard.receivers import Receivers
 from smtpguard.relay import Envelope
 from smtpguard.replies import Reply
 from smtpguard.store import HELD, Claimed, Store, StoreUnavailable
@@ -56,6 +58,9 @@ class DeliveryWorker:
         """Lanes with entries that no configured class names: served as queue.default_class."""
         self._orphans_seen_at: float | None = None
         self._orphans_for: object = None
+        self.receivers: Receivers | None = None
+        """Receiving providers (DESIGN.md §21): an entry whose receiver is paused or over its
+        max_rate waits; relayed recipients are counted per receiver."""
 
     @property
     def config(self) -> Config:
@@ -181,6 +186,11 @@ class DeliveryWorker:
                 return  # someone else moved it first; their write stands
             for token in verdict.refund:
                 await self.submitter.refund(rec.zone, token)
+            if self.receivers is not None and zone is not None:
+                until = await self.receivers.hold_until(rec.zone, item.message.recipients)
+                if until is not None:
+                    await self._hold(taken, attempt_id, until)
+                    return
             facts = queue.GateFacts(now, taken.expires_at, zone is not None, class_pauses.HOLD)
             for _ in range(len(queue.Look) + 1):  # each look answers one rung
                 step = queue.gate(facts)
@@ -207,6 +217,8 @@ class DeliveryWorker:
             )
             result = await self.submitter.relay(taken, env, sub, settings, retry_delay=delay)
             self.on_result(rec.zone, result)
+            if self.receivers is not None and result.decision == Decision.RELAYED:
+                self.receivers.sent(rec.zone, msg.recipients)
         except StoreUnavailable as e:
             # The claim expires and the entry returns; the ledger decides what happens then.
             log.warning(

@@ -22,7 +22,7 @@ from typing import Any
 
 from smtpguard import class_pauses
 from smtpguard.config import Config, ZoneConfig
-from smtpguard.policy import decisions, ledger
+from smtpguard.policy import decisions, ledger, receivers
 from smtpguard.policy.ledger import AuditEntry, Record, State
 from smtpguard.policy.limits import Caps, caps_for, month_of, user_caps_for
 from smtpguard.policy.queue import queue_due
@@ -172,12 +172,44 @@ async def set_class_paused(store: Store, zone: str, message_class: str, paused: 
     await store.set_class_paused(zone, message_class, paused)
     await audit(store, zone, actor, "pause:class" if paused else "resume:class", message_class)
     if not paused:
-        # Queued entries held while paused come back now, not when their hold ends; once
-        # more after every instance has read the resume, for an entry an instance held
-        # on its last look at the pause.
-        await class_pauses.wake_held(store, zone, message_class, store.now())
-        await asyncio.sleep(class_pauses.REFRESH * 2)
-        await class_pauses.wake_held(store, zone, message_class, store.now())
+        await _wake_after_resume(store, zone, message_class)
+
+
+async def _wake_after_resume(store: Store, zone: str, message_class: str | None) -> None:
+    # Queued entries held while paused come back now, not when their hold ends; once more
+    # after every instance has read the resume, for an entry an instance held on its last
+    # look at the pause.
+    await class_pauses.wake_held(store, zone, message_class, store.now())
+    await asyncio.sleep(class_pauses.REFRESH * 2)
+    await class_pauses.wake_held(store, zone, message_class, store.now())
+
+
+async def set_receiver_paused(store: Store, zone: str, receiver: str, paused: bool, actor: str) -> None:
+    """DESIGN.md §21: a receiving provider's recipients of the zone held on every instance
+    within a second, kept beside the class pauses (policy/receivers.py)."""
+    await store.set_class_paused(zone, receivers.control_name(receiver), paused)
+    await audit(store, zone, actor, "pause:receiver" if paused else "resume:receiver", receiver)
+    if not paused:
+        # The receiver's entries may sit in any lane: every held entry of the zone due within
+        # the hold is woken (one that is held for another reason is held again at its claim).
+        await _wake_after_resume(store, zone, None)
+
+
+def split_controls(pairs: set[tuple[str, str]], zone: str) -> tuple[list[str], list[str]]:
+    """The zone's paused (classes, receivers), from the store's controls."""
+    classes: list[str] = []
+    held: list[str] = []
+    for pz, name in pairs:
+        if pz != zone:
+            continue
+        receiver = receivers.receiver_of_control(name)
+        (classes if receiver is None else held).append(name if receiver is None else receiver)
+    return sorted(classes), sorted(held)
+
+
+def paused_receivers(pairs: set[tuple[str, str]], name: str, zone: ZoneConfig) -> list[str]:
+    """The zone's receivers held by the config or through the store (DESIGN.md §21)."""
+    return sorted({*split_controls(pairs, name)[1], *(r for r, s in zone.receivers.items() if s.paused)})
 
 
 async def suppress_add(
@@ -274,7 +306,10 @@ async def zone_stats(config: Config, store: Store, zones: Sequence[str]) -> list
                 },
                 "user_caps": _user_caps(zc, caps, users),
                 "paused": await zone_paused(store, z, zc),
-                "paused_classes": sorted(c for pz, c in paused_classes if pz == z),
+                "paused_classes": split_controls(paused_classes, z)[0],
+                # DESIGN.md §21: per receiving provider, its counts and whether it is held
+                "receivers": receivers.receiver_counts(counts),
+                "paused_receivers": paused_receivers(paused_classes, z, zc),
                 "queue": depth.get(z, {}),
                 "suppressed": len(await store.suppress_list(z)),
                 # DESIGN.md §16: the zone's own route, else the top-level one

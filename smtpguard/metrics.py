@@ -291,6 +291,25 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.receiver_sends = Counter(
+            "smtpguard_receiver_sends",
+            "Recipients relayed, by zone and receiving provider (DESIGN.md §21)",
+            ["zone", "receiver"],
+            registry=r,
+        )
+        self.receiver_events = Counter(
+            "smtpguard_receiver_events",
+            "Provider events by zone, receiving provider and type (delivered, deferred, bounce, complaint)",
+            ["zone", "receiver", "type"],
+            registry=r,
+        )
+        self.receiver_alert = Gauge(
+            "smtpguard_receiver_alert",
+            "1 while a receiver's alert rate is crossed in its current window, else 0",
+            ["zone", "receiver", "kind"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         if multiprocess is not None:
             # What a scrape of any worker renders: every worker's files, added up. Process
             # and platform collectors describe one process only, so they are left out.
@@ -351,6 +370,12 @@ class Metrics:
 
     def verdict_api_error(self, provider: str, kind: str, n: int) -> None:
         self._child(self.verdict_api_errors, provider, kind).inc(n)
+
+    def receiver_sent(self, zone: str, receiver: str, n: int = 1) -> None:
+        self._child(self.receiver_sends, zone, receiver).inc(n)
+
+    def receiver_event(self, zone: str, receiver: str, kind: str) -> None:
+        self._child(self.receiver_events, zone, receiver, kind).inc()
 
     def _child(self, metric: Any, *labels: str) -> Any:
         # prometheus_client's labels() validates and locks on every call; per message it

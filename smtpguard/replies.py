@@ -184,6 +184,12 @@ def class_paused(zone: str, message_class: str) -> Reply:
     return Reply(451, "4.7.0", f"Sending of class {safe(message_class, 64)} for zone {zone} is paused")
 
 
+def receiver_held(receiver: str, why: str) -> Reply:
+    """A recipient of a receiving provider held at RCPT (DESIGN.md §21): paused, or over
+    its `max_rate`; try later. Only this recipient: the transaction's others go on."""
+    return Reply(451, "4.7.1", f"Mail to {safe(receiver, 32)} recipients is held ({why}); try again later")
+
+
 def hourly_cap(zone: str, cap: int, free_at: float) -> Reply:
     return Reply(
         451,

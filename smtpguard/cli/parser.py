@@ -254,12 +254,14 @@ def build_parser() -> argparse.ArgumentParser:
             f"{name.capitalize()} a zone through the store, on every instance at once. Paused, "
             "new events get 451 4.7.0 and duplicates still get their 250. With --class, only "
             "that message class (the class header) of the zone, within a second; queue mode "
-            "holds the class's entries instead.",
+            "holds the class's entries instead. With --receiver, only the zone's recipients of "
+            "that receiving provider (RCPT 451 4.7.1; queue mode holds them).",
         )
         sp.add_argument("zone")
         sp.add_argument(
             "--class", dest="message_class", metavar="CLASS", help=f"{name} one message class only"
         )
+        sp.add_argument("--receiver", metavar="RECEIVER", help=f"{name} one receiving provider only")
     sp = cmd(
         "suppress",
         cmd_suppress,
@@ -285,8 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
         "stats",
         cmd_stats,
         "sends, duplicates, rejections and cap use per zone",
-        "Totals per zone since the store was created (sent, duplicates, rejections, held) "
-        "with live cap use, queue depth and each instance's provider circuits. Read-only.",
+        "Totals per zone since the store was created (sent, duplicates, rejections, held; "
+        "sends and provider events per receiving provider) with live cap use, queue depth "
+        "and each instance's provider circuits. Read-only.",
     )
     sp.add_argument("zone", nargs="?")
     sp = cmd(

@@ -7,7 +7,7 @@ import asyncio
 import csv
 import io
 import sys
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,22 +24,46 @@ from smtpguard.cli.context import (
     iso,
 )
 from smtpguard.config import Config
+from smtpguard.policy import receivers
 from smtpguard.policy.senders import address_problem, normalize_address
 from smtpguard.store import Store
 
 
 def cmd_pause(args: argparse.Namespace, paused: bool = True) -> int:
+    """The zone, one class of it (DESIGN.md §16) or its recipients of one receiving provider
+    (§21), held or let go on every instance (within a second for a class or a receiver)."""
     config = _config(args)
     zone = _zone(config, args.zone)
     message_class = getattr(args, "message_class", None)
+    receiver = getattr(args, "receiver", None)
+    change: Callable[[Store], Awaitable[None]]
+    if message_class is not None and receiver is not None:
+        raise UsageError("give --class or --receiver, not both")
     if message_class is not None:
-        return _pause_class(config, zone, _class(config, message_class), paused, args.json)
-
-    asyncio.run(_with_store(config, lambda store: desk.set_zone_paused(store, zone, paused, actor())))
+        c = _class(config, message_class)
+        change, doc, what = (
+            lambda store: desk.set_class_paused(store, zone, c, paused, actor()),
+            {"zone": zone, "class": c},
+            f"class {c} of zone {zone}",
+        )
+    elif receiver is not None:
+        r = _receiver(config, receiver)
+        change, doc, what = (
+            lambda store: desk.set_receiver_paused(store, zone, r, paused, actor()),
+            {"zone": zone, "receiver": r},
+            f"receiver {r} of zone {zone}",
+        )
+    else:
+        change, doc, what = (
+            lambda store: desk.set_zone_paused(store, zone, paused, actor()),
+            {"zone": zone},
+            f"zone {zone}",
+        )
+    asyncio.run(_with_store(config, change))
     if args.json:
-        emit({"zone": zone, "paused": paused})
+        emit({**doc, "paused": paused})
         return 0
-    print(f"zone {zone} {'paused' if paused else 'resumed'}")
+    print(f"{what} {'paused' if paused else 'resumed'}")
     return 0
 
 
@@ -52,17 +76,12 @@ def _class(config: Config, name: str) -> str:
     raise UsageError(f"unknown message class {name!r} (configured: {known})")
 
 
-def _pause_class(config: Config, zone: str, message_class: str, paused: bool, as_json: bool) -> int:
-    """DESIGN.md §16: one class of the zone held on every instance within a second."""
-
-    asyncio.run(
-        _with_store(config, lambda store: desk.set_class_paused(store, zone, message_class, paused, actor()))
-    )
-    if as_json:
-        emit({"zone": zone, "class": message_class, "paused": paused})
-        return 0
-    print(f"class {message_class} of zone {zone} {'paused' if paused else 'resumed'}")
-    return 0
+def _receiver(config: Config, name: str) -> str:
+    wanted = name.strip().lower()
+    known = {*config.receiver_table(), receivers.OTHER}
+    if wanted in known:
+        return wanted
+    raise UsageError(f"unknown receiver {name!r} (configured: {', '.join(sorted(known))})")
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -190,6 +209,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
         )
         if r["paused_classes"]:
             print(f"  paused classes: {', '.join(r['paused_classes'])}")
+        if r["paused_receivers"]:
+            print(f"  paused receivers: {', '.join(r['paused_receivers'])}")
+        for name, c in r["receivers"].items():
+            print(
+                f"  receiver {name}: sent {c['sent']}, delivered {c['delivered']}, deferred "
+                f"{c['deferred']}, bounces {c['bounce']}, complaints {c['complaint']}"
+            )
         for u in r["user_caps"]:
             print(
                 f"  user {u['username']}: hour {u['hour']['used']}/{u['hour']['limit']}, "

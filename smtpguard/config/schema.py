@@ -14,10 +14,12 @@ from smtpguard.config.listener import LimitsConfig, ListenerConfig, TLSFiles
 from smtpguard.config.outbox import SOURCE_NAME, OutboxSource
 from smtpguard.config.providers import BreakerConfig, ProviderConfig, SmtpProviderConfig
 from smtpguard.config.queue import QueueConfig
+from smtpguard.config.receivers import Suffixes, check_receiver_names, unknown_receiver
 from smtpguard.config.store import StoreConfig
 from smtpguard.config.verdicts import ReconcileConfig, VerdictsConfig, api_problem
 from smtpguard.config.workers import _workers
 from smtpguard.config.zones import _ZONE_NAME, UserConfig, ZoneConfig
+from smtpguard.policy import receivers as receiver_policy
 from smtpguard.policy.throttle import CONNECTION_WAIT, RATE_WAIT
 
 
@@ -65,6 +67,9 @@ class Config(_Strict):
     and replaced (DESIGN.md §18). At least 10s: a healthy loop is held for most of a second
     by each message near max_message_size, and messages that end together add up; a worker
     killed for that cuts every session it holds."""
+    receivers: dict[str, Suffixes] | None = None
+    """Receiving providers by MX host suffix (DESIGN.md §21), over the built-in gmail,
+    microsoft, yahoo and apple: a name given replaces its suffixes, `[]` removes it."""
     zones: dict[str, ZoneConfig] = Field(min_length=1)
     outbox: dict[str, OutboxSource] = Field(default_factory=dict)
     """Application tables of send requests, by source name (DESIGN.md §20)."""
@@ -141,6 +146,28 @@ class Config(_Strict):
                     known = ", ".join(names)
                     raise FieldProblem(loc, f"provider {provider!r} is not one of providers: {known}")
         return self
+
+    @model_validator(mode="after")
+    def _receiver_checks(self) -> Config:
+        check_receiver_names(self.receivers or {}, ("receivers",))
+        known = set(self.receiver_table())
+        for zname, zcfg in self.zones.items():
+            for rname in zcfg.receivers:
+                problem = unknown_receiver(rname, known)
+                if problem:
+                    raise FieldProblem(("zones", zname, "receivers", rname), problem)
+        for cname in self.queue.classes:
+            if cname.startswith(receiver_policy.CONTROL_PREFIX):
+                raise FieldProblem(
+                    ("queue", "classes", cname),
+                    f"class name {cname!r}: names starting {receiver_policy.CONTROL_PREFIX!r} "
+                    "are receivers' pauses",
+                )
+        return self
+
+    def receiver_table(self) -> dict[str, tuple[str, ...]]:
+        """Receiver name → MX host suffixes: the built-ins with `receivers:` over them."""
+        return receiver_policy.table(self.receivers)
 
     def send_timeout(self) -> float:
         """The longest one relay can keep talking to providers after its last lease renewal:

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from smtpguard.config.base import Duration, _Strict
+from smtpguard.config.receivers import ReceiverShaping
 from smtpguard.policy.limits import PLANS
 from smtpguard.policy.senders import address_problem
 
@@ -109,6 +110,10 @@ class ZoneConfig(_Strict):
         if v != sorted(set(v)):
             raise ValueError("alert_at must be ascending with no repeats, e.g. [0.8, 0.95]")
         return v
+
+    receivers: dict[str, ReceiverShaping] = Field(default_factory=dict)
+    """How this zone's mail to each receiving provider is shaped (DESIGN.md §21): max_rate,
+    paused, alert; names from the top-level `receivers` (or `other`)."""
 
     providers: list[str] | None = Field(None, min_length=1)
     """This zone's route, by provider name, in order (DESIGN.md §16): reorders or restricts

@@ -8,8 +8,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from smtpguard.config import Config
-from smtpguard.desk import Decision, cap_use, last_decision, zone_paused
+from smtpguard.desk import Decision, cap_use, last_decision, paused_receivers, split_controls, zone_paused
 from smtpguard.policy.ledger import Record, State
+from smtpguard.policy.receivers import receiver_counts
 from smtpguard.store import Store
 
 HELD = (State.UNKNOWN.value, State.FAILED.value)
@@ -50,6 +51,9 @@ class ZoneRow:
     paused_by_config: bool
     paused_classes: tuple[str, ...] = ()
     """Message classes held by `pause ZONE --class` (DESIGN.md §16)."""
+    receivers: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Sends and provider events per receiving provider (DESIGN.md §21)."""
+    paused_receivers: tuple[str, ...] = ()
 
 
 async def zones(config: Config, store: Store) -> list[ZoneRow]:
@@ -66,7 +70,9 @@ async def zones(config: Config, store: Store) -> list[ZoneRow]:
                 Bar(usage.month, caps.monthly),
                 await zone_paused(store, name, zone),
                 zone.paused,
-                tuple(sorted(c for z, c in classes if z == name)),
+                tuple(split_controls(classes, name)[0]),
+                receiver_counts(await store.counts(name)),
+                tuple(paused_receivers(classes, name, zone)),
             )
         )
     return rows

@@ -43,6 +43,7 @@ class Applier:
         zones: Callable[[], Collection[str]],
         clock: Callable[[], float],
         on_suppressed: Callable[[str], None] = lambda zone: None,
+        on_event: Callable[[str, str, str], None] = lambda zone, recipient, kind: None,
     ) -> None:
         self.store = store
         self.zones = zones
@@ -50,6 +51,9 @@ class Applier:
         self.on_suppressed = on_suppressed
         """Told the zone whose list an event added to (this instance's suppression cache
         then reads it at once; other instances within a second)."""
+        self.on_event = on_event
+        """Told (zone, recipient, type) of every event applied: the receivers' counts
+        (DESIGN.md §21)."""
 
     async def apply(self, provider: str, event: ProviderEvent) -> tuple[Applied, Record | None]:
         """A verified webhook's event: found through the ids of its Match, then applied."""
@@ -87,6 +91,8 @@ class Applier:
             return Applied.DUPLICATE, record
         if reason:
             self.on_suppressed(record.zone)
+        if trusted and event.recipient:
+            self.on_event(record.zone, event.recipient, event.kind.value)
         return Applied.APPLIED, record
 
     async def find(self, provider: str, match: Match) -> Record | None:

@@ -20,9 +20,11 @@ from smtpguard.config import Config, plan_send_as
 from smtpguard.connection_table import Connections
 from smtpguard.listener.protocol import GuardSMTP
 from smtpguard.passwords import Verifier
+from smtpguard.policy.decisions import Decision
 from smtpguard.policy.envelope import recipient_refusal, sender_refusal
 from smtpguard.policy.senders import normalize_address, route_offers_smtputf8
 from smtpguard.policy.unrecorded import UnrecordedFailures
+from smtpguard.receivers import Receivers
 from smtpguard.recipient_domains import RecipientDomains
 from smtpguard.replies import Reply
 from smtpguard.store import Store, StoreUnavailable
@@ -44,8 +46,12 @@ class Handler:
         clock: Callable[[], float] = time.time,
         recipient_domains: RecipientDomains | None = None,
         observe: Callable[[str], None] | None = None,
+        receivers: Receivers | None = None,
     ) -> None:
         self.submitter = submitter
+        self.receivers = receivers
+        """Receiving providers (DESIGN.md §21): RCPT holds a paused or over-rate one's
+        recipients; relayed recipients are counted per receiver."""
         self.recipient_domains = recipient_domains
         """The RCPT domain check of zones with `recipient_domains: check` (DESIGN.md §12)."""
         self.store = store
@@ -230,6 +236,10 @@ class Handler:
             unroutable = await self.recipient_domains.refusal(address)
             if unroutable is not None:
                 return self._refuse(principal, unroutable)
+        if zone is not None and self.receivers is not None:
+            held = await self.receivers.rcpt_refusal(principal.zone, address, zone.delivery == "queue")
+            if held is not None:
+                return str(held)  # a hold, not a refusal of the address: not counted as one
         envelope.rcpt_tos.append(normalize_address(address))
         envelope.rcpt_options.extend(rcpt_options)
         return str(replies.OK_RECIPIENT)
@@ -289,6 +299,8 @@ class Handler:
             if not self.active:
                 self.idle.set()
         self.on_result(principal, result, time.perf_counter() - started)
+        if self.receivers is not None and result.decision == Decision.RELAYED:
+            self.receivers.sent(principal.zone, rcpt_tos)
         return str(result.reply)
 
 

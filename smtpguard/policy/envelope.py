@@ -8,8 +8,9 @@ SMTP syntax at all.
 
 RCPT: the transaction's room for one more recipient → SMTPUTF8 → syntax. The checks that
 need I/O come after these, in this order, in the listener: the suppression lists (store),
-then with `recipient_domains: check` the domain's MX (DNS, §12). Each recipient is judged
-on its own: those accepted before stay accepted (RFC 6531).
+then with `recipient_domains: check` the domain's MX (DNS, §12), then the recipient's
+receiving provider, paused or over its `max_rate` (§21). Each recipient is judged on its
+own: those accepted before stay accepted (RFC 6531).
 
 Authentication is the listener's check, before all of these: it knows the session.
 """

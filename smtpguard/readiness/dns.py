@@ -23,6 +23,7 @@ from smtpguard.policy.dnsdata import Lookup
 class DnsClient:
     def __init__(self, cfg: DnsConfig, resolv_conf: str = "/etc/resolv.conf") -> None:
         servers = cfg.servers()
+        self.config = cfg
         self.problem = ""
         """Why no lookup can be made (no resolver configured); every lookup is then an
         error, which RCPT accepts and doctor reports, rather than serve failing to start."""

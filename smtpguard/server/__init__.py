@@ -178,6 +178,7 @@ class Server:
         self._ensure_worker()
         self._start_outbox()
         self.handler = self.assembly.handler(config, submitter, self.store, self.housekeeping.on_result)
+        self._receivers(config)
         if self.role is not None:
             self.handler.connections = self.role.connections()
         for zname, zone in config.zones.items():
@@ -249,11 +250,15 @@ class Server:
             self._tasks.append(asyncio.create_task(reconcile.run(self.reconciler)))
             log.info("reconciliation started", extra={"apis": sorted(self.reconciler.apis)})
 
+    def _receiver_event(self, zone: str, recipient: str, kind: str) -> None:
+        if self.assembly.receivers is not None:
+            self.assembly.receivers.event(zone, recipient, kind)
+
     async def _start_events(self, config: Config, sources: Sources) -> None:
         """The provider-event listener (§13)."""
         assert config.events is not None and self.store is not None and self.submitter is not None
         self.event_applier = side_listeners.applier(
-            self.store, self.submitter, lambda: self.config, self.clock
+            self.store, self.submitter, lambda: self.config, self.clock, self._receiver_event
         )
         if config.events.address is not None:
             host, _, port = config.events.address.rpartition(":")
@@ -323,6 +328,16 @@ class Server:
         self.prober = Prober(config, held_now, self.hostname, self.housekeeping.probe_changed)
         self.prober.start()
 
+    def _receivers(self, config: Config) -> None:
+        """Receiving providers (DESIGN.md §21) for the listener and the queue's worker."""
+        assert self.handler is not None and self.store is not None
+        found = self.assembly.receivers_for(
+            config, self.store, self.handler.submitter, self.stats.bump, self.singleton
+        )
+        self.handler.receivers = found
+        if self.worker is not None:
+            self.worker.receivers = found
+
     def _ensure_worker(self) -> None:
         """Start the store-and-forward worker, whatever the zones' current mode: entries
         accepted before a reload or restart moved their zone back to relay were answered
@@ -335,6 +350,7 @@ class Server:
             self.store,
             lambda zone, result: self.housekeeping.on_result(Principal(zone, "delivery"), result, 0.0),
         )
+        self.worker.receivers = self.assembly.receivers
         self.submitter.on_enqueue = self.worker.wake
         self.worker.start()
         log.info("store-and-forward worker started", extra={"workers": self.config.queue.workers})
@@ -418,6 +434,8 @@ class Server:
             await self.prober.stop()
         if self.cap_alerts is not None:
             await self.cap_alerts.close()
+        if self.assembly.receivers is not None:
+            await self.assembly.receivers.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -530,6 +548,7 @@ class Server:
         self.handler.submitter.route = route
         self.handler.submitter.config = new
         self.handler.recipient_domains = domains
+        self._receivers(new)
         if self.events is not None:
             # Rotated signing keys apply to the next request; a source removed answers 404.
             from smtpguard.events.sources import Sources

@@ -18,6 +18,7 @@ from smtpguard.policy.breaker import Circuit
 from smtpguard.policy.throttle import ProviderLimits
 from smtpguard.provider_gate import ConnectionSlots, ProviderGate
 from smtpguard.readiness.dns import DnsClient
+from smtpguard.receivers import Receivers, enabled
 from smtpguard.recipient_domains import RecipientDomains
 from smtpguard.relay import Route, SmtpProvider, build_providers
 from smtpguard.server.reload import _event_tags, _zone_routes
@@ -45,6 +46,9 @@ class Assembly:
         self.gate: ProviderGate | None = None
         """Provider throttling (DESIGN.md §16): kept across reloads, so a throttle learnt
         stays in force when the route is rebuilt."""
+        self.receivers: Receivers | None = None
+        """Receiving providers (DESIGN.md §21): kept across reloads (the MX cache and the
+        alert windows stay) unless the resolver changed."""
 
     def route(self, store: Store, config: Config, secrets: dict[str, str | None]) -> Route:
         limits = {
@@ -102,6 +106,33 @@ class Assembly:
             recipient_domains=recipient_domains(config),
             observe=self.metrics.event,
         )
+
+    def receivers_for(
+        self,
+        config: Config,
+        store: Store,
+        submitter: Submitter,
+        bump: Callable[[str, str], None],
+        judge_alerts: bool,
+    ) -> Receivers | None:
+        """The receivers of `config` (None when it watches none), for start and each reload."""
+        if self.receivers is not None and not (
+            enabled(config) and self.receivers.lookup.dns.config == config.dns
+        ):
+            self.receivers.stop_judging()  # replaced below, or off: its counts are all in
+        if not enabled(config):
+            self.receivers = None
+        elif self.receivers is not None and self.receivers.lookup.dns.config == config.dns:
+            self.receivers.configure(config)
+        else:
+            dns = DnsClient(config.dns)
+            if dns.problem:
+                log.warning("receivers: every recipient counts as other: %s", dns.problem)
+            pauses = submitter.class_pauses
+            self.receivers = Receivers(
+                config, dns, store, pauses, self.metrics, bump, self.clock, judge_alerts
+            )
+        return self.receivers
 
     def factory(
         self,

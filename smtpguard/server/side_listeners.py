@@ -30,11 +30,15 @@ if TYPE_CHECKING:
 
 
 def applier(
-    store: Store, submitter: Submitter, config: Callable[[], Config], clock: Callable[[], float]
+    store: Store,
+    submitter: Submitter,
+    config: Callable[[], Config],
+    clock: Callable[[], float],
+    on_event: Callable[[str, str, str], None] = lambda zone, recipient, kind: None,
 ) -> Applier:
     from smtpguard.events.apply import Applier
 
-    return Applier(store, lambda: config().zones, clock, submitter.suppressions.invalidate)
+    return Applier(store, lambda: config().zones, clock, submitter.suppressions.invalidate, on_event)
 
 
 def events_server(

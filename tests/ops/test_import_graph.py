@@ -80,6 +80,9 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "recipient_domains": frozenset({"policy", "readiness", "replies"}),
     "verdicts": frozenset({"config", "desk", "policy", "store", "verdict_config"}),
     "desk": frozenset({"class_pauses", "config", "policy", "store"}),
+    "receivers": frozenset(
+        {"class_pauses", "config", "desk", "metrics", "policy", "readiness", "replies", "store"}
+    ),
     # adapters: the wire in, the wire out, the queue, the provider events
     "relay": frozenset({"config", "policy", "provider_gate", "replies"}),
     "sink": frozenset({"config", "relay"}),
@@ -96,12 +99,15 @@ ALLOWED: Mapping[str, frozenset[str]] = {
         {"admission", "config", "desk", "http_listener", "passwords", "policy", "store", "turns", "outbox"}
     ),
     "delivery": frozenset(
-        {"class_pauses", "config", "ids", "policy", "relay", "replies", "store", "submission"}
+        {
+            "class_pauses", "config", "ids", "policy", "receivers", "relay", "replies",
+            "store", "submission",
+        }
     ),
     "outbox": frozenset({"config", "policy", "recipient_domains", "replies", "store", "submission"}),
     "listener": frozenset(
         {
-            "background", "config", "connection_table", "passwords", "policy",
+            "background", "config", "connection_table", "passwords", "policy", "receivers",
             "recipient_domains", "replies", "store", "submission", "turns",
         }
     ),
@@ -111,7 +117,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
         {
             "admission", "background", "cap_alerts", "config", "console", "delivery", "events",
             "heartbeat", "listener", "metrics", "notify", "passwords", "policy",
-            "provider_gate", "readiness", "recipient_domains", "relay", "store",
+            "provider_gate", "readiness", "receivers", "recipient_domains", "relay", "store",
             "submission", "verdict_config", "verdicts", "verp", "workers", "outbox",
         }
     ),

@@ -1,0 +1,97 @@
+"""Shaping one zone's mail per receiving provider (DESIGN.md §21): `paused` and `max_rate`.
+
+A receiver is paused by the config (`zones.Z.receivers.R.paused`) or by `smtpguard pause Z
+--receiver R`, which writes the pause beside the message-class pauses in the store's zone
+controls; this instance reads them through the same ClassPauses copy, at most REFRESH
+(0.5 s) old, so a pause holds on every instance within a second. `max_rate` is a GCRA in the
+store, the same operation as a provider's `max_rate` (§16), so every instance shares it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+
+from smtpguard.class_pauses import HOLD, ClassPauses
+from smtpguard.policy import receivers
+from smtpguard.policy.receivers import RCPT_BURST, Shaping
+from smtpguard.replies import Reply
+from smtpguard.store import Store, StoreUnavailable
+
+log = logging.getLogger("smtpguard.receivers")
+
+PAUSE_HOLD = HOLD
+"""Seconds a queued entry held by a paused receiver waits before it is looked at again: a
+class pause's (a paused receiver may hold a large backlog); `resume --receiver` wakes the
+held entries at once."""
+
+
+def slot_name(zone: str, receiver: str) -> str:
+    """The GCRA's name in the store: beside the providers' (whose names have no colon)."""
+    return f"receiver:{zone}:{receiver}"
+
+
+class ReceiverGate:
+    def __init__(
+        self,
+        store: Store,
+        pauses: ClassPauses,
+        shaping: Callable[[], Mapping[str, Mapping[str, Shaping]]],
+        clock: Callable[[], float],
+    ) -> None:
+        self._store = store
+        self._pauses = pauses
+        self._shaping = shaping
+        """zone → receiver → its settings, read anew each time (a reload replaces them)."""
+        self._clock = clock
+        self.slowed: dict[tuple[str, str], float] = {}
+        """(zone, receiver) → until when `on_alert: slow` halves its max_rate."""
+
+    async def paused(self, zone: str, receiver: str) -> bool:
+        own = self._shaping().get(zone, {}).get(receiver)
+        if own is not None and own.paused:
+            return True
+        try:
+            pairs = await self._pauses.paused()
+        except StoreUnavailable:
+            return False  # the store's pause cannot be read: the reservation will say so
+        return (zone, receivers.control_name(receiver)) in pairs
+
+    async def slot(self, zone: str, receiver: str) -> tuple[bool, float] | None:
+        """Take one of the receiver's send slots: (granted, seconds until one could be had);
+        None when it has no max_rate (or the store cannot be asked: shaping never refuses
+        mail the store would take)."""
+        own = self._shaping().get(zone, {}).get(receiver)
+        interval = own.interval if own is not None else None
+        if interval is None:
+            return None
+        now = self._clock()
+        if self.slowed.get((zone, receiver), 0.0) > now:
+            interval *= 2
+        try:
+            slot = await self._store.rate_slot(slot_name(zone, receiver), interval, RCPT_BURST, now)
+        except StoreUnavailable:
+            return None
+        return slot.granted, slot.wait
+
+    async def rcpt_refusal(self, zone: str, receiver: str) -> Reply | None:
+        """Relay mode: `451 4.7.1` for this recipient while its receiver is paused or over
+        its max_rate; None to take it."""
+        if await self.paused(zone, receiver):
+            return receivers.rcpt_refusal(receiver, True, None)
+        slot = await self.slot(zone, receiver)
+        return receivers.rcpt_refusal(receiver, False, None if slot is None else slot[0])
+
+    async def hold_until(self, zone: str, recipients_of: Mapping[str, int]) -> float | None:
+        """Queue mode: when an entry whose recipients are of these receivers (receiver →
+        how many) may be tried again, or None to send it now."""
+        now = self._clock()
+        for receiver in recipients_of:
+            if await self.paused(zone, receiver):
+                return now + PAUSE_HOLD
+        for receiver, n in recipients_of.items():
+            for _ in range(n):
+                slot = await self.slot(zone, receiver)
+                if slot is not None and not slot[0]:
+                    return now + max(slot[1], 0.05)
+        return None

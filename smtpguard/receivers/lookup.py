@@ -1,0 +1,66 @@
+"""A recipient's receiving provider, from its domain's MX hosts (DESIGN.md §21).
+
+The MX query goes through the resolver every lookup uses (readiness/dns.py, `dns:`), and the
+answer is kept for its TTL (readiness/cache.py). One deadline, `dns.timeout`, bounds the
+lookup: past it, or on any DNS error, the recipient is `other` for that message and the
+answer is kept for TROUBLE_TTL only — receiver shaping never holds mail up on DNS trouble.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from smtpguard.policy import receivers
+from smtpguard.policy.receivers import OTHER, TROUBLE_TTL
+from smtpguard.readiness.cache import SharedLookups
+from smtpguard.readiness.dns import DnsClient
+
+
+class ReceiverLookup:
+    def __init__(
+        self,
+        dns: DnsClient,
+        table: Mapping[str, Sequence[str]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.dns = dns
+        self.table: Mapping[str, Sequence[str]] = dict(table)
+        self._hosts = SharedLookups(self._bounded_mx, clock)
+        self.troubles = 0
+        """Lookups that timed out or failed (counted `other`): for tests and the log."""
+
+    @property
+    def lookups(self) -> int:
+        return self._hosts.lookups
+
+    async def receiver(self, address: str) -> str:
+        domain = receivers.domain_of(address)
+        if domain is None:
+            return OTHER
+        hosts = await self._hosts.get(domain)
+        return receivers.match(hosts, self.table) if hosts else OTHER
+
+    def cached(self, address: str) -> str | None:
+        """The receiver from the cache alone, or None when it would need a lookup."""
+        domain = receivers.domain_of(address)
+        if domain is None:
+            return OTHER
+        hosts = self._hosts.cached(domain)
+        if hosts is None:
+            return None
+        return receivers.match(hosts, self.table) if hosts else OTHER
+
+    async def _bounded_mx(self, domain: str) -> tuple[tuple[str, ...], float]:
+        try:
+            async with asyncio.timeout(self.dns.timeout):
+                mx = await self.dns.lookup("MX", domain)
+        except TimeoutError:
+            self.troubles += 1
+            return (), TROUBLE_TTL
+        found = receivers.mx_hosts(domain, mx)
+        if found is None:
+            self.troubles += 1
+            return (), TROUBLE_TTL
+        return found

@@ -1,0 +1,63 @@
+"""Receivers' store operations (DESIGN.md §21) on all three backends: a receiver's pause is a
+zone control beside the class pauses (audited, read by every instance through ClassPauses),
+and its max_rate is the providers' GCRA under a name of its own."""
+
+from __future__ import annotations
+
+import pytest
+
+from smtpguard import desk
+from smtpguard.class_pauses import ClassPauses
+from smtpguard.config import ConfigError, loads
+from smtpguard.policy.receivers import Shaping, control_name
+from smtpguard.receivers.gate import ReceiverGate, slot_name
+from smtpguard.store import Store
+from tests.store.test_store_contract import NOW, store  # noqa: F401 - the three-backend fixture
+from tests.support import FakeClock
+
+
+async def test_a_receiver_pause_is_a_zone_control_every_reader_sees(store: Store) -> None:  # noqa: F811
+    clock = FakeClock()
+    pauses = ClassPauses(store, clock)
+    gate = ReceiverGate(store, pauses, lambda: {}, lambda: NOW)
+    assert not await gate.paused("acme", "yahoo")
+    await desk.set_receiver_paused(store, "acme", "yahoo", True, "cli:alice@host")
+    await store.set_class_paused("acme", "bulk", True)
+    clock.t += 1  # past ClassPauses.REFRESH: the next read asks the store
+    assert await gate.paused("acme", "yahoo")
+    assert not await gate.paused("globex", "yahoo") and not await gate.paused("acme", "gmail")
+    pairs = await store.paused_classes()
+    assert desk.split_controls(pairs, "acme") == (["bulk"], ["yahoo"])
+    audit = await store.audit_log("acme", 0)
+    assert [(a.actor, a.action, a.key) for a in audit] == [("cli:alice@host", "pause:receiver", "yahoo")]
+    await desk.set_receiver_paused(store, "acme", "yahoo", False, "cli:alice@host")
+    clock.t += 1
+    assert not await gate.paused("acme", "yahoo")
+    assert await store.paused_classes() == {("acme", "bulk")}
+
+
+async def test_a_receiver_max_rate_is_its_own_gcra(store: Store) -> None:  # noqa: F811
+    shaping = {"acme": {"microsoft": Shaping(max_rate=1.0)}}
+    gate = ReceiverGate(store, ClassPauses(store), lambda: shaping, lambda: NOW)
+    granted = [await gate.slot("acme", "microsoft") for _ in range(4)]
+    # One second of burst at 1/s: the slot now and the next one; then refused until one frees.
+    assert [g[0] for g in granted if g is not None] == [True, True, False, False]
+    refusal = await gate.rcpt_refusal("acme", "microsoft")
+    assert refusal is not None and (refusal.code, refusal.enhanced) == (451, "4.7.1")
+    # No max_rate: no slot taken; a provider of the same name keeps its own slots.
+    assert await gate.slot("acme", "gmail") is None and await gate.rcpt_refusal("acme", "gmail") is None
+    assert (await store.rate_slot("microsoft", 1.0, 0.0, NOW)).granted
+    assert slot_name("acme", "microsoft") == "receiver:acme:microsoft"
+
+
+def test_a_class_may_not_take_the_receivers_prefix() -> None:
+    text = """
+listen: [{address: "127.0.0.1:0", tls: none}]
+providers: [{name: p, kind: maildir, path: /tmp/x}]
+queue: {default_class: transactional, classes: {transactional: {max_age: 1d, priority: 0},
+        "receiver:x": {max_age: 1d, priority: 1}}}
+zones: {acme: {senders: ["@acme.test"]}}
+"""
+    with pytest.raises(ConfigError, match=r"queue\.classes\.receiver:x .*receivers' pauses"):
+        loads(text)
+    assert control_name("x") == "receiver:x"
