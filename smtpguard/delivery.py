@@ -22,7 +22,7 @@ from smtpguard.ids import new_id
 from smtpguard.policy import ledger, queue
 from smtpguard.policy.decisions import Decision
 from smtpguard.policy.ledger import Submission
-from smtpguard.policy.limits import cap_check, caps_for, user_caps_of
+from smtpguard.policy.limits import Ending, cap_check, caps_for, unit_fate, user_caps_of
 from smtpguard.policy.queue import HOLD_PAUSED as HOLD_PAUSED  # moved to policy/queue.py
 from smtpguard.policy.queue import backoff_delay, lane_quotas, queue_due
 from smtpguard.receivers import Receivers
@@ -243,7 +243,17 @@ class DeliveryWorker:
         # The submitting user's own caps, counted at delivery as the zone's are.
         user_caps = user_caps_of(zone.users, rec.username, caps)
         check = cap_check(rec.zone, caps, attempt_id, facts.now, rec.username, user_caps)
-        return replace(facts, cap_looked=True, cap=await self.store.consume_cap(check))
+        try:
+            cap = await self.store.consume_cap(check)
+        except StoreUnavailable:
+            # The unit may have been written with only its reply lost. Leaving it to whoever
+            # takes the entry over after this claim's lease is not enough: a worker that took
+            # it over while this one stalled before the call has already refunded this
+            # attempt's token, before the unit existed, and nobody would again (§11.3).
+            for token in unit_fate(Ending.RESERVE_UNANSWERED, attempt_id):
+                await self.submitter.refund(rec.zone, token)
+            raise
+        return replace(facts, cap_looked=True, cap=cap)
 
     async def _requeue_stands(self, final: ledger.Record, expected: int) -> bool:
         """Requeue, and say whether `final` is what the store now holds — also when the

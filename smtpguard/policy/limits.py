@@ -184,7 +184,9 @@ class Ending(Enum):
     RESERVED = "reserved"
     """The reservation stands (also when only its reply was lost and the write is ours)."""
     RESERVE_UNANSWERED = "reserve_unanswered"
-    """The store failed during the reservation: it may have run with only its reply lost."""
+    """The store failed during the write that takes the attempt's unit (relay mode's
+    reservation, or a queued entry's consume_cap at delivery): it may have run with only its
+    reply lost."""
     LEASE_LOST = "lease_lost"
     """Another submission took the key over before DATA."""
     STORE_LOST = "store_lost"
