@@ -90,6 +90,9 @@ class Behaviour:
     """A reply to the final dot instead of 250."""
     hang_after_dot: float = 0.0
     """Seconds to wait before answering the final dot (the message is recorded first)."""
+    hold_after_dot: asyncio.Event | None = None
+    """Wait for this event before answering the final dot (the message is recorded first):
+    a transaction kept in flight exactly as long as the test needs, not for a guessed time."""
     drop_after_dot: bool = False
     """Record the message, then close the connection without replying (RFC 1047 window)."""
     hang_at_mail: float = 0.0
@@ -205,6 +208,8 @@ class RecordingHandler:
             return "250 2.0.0 never seen"
         if b.hang_after_dot:
             await asyncio.sleep(b.hang_after_dot)
+        if b.hold_after_dot is not None:
+            await b.hold_after_dot.wait()
         if b.idle_421:
             session.idle_expired = True  # type: ignore[attr-defined]
         return f"250 2.0.0 Ok: queued as {queue_id}"
