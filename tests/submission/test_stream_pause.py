@@ -245,15 +245,14 @@ async def test_sessions_waiting_on_a_failed_paused_classes_read_fail_with_it(tmp
     try:
         slow = SlowToFail(real)
         pauses = ClassPauses(cast(Store, slow))
-        started = time.monotonic()
         results = await asyncio.gather(*(pauses.paused() for _ in range(10)), return_exceptions=True)
-        elapsed = time.monotonic() - started
         # The next look reads again: a failure is not remembered as an answer.
         again = await asyncio.gather(pauses.paused(), return_exceptions=True)
     finally:
         await real.close()
     assert all(isinstance(r, StoreUnavailable) for r in results + again), results
-    assert elapsed < 1.0, elapsed
+    # One read for the ten sessions (each in turn would be ten, one timeout after another),
+    # and one more for the next look.
     assert slow.reads == 2
 
 
