@@ -202,6 +202,11 @@ def upstream_script(*behaviours: Behaviour) -> Callable[[Drive], Drive]:
     return wrap
 
 
+def recipient_domain(id: str, address: str, code: int, enhanced: str) -> Row:
+    """A row refused at RCPT by the recipient's domain, judged in the test zone NSD serves."""
+    return Row(id, once(lambda: plain(recipients=(address,))), f"rcpt {address}", code, enhanced, dns=True)
+
+
 SO_MANY = tuple(f"r{i}@example.com" for i in range(3))
 
 ROWS = [
@@ -379,22 +384,8 @@ ROWS = [
         "does not offer SMTPUTF8",
         delivered=1,
     ),
-    Row(
-        "recipient-domain-null-mx",
-        once(lambda: plain(recipients=("a@nullmx.test",))),
-        "rcpt a@nullmx.test",
-        556,
-        "5.1.10",
-        dns=True,
-    ),
-    Row(
-        "recipient-domain-cannot-receive",
-        once(lambda: plain(recipients=("a@nowhere.test",))),
-        "rcpt a@nowhere.test",
-        550,
-        "5.1.2",
-        dns=True,
-    ),
+    recipient_domain("recipient-domain-null-mx", "a@nullmx.test", 556, "5.1.10"),
+    recipient_domain("recipient-domain-cannot-receive", "a@nowhere.test", 550, "5.1.2"),
     Row("message-class-paused", class_paused, "data", 451, "4.7.0", "class bulk"),
     Row(
         "user-hourly-cap-reached",
