@@ -30,6 +30,7 @@ from argon2 import PasswordHasher
 from smtpguard.config import loads
 from smtpguard.server import Server
 from smtpguard.store import store_from_url
+from smtpguard.suppression import REFRESH
 from tests.support.eventually import eventually
 
 PASSWORD = "s3cret-test-pass"
@@ -431,6 +432,15 @@ async def running_guard(
         yield server
     finally:
         await server.stop()
+
+
+def suppressions_refreshed(server: Server) -> None:
+    """Moves the listener's suppression cache a refresh on (suppression.REFRESH): the wait a
+    change made elsewhere (the CLI, a provider event) has in production, without waiting."""
+    assert server.submitter is not None
+    cache = server.submitter.suppressions
+    before = cache.clock
+    cache.clock = lambda: before() + REFRESH
 
 
 # --- the client ------------------------------------------------------------------------------
