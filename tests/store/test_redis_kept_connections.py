@@ -167,16 +167,20 @@ async def test_a_write_cancelled_before_its_reply_is_not_retried(redis_server: R
         # would still be waiting when the bound below runs out.
         admin.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
         task = asyncio.create_task(store.reserve(fresh("cancelled", zone="keptcancel"), None, None, False))
-        await asyncio.sleep(0.2)
+
+        def blocked() -> int:
+            return int(admin.info("clients")["blocked_clients"])
+
+        # The script is at Redis, held by the pause: the write now waits for its reply.
+        assert await eventually(blocked, lambda n: n == 1, timeout=5, interval=0.01) == 1
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(task, 10)  # ended while Redis is still paused
         admin.execute_command("CLIENT", "UNPAUSE")
-        # What Redis received now runs; the script ran at most once: the reservation holds
-        # the cancelled write's attempt (or, had it never been sent, there is none).
-        got = await eventually(
-            lambda: store.get("keptcancel", "cancelled"), lambda r: r is not None, timeout=3, interval=0.02
-        )
+        # Nothing is held any more: what Redis received has run (or went with its connection).
+        assert await eventually(blocked, lambda n: n == 0, timeout=5, interval=0.01) == 0
+        # The script ran at most once: the reservation holds the cancelled write's attempt.
+        got = await store.get("keptcancel", "cancelled")
         assert got is None or got.sg_id == "att:cancelled"
         # The next write on this store gets its own reply.
         with pytest.raises(StoreUnavailable, match="0 of 1 replicas"):
