@@ -626,6 +626,23 @@ class RedisServer:
         args += ["--appendonly", "yes", "--appendfsync", "always"] if self.durable else ["--appendonly", "no"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_listening(self.port, "redis-server")
+        # Redis listens before it has loaded its append-only file and answers LOADING until
+        # then: a restarted durable server is ready when PING says so, not when it accepts.
+        import redis
+
+        client = redis.Redis(port=self.port, socket_timeout=5)
+        deadline = time.monotonic() + 10
+        try:
+            while True:
+                try:
+                    if client.ping():
+                        return
+                except (redis.BusyLoadingError, redis.ConnectionError):
+                    if time.monotonic() > deadline:
+                        raise
+                time.sleep(0.01)
+        finally:
+            client.close()
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
