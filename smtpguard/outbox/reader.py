@@ -211,6 +211,10 @@ class OutboxReader:
         turns = asyncio.Semaphore(CONCURRENCY)
 
         async def one(row: Row) -> None:
+            if row.id in self._unwritten:
+                # Claimed again while its receipt waits (for the database, or a lock the
+                # application holds on the row): that receipt is the answer, not a resend.
+                return
             async with turns:
                 written = await self._handle(row)
             self._unwritten[row.id] = written
@@ -225,15 +229,16 @@ class OutboxReader:
 
     async def _flush_unwritten(self) -> None:
         """Write every receipt waiting, in one transaction. Rows that finish while one
-        flush runs wait for the lock and go together in the next: a group commit."""
+        flush runs wait for the lock and go together in the next: a group commit. A receipt
+        whose row the application holds locked stays for a later flush."""
         async with self._writing:
             batch = dict(self._unwritten)
             if not batch:
                 return
             assert self._conn is not None
-            await rows.write(self._conn, self.src.table, batch, self.clock())
+            locked = await rows.write(self._conn, self.src.table, batch, self.clock())
             for row_id, w in batch.items():
-                if self._unwritten.get(row_id) is w:
+                if row_id not in locked and self._unwritten.get(row_id) is w:
                     del self._unwritten[row_id]
 
     async def _count(self) -> None:

@@ -70,6 +70,9 @@ SET state = %(state)s, reply = coalesce(%(reply)s, reply), sg_id = %(sg_id)s,
 WHERE id = %(id)s AND state IN ('pending', 'held')
 """
 
+_LOCK = "SELECT id FROM {t} WHERE id = ANY(%(ids)s) FOR UPDATE SKIP LOCKED"
+_PRESENT = "SELECT id FROM {t} WHERE id = ANY(%(ids)s)"
+
 _COUNTS = """
 SELECT state, count(*),
        min(greatest(created_at, not_before)) FILTER (WHERE state = 'pending')
@@ -108,26 +111,40 @@ async def claim(
 
 async def write(
     conn: AsyncConnection[TupleRow], table: str, receipts: Mapping[int, Written], now: float
-) -> None:
+) -> set[int]:
     """Receipts by row id, in one transaction (one commit for many rows: the drain rate is
     not one fsync per row). A row that already holds a final receipt (another instance's,
     written first) is left alone: a final receipt is never rewritten. A reply or upstream
-    id of None keeps the row's (a followed row that is still waiting)."""
-    params = [
-        {
-            "state": w.state.value,
-            "reply": w.reply,
-            "sg_id": w.sg_id,
-            "upstream_id": w.upstream_id,
-            "next": stamp(w.next_attempt_at) if w.next_attempt_at is not None else None,
-            "done": w.done,
-            "now": stamp(now),
-            "id": row_id,
-        }
-        for row_id, w in receipts.items()
-    ]
+    id of None keeps the row's (a followed row that is still waiting).
+
+    A row the application holds locked (a transaction of its own left open on it) is
+    skipped rather than waited for: the ids returned are those still to be written, so one
+    open transaction never holds up the receipts of every other row, nor the next claim.
+    A row deleted meanwhile is done with: its receipt has nowhere to go."""
+    ids = list(receipts)
     async with conn.transaction(), conn.cursor() as cur:
-        await cur.executemany(_q(_RECEIPT, table), params)
+        await cur.execute(_q(_LOCK, table), {"ids": ids})
+        free = {int(r[0]) for r in await cur.fetchall()}
+        params = [
+            {
+                "state": w.state.value,
+                "reply": w.reply,
+                "sg_id": w.sg_id,
+                "upstream_id": w.upstream_id,
+                "next": stamp(w.next_attempt_at) if w.next_attempt_at is not None else None,
+                "done": w.done,
+                "now": stamp(now),
+                "id": row_id,
+            }
+            for row_id, w in receipts.items()
+            if row_id in free
+        ]
+        if params:
+            await cur.executemany(_q(_RECEIPT, table), params)
+        if len(free) == len(ids):
+            return set()
+        await cur.execute(_q(_PRESENT, table), {"ids": [i for i in ids if i not in free]})
+        return {int(r[0]) for r in await cur.fetchall()}
 
 
 async def counts(conn: AsyncConnection[TupleRow], table: str) -> tuple[dict[str, int], float | None]:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import psycopg
 
-from tests.support import Upstream, running_guard
-from tests.support.outbox import app_database, outbox_config
+from tests.support import Upstream, eventually, running_guard
+from tests.support.outbox import app_database, insert, outbox_config, receipts, row
 from tests.support.postgres import PostgresServer
 
 
@@ -36,3 +36,35 @@ async def test_the_console_queue_page_answers_while_a_migration_locks_the_outbox
     assert "<td>shop</td>" in page.text and "unreadable:" in page.text
     assert "timeout" in page.text.lower() or "cancel" in page.text.lower(), page.text[-800:]
 
+
+async def test_a_row_the_application_locks_mid_send_does_not_stall_the_receipts_or_rows_after_it(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer
+) -> None:
+    from tests.support import Behaviour
+
+    url = app_database(postgres_server)
+    # The provider takes the first message, then is slow to answer its final dot.
+    upstream.handler.script = [Behaviour(hang_after_dot=1.5)]
+    async with (
+        running_guard(outbox_config(tmp, upstream.port, url)),
+        await psycopg.AsyncConnection.connect(url) as app,
+    ):
+        await insert(url, [row("locked:1")])
+        await upstream.wait_received(1)
+        # Meanwhile the application looks at its row in a transaction it keeps open.
+        await app.execute("SELECT state FROM smtpguard_outbox WHERE event_key = 'locked:1' FOR UPDATE")
+        await insert(url, [row("after:1")])
+        try:
+            found = await eventually(
+                lambda: receipts(url), lambda f: f["after:1"]["state"] == "sent", timeout=15, interval=0.1
+            )
+            assert found["after:1"]["state"] == "sent", found
+            # The locked row's receipt waits for the lock; nothing else does.
+            assert found["locked:1"]["state"] == "pending"
+        finally:
+            await app.rollback()
+        found = await eventually(
+            lambda: receipts(url), lambda f: f["locked:1"]["state"] == "sent", timeout=15, interval=0.1
+        )
+    assert found["locked:1"]["state"] == "sent" and found["locked:1"]["attempts"] == 1
+    assert upstream.event_keys() == ["locked:1", "after:1"]
