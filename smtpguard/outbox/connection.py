@@ -1,17 +1,11 @@
-"""How every part of the outbox reaches a source's database: its password (from the
-environment or a file, read once by the caller) and one autocommit connection."""
+"""How every part of the outbox reaches a source's database: one autocommit connection,
+with the password the caller read (config.outbox_password) and, if asked, a bound on each
+statement."""
 
 from __future__ import annotations
 
 from psycopg import AsyncConnection
 from psycopg.rows import TupleRow
-
-from smtpguard.config import OutboxSource, read_secret
-
-
-def password_of(name: str, src: OutboxSource) -> str | None:
-    """The source's password; a missing variable or file is a ConfigError naming it."""
-    return read_secret(src.password_env, src.password_file, f"outbox.{name}")
 
 
 async def connect(

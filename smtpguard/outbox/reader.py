@@ -23,7 +23,7 @@ from psycopg.rows import TupleRow
 
 from smtpguard.config import OutboxSource
 from smtpguard.outbox import rows
-from smtpguard.outbox.connection import connect, password_of
+from smtpguard.outbox.connection import connect
 from smtpguard.outbox.rows import Row, Written
 from smtpguard.outbox.schema import channel
 from smtpguard.outbox.submit import submit_row
@@ -97,11 +97,21 @@ class OutboxReader:
     def wake(self) -> None:
         self._wake.set()
 
-    async def stop(self, timeout: float) -> None:
-        """Stop claiming; the batch under way finishes (bounded). Rows left claimed come due
-        again when their claim lapses; the ledger answers them."""
+    def serves(self, src: OutboxSource | None, password: str | None) -> bool:
+        """True when this reader is the one `src` with `password` needs (a reload keeps it)."""
+        return src == self.src and password == self._password
+
+    def halt(self) -> None:
+        """No claim and no submission starts from now on (no await: a reload's swap calls
+        it): the submissions under way finish, rows of the batch not yet begun are left to
+        their claim, which lapses and brings them to the reader that serves now."""
         self._stopping = True
         self._wake.set()
+
+    async def stop(self, timeout: float) -> None:
+        """halt(), then wait (bounded) for the submissions under way and their receipts.
+        Rows left claimed come due again when their claim lapses; the ledger answers them."""
+        self.halt()
         if self._task is not None:
             try:
                 await asyncio.wait_for(self._task, timeout)
@@ -216,6 +226,8 @@ class OutboxReader:
                 # application holds on the row): that receipt is the answer, not a resend.
                 return
             async with turns:
+                if self._stopping:
+                    return
                 written = await self._handle(row)
             self._unwritten[row.id] = written
             # The database may have gone meanwhile: the receipt waits for it (below).
@@ -326,20 +338,3 @@ class OutboxReader:
             if name in q.classes:
                 return q.classes[name].max_age
         return q.classes[q.default_class].max_age
-
-
-def readers(
-    submitter: Submitter,
-    clock: Callable[[], float],
-    on_result: Callable[[Principal, Result], None],
-    on_counts: Callable[[str, dict[str, int], float | None], None],
-    domains: Callable[[], RecipientDomains | None],
-) -> list[OutboxReader]:
-    """One reader per configured source, each with its password read now (a missing one
-    stops serve at start, naming the source, as a provider's does)."""
-    found = []
-    for name, src in submitter.config.outbox.items():
-        found.append(
-            OutboxReader(name, src, password_of(name, src), submitter, clock, on_result, on_counts, domains)
-        )
-    return found

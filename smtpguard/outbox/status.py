@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import psycopg
 
-from smtpguard.config import Config, ConfigError, OutboxSource
+from smtpguard.config import Config, ConfigError, OutboxSource, outbox_password
 from smtpguard.outbox import rows
-from smtpguard.outbox.connection import connect, password_of
+from smtpguard.outbox.connection import connect
 
 
 @dataclass
@@ -35,7 +35,7 @@ async def outbox_status(config: Config, timeout: float = 3.0) -> list[SourceStat
 async def _status(name: str, src: OutboxSource, timeout: float) -> SourceStatus:
     status = SourceStatus(name, src.zone, src.table)
     try:
-        conn = await connect(src.url, password_of(name, src), timeout, statement_timeout=timeout)
+        conn = await connect(src.url, outbox_password(name, src), timeout, statement_timeout=timeout)
         async with conn:
             status.counts, oldest = await rows.counts(conn, src.table)
         status.lag = None if oldest is None else max(time.time() - oldest, 0.0)

@@ -68,3 +68,44 @@ async def test_a_row_the_application_locks_mid_send_does_not_stall_the_receipts_
         )
     assert found["locked:1"]["state"] == "sent" and found["locked:1"]["attempts"] == 1
     assert upstream.event_keys() == ["locked:1", "after:1"]
+
+
+async def test_a_reload_that_removes_an_outbox_source_stops_its_reader_and_one_that_adds_it_starts_one(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer
+) -> None:
+    from tests.support import write_config
+
+    url = app_database(postgres_server)
+    cfg = outbox_config(tmp, upstream.port, url)
+    path = tmp / "smtpguard.yaml"
+    async with running_guard(cfg, config_path=path) as server:
+        await insert(url, [row("before:1")])
+        await eventually(
+            lambda: receipts(url), lambda f: f["before:1"]["state"] == "sent", timeout=10, interval=0.05
+        )
+        # The operator takes the shop's outbox out of service.
+        without = {k: v for k, v in cfg.items() if k != "outbox"}
+        write_config(path, without)
+        assert await server.reload()
+        assert server.outbox == []
+        await insert(url, [row("while-removed:1")])
+        # A pass of the source's reader would have taken it within its 0.2 s poll; wait
+        # for several, then count: nothing sent.
+        await asyncio.sleep(1.0)
+        assert (await receipts(url))["while-removed:1"]["state"] == "pending"
+        assert upstream.event_keys() == ["before:1"]
+        # Back, now as another user of the zone: a reader of the new source sends the row.
+        cfg["zones"]["acme"]["users"].append({**cfg["zones"]["acme"]["users"][0], "username": "acme-shop"})
+        cfg["outbox"]["shop"]["user"] = "acme-shop"
+        write_config(path, cfg)
+        assert await server.reload()
+        (reader,) = server.outbox
+        assert reader.src.user == "acme-shop"
+        found = await eventually(
+            lambda: receipts(url),
+            lambda f: f["while-removed:1"]["state"] == "sent",
+            timeout=10,
+            interval=0.05,
+        )
+    assert found["while-removed:1"]["state"] == "sent"
+    assert upstream.event_keys() == ["before:1", "while-removed:1"]
