@@ -284,7 +284,7 @@ class OutboxReader:
             result.decision,
             result.reply,
             now,
-            row.created_at,
+            policy.became_due(row.created_at, row.not_before),
             self._max_age(row) if result.reply.temporary else float("inf"),
             row.attempts,
             self._retry(),

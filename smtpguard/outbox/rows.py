@@ -30,6 +30,7 @@ class Row:
     mail_from: str
     rcpt_to: tuple[str, ...]
     created_at: float
+    not_before: float | None
     attempts: int
     sg_id: str | None
     state: RowState
@@ -59,7 +60,8 @@ UPDATE {t} AS o
 SET next_attempt_at = %(until)s,
     attempts = o.attempts + CASE WHEN o.sg_id IS NULL THEN 1 ELSE 0 END
 FROM due WHERE o.id = due.id
-RETURNING o.id, o.event_key, o.message, o.mail_from, o.rcpt_to, o.created_at, o.attempts, o.sg_id, o.state
+RETURNING o.id, o.event_key, o.message, o.mail_from, o.rcpt_to, o.created_at, o.not_before,
+    o.attempts, o.sg_id, o.state
 """
 
 _RECEIPT = """
@@ -101,9 +103,10 @@ async def claim(
             str(r[3]),
             tuple(r[4] or ()),
             r[5].timestamp(),
-            int(r[6]),
-            r[7],
-            RowState(r[8]),
+            None if r[6] is None else r[6].timestamp(),
+            int(r[7]),
+            r[8],
+            RowState(r[9]),
         )
         for r in found
     ]

@@ -109,3 +109,36 @@ async def test_a_reload_that_removes_an_outbox_source_stops_its_reader_and_one_t
         )
     assert found["while-removed:1"]["state"] == "sent"
     assert upstream.event_keys() == ["before:1", "while-removed:1"]
+
+
+async def test_a_row_scheduled_past_its_class_max_age_is_not_expired_at_its_first_4xx(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer
+) -> None:
+    from tests.support import FakeClock
+
+    url = app_database(postgres_server)
+    cfg = outbox_config(tmp, upstream.port, url)
+    cfg["zones"]["acme"]["paused"] = True  # its first attempt is answered 451
+    clock = FakeClock()
+    async with running_guard(cfg, clock=clock) as server:
+        # A reminder for four days from now: older than the default class's max_age (3 days)
+        # by the time it may be sent, but not stale: it was not due before.
+        message = row("reminder:1").message
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as app:
+            await app.execute(
+                "INSERT INTO smtpguard_outbox (event_key, message, mail_from, rcpt_to, not_before) "
+                "VALUES ('reminder:1', %s, 'billing@acme.example', ARRAY['customer@example.com'], "
+                "now() + interval '4 days')",
+                (message,),
+            )
+        clock.t += 4 * 86400 + 60
+        server.outbox[0].wake()
+        found = await eventually(
+            lambda: receipts(url), lambda f: f["reminder:1"]["reply"] is not None, timeout=10, interval=0.05
+        )
+    r = found["reminder:1"]
+    assert str(r["reply"]).startswith("451 4.7.0"), r
+    assert r["state"] == "pending", r
+    # Tried again within its class's max_age counted from when it became due.
+    assert r["next_attempt_at"].timestamp() > clock.t  # type: ignore[union-attr]
+    assert upstream.event_keys() == []
