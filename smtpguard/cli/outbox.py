@@ -7,6 +7,7 @@ import asyncio
 
 from smtpguard.cli.context import EXIT_OK, EXIT_STORE, CLIError, UsageError, _config, emit
 from smtpguard.config import outbox_password
+from smtpguard.config.outbox import table_problem
 from smtpguard.outbox.schema import DEFAULT_TABLE, ddl
 
 
@@ -17,6 +18,9 @@ class OutboxUnavailable(CLIError):
 def cmd_outbox(args: argparse.Namespace) -> int:
     if args.action == "schema":
         table = args.table or DEFAULT_TABLE
+        problem = table_problem(table)
+        if problem is not None:
+            raise UsageError(problem)
         if args.source is not None:
             src = _config(args).outbox.get(args.source)
             if src is None:

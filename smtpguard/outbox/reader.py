@@ -22,10 +22,9 @@ from psycopg import AsyncConnection
 from psycopg.rows import TupleRow
 
 from smtpguard.config import OutboxSource
-from smtpguard.outbox import rows
+from smtpguard.outbox import rows, schema
 from smtpguard.outbox.connection import connect
 from smtpguard.outbox.rows import Row, Written
-from smtpguard.outbox.schema import channel
 from smtpguard.outbox.submit import submit_row
 from smtpguard.policy import outbox as policy
 from smtpguard.policy.classes import class_names
@@ -125,7 +124,7 @@ class OutboxReader:
     async def _connect(self) -> None:
         self._conn = await connect(self.src.url, self._password)
         listen = await connect(self.src.url, self._password)
-        await listen.execute(f"LISTEN {channel(self.src.table)}")
+        await listen.execute(schema.listen(self.src.table))
         self._listener = asyncio.create_task(self._listen(listen))
 
     async def _listen(self, conn: AsyncConnection[TupleRow]) -> None:

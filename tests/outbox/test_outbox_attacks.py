@@ -142,3 +142,30 @@ async def test_a_row_scheduled_past_its_class_max_age_is_not_expired_at_its_firs
     # Tried again within its class's max_age counted from when it became due.
     assert r["next_attempt_at"].timestamp() > clock.t  # type: ignore[union-attr]
     assert upstream.event_keys() == []
+
+
+async def test_a_table_named_by_an_sql_keyword_is_made_by_init_and_served(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer
+) -> None:
+    from smtpguard.cli import main
+    from tests.support import write_config
+    from tests.support.outbox import new_database
+
+    url = new_database(postgres_server)
+    # `order` passes the config's name rule (lower-case letters) and is a reserved word.
+    cfg = outbox_config(tmp, upstream.port, url, table="order")
+    path = write_config(tmp / "smtpguard.yaml", cfg)
+    assert await asyncio.to_thread(main, ["outbox", "init", "-c", str(path), "shop"]) == 0
+    async with running_guard(cfg), await psycopg.AsyncConnection.connect(url, autocommit=True) as app:
+        await app.execute(
+            'INSERT INTO "order" (event_key, message, mail_from, rcpt_to) VALUES (%s, %s, %s, %s)',
+            ("keyword:1", row("keyword:1").message, "billing@acme.example", ["customer@example.com"]),
+        )
+
+        async def state() -> object:
+            cur = await app.execute('SELECT state FROM "order"')
+            return (await cur.fetchone() or [None])[0]
+
+        found = await eventually(state, lambda s: s == "sent", timeout=10, interval=0.05)
+    assert found == "sent"
+    assert upstream.event_keys() == ["keyword:1"]
