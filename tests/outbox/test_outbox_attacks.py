@@ -169,3 +169,34 @@ async def test_a_table_named_by_an_sql_keyword_is_made_by_init_and_served(
         found = await eventually(state, lambda s: s == "sent", timeout=10, interval=0.05)
     assert found == "sent"
     assert upstream.event_keys() == ["keyword:1"]
+
+
+async def test_a_send_slower_than_the_claim_is_reclaimed_by_the_other_instance_and_sent_once(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer
+) -> None:
+    from tests.support import Behaviour
+    from tests.support.outbox import new_database
+
+    url = app_database(postgres_server)
+    store = new_database(postgres_server, "store")
+    # The provider takes the message, then answers its final dot only after the row's claim
+    # (the 1 s lease) has lapsed, within its 3 s data timeout: the other instance claims the
+    # row meanwhile.
+    upstream.handler.script = [Behaviour(hang_after_dot=2.5)]
+    configs = []
+    for name in ("a", "b"):
+        cfg = outbox_config(tmp, upstream.port, url)
+        cfg["store"] = {"url": store, "unsafe": True}
+        cfg["instance"] = name
+        cfg["event_key"].update({"lease": "1s", "inflight_wait": "0.5s"})
+        configs.append(cfg)
+    async with running_guard(configs[0]) as a, running_guard(configs[1]) as b:
+        await insert(url, [row("slow:1")])
+        found = await eventually(
+            lambda: receipts(url), lambda f: f["slow:1"]["state"] == "sent", timeout=20, interval=0.1
+        )
+        claims = a.outbox[0].counters.rows + b.outbox[0].counters.rows
+    assert found["slow:1"]["state"] == "sent", found
+    assert claims >= 2  # both instances took the row: the claim really lapsed mid-send
+    assert upstream.event_keys() == ["slow:1"]
+    assert upstream.handler.data_commands == 1
