@@ -8,6 +8,7 @@ import asyncio
 from pathlib import Path
 
 import psycopg
+import pytest
 
 from tests.support import Upstream, eventually, running_guard
 from tests.support.outbox import app_database, insert, outbox_config, receipts, row
@@ -200,3 +201,35 @@ async def test_a_send_slower_than_the_claim_is_reclaimed_by_the_other_instance_a
     assert claims >= 2  # both instances took the row: the claim really lapsed mid-send
     assert upstream.event_keys() == ["slow:1"]
     assert upstream.handler.data_commands == 1
+
+
+async def test_the_role_the_docs_name_select_and_update_only_serves_and_init_says_what_it_lacks(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import uuid
+
+    from smtpguard.cli import main
+    from tests.support import write_config
+
+    url = app_database(postgres_server)
+    role = f"sg_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(url, autocommit=True) as admin:
+        # configuration.md: the role needs SELECT, UPDATE on the table (and LISTEN, anyone's).
+        admin.execute(f"CREATE ROLE {role} LOGIN")  # type: ignore[arg-type]
+        admin.execute(f"GRANT SELECT, UPDATE ON smtpguard_outbox TO {role}")  # type: ignore[arg-type]
+    least = url.replace("://postgres@", f"://{role}@")
+    assert least != url
+    cfg = outbox_config(tmp, upstream.port, least)
+    path = write_config(tmp / "smtpguard.yaml", cfg)
+    assert await asyncio.to_thread(main, ["outbox", "init", "-c", str(path), "shop"]) == 1
+    assert "permission denied" in capsys.readouterr().err
+    async with running_guard(cfg):
+        await insert(url, [row("least:1"), row("least:2", rcpt_to=("no-at-sign",))])
+        found = await eventually(
+            lambda: receipts(url),
+            lambda f: all(r["state"] not in ("pending", "held") for r in f.values()),
+            timeout=10,
+            interval=0.05,
+        )
+    assert {k: r["state"] for k, r in found.items()} == {"least:1": "sent", "least:2": "failed"}
+    assert upstream.event_keys() == ["least:1"]
