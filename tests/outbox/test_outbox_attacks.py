@@ -233,3 +233,29 @@ async def test_the_role_the_docs_name_select_and_update_only_serves_and_init_say
         )
     assert {k: r["state"] for k, r in found.items()} == {"least:1": "sent", "least:2": "failed"}
     assert upstream.event_keys() == ["least:1"]
+
+
+async def test_a_storm_of_ten_thousand_notifications_costs_a_few_passes_and_rows_still_flow(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer
+) -> None:
+    url = app_database(postgres_server)
+    async with running_guard(outbox_config(tmp, upstream.port, url, poll="30s")) as server:
+        reader = server.outbox[0]
+        await eventually(lambda: reader.counters.passes, lambda n: n >= 1, timeout=10, interval=0.02)
+        before = reader.counters.passes
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as app:
+            # Distinct payloads: PostgreSQL folds identical ones of one transaction into one.
+            await app.execute(
+                "SELECT pg_notify('smtpguard_outbox', i::text) FROM generate_series(1, 10000) AS i"
+            )
+        await eventually(lambda: reader.counters.notified, lambda n: n >= 10_000, timeout=20, interval=0.05)
+        storm = reader.counters.passes - before
+        await insert(url, [row("storm:1")])
+        found = await eventually(
+            lambda: receipts(url), lambda f: f["storm:1"]["state"] == "sent", timeout=10, interval=0.05
+        )
+    print(f"10000 notifications: {storm} passes")
+    assert reader.counters.notified >= 10_000
+    assert storm <= 100, storm  # woken many times over, one claim per wake-up, not per notification
+    assert found["storm:1"]["state"] == "sent"
+    assert upstream.event_keys() == ["storm:1"]
