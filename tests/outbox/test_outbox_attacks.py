@@ -259,3 +259,44 @@ async def test_a_storm_of_ten_thousand_notifications_costs_a_few_passes_and_rows
     assert storm <= 100, storm  # woken many times over, one claim per wake-up, not per notification
     assert found["storm:1"]["state"] == "sent"
     assert upstream.event_keys() == ["storm:1"]
+
+
+async def test_serve_restarted_while_the_database_is_away_loses_the_receipts_in_memory_not_once(
+    tmp: Path, upstream: Upstream
+) -> None:
+    from collections import Counter
+
+    pg = PostgresServer(name="app")
+    pg.init()
+    pg.start()
+    try:
+        url = app_database(pg)
+        keys = [f"away:{i}" for i in range(60)]
+        await insert(url, [row(k) for k in keys])
+        cfg = outbox_config(tmp, upstream.port, url, volume=True, batch=60)
+        # Short claims, so the rows the first serve claimed come back to the second soon.
+        cfg["event_key"].update({"lease": "1s"})
+        async with running_guard(cfg) as first:
+            await upstream.wait_received(10, timeout=20)
+            await asyncio.to_thread(pg.stop)
+            await eventually(
+                lambda: first.outbox[0].counters.outages, lambda n: n >= 1, timeout=10, interval=0.05
+            )
+            # Serve stops with receipts it could not write: they were only in its memory.
+        sent_by_first = len(upstream.received)
+        await asyncio.to_thread(pg.start)
+        async with running_guard(cfg):
+            found = await eventually(
+                lambda: receipts(url),
+                lambda f: all(r["state"] not in ("pending", "held") for r in f.values()),
+                timeout=30,
+                interval=0.1,
+            )
+    finally:
+        pg.remove()
+    copies = Counter(upstream.event_keys())
+    assert copies == Counter(keys), [k for k, n in copies.items() if n != 1]
+    states = Counter(r["state"] for r in found.values())
+    assert set(states) <= {"sent", "duplicate"}, states
+    # What the first serve sent and could not record reads duplicate, nothing was sent again.
+    assert 1 <= states["duplicate"] <= sent_by_first, (states, sent_by_first)
