@@ -1,5 +1,9 @@
 """Every statement on an outbox table: claim due rows, write a receipt, count by state.
 
+Times are read as epoch seconds (date_part), not as timestamps: a column the application
+wrote as 'infinity' or '-infinity' (PostgreSQL's own "never" and "at once") is a float, where
+loading it as a datetime would fail the whole claim, and with it every row of the batch.
+
 Claims are short transactions: `FOR UPDATE SKIP LOCKED` picks due rows no other instance is
 claiming, and the claim itself is `next_attempt_at` pushed past the ledger lease. An
 instance killed with its claims simply lets them come due again; the ledger (not the row)
@@ -58,10 +62,10 @@ WITH due AS (
 )
 UPDATE {t} AS o
 SET next_attempt_at = %(until)s,
-    attempts = o.attempts + CASE WHEN o.sg_id IS NULL THEN 1 ELSE 0 END
+    attempts = o.attempts + CASE WHEN o.sg_id IS NULL AND o.attempts < 2147483647 THEN 1 ELSE 0 END
 FROM due WHERE o.id = due.id
-RETURNING o.id, o.event_key, o.message, o.mail_from, o.rcpt_to, o.created_at, o.not_before,
-    o.attempts, o.sg_id, o.state
+RETURNING o.id, o.event_key, o.message, o.mail_from, o.rcpt_to, date_part('epoch', o.created_at),
+    date_part('epoch', o.not_before), o.attempts, o.sg_id, o.state
 """
 
 _RECEIPT = """
@@ -77,7 +81,7 @@ _PRESENT = "SELECT id FROM {t} WHERE id = ANY(%(ids)s)"
 
 _COUNTS = """
 SELECT state, count(*),
-       min(greatest(created_at, not_before)) FILTER (WHERE state = 'pending')
+       date_part('epoch', min(greatest(created_at, not_before)) FILTER (WHERE state = 'pending'))
 FROM {t} GROUP BY state
 """
 
@@ -102,8 +106,8 @@ async def claim(
             bytes(r[2]),
             str(r[3]),
             tuple(r[4] or ()),
-            r[5].timestamp(),
-            None if r[6] is None else r[6].timestamp(),
+            float(r[5]),
+            None if r[6] is None else float(r[6]),
             int(r[7]),
             r[8],
             RowState(r[9]),
@@ -160,5 +164,5 @@ async def counts(conn: AsyncConnection[TupleRow], table: str) -> tuple[dict[str,
     for state, n, first in await cur.fetchall():
         out[str(state)] = int(n)
         if first is not None:
-            oldest = first.timestamp()
+            oldest = float(first)
     return out, oldest

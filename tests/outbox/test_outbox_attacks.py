@@ -300,3 +300,41 @@ async def test_serve_restarted_while_the_database_is_away_loses_the_receipts_in_
     assert set(states) <= {"sent", "duplicate"}, states
     # What the first serve sent and could not record reads duplicate, nothing was sent again.
     assert 1 <= states["duplicate"] <= sent_by_first, (states, sent_by_first)
+
+
+async def test_rows_with_extreme_column_values_never_stop_the_reader_or_the_rows_after_them(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer
+) -> None:
+    url = app_database(postgres_server)
+    async with running_guard(outbox_config(tmp, upstream.port, url, batch=10)) as server:
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as app:
+            insert_one = (
+                "INSERT INTO smtpguard_outbox (event_key, message, mail_from, rcpt_to, not_before, attempts) "
+                "VALUES (%s, %s, 'billing@acme.example', ARRAY['customer@example.com'], %s, %s)"
+            )
+            for key, not_before, attempts in [
+                ("now:-infinity", "-infinity", 0),  # "as soon as possible", as PostgreSQL spells it
+                ("parked:infinity", "infinity", 0),  # never due
+                ("attempts:max", None, 2**31 - 1),  # the column's largest value
+                ("plain:1", None, 0),
+            ]:
+                await app.execute(insert_one, (key, row(key).message, not_before, attempts))
+        found = await eventually(
+            lambda: receipts(url),
+            lambda f: all(f[k]["state"] == "sent" for k in ("now:-infinity", "attempts:max", "plain:1")),
+            timeout=10,
+            interval=0.05,
+        )
+        reader = server.outbox[0]
+        # The counts (the lag gauge) read the parked row too: no pass may fail on it.
+        passes = reader.counters.passes
+        reader.wake()
+        await eventually(lambda: reader.counters.passes, lambda n: n >= passes + 3, timeout=10, interval=0.05)
+        assert reader.counters.outages == 0
+    assert {k: r["state"] for k, r in found.items()} == {
+        "now:-infinity": "sent",
+        "parked:infinity": "pending",
+        "attempts:max": "sent",
+        "plain:1": "sent",
+    }
+    assert sorted(upstream.event_keys()) == ["attempts:max", "now:-infinity", "plain:1"]
