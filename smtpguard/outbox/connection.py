@@ -4,7 +4,7 @@ statement."""
 
 from __future__ import annotations
 
-from psycopg import AsyncConnection
+from psycopg import AsyncConnection, NotSupportedError
 from psycopg.rows import TupleRow
 
 
@@ -20,4 +20,13 @@ async def connect(
         kwargs["options"] = f"-c statement_timeout={max(int(statement_timeout * 1000), 1)}"
     if password is not None:
         kwargs["password"] = password
-    return await AsyncConnection.connect(url, **kwargs)  # type: ignore[arg-type]
+    conn: AsyncConnection[TupleRow] = await AsyncConnection.connect(url, **kwargs)  # type: ignore[arg-type]
+    if conn.info.parameter_status("server_encoding") == "SQL_ASCII":
+        # Text of no known encoding comes back as bytes: an event_key 'k' would read "b'k'",
+        # another event than the one SMTP knows. Refused, the rows left as they are.
+        await conn.close()
+        raise NotSupportedError(
+            "the outbox database's encoding is SQL_ASCII (text of no known encoding); "
+            "an outbox needs a UTF8 database"
+        )
+    return conn

@@ -338,3 +338,37 @@ async def test_rows_with_extreme_column_values_never_stop_the_reader_or_the_rows
         "plain:1": "sent",
     }
     assert sorted(upstream.event_keys()) == ["attempts:max", "now:-infinity", "plain:1"]
+
+
+async def test_an_sql_ascii_database_is_refused_by_name_and_its_rows_left_alone(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import uuid
+
+    from smtpguard.cli import main
+    from tests.support import write_config
+
+    # SQL_ASCII stores bytes of no known encoding: psycopg hands its text back as bytes, so
+    # a key 'k' would have been read as "b'k'", another event than the one SMTP knows.
+    name = f"ascii_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(postgres_server.url, autocommit=True) as admin:
+        admin.execute(
+            f"CREATE DATABASE {name} ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0"  # type: ignore[arg-type]
+        )
+    url = postgres_server.url.rsplit("/", 1)[0] + "/" + name
+    cfg = outbox_config(tmp, upstream.port, url)
+    path = write_config(tmp / "smtpguard.yaml", cfg)
+    assert await asyncio.to_thread(main, ["outbox", "init", "-c", str(path), "shop"]) == 1
+    assert "SQL_ASCII" in capsys.readouterr().err
+    from smtpguard.outbox.schema import ddl
+
+    with psycopg.connect(url, autocommit=True) as app:
+        app.execute(ddl())  # type: ignore[arg-type]
+    await insert(url, [row("ascii:1")])
+    async with running_guard(cfg) as server:
+        reader = server.outbox[0]
+        await eventually(lambda: reader.counters.outages, lambda n: n >= 1, timeout=10, interval=0.05)
+        assert reader.counters.outages >= 1 and reader.counters.rows == 0
+    (r,) = (await receipts(url)).values()  # read back as bytes, as the reader would have
+    assert r["state"] in ("pending", b"pending") and r["reply"] is None and r["attempts"] == 0
+    assert upstream.event_keys() == []
