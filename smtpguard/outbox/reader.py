@@ -214,7 +214,8 @@ class OutboxReader:
         assert self._conn is not None
         now = self.clock()
         until = now + self.submitter.config.event_key.lease
-        claimed = await rows.claim(self._conn, self.src.table, now, until, self.src.batch)
+        limit = self.submitter.config.limits.max_message_size
+        claimed = await rows.claim(self._conn, self.src.table, now, until, self.src.batch, limit)
         if not claimed:
             return False
         turns = asyncio.Semaphore(CONCURRENCY)
@@ -273,6 +274,7 @@ class OutboxReader:
             self.src,
             row.event_key,
             row.message,
+            row.size,
             row.mail_from,
             row.rcpt_to,
             self.domains(),

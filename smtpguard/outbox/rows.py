@@ -31,6 +31,9 @@ class Row:
     id: int
     event_key: str
     message: bytes
+    """Empty when `size` is over the size limit the claim was given: never read into memory."""
+    size: int
+    """The message's octets as stored."""
     mail_from: str
     rcpt_to: tuple[str, ...]
     created_at: float
@@ -64,7 +67,9 @@ UPDATE {t} AS o
 SET next_attempt_at = %(until)s,
     attempts = o.attempts + CASE WHEN o.sg_id IS NULL AND o.attempts < 2147483647 THEN 1 ELSE 0 END
 FROM due WHERE o.id = due.id
-RETURNING o.id, o.event_key, o.message, o.mail_from, o.rcpt_to, date_part('epoch', o.created_at),
+RETURNING o.id, o.event_key,
+    CASE WHEN octet_length(o.message) <= %(max_size)s THEN o.message END, octet_length(o.message),
+    o.mail_from, o.rcpt_to, date_part('epoch', o.created_at),
     date_part('epoch', o.not_before), o.attempts, o.sg_id, o.state
 """
 
@@ -91,26 +96,28 @@ def _q(template: str, table: str) -> sql.Composed:
 
 
 async def claim(
-    conn: AsyncConnection[TupleRow], table: str, now: float, until: float, batch: int
+    conn: AsyncConnection[TupleRow], table: str, now: float, until: float, batch: int, max_size: int
 ) -> list[Row]:
-    """Due rows, oldest first, claimed until `until` in one short transaction."""
+    """Due rows, oldest first, claimed until `until` in one short transaction. A message
+    over `max_size` stays in the database (it is refused by its size alone): a batch of
+    them read whole could take more memory than serve has."""
+    params = {"now": stamp(now), "until": stamp(until), "batch": batch, "max_size": max_size}
     async with conn.transaction():
-        cur = await conn.execute(
-            _q(_CLAIM, table), {"now": stamp(now), "until": stamp(until), "batch": batch}
-        )
+        cur = await conn.execute(_q(_CLAIM, table), params)
         found = await cur.fetchall()
     return [
         Row(
             int(r[0]),
             str(r[1]),
-            bytes(r[2]),
-            str(r[3]),
-            tuple(r[4] or ()),
-            float(r[5]),
-            None if r[6] is None else float(r[6]),
-            int(r[7]),
-            r[8],
-            RowState(r[9]),
+            b"" if r[2] is None else bytes(r[2]),
+            int(r[3]),
+            str(r[4]),
+            tuple(r[5] or ()),
+            float(r[6]),
+            None if r[7] is None else float(r[7]),
+            int(r[8]),
+            r[9],
+            RowState(r[10]),
         )
         for r in found
     ]

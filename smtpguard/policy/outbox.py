@@ -146,6 +146,7 @@ def with_key(message: bytes, header: str, key: str) -> bytes | Reply:
     return f"{header}: {key}\r\n".encode() + message
 
 
-def size_refusal(message: bytes, limit: int) -> Reply | None:
-    """The SMTP listener's size limit (limits.max_message_size), the same for a row."""
-    return replies.SIZE_EXCEEDED if len(message) > limit else None
+def size_refusal(size: int, limit: int) -> Reply | None:
+    """The SMTP listener's size limit (limits.max_message_size), the same for a row of
+    `size` octets."""
+    return replies.SIZE_EXCEEDED if size > limit else None

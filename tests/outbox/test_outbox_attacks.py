@@ -5,6 +5,7 @@ upstream got or what the page answered, against a real PostgreSQL."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import psycopg
@@ -372,3 +373,39 @@ async def test_an_sql_ascii_database_is_refused_by_name_and_its_rows_left_alone(
     (r,) = (await receipts(url)).values()  # read back as bytes, as the reader would have
     assert r["state"] in ("pending", b"pending") and r["reply"] is None and r["attempts"] == 0
     assert upstream.event_keys() == []
+
+
+async def test_a_claim_leaves_a_message_over_the_size_limit_in_the_database(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer
+) -> None:
+    from dataclasses import replace
+
+    from smtpguard.outbox import rows
+    from smtpguard.outbox.connection import connect
+
+    # 8 rows of 50 MB with a 1 MB limit peaked at 1.4 GB in serve when every message was read
+    # (bytea arrives as hex text): batch 100 of them would have ended serve, SMTP included.
+    url = app_database(postgres_server)
+    big = row("big:1").message + b"y" * 3_000_000
+    await insert(url, [replace(row("big:1"), message=big), row("small:1")])
+    async with await connect(url, None) as conn:
+        now = time.time()
+        # Claimed until now: the rows are due again at once, for serve below.
+        claimed = {
+            r.event_key: r for r in await rows.claim(conn, "smtpguard_outbox", now, now, 10, 1_000_000)
+        }
+    assert claimed["big:1"].message == b"" and claimed["big:1"].size == len(big)
+    assert claimed["small:1"].message == row("small:1").message
+    # And the row is answered as SMTP answers a message over the limit, the other one sent.
+    cfg = outbox_config(tmp, upstream.port, url)
+    cfg["limits"] = {"max_message_size": 1_000_000}
+    async with running_guard(cfg):
+        found = await eventually(
+            lambda: receipts(url),
+            lambda f: all(r["state"] not in ("pending", "held") for r in f.values()),
+            timeout=10,
+            interval=0.05,
+        )
+    assert found["big:1"]["state"] == "failed" and str(found["big:1"]["reply"]).startswith("552 5.3.4")
+    assert found["small:1"]["state"] == "sent"
+    assert upstream.event_keys() == ["small:1"]
