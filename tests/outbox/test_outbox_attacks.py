@@ -78,30 +78,37 @@ async def test_a_reload_that_removes_an_outbox_source_stops_its_reader_and_one_t
     from tests.support import write_config
 
     url = app_database(postgres_server)
+    other = app_database(postgres_server)
     cfg = outbox_config(tmp, upstream.port, url)
+    # A second source the reloads leave alone: its rows are the positive events the
+    # negative ones wait on.
+    cfg["outbox"]["crm"] = {**cfg["outbox"]["shop"], "url": other}
     path = tmp / "smtpguard.yaml"
     async with running_guard(cfg, config_path=path) as server:
         await insert(url, [row("before:1")])
         await eventually(
             lambda: receipts(url), lambda f: f["before:1"]["state"] == "sent", timeout=10, interval=0.05
         )
+        kept = next(r for r in server.outbox if r.name == "crm")
         # The operator takes the shop's outbox out of service.
-        without = {k: v for k, v in cfg.items() if k != "outbox"}
+        without = {**cfg, "outbox": {"crm": cfg["outbox"]["crm"]}}
         write_config(path, without)
         assert await server.reload()
-        assert server.outbox == []
+        assert server.outbox == [kept]
         await insert(url, [row("while-removed:1")])
-        # A pass of the source's reader would have taken it within its 0.2 s poll; wait
-        # for several, then count: nothing sent.
-        await asyncio.sleep(1.0)
+        await insert(other, [row("crm:1")])
+        await eventually(
+            lambda: receipts(other), lambda f: f["crm:1"]["state"] == "sent", timeout=10, interval=0.05
+        )
         assert (await receipts(url))["while-removed:1"]["state"] == "pending"
-        assert upstream.event_keys() == ["before:1"]
+        assert upstream.event_keys() == ["before:1", "crm:1"]
         # Back, now as another user of the zone: a reader of the new source sends the row.
         cfg["zones"]["acme"]["users"].append({**cfg["zones"]["acme"]["users"][0], "username": "acme-shop"})
         cfg["outbox"]["shop"]["user"] = "acme-shop"
         write_config(path, cfg)
         assert await server.reload()
-        (reader,) = server.outbox
+        assert kept in server.outbox and len(server.outbox) == 2
+        (reader,) = (r for r in server.outbox if r.name == "shop")
         assert reader.src.user == "acme-shop"
         found = await eventually(
             lambda: receipts(url),
@@ -110,7 +117,7 @@ async def test_a_reload_that_removes_an_outbox_source_stops_its_reader_and_one_t
             interval=0.05,
         )
     assert found["while-removed:1"]["state"] == "sent"
-    assert upstream.event_keys() == ["before:1", "while-removed:1"]
+    assert upstream.event_keys() == ["before:1", "crm:1", "while-removed:1"]
 
 
 async def test_a_row_scheduled_past_its_class_max_age_is_not_expired_at_its_first_4xx(
