@@ -78,11 +78,13 @@ UPDATE {t}
 SET state = %(state)s, reply = coalesce(%(reply)s, reply), sg_id = %(sg_id)s,
     upstream_id = coalesce(%(upstream_id)s, upstream_id),
     next_attempt_at = %(next)s, done_at = CASE WHEN %(done)s THEN %(now)s END
-WHERE id = %(id)s AND state IN ('pending', 'held')
+WHERE id = (SELECT id FROM {t} WHERE id = %(id)s AND state IN ('pending', 'held') FOR UPDATE SKIP LOCKED)
+RETURNING id
 """
 
-_LOCK = "SELECT id FROM {t} WHERE id = ANY(%(ids)s) FOR UPDATE SKIP LOCKED"
-_PRESENT = "SELECT id FROM {t} WHERE id = ANY(%(ids)s)"
+_STILL_OPEN = "SELECT id FROM {t} WHERE id = ANY(%(ids)s) AND state IN ('pending', 'held')"
+"""Of the receipts no row took: the rows still open (a plain read, never waits on a lock).
+The others hold a final receipt or were deleted: nothing more to write."""
 
 _COUNTS = """
 SELECT state, count(*),
@@ -135,29 +137,31 @@ async def write(
     skipped rather than waited for: the ids returned are those still to be written, so one
     open transaction never holds up the receipts of every other row, nor the next claim.
     A row deleted meanwhile is done with: its receipt has nowhere to go."""
-    ids = list(receipts)
+    params = [
+        {
+            "state": w.state.value,
+            "reply": w.reply,
+            "sg_id": w.sg_id,
+            "upstream_id": w.upstream_id,
+            "next": stamp(w.next_attempt_at) if w.next_attempt_at is not None else None,
+            "done": w.done,
+            "now": stamp(now),
+            "id": row_id,
+        }
+        for row_id, w in receipts.items()
+    ]
     async with conn.transaction(), conn.cursor() as cur:
-        await cur.execute(_q(_LOCK, table), {"ids": ids})
-        free = {int(r[0]) for r in await cur.fetchall()}
-        params = [
-            {
-                "state": w.state.value,
-                "reply": w.reply,
-                "sg_id": w.sg_id,
-                "upstream_id": w.upstream_id,
-                "next": stamp(w.next_attempt_at) if w.next_attempt_at is not None else None,
-                "done": w.done,
-                "now": stamp(now),
-                "id": row_id,
-            }
-            for row_id, w in receipts.items()
-            if row_id in free
-        ]
-        if params:
-            await cur.executemany(_q(_RECEIPT, table), params)
-        if len(free) == len(ids):
+        # Pipelined: one round trip for every receipt, as without the lock check.
+        await cur.executemany(_q(_RECEIPT, table), params, returning=True)
+        taken: set[int] = set()
+        while True:
+            taken.update(int(r[0]) for r in await cur.fetchall())
+            if not cur.nextset():
+                break
+        untaken = [i for i in receipts if i not in taken]
+        if not untaken:
             return set()
-        await cur.execute(_q(_PRESENT, table), {"ids": [i for i in ids if i not in free]})
+        await cur.execute(_q(_STILL_OPEN, table), {"ids": untaken})
         return {int(r[0]) for r in await cur.fetchall()}
 
 
