@@ -102,14 +102,15 @@ class OutboxReader:
 
     def halt(self) -> None:
         """No claim and no submission starts from now on (no await: a reload's swap calls
-        it): the submissions under way finish, rows of the batch not yet begun are left to
-        their claim, which lapses and brings them to the reader that serves now."""
+        it): the submissions under way finish, and the claims of the batch's rows not yet
+        begun are given back (due at once) for the reader that serves now."""
         self._stopping = True
         self._wake.set()
 
     async def stop(self, timeout: float) -> None:
         """halt(), then wait (bounded) for the submissions under way and their receipts.
-        Rows left claimed come due again when their claim lapses; the ledger answers them."""
+        Rows still claimed past the bound come due again when their claim lapses; the
+        ledger answers them."""
         self.halt()
         if self._task is not None:
             try:
@@ -219,6 +220,7 @@ class OutboxReader:
         if not claimed:
             return False
         turns = asyncio.Semaphore(CONCURRENCY)
+        unbegun: list[Row] = []
 
         async def one(row: Row) -> None:
             if row.id in self._unwritten:
@@ -227,6 +229,7 @@ class OutboxReader:
                 return
             async with turns:
                 if self._stopping:
+                    unbegun.append(row)
                     return
                 written = await self._handle(row)
             self._unwritten[row.id] = written
@@ -235,8 +238,12 @@ class OutboxReader:
                 await self._flush_unwritten()
 
         await asyncio.gather(*(one(r) for r in claimed))
-        self.counters.rows += len(claimed)
+        self.counters.rows += len(claimed) - len(unbegun)
         await self._flush_unwritten()
+        if unbegun:
+            # Halted (a reload, a stop): the claims of rows never submitted are given back
+            # for the reader that serves now, rather than left to lapse a lease later.
+            await rows.release(self._conn, self.src.table, unbegun)
         return len(claimed) >= self.src.batch
 
     async def _flush_unwritten(self) -> None:

@@ -12,7 +12,7 @@ decides whether anything is sent, so a second instance or a restart never sends 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -80,6 +80,13 @@ SET state = %(state)s, reply = coalesce(%(reply)s, reply), sg_id = %(sg_id)s,
     next_attempt_at = %(next)s, done_at = CASE WHEN %(done)s THEN %(now)s END
 WHERE id = (SELECT id FROM {t} WHERE id = %(id)s AND state IN ('pending', 'held') FOR UPDATE SKIP LOCKED)
 RETURNING id
+"""
+
+_RELEASE = """
+UPDATE {t}
+SET next_attempt_at = NULL,
+    attempts = attempts - CASE WHEN sg_id IS NULL AND attempts > 0 THEN 1 ELSE 0 END
+WHERE id = ANY(%(ids)s) AND state IN ('pending', 'held')
 """
 
 _STILL_OPEN = "SELECT id FROM {t} WHERE id = ANY(%(ids)s) AND state IN ('pending', 'held')"
@@ -163,6 +170,12 @@ async def write(
             return set()
         await cur.execute(_q(_STILL_OPEN, table), {"ids": untaken})
         return {int(r[0]) for r in await cur.fetchall()}
+
+
+async def release(conn: AsyncConnection[TupleRow], table: str, claimed: Sequence[Row]) -> None:
+    """Claims of rows that were never submitted, given back: each row due at once (it was
+    due when claimed), the attempt its claim counted taken back."""
+    await conn.execute(_q(_RELEASE, table), {"ids": [r.id for r in claimed]})
 
 
 async def counts(conn: AsyncConnection[TupleRow], table: str) -> tuple[dict[str, int], float | None]:

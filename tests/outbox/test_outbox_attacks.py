@@ -416,3 +416,41 @@ async def test_a_claim_leaves_a_message_over_the_size_limit_in_the_database(
     assert found["big:1"]["state"] == "failed" and str(found["big:1"]["reply"]).startswith("552 5.3.4")
     assert found["small:1"]["state"] == "sent"
     assert upstream.event_keys() == ["small:1"]
+
+
+async def test_a_reload_mid_batch_hands_the_rows_not_yet_begun_to_the_new_reader_at_once(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer
+) -> None:
+    from collections import Counter
+
+    from smtpguard.outbox.reader import CONCURRENCY
+    from tests.support import Behaviour, write_config
+
+    url = app_database(postgres_server)
+    cfg = outbox_config(tmp, upstream.port, url, volume=True)
+    path = tmp / "smtpguard.yaml"
+    # The first CONCURRENCY sends are slow: the batch's other rows wait for a turn.
+    upstream.handler.script = [Behaviour(hang_after_dot=1.5) for _ in range(CONCURRENCY)]
+    keys = [f"midbatch:{i}" for i in range(CONCURRENCY + 4)]
+    async with running_guard(cfg, config_path=path) as server:
+        (old,) = server.outbox
+        await insert(url, [row(k) for k in keys])
+        # The provider pool (8 in the test config) holds the first sends: the rows past
+        # CONCURRENCY have not begun.
+        await upstream.wait_received(8)
+        cfg["outbox"]["shop"]["poll"] = "0.3s"  # a changed source: its reader is replaced
+        write_config(path, cfg)
+        assert await server.reload()
+        assert server.outbox[0] is not old
+        # The claim (event_key.lease, 30 s) of the 4 rows the old reader never began is
+        # given back, not left to lapse.
+        found = await eventually(
+            lambda: receipts(url),
+            lambda f: all(r["state"] == "sent" for r in f.values()),
+            timeout=10,
+            interval=0.05,
+        )
+    assert old.counters.rows + server.outbox[0].counters.rows == len(keys)
+    assert Counter(r["state"] for r in found.values()) == {"sent": len(keys)}
+    assert all(r["attempts"] == 1 for r in found.values()), found
+    assert Counter(upstream.event_keys()) == Counter(keys)
