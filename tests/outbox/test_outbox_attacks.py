@@ -220,19 +220,27 @@ async def test_the_role_the_docs_name_select_and_update_only_serves_and_init_say
     from tests.support import write_config
 
     url = app_database(postgres_server)
-    role = f"sg_{uuid.uuid4().hex[:8]}"
+    role, app = f"sg_{uuid.uuid4().hex[:8]}", f"app_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(url, autocommit=True) as admin:
-        # configuration.md: the role needs SELECT, UPDATE on the table (and LISTEN, anyone's).
-        admin.execute(f"CREATE ROLE {role} LOGIN")  # type: ignore[arg-type]
-        admin.execute(f"GRANT SELECT, UPDATE ON smtpguard_outbox TO {role}")  # type: ignore[arg-type]
+        # configuration.md, word for word: smtpguard's role gets SELECT, UPDATE on the table
+        # (LISTEN needs nothing); the application's role INSERT and its id sequence's USAGE.
+        for statement in (
+            f"CREATE ROLE {role} LOGIN",
+            f"GRANT SELECT, UPDATE ON smtpguard_outbox TO {role}",
+            f"CREATE ROLE {app} LOGIN",
+            f"GRANT INSERT ON smtpguard_outbox TO {app}",
+            f"GRANT USAGE ON SEQUENCE smtpguard_outbox_id_seq TO {app}",
+        ):
+            admin.execute(statement)  # type: ignore[arg-type]
     least = url.replace("://postgres@", f"://{role}@")
-    assert least != url
+    app_url = url.replace("://postgres@", f"://{app}@")
+    assert least != url != app_url
     cfg = outbox_config(tmp, upstream.port, least)
     path = write_config(tmp / "smtpguard.yaml", cfg)
     assert await asyncio.to_thread(main, ["outbox", "init", "-c", str(path), "shop"]) == 1
     assert "permission denied" in capsys.readouterr().err
     async with running_guard(cfg):
-        await insert(url, [row("least:1"), row("least:2", rcpt_to=("no-at-sign",))])
+        await insert(app_url, [row("least:1"), row("least:2", rcpt_to=("no-at-sign",))])
         found = await eventually(
             lambda: receipts(url),
             lambda f: all(r["state"] not in ("pending", "held") for r in f.values()),
