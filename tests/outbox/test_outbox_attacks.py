@@ -184,7 +184,7 @@ async def test_a_send_slower_than_the_claim_is_reclaimed_by_the_other_instance_a
     tmp: Path, upstream: Upstream, postgres_server: PostgresServer
 ) -> None:
     from tests.support import Behaviour
-    from tests.support.outbox import new_database
+    from tests.support.outbox import new_database, pair_configs
 
     url = app_database(postgres_server)
     store = new_database(postgres_server, "store")
@@ -192,13 +192,9 @@ async def test_a_send_slower_than_the_claim_is_reclaimed_by_the_other_instance_a
     # (the 1 s lease) has lapsed, within its 3 s data timeout: the other instance claims the
     # row meanwhile.
     upstream.handler.script = [Behaviour(hang_after_dot=2.5)]
-    configs = []
-    for name in ("a", "b"):
-        cfg = outbox_config(tmp, upstream.port, url)
-        cfg["store"] = {"url": store, "unsafe": True}
-        cfg["instance"] = name
+    configs = pair_configs(tmp, upstream.port, url, store)
+    for cfg in configs:
         cfg["event_key"].update({"lease": "1s", "inflight_wait": "0.5s"})
-        configs.append(cfg)
     async with running_guard(configs[0]) as a, running_guard(configs[1]) as b:
         await insert(url, [row("slow:1")])
         found = await eventually(
