@@ -6,6 +6,8 @@ import argparse
 import asyncio
 
 from smtpguard.cli.context import EXIT_OK, EXIT_STORE, CLIError, UsageError, _config, emit
+from smtpguard.config import outbox_password
+from smtpguard.config.outbox import table_problem
 from smtpguard.outbox.schema import DEFAULT_TABLE, ddl
 
 
@@ -16,6 +18,9 @@ class OutboxUnavailable(CLIError):
 def cmd_outbox(args: argparse.Namespace) -> int:
     if args.action == "schema":
         table = args.table or DEFAULT_TABLE
+        problem = table_problem(table)
+        if problem is not None:
+            raise UsageError(problem)
         if args.source is not None:
             src = _config(args).outbox.get(args.source)
             if src is None:
@@ -30,10 +35,7 @@ def cmd_outbox(args: argparse.Namespace) -> int:
     if src is None:
         known = ", ".join(sorted(config.outbox)) or "none"
         raise UsageError(f"no outbox source {args.source!r} in the config (sources: {known})")
-    # psycopg is the `postgres` extra: imported by the commands that talk to a database.
-    from smtpguard.outbox.connection import password_of
-
-    asyncio.run(_init(src.url, password_of(args.source, src), src.table))
+    asyncio.run(_init(src.url, outbox_password(args.source, src), src.table))
     if args.json:
         emit({"source": args.source, "table": src.table, "created": True})
     else:

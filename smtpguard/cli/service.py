@@ -33,14 +33,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    from smtpguard.config import provider_secrets, worker_count
+    from smtpguard.config import outbox_secrets, provider_secrets, worker_count
     from smtpguard.verp import verp_key
 
     try:
         config = _config(args)
         provider_secrets(config)
-        for name, src in config.outbox.items():  # serve reads them at start too
-            read_secret(src.password_env, src.password_file, f"outbox.{name}")
+        outbox_secrets(config)  # serve reads them at start too
         verp_key(config)  # serve reads it at start: a missing or empty one is refused here too
         if config.tls is not None:
             from smtpguard.server import tls_context

@@ -55,7 +55,7 @@ from smtpguard.config.providers import (
 )
 from smtpguard.config.queue import Backoff, MessageClass, QueueConfig
 from smtpguard.config.schema import Config, LogConfig, MetricsConfig
-from smtpguard.config.secrets import provider_secrets, read_secret
+from smtpguard.config.secrets import outbox_password, outbox_secrets, provider_secrets, read_secret
 from smtpguard.config.store import STORE_SCHEMES, StoreConfig, StoreWait
 from smtpguard.config.workers import MAX_WORKERS, worker_count
 from smtpguard.config.zones import UserConfig, ZoneConfig, plan_send_as
@@ -112,6 +112,8 @@ __all__ = [
     "is_loopback",
     "load",
     "loads",
+    "outbox_password",
+    "outbox_secrets",
     "parse_yaml",
     "plan_send_as",
     "provider_secrets",

@@ -8,8 +8,19 @@ from pydantic import Field, field_validator
 
 from smtpguard.config.base import Duration, FilePath, _Strict
 
-_TABLE = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+_TABLE = re.compile(r"[a-z_][a-z0-9_]{0,55}")
+"""56 at most: the index and trigger named after it (`_due`, `_notify`) stay within
+PostgreSQL's 63, which would otherwise cut them silently (the index then taking the
+table's own name, and IF NOT EXISTS skipping it)."""
 SOURCE_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
+
+
+def table_problem(name: str) -> str | None:
+    """Why `name` cannot be an outbox table, or None (the config's rule, and `outbox schema
+    --table`'s)."""
+    if _TABLE.fullmatch(name):
+        return None
+    return f"table {name!r} must be a lower-case SQL name: letters, digits and _, at most 56"
 
 
 class OutboxSource(_Strict):
@@ -44,6 +55,7 @@ class OutboxSource(_Strict):
     @classmethod
     def _table(cls, v: str) -> str:
         # Written into DDL and every statement as an identifier: only names that need no quoting.
-        if not _TABLE.fullmatch(v):
-            raise ValueError("table must be a lower-case SQL name: letters, digits and _, at most 63")
+        problem = table_problem(v)
+        if problem is not None:
+            raise ValueError(problem)
         return v

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from smtpguard.config.base import ConfigError
+from smtpguard.config.outbox import OutboxSource
 from smtpguard.config.providers import SmtpProviderConfig
 from smtpguard.config.schema import Config
 
@@ -23,6 +24,26 @@ def read_secret(env: str | None, file: Path | None, what: str) -> str | None:
         except OSError as e:
             raise ConfigError([f"{what}: cannot read {file}: {e.strerror}"]) from None
     return None
+
+
+def outbox_password(name: str, src: OutboxSource) -> str | None:
+    """One outbox source's password; a missing variable or file is a ConfigError naming it."""
+    return read_secret(src.password_env, src.password_file, f"outbox.{name}")
+
+
+def outbox_secrets(config: Config) -> dict[str, str | None]:
+    """Every outbox source's password now: at start, at check-config and on each SIGHUP (a
+    file rewritten in place is a rotation), a missing one naming its source."""
+    out: dict[str, str | None] = {}
+    problems: list[str] = []
+    for name, src in config.outbox.items():
+        try:
+            out[name] = outbox_password(name, src)
+        except ConfigError as e:
+            problems.extend(e.problems)
+    if problems:
+        raise ConfigError(problems)
+    return out
 
 
 def provider_secrets(config: Config) -> dict[str, str | None]:

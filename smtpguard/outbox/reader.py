@@ -22,10 +22,9 @@ from psycopg import AsyncConnection
 from psycopg.rows import TupleRow
 
 from smtpguard.config import OutboxSource
-from smtpguard.outbox import rows
-from smtpguard.outbox.connection import connect, password_of
+from smtpguard.outbox import rows, schema
+from smtpguard.outbox.connection import connect
 from smtpguard.outbox.rows import Row, Written
-from smtpguard.outbox.schema import channel
 from smtpguard.outbox.submit import submit_row
 from smtpguard.policy import outbox as policy
 from smtpguard.policy.classes import class_names
@@ -97,11 +96,22 @@ class OutboxReader:
     def wake(self) -> None:
         self._wake.set()
 
-    async def stop(self, timeout: float) -> None:
-        """Stop claiming; the batch under way finishes (bounded). Rows left claimed come due
-        again when their claim lapses; the ledger answers them."""
+    def serves(self, src: OutboxSource | None, password: str | None) -> bool:
+        """True when this reader is the one `src` with `password` needs (a reload keeps it)."""
+        return src == self.src and password == self._password
+
+    def halt(self) -> None:
+        """No claim and no submission starts from now on (no await: a reload's swap calls
+        it): the submissions under way finish, and the claims of the batch's rows not yet
+        begun are given back (due at once) for the reader that serves now."""
         self._stopping = True
         self._wake.set()
+
+    async def stop(self, timeout: float) -> None:
+        """halt(), then wait (bounded) for the submissions under way and their receipts.
+        Rows still claimed past the bound come due again when their claim lapses; the
+        ledger answers them."""
+        self.halt()
         if self._task is not None:
             try:
                 await asyncio.wait_for(self._task, timeout)
@@ -115,7 +125,7 @@ class OutboxReader:
     async def _connect(self) -> None:
         self._conn = await connect(self.src.url, self._password)
         listen = await connect(self.src.url, self._password)
-        await listen.execute(f"LISTEN {channel(self.src.table)}")
+        await listen.execute(schema.listen(self.src.table))
         self._listener = asyncio.create_task(self._listen(listen))
 
     async def _listen(self, conn: AsyncConnection[TupleRow]) -> None:
@@ -205,13 +215,22 @@ class OutboxReader:
         assert self._conn is not None
         now = self.clock()
         until = now + self.submitter.config.event_key.lease
-        claimed = await rows.claim(self._conn, self.src.table, now, until, self.src.batch)
+        limit = self.submitter.config.limits.max_message_size
+        claimed = await rows.claim(self._conn, self.src.table, now, until, self.src.batch, limit)
         if not claimed:
             return False
         turns = asyncio.Semaphore(CONCURRENCY)
+        unbegun: list[Row] = []
 
         async def one(row: Row) -> None:
+            if row.id in self._unwritten:
+                # Claimed again while its receipt waits (for the database, or a lock the
+                # application holds on the row): that receipt is the answer, not a resend.
+                return
             async with turns:
+                if self._stopping:
+                    unbegun.append(row)
+                    return
                 written = await self._handle(row)
             self._unwritten[row.id] = written
             # The database may have gone meanwhile: the receipt waits for it (below).
@@ -219,21 +238,26 @@ class OutboxReader:
                 await self._flush_unwritten()
 
         await asyncio.gather(*(one(r) for r in claimed))
-        self.counters.rows += len(claimed)
+        self.counters.rows += len(claimed) - len(unbegun)
         await self._flush_unwritten()
+        if unbegun:
+            # Halted (a reload, a stop): the claims of rows never submitted are given back
+            # for the reader that serves now, rather than left to lapse a lease later.
+            await rows.release(self._conn, self.src.table, unbegun)
         return len(claimed) >= self.src.batch
 
     async def _flush_unwritten(self) -> None:
         """Write every receipt waiting, in one transaction. Rows that finish while one
-        flush runs wait for the lock and go together in the next: a group commit."""
+        flush runs wait for the lock and go together in the next: a group commit. A receipt
+        whose row the application holds locked stays for a later flush."""
         async with self._writing:
             batch = dict(self._unwritten)
             if not batch:
                 return
             assert self._conn is not None
-            await rows.write(self._conn, self.src.table, batch, self.clock())
+            locked = await rows.write(self._conn, self.src.table, batch, self.clock())
             for row_id, w in batch.items():
-                if self._unwritten.get(row_id) is w:
+                if row_id not in locked and self._unwritten.get(row_id) is w:
                     del self._unwritten[row_id]
 
     async def _count(self) -> None:
@@ -257,6 +281,7 @@ class OutboxReader:
             self.src,
             row.event_key,
             row.message,
+            row.size,
             row.mail_from,
             row.rcpt_to,
             self.domains(),
@@ -267,7 +292,7 @@ class OutboxReader:
             result.decision,
             result.reply,
             now,
-            row.created_at,
+            policy.became_due(row.created_at, row.not_before),
             self._max_age(row) if result.reply.temporary else float("inf"),
             row.attempts,
             self._retry(),
@@ -321,20 +346,3 @@ class OutboxReader:
             if name in q.classes:
                 return q.classes[name].max_age
         return q.classes[q.default_class].max_age
-
-
-def readers(
-    submitter: Submitter,
-    clock: Callable[[], float],
-    on_result: Callable[[Principal, Result], None],
-    on_counts: Callable[[str, dict[str, int], float | None], None],
-    domains: Callable[[], RecipientDomains | None],
-) -> list[OutboxReader]:
-    """One reader per configured source, each with its password read now (a missing one
-    stops serve at start, naming the source, as a provider's does)."""
-    found = []
-    for name, src in submitter.config.outbox.items():
-        found.append(
-            OutboxReader(name, src, password_of(name, src), submitter, clock, on_result, on_counts, domains)
-        )
-    return found

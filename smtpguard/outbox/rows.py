@@ -1,5 +1,9 @@
 """Every statement on an outbox table: claim due rows, write a receipt, count by state.
 
+Times are read as epoch seconds (date_part), not as timestamps: a column the application
+wrote as 'infinity' or '-infinity' (PostgreSQL's own "never" and "at once") is a float, where
+loading it as a datetime would fail the whole claim, and with it every row of the batch.
+
 Claims are short transactions: `FOR UPDATE SKIP LOCKED` picks due rows no other instance is
 claiming, and the claim itself is `next_attempt_at` pushed past the ledger lease. An
 instance killed with its claims simply lets them come due again; the ledger (not the row)
@@ -8,7 +12,7 @@ decides whether anything is sent, so a second instance or a restart never sends 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -27,9 +31,13 @@ class Row:
     id: int
     event_key: str
     message: bytes
+    """Empty when `size` is over the size limit the claim was given: never read into memory."""
+    size: int
+    """The message's octets as stored."""
     mail_from: str
     rcpt_to: tuple[str, ...]
     created_at: float
+    not_before: float | None
     attempts: int
     sg_id: str | None
     state: RowState
@@ -57,9 +65,12 @@ WITH due AS (
 )
 UPDATE {t} AS o
 SET next_attempt_at = %(until)s,
-    attempts = o.attempts + CASE WHEN o.sg_id IS NULL THEN 1 ELSE 0 END
+    attempts = o.attempts + CASE WHEN o.sg_id IS NULL AND o.attempts < 2147483647 THEN 1 ELSE 0 END
 FROM due WHERE o.id = due.id
-RETURNING o.id, o.event_key, o.message, o.mail_from, o.rcpt_to, o.created_at, o.attempts, o.sg_id, o.state
+RETURNING o.id, o.event_key,
+    CASE WHEN octet_length(o.message) <= %(max_size)s THEN o.message END, octet_length(o.message),
+    o.mail_from, o.rcpt_to, date_part('epoch', o.created_at),
+    date_part('epoch', o.not_before), o.attempts, o.sg_id, o.state
 """
 
 _RECEIPT = """
@@ -67,12 +78,24 @@ UPDATE {t}
 SET state = %(state)s, reply = coalesce(%(reply)s, reply), sg_id = %(sg_id)s,
     upstream_id = coalesce(%(upstream_id)s, upstream_id),
     next_attempt_at = %(next)s, done_at = CASE WHEN %(done)s THEN %(now)s END
-WHERE id = %(id)s AND state IN ('pending', 'held')
+WHERE id = (SELECT id FROM {t} WHERE id = %(id)s AND state IN ('pending', 'held') FOR UPDATE SKIP LOCKED)
+RETURNING id
 """
+
+_RELEASE = """
+UPDATE {t}
+SET next_attempt_at = NULL,
+    attempts = attempts - CASE WHEN sg_id IS NULL AND attempts > 0 THEN 1 ELSE 0 END
+WHERE id = ANY(%(ids)s) AND state IN ('pending', 'held')
+"""
+
+_STILL_OPEN = "SELECT id FROM {t} WHERE id = ANY(%(ids)s) AND state IN ('pending', 'held')"
+"""Of the receipts no row took: the rows still open (a plain read, never waits on a lock).
+The others hold a final receipt or were deleted: nothing more to write."""
 
 _COUNTS = """
 SELECT state, count(*),
-       min(greatest(created_at, not_before)) FILTER (WHERE state = 'pending')
+       date_part('epoch', min(greatest(created_at, not_before)) FILTER (WHERE state = 'pending'))
 FROM {t} GROUP BY state
 """
 
@@ -82,25 +105,28 @@ def _q(template: str, table: str) -> sql.Composed:
 
 
 async def claim(
-    conn: AsyncConnection[TupleRow], table: str, now: float, until: float, batch: int
+    conn: AsyncConnection[TupleRow], table: str, now: float, until: float, batch: int, max_size: int
 ) -> list[Row]:
-    """Due rows, oldest first, claimed until `until` in one short transaction."""
+    """Due rows, oldest first, claimed until `until` in one short transaction. A message
+    over `max_size` stays in the database (it is refused by its size alone): a batch of
+    them read whole could take more memory than serve has."""
+    params = {"now": stamp(now), "until": stamp(until), "batch": batch, "max_size": max_size}
     async with conn.transaction():
-        cur = await conn.execute(
-            _q(_CLAIM, table), {"now": stamp(now), "until": stamp(until), "batch": batch}
-        )
+        cur = await conn.execute(_q(_CLAIM, table), params)
         found = await cur.fetchall()
     return [
         Row(
             int(r[0]),
             str(r[1]),
-            bytes(r[2]),
-            str(r[3]),
-            tuple(r[4] or ()),
-            r[5].timestamp(),
-            int(r[6]),
-            r[7],
-            RowState(r[8]),
+            b"" if r[2] is None else bytes(r[2]),
+            int(r[3]),
+            str(r[4]),
+            tuple(r[5] or ()),
+            float(r[6]),
+            None if r[7] is None else float(r[7]),
+            int(r[8]),
+            r[9],
+            RowState(r[10]),
         )
         for r in found
     ]
@@ -108,11 +134,16 @@ async def claim(
 
 async def write(
     conn: AsyncConnection[TupleRow], table: str, receipts: Mapping[int, Written], now: float
-) -> None:
+) -> set[int]:
     """Receipts by row id, in one transaction (one commit for many rows: the drain rate is
     not one fsync per row). A row that already holds a final receipt (another instance's,
     written first) is left alone: a final receipt is never rewritten. A reply or upstream
-    id of None keeps the row's (a followed row that is still waiting)."""
+    id of None keeps the row's (a followed row that is still waiting).
+
+    A row the application holds locked (a transaction of its own left open on it) is
+    skipped rather than waited for: the ids returned are those still to be written, so one
+    open transaction never holds up the receipts of every other row, nor the next claim.
+    A row deleted meanwhile is done with: its receipt has nowhere to go."""
     params = [
         {
             "state": w.state.value,
@@ -127,7 +158,24 @@ async def write(
         for row_id, w in receipts.items()
     ]
     async with conn.transaction(), conn.cursor() as cur:
-        await cur.executemany(_q(_RECEIPT, table), params)
+        # Pipelined: one round trip for every receipt, as without the lock check.
+        await cur.executemany(_q(_RECEIPT, table), params, returning=True)
+        taken: set[int] = set()
+        while True:
+            taken.update(int(r[0]) for r in await cur.fetchall())
+            if not cur.nextset():
+                break
+        untaken = [i for i in receipts if i not in taken]
+        if not untaken:
+            return set()
+        await cur.execute(_q(_STILL_OPEN, table), {"ids": untaken})
+        return {int(r[0]) for r in await cur.fetchall()}
+
+
+async def release(conn: AsyncConnection[TupleRow], table: str, claimed: Sequence[Row]) -> None:
+    """Claims of rows that were never submitted, given back: each row due at once (it was
+    due when claimed), the attempt its claim counted taken back."""
+    await conn.execute(_q(_RELEASE, table), {"ids": [r.id for r in claimed]})
 
 
 async def counts(conn: AsyncConnection[TupleRow], table: str) -> tuple[dict[str, int], float | None]:
@@ -140,5 +188,5 @@ async def counts(conn: AsyncConnection[TupleRow], table: str) -> tuple[dict[str,
     for state, n, first in await cur.fetchall():
         out[str(state)] = int(n)
         if first is not None:
-            oldest = first.timestamp()
+            oldest = float(first)
     return out, oldest

@@ -16,10 +16,23 @@ def channel(table: str) -> str:
     return table
 
 
+def listen(table: str) -> str:
+    """The statement that subscribes to the table's channel."""
+    return f"LISTEN {_quoted(channel(table))}"
+
+
+def _quoted(name: str) -> str:
+    # The config allows only [a-z0-9_] in a table name: no quote can occur inside.
+    return f'"{name}"'
+
+
 def ddl(table: str = DEFAULT_TABLE) -> str:
-    """Idempotent (IF NOT EXISTS, OR REPLACE): running it twice changes nothing."""
+    """Idempotent (IF NOT EXISTS, OR REPLACE): running it twice changes nothing.
+
+    Every name is quoted: a table the config accepts may be an SQL keyword (`order`)."""
+    t, due, fn = (_quoted(n) for n in (table, f"{table}_due", f"{table}_notify"))
     return f"""\
-CREATE TABLE IF NOT EXISTS {table} (
+CREATE TABLE IF NOT EXISTS {t} (
     id bigserial PRIMARY KEY,
     created_at timestamptz NOT NULL DEFAULT now(),
     -- written by the application, in its own transaction
@@ -39,17 +52,17 @@ CREATE TABLE IF NOT EXISTS {table} (
     done_at timestamptz
 );
 
-CREATE INDEX IF NOT EXISTS {table}_due ON {table} (next_attempt_at, id)
+CREATE INDEX IF NOT EXISTS {due} ON {t} (next_attempt_at, id)
     WHERE state IN ('pending', 'held');
 
-CREATE OR REPLACE FUNCTION {table}_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE OR REPLACE FUNCTION {fn}() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     PERFORM pg_notify('{channel(table)}', '');
     RETURN NULL;
 END;
 $$;
 
-DROP TRIGGER IF EXISTS {table}_notify ON {table};
-CREATE TRIGGER {table}_notify AFTER INSERT ON {table}
-    FOR EACH STATEMENT EXECUTE FUNCTION {table}_notify();
+DROP TRIGGER IF EXISTS {fn} ON {t};
+CREATE TRIGGER {fn} AFTER INSERT ON {t}
+    FOR EACH STATEMENT EXECUTE FUNCTION {fn}();
 """

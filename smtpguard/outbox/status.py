@@ -3,14 +3,15 @@ queue page shows them (it may run without serve, so it asks the table, not a rea
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
 import psycopg
 
-from smtpguard.config import Config, ConfigError
+from smtpguard.config import Config, ConfigError, OutboxSource, outbox_password
 from smtpguard.outbox import rows
-from smtpguard.outbox.connection import connect, password_of
+from smtpguard.outbox.connection import connect
 
 
 @dataclass
@@ -26,18 +27,21 @@ class SourceStatus:
 
 
 async def outbox_status(config: Config, timeout: float = 3.0) -> list[SourceStatus]:
-    out = []
-    for name, src in config.outbox.items():
-        status = SourceStatus(name, src.zone, src.table)
-        out.append(status)
-        try:
-            conn = await connect(src.url, password_of(name, src), timeout)
-            async with conn:
-                status.counts, oldest = await rows.counts(conn, src.table)
-            status.lag = None if oldest is None else max(time.time() - oldest, 0.0)
-        except ConfigError as e:
-            status.problem = e.problems[0]
-        except psycopg.Error as e:
-            # The first line only: libpq's message, never the URL's secret (none is in it).
-            status.problem = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
-    return out
+    """Every source at once, each bounded by `timeout` to connect and `timeout` to count:
+    a page never waits on a database that is away or a table an application has locked."""
+    return list(await asyncio.gather(*(_status(name, src, timeout) for name, src in config.outbox.items())))
+
+
+async def _status(name: str, src: OutboxSource, timeout: float) -> SourceStatus:
+    status = SourceStatus(name, src.zone, src.table)
+    try:
+        conn = await connect(src.url, outbox_password(name, src), timeout, statement_timeout=timeout)
+        async with conn:
+            status.counts, oldest = await rows.counts(conn, src.table)
+        status.lag = None if oldest is None else max(time.time() - oldest, 0.0)
+    except ConfigError as e:
+        status.problem = e.problems[0]
+    except psycopg.Error as e:
+        # The first line only: libpq's message, never the URL's secret (none is in it).
+        status.problem = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+    return status

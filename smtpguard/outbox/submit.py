@@ -34,14 +34,17 @@ async def submit_row(
     src: OutboxSource,
     event_key: str,
     message: bytes,
+    stored_size: int,
     mail_from: str,
     rcpt_to: tuple[str | None, ...],
     domains: RecipientDomains | None = None,
 ) -> tuple[Principal, Result]:
+    """`stored_size`: the message's octets in its row; the claim leaves a message over the
+    size limit unread, `message` is then empty and this alone refuses it."""
     principal = Principal(src.zone, src.user, session=f"outbox:{source}")
     try:
         return principal, await _submit(
-            submitter, principal, src, event_key, message, mail_from, rcpt_to, domains
+            submitter, principal, src, event_key, message, stored_size, mail_from, rcpt_to, domains
         )
     except StoreUnavailable:
         return principal, Result(replies.STORE_UNAVAILABLE, Decision.STORE_UNAVAILABLE, event_key)
@@ -58,6 +61,7 @@ async def _submit(
     src: OutboxSource,
     event_key: str,
     message: bytes,
+    stored_size: int,
     mail_from: str,
     rcpt_to: tuple[str | None, ...],
     domains: RecipientDomains | None,
@@ -67,7 +71,8 @@ async def _submit(
     if zone is None:
         return Result(replies.send_as_disabled(src.zone), Decision.ZONE_GONE)
     raw = wire_form(message)
-    too_big = size_refusal(raw, config.limits.max_message_size)
+    # Line ends made CRLF only add octets: a row stored over the limit is over it on the wire.
+    too_big = size_refusal(max(len(raw), stored_size), config.limits.max_message_size)
     if too_big is not None:
         return Result(too_big, SIZE, event_key)
     keyed = with_key(raw, config.event_key.headers[0], event_key)

@@ -58,7 +58,7 @@ def receipt(
     decision: str,
     reply: Reply,
     now: float,
-    created_at: float,
+    due_at: float,
     max_age: float,
     attempts: int,
     retry: Retry,
@@ -71,7 +71,8 @@ def receipt(
     record until a verdict or an operator settles it. A queued acceptance stays `pending`
     and follows its record too. Any other 4xx (caps, pause, backoff, no provider, the store
     away, a message that never reached DATA) is tried again later, until the message class's
-    max_age, then `expired`; a 5xx is `failed` with its reply."""
+    max_age counted from `due_at` (became_due), then `expired`; a 5xx is `failed` with its
+    reply."""
     if decision in _FOLLOWED:
         state = RowState.PENDING if decision == Decision.QUEUED else RowState.HELD
         return Receipt(state, now + retry.follow_every, False, follow=True)
@@ -81,10 +82,17 @@ def receipt(
         return Receipt(RowState.SENT, None, True)
     if reply.permanent:
         return Receipt(RowState.FAILED, None, True)
-    if now - created_at >= max_age:
+    if now - due_at >= max_age:
         return Receipt(RowState.EXPIRED, None, True)
     delay = max(backoff_delay(max(attempts, 1), retry.base, retry.ceiling, jitter), retry.min_interval)
-    return Receipt(RowState.PENDING, min(now + delay, created_at + max_age), False)
+    return Receipt(RowState.PENDING, min(now + delay, due_at + max_age), False)
+
+
+def became_due(created_at: float, not_before: float | None) -> float:
+    """When a row became due: written, or its not_before when later. A row's age (its
+    class's max_age, the lag gauge) counts from here: mail scheduled for next week is not
+    stale, nor late, before next week."""
+    return created_at if not_before is None else max(created_at, not_before)
 
 
 def settled(record_state: str | None) -> RowState | None:
@@ -138,6 +146,7 @@ def with_key(message: bytes, header: str, key: str) -> bytes | Reply:
     return f"{header}: {key}\r\n".encode() + message
 
 
-def size_refusal(message: bytes, limit: int) -> Reply | None:
-    """The SMTP listener's size limit (limits.max_message_size), the same for a row."""
-    return replies.SIZE_EXCEEDED if len(message) > limit else None
+def size_refusal(size: int, limit: int) -> Reply | None:
+    """The SMTP listener's size limit (limits.max_message_size), the same for a row of
+    `size` octets."""
+    return replies.SIZE_EXCEEDED if size > limit else None

@@ -10,14 +10,14 @@ import signal
 import socket
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from smtpguard import notify
 from smtpguard.background import keep
 from smtpguard.cap_alerts import CapAlerts
-from smtpguard.config import Config, ConfigError, provider_secrets, read_secret
+from smtpguard.config import Config, ConfigError, OutboxSource, outbox_secrets, provider_secrets, read_secret
 from smtpguard.delivery import DeliveryWorker
 from smtpguard.listener import Handler
 from smtpguard.metrics import HealthServer, Metrics
@@ -176,7 +176,7 @@ class Server:
         submitter = self.assembly.submitter(config, self.store, self.route, self.verp)
         self.submitter = submitter
         self._ensure_worker()
-        self._start_outbox()
+        self._swap_outbox(config, outbox_secrets(config))
         self.handler = self.assembly.handler(config, submitter, self.store, self.housekeeping.on_result)
         self._receivers(config)
         if self.role is not None:
@@ -355,22 +355,31 @@ class Server:
         self.worker.start()
         log.info("store-and-forward worker started", extra={"workers": self.config.queue.workers})
 
-    def _start_outbox(self) -> None:
+    def _swap_outbox(self, config: Config, passwords: Mapping[str, str | None]) -> list[OutboxReader]:
         """The outbox readers (DESIGN.md §20), one set per host: claims let several hosts
-        share one table, and one reader per worker would only add connections."""
-        if not self.config.outbox or not self.singleton or self.submitter is None:
-            return
-        from smtpguard.outbox.reader import readers
+        share one table, and one reader per worker would only add connections. Returns the
+        readers a reload halted (their source removed or changed)."""
+        if not self.singleton or self.submitter is None or not (config.outbox or self.outbox):
+            return []
+        from smtpguard.server.outboxes import replace_readers
 
-        self.outbox = readers(
+        self.outbox, halted = replace_readers(self.outbox, config.outbox, passwords, self._outbox_reader)
+        return halted
+
+    def _outbox_reader(self, name: str, src: OutboxSource, password: str | None) -> OutboxReader:
+        from smtpguard.outbox.reader import OutboxReader
+
+        assert self.submitter is not None
+        return OutboxReader(
+            name,
+            src,
+            password,
             self.submitter,
             self.clock,
             lambda p, result: self.housekeeping.on_result(p, result, 0.0),
             self.metrics.outbox,
             lambda: self.handler.recipient_domains if self.handler is not None else None,
         )
-        for reader in self.outbox:
-            reader.start()
 
     async def readiness(self) -> tuple[bool, str]:
         if self.draining:
@@ -513,7 +522,7 @@ class Server:
             domains = recipient_domains(new)
         else:
             domains = self.handler.recipient_domains
-        self._swap(reading, route, domains)
+        halted = self._swap(reading, route, domains)
         if reading.rebuild:
             # In-flight sends keep their provider objects; only idle connections are closed.
             await old_route.close()
@@ -527,12 +536,16 @@ class Server:
                 # provider not ready.
                 self._start_prober(new, reading.secrets)
         self.console = await reloading.reload_console(self.console, new, self.singleton)
+        for reader in halted:
+            await reader.stop(new.limits.drain_timeout)
         self._ensure_worker()
         self.metrics.reloads.labels("applied").inc()
         log.info("config reloaded", extra={"zones": len(new.zones), "providers": len(new.providers)})
         return True
 
-    def _swap(self, reading: reloading.Reading, route: Route, domains: RecipientDomains | None) -> None:
+    def _swap(
+        self, reading: reloading.Reading, route: Route, domains: RecipientDomains | None
+    ) -> list[OutboxReader]:
         """The one place a reload changes what serves. Every live reference moves to the new
         file's parts here, with no await in between, so no submission sees the new route
         with the old zones or the other way round."""
@@ -555,6 +568,7 @@ class Server:
 
             self.events.sources = reading.sources if reading.sources is not None else Sources()
         self.config = new
+        return self._swap_outbox(new, reading.outbox_passwords)
 
 
 def serve(config: Config, config_path: Path | None, role: WorkerRole | None = None) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from smtpguard.config import Config, ConfigError, load, provider_secrets
+from smtpguard.config import Config, ConfigError, load, outbox_secrets, provider_secrets
 from smtpguard.relay import Route, SmtpProvider
 from smtpguard.server.tls import tls_context
 
@@ -32,6 +32,8 @@ class Reading:
     sources: Sources | None
     tls: ssl.SSLContext | None
     """A fresh context of the certificate files, when the listeners serve TLS."""
+    outbox_passwords: dict[str, str | None]
+    """Each outbox source's password as its variable or file holds it now."""
 
 
 def read(path: Path, running: Config, serving_tls: bool) -> Reading:
@@ -46,7 +48,7 @@ def read(path: Path, running: Config, serving_tls: bool) -> Reading:
     # One read of the files into a fresh context; the live one is never touched, so a
     # pair caught mid-renewal (new cert, old key) is refused and the old one serves.
     fresh_tls = tls_context(new) if serving_tls else None
-    return Reading(new, secrets, rebuild, sources, fresh_tls)
+    return Reading(new, secrets, rebuild, sources, fresh_tls, outbox_secrets(new))
 
 
 def restart_warnings(old: Config, reading: Reading) -> list[str]:

@@ -449,6 +449,9 @@ def test_a_multi_host_url_with_read_write_last_is_accepted(tmp: Path) -> None:
         ({"url": "postgresql://app:hunter2@db/shop"}, "outbox.shop.url (line"),
         ({"url": "mysql://app@db/shop"}, "outbox.shop.url (line"),
         ({"table": "Shop-Mail"}, "outbox.shop.table (line"),
+        ({"table": "x; drop table y"}, "outbox.shop.table (line"),
+        # Its index and trigger names (+ _due, _notify) would pass PostgreSQL's 63.
+        ({"table": "t" * 57}, "outbox.shop.table (line"),
         ({"zone": "nope"}, "outbox.shop.zone (line"),
         ({"user": "globex-app"}, "outbox.shop.user (line"),
         ({"poll": "0s"}, "outbox.shop.poll (line"),

@@ -73,10 +73,11 @@ _NOT_METRICS = {
     "smtpguard_claim",
     "smtpguard_schema",
     "smtpguard_outbox",
+    "smtpguard_outbox_id_seq",
 }
 """Names of the same shape that are not metrics: the provider variable of docs/events*.md,
 the PostgreSQL store's functions and schema table of docs/stores.md, the outbox table of
-docs/outbox.md."""
+docs/outbox.md and its id sequence (configuration.md)."""
 
 
 def documented_names() -> dict[str, list[str]]:

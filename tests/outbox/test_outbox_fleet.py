@@ -11,7 +11,15 @@ import pytest
 
 from smtpguard.outbox.reader import CONCURRENCY
 from tests.support import GuardProcess, Upstream, eventually, free_port, running_guard, write_config
-from tests.support.outbox import app_database, insert, new_database, outbox_config, receipts, row
+from tests.support.outbox import (
+    app_database,
+    insert,
+    new_database,
+    outbox_config,
+    pair_configs,
+    receipts,
+    row,
+)
 from tests.support.postgres import PostgresServer
 
 
@@ -68,12 +76,7 @@ async def test_two_instances_on_one_outbox_send_each_key_once(
 ) -> None:
     url = app_database(postgres_server)
     store = new_database(postgres_server, "store")
-    configs = []
-    for name in ("a", "b"):
-        cfg = outbox_config(tmp, upstream.port, url, volume=True, batch=5)
-        cfg["store"] = {"url": store, "unsafe": True}
-        cfg["instance"] = name
-        configs.append(cfg)
+    configs = pair_configs(tmp, upstream.port, url, store, volume=True, batch=5)
     keys = [f"fleet:{i}" for i in range(200)]
     async with running_guard(configs[0]) as a, running_guard(configs[1]) as b:
         await insert(url, [row(k) for k in keys])
@@ -118,3 +121,43 @@ async def test_the_application_database_restarted_mid_batch(tmp: Path, upstream:
     # written once it was back, so every row reads `sent`, none `duplicate`.
     assert states == {"sent": 300}, states
     assert sent_while_away >= 30
+
+
+@pytest.mark.slow
+async def test_kill_9_of_one_of_two_instances_mid_batch_the_other_finishes_one_copy_per_key(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer
+) -> None:
+    url = app_database(postgres_server)
+    store = new_database(postgres_server, "store")
+    configs = pair_configs(tmp, upstream.port, url, store, volume=True, batch=50)
+    for cfg in configs:
+        # Short leases: the dead instance's claims and reservations come back within the test.
+        cfg["event_key"].update({"lease": "2s", "inflight_wait": "1s", "min_retry_interval": "1s"})
+        cfg["queue"] = {"backoff": {"base": "1s", "max": "2s"}}
+    port = free_port()
+    configs[0]["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
+    path = write_config(tmp / "a.yaml", configs[0])
+    keys = [f"pair:{i}" for i in range(400)]
+    a = GuardProcess(path, tmp / "a.log")
+    a.start()
+    try:
+        await a.wait_port(port)
+        async with running_guard(configs[1]) as b:
+            await insert(url, [row(k) for k in keys])
+            await upstream.wait_received(60, timeout=30)
+            a.kill()
+            found = await eventually(
+                lambda: receipts(url), lambda f: not _pending(f), timeout=40, interval=0.2
+            )
+            b_rows = b.outbox[0].counters.rows
+    finally:
+        a.kill()
+    assert not _pending(found), f"{len(_pending(found))} rows still pending"
+    copies = Counter(upstream.event_keys())
+    assert max(copies.values()) == 1, [k for k, n in copies.items() if n > 1]
+    states = Counter(r["state"] for r in found.values())
+    assert set(states) <= {"sent", "duplicate", "held"}, states
+    # Held: the final dot of the dead instance's submissions under way when it died.
+    assert states["held"] <= CONCURRENCY, states
+    assert len(copies) >= len(keys) - states["held"]
+    assert b_rows > 0

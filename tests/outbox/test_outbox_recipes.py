@@ -187,6 +187,14 @@ def test_outbox_schema_prints_the_ddl_init_runs(capsys: pytest.CaptureFixture[st
     assert capsys.readouterr().out == ddl("mail")
 
 
+def test_outbox_schema_refuses_a_table_name_that_is_not_a_plain_sql_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["outbox", "schema", "--table", "x; drop table y"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "lower-case SQL name" in captured.err
+
+
 def test_outbox_init_names_an_unknown_source_and_an_unreachable_database(
     capsys: pytest.CaptureFixture[str], tmp: Path
 ) -> None:

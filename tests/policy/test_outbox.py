@@ -9,6 +9,7 @@ from smtpguard.policy.decisions import Decision
 from smtpguard.policy.outbox import (
     Retry,
     RowState,
+    became_due,
     receipt,
     settled,
     size_refusal,
@@ -73,6 +74,11 @@ def test_a_4xx_past_the_class_max_age_expires_and_a_retry_never_lands_past_it() 
     assert receipt(Decision.PAUSED, temp, NOW, NOW - 601, 600, 3, RETRY, 0.5).state is RowState.EXPIRED
     late = receipt(Decision.PAUSED, temp, NOW, NOW - 590, 600, 3, RETRY, 0.5)
     assert late.state is RowState.PENDING and late.next_attempt_at == NOW + 10
+    # Scheduled: the age counts from its not_before, not from when it was written.
+    due = became_due(NOW - 4 * DAY, NOW - 60)
+    assert due == NOW - 60 and became_due(NOW - 60, None) == became_due(NOW - 60, NOW - DAY) == NOW - 60
+    scheduled = receipt(Decision.PAUSED, temp, NOW, due, 600, 20, RETRY, 0.5)
+    assert scheduled.state is RowState.PENDING and scheduled.next_attempt_at == NOW + 540
     # A 5xx or a 250 is answered whatever the age.
     assert (
         receipt(Decision.RELAYED, Reply(250, "2.0.0", "ok"), NOW, 0, 600, 1, RETRY, 0).state is RowState.SENT
@@ -118,5 +124,5 @@ def test_a_key_that_would_inject_or_is_malformed_is_refused_before_any_header_is
 
 
 def test_the_size_limit_is_the_listeners() -> None:
-    assert size_refusal(b"x" * 10, 10) is None
-    assert size_refusal(b"x" * 11, 10) == replies.SIZE_EXCEEDED
+    assert size_refusal(10, 10) is None
+    assert size_refusal(11, 10) == replies.SIZE_EXCEEDED

@@ -101,3 +101,16 @@ def outbox_config(
         cfg["zones"]["acme"].update({"hourly_cap": 1_000_000, "monthly_cap": 10_000_000})
     cfg["outbox"] = {"shop": {"url": app_url, "zone": "acme", "user": "acme-app", "poll": "0.2s", **source}}
     return cfg
+
+
+def pair_configs(
+    tmp: Path, upstream_port: int, app_url: str, store_url: str, **source: Any
+) -> list[dict[str, Any]]:
+    """Instances a and b of one fleet: one outbox table, one PostgreSQL store between them."""
+    configs = []
+    for name in ("a", "b"):
+        cfg = outbox_config(tmp, upstream_port, app_url, **source)
+        cfg["store"] = {"url": store_url, "unsafe": True}
+        cfg["instance"] = name
+        configs.append(cfg)
+    return configs
