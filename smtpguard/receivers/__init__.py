@@ -84,12 +84,12 @@ class Receivers:
             return None
         return await self.gate.rcpt_refusal(zone, receiver)
 
-    async def hold_until(self, zone: str, recipients: Sequence[str]) -> float | None:
+    async def hold_until(self, zone: str, entry: str, recipients: Sequence[str]) -> float | None:
         tally: dict[str, int] = {}
         for address in recipients:
             r = await self.lookup.receiver(address)
             tally[r] = tally.get(r, 0) + 1
-        return await self.gate.hold_until(zone, tally)
+        return await self.gate.hold_until(zone, entry, tally)
 
     # --- counting ----------------------------------------------------------------------------
     def sent(self, zone: str, recipients: Iterable[str]) -> None:

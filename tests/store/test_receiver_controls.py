@@ -61,3 +61,24 @@ zones: {acme: {senders: ["@acme.test"]}}
     with pytest.raises(ConfigError, match=r"queue\.classes\.receiver:x .*receivers' pauses"):
         loads(text)
     assert control_name("x") == "receiver:x"
+
+
+async def test_a_queued_entry_with_more_recipients_than_one_burst_is_sent(store: Store) -> None:  # noqa: F811
+    """Queue mode takes one slot per recipient. An entry with more of a receiver's recipients
+    than one burst holds (here 3 at 1/s: two fit) must still go, once it has gathered its
+    slots, rather than take one slot per try, lose it and wait again for ever; and the
+    slots it gathered are not handed out twice."""
+    clock = FakeClock()
+    clock.t = NOW
+    shaping = {"acme": {"microsoft": Shaping(max_rate=1.0)}}
+    gate = ReceiverGate(store, ClassPauses(store), lambda: shaping, clock)
+    tries = 0
+    until = await gate.hold_until("acme", "k1", {"microsoft": 3})
+    while until is not None and tries < 20:
+        tries += 1
+        clock.t = until
+        until = await gate.hold_until("acme", "k1", {"microsoft": 3})
+    assert until is None, f"still held after {tries} tries"
+    assert tries <= 3
+    # Sent at NOW + ~1 s with three slots spent: the next recipient waits for one to free.
+    assert await gate.hold_until("acme", "k2", {"microsoft": 1}) is not None
