@@ -35,6 +35,10 @@ EVENT_TYPES = frozenset({"delivered", "deferred", "bounce", "complaint"})
 TROUBLE_TTL = 30.0
 """How long a failed or timed-out MX lookup's `other` is kept: a dead resolver costs one
 bounded wait per domain per this long, not one per RCPT."""
+MAX_HOSTS = 10
+"""MX hosts kept per domain, the most preferred: the receiver is the first of them that
+matches, and an answer the domain's owner chose (a wildcard of hundreds of long names, 80 KB
+kept per domain) must not make the cache of 10,000 domains hold hundreds of megabytes."""
 MIN_TTL = 1.0
 MAX_TTL = 86400.0
 
@@ -114,7 +118,7 @@ def mx_hosts(domain: str, mx: Lookup) -> tuple[tuple[str, ...], float] | None:
             if host and host != ".":
                 ranked.append((int(pref) if pref.isdigit() else 65535, host))
         if ranked:
-            return tuple(h for _, h in sorted(ranked)), _clamp(mx.ttl)
+            return tuple(h for _, h in sorted(ranked)[:MAX_HOSTS]), _clamp(mx.ttl)
     # No MX (or only a null MX): the domain itself is the one name there is to match.
     return (domain,), _clamp(mx.ttl)
 

@@ -52,6 +52,10 @@ class ReceiverLookup:
             return None
         return receivers.match(hosts, self.table) if hosts else OTHER
 
+    def cached_hosts(self, domain: str) -> tuple[str, ...] | None:
+        """The MX hosts kept for `domain` (None: none kept now): for tests."""
+        return self._hosts.cached(domain)
+
     async def _bounded_mx(self, domain: str) -> tuple[tuple[str, ...], float]:
         try:
             async with asyncio.timeout(self.dns.timeout):
