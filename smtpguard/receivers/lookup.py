@@ -42,6 +42,12 @@ class ReceiverLookup:
         hosts = await self._hosts.get(domain)
         return receivers.match(hosts, self.table) if hosts else OTHER
 
+    def start(self, address: str) -> None:
+        """Begin the recipient's lookup without waiting for it (receiver() joins it)."""
+        domain = receivers.domain_of(address)
+        if domain is not None:
+            self._hosts.start(domain)
+
     def cached(self, address: str) -> str | None:
         """The receiver from the cache alone, or None when it would need a lookup."""
         domain = receivers.domain_of(address)

@@ -3,9 +3,11 @@ real DNS server (NSD), through the receiver lookup's real resolver and cache."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import tracemalloc
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +15,8 @@ from smtpguard.config import DnsConfig
 from smtpguard.policy.receivers import DEFAULT_RECEIVERS, MAX_HOSTS
 from smtpguard.readiness.dns import DnsClient
 from smtpguard.receivers.lookup import ReceiverLookup
-from tests.support.dns import NsdServer, nsd
+from tests.support import Upstream, base_config, message, running_guard, send
+from tests.support.dns import NsdServer, bad_resolver, nsd
 
 # One wildcard name gives every domain under it a large MX set (TCP-sized: hundreds of long
 # host names), the most preferred of them at Google: an attacker needs one zone, not many.
@@ -51,3 +54,24 @@ async def test_huge_mx_answers_for_many_domains_keep_the_cache_small(hostile_dns
     # this kind must stay well under 100 MB.
     grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
     assert grown / domains < 10_000, f"{grown / domains:.0f} bytes kept per domain"
+
+
+async def test_a_silent_resolver_delays_rcpt_once_with_both_dns_checks(tmp: Path, upstream: Upstream) -> None:
+    """`recipient_domains: check` and receivers each look the domain's MX up. With a resolver
+    that never answers, RCPT waits for dns.timeout (the bound docs/configuration.md gives),
+    not once per lookup: the two waits overlap. (Each lookup waits its full lifetime, so one
+    after the other takes at least twice dns.timeout.)"""
+    with bad_resolver(silent=True) as resolver:
+        cfg = base_config(tmp, upstream.port, zones__acme__recipient_domains="check")
+        cfg["dns"] = {"nameservers": [resolver.nameserver], "timeout": "2s"}
+        cfg["receivers"] = {}
+        async with running_guard(cfg) as guard:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            reply = await send(guard.ports[0], message("k1"), recipients=["a@slow.test"])
+            took = loop.time() - started
+            assert reply.code == 250, reply
+            await upstream.wait_received(1)
+            receivers = guard.assembly.receivers
+            assert receivers is not None and receivers.lookup.troubles == 1
+            assert took < 3.5, f"RCPT took {took:.1f}s with dns.timeout 2s"
