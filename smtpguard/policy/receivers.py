@@ -139,6 +139,13 @@ def match(hosts: Iterable[str], receivers: Mapping[str, Sequence[str]]) -> str:
     return OTHER
 
 
+def shaped_receiver(hosts: Sequence[str], receivers: Mapping[str, Sequence[str]]) -> str | None:
+    """The receiver whose `paused` and `max_rate` apply to a recipient with these MX hosts;
+    None when DNS did not say (no hosts): such a recipient is counted as `other` but never
+    held as one — DNS trouble never holds mail up, even where `other` is paused."""
+    return match(hosts, receivers) if hosts else None
+
+
 @dataclass(frozen=True, slots=True)
 class Shaping:
     """One zone's settings for one receiver (`zones.Z.receivers.R`), as policy needs them."""

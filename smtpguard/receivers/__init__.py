@@ -79,16 +79,17 @@ class Receivers:
     async def rcpt_refusal(self, zone: str, address: str, queued: bool) -> Reply | None:
         """RCPT: `451 4.7.1` for a recipient whose receiver is paused or over max_rate in
         relay mode; in queue mode the entry waits at delivery instead (hold_until)."""
-        receiver = await self.lookup.receiver(address)
-        if queued:
+        receiver = await self.lookup.shaped(address)
+        if queued or receiver is None:
             return None
         return await self.gate.rcpt_refusal(zone, receiver)
 
     async def hold_until(self, zone: str, entry: str, recipients: Sequence[str]) -> float | None:
         tally: dict[str, int] = {}
         for address in recipients:
-            r = await self.lookup.receiver(address)
-            tally[r] = tally.get(r, 0) + 1
+            r = await self.lookup.shaped(address)
+            if r is not None:
+                tally[r] = tally.get(r, 0) + 1
         return await self.gate.hold_until(zone, entry, tally)
 
     # --- counting ----------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from smtpguard.readiness.dns import DnsClient
 from smtpguard.receivers.lookup import ReceiverLookup
 from tests.support import Upstream, base_config, message, running_guard, send
 from tests.support.dns import NsdServer, bad_resolver, nsd
+from tests.support.eventually import eventually
 
 # One wildcard name gives every domain under it a large MX set (TCP-sized: hundreds of long
 # host names), the most preferred of them at Google: an attacker needs one zone, not many.
@@ -75,3 +76,29 @@ async def test_a_silent_resolver_delays_rcpt_once_with_both_dns_checks(tmp: Path
             receivers = guard.assembly.receivers
             assert receivers is not None and receivers.lookup.troubles == 1
             assert took < 3.5, f"RCPT took {took:.1f}s with dns.timeout 2s"
+
+
+@pytest.mark.parametrize("queued", [False, True], ids=["relay", "queue"])
+async def test_dns_trouble_is_never_shaped_as_other(tmp: Path, upstream: Upstream, queued: bool) -> None:
+    """A zone that pauses (or rate-limits) `other` holds mail to providers it does not know.
+    A recipient whose MX could not be found is counted as `other`, but DNS trouble never
+    holds mail (§12, §21): with a resolver down, its recipients still go, in both modes."""
+    with bad_resolver(silent=False) as resolver:  # SERVFAIL to everything
+        cfg = base_config(tmp, upstream.port)
+        if queued:
+            cfg["zones"]["acme"]["delivery"] = "queue"
+        cfg["dns"] = {"nameservers": [resolver.nameserver], "timeout": "1s"}
+        cfg["receivers"] = {}
+        cfg["zones"]["acme"]["receivers"] = {"other": {"paused": True}}
+        async with running_guard(cfg) as guard:
+            reply = await send(guard.ports[0], message("k1"), recipients=["a@gm.test"])
+            assert reply.code == 250, reply
+            await upstream.wait_received(1, timeout=10)
+            assert [r.rcpt_tos for r in upstream.received] == [["a@gm.test"]]
+            receivers = guard.assembly.receivers
+            assert receivers is not None and receivers.lookup.troubles == 1
+            # Still counted: as `other`, the only name there is for it (in queue mode once
+            # the worker has the upstream's reply).
+            sends = guard.metrics.receiver_sends.labels("acme", "other")
+            counted = await eventually(lambda: sends._value.get(), lambda n: n == 1, timeout=5, interval=0.05)
+            assert counted == 1
