@@ -56,9 +56,22 @@ def control_name(receiver: str) -> str:
     return CONTROL_PREFIX + receiver
 
 
+SLOW_SUFFIX = ":slow"
+"""`on_alert: slow` in force for a receiver: kept beside its pause (`receiver:R:slow`), so
+every worker and instance taking its slots halves its rate, not only the one that judged."""
+
+
+def slow_control(receiver: str) -> str:
+    return control_name(receiver) + SLOW_SUFFIX
+
+
 def receiver_of_control(name: str) -> str | None:
     """The receiver a stored control names, or None for a message class."""
     return name[len(CONTROL_PREFIX) :] if name.startswith(CONTROL_PREFIX) else None
+
+
+def is_slow_control(name: str) -> bool:
+    return name.startswith(CONTROL_PREFIX) and name.endswith(SLOW_SUFFIX)
 
 
 def stat_name(receiver: str, kind: str) -> str:

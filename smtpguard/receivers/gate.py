@@ -50,8 +50,6 @@ class ReceiverGate:
         self._clock = clock
         self._banked: OrderedDict[tuple[str, str, str], int] = OrderedDict()
         """(zone, entry key, receiver) → send slots a queued entry holds from earlier tries."""
-        self.slowed: dict[tuple[str, str], float] = {}
-        """(zone, receiver) → until when `on_alert: slow` halves its max_rate."""
 
     async def paused(self, zone: str, receiver: str) -> bool:
         own = self._shaping().get(zone, {}).get(receiver)
@@ -72,13 +70,21 @@ class ReceiverGate:
         if interval is None:
             return None
         now = self._clock()
-        if self.slowed.get((zone, receiver), 0.0) > now:
+        if own is not None and own.on_alert == "slow" and await self._slowed(zone, receiver):
             interval *= 2
         try:
             slot = await self._store.rate_slot(slot_name(zone, receiver), interval, RCPT_BURST, now)
         except StoreUnavailable:
             return None
         return slot.granted, slot.wait
+
+    async def _slowed(self, zone: str, receiver: str) -> bool:
+        """`on_alert: slow` in force (the store's control, which the alert judge sets)."""
+        try:
+            pairs = await self._pauses.paused()
+        except StoreUnavailable:
+            return False
+        return (zone, receivers.slow_control(receiver)) in pairs
 
     async def rcpt_refusal(self, zone: str, receiver: str) -> Reply | None:
         """Relay mode: `451 4.7.1` for this recipient while its receiver is paused or over

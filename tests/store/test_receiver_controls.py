@@ -9,7 +9,10 @@ import pytest
 from smtpguard import desk
 from smtpguard.class_pauses import ClassPauses
 from smtpguard.config import ConfigError, loads
+from smtpguard.metrics import Metrics
 from smtpguard.policy.receivers import Shaping, control_name
+from smtpguard.readiness.dns import DnsClient
+from smtpguard.receivers import Receivers, shaping_of
 from smtpguard.receivers.gate import ReceiverGate, slot_name
 from smtpguard.store import Store
 from tests.store.test_store_contract import NOW, store  # noqa: F401 - the three-backend fixture
@@ -82,3 +85,49 @@ async def test_a_queued_entry_with_more_recipients_than_one_burst_is_sent(store:
     assert tries <= 3
     # Sent at NOW + ~1 s with three slots spent: the next recipient waits for one to free.
     assert await gate.hold_until("acme", "k2", {"microsoft": 1}) is not None
+
+
+SLOW_CONFIG = """
+listen: [{address: "127.0.0.1:0", tls: none}]
+providers: [{name: p, kind: maildir, path: /tmp/x}]
+dns: {nameservers: ["127.0.0.1:9"]}
+zones:
+  acme:
+    senders: ["@acme.test"]
+    receivers:
+      microsoft: {max_rate: 1/s, on_alert: slow, alert: {complaint_rate: 50%, window: 1h}}
+"""
+
+
+async def test_on_alert_slow_reaches_every_worker(store: Store) -> None:  # noqa: F811
+    """One process per host judges the alerts (worker 0); `slow` must halve the receiver's
+    rate in every worker and instance taking its slots, not in the judge alone, and end
+    with the window."""
+    config = loads(SLOW_CONFIG)
+    clock = FakeClock()
+    clock.t = (NOW // 3600) * 3600 + 60
+    dns = DnsClient(config.dns)
+    judge = Receivers(
+        config, dns, store, ClassPauses(store, clock), Metrics(), lambda z, n: None, clock, False
+    )
+    worker = ReceiverGate(store, ClassPauses(store, clock), lambda: shaping_of(config), clock)
+
+    async def granted_now(gate: ReceiverGate, receiver: str) -> int:
+        got = [await gate.slot("acme", receiver) for _ in range(3)]
+        return sum(1 for g in got if g is not None and g[0])
+
+    try:
+        assert await judge.alerts.refresh() == []  # the window's first reading
+        await store.add_counts("acme", {"receiver:microsoft:sent": 2, "receiver:microsoft:complaint": 1})
+        assert await judge.alerts.refresh() == [("acme", "microsoft", "complaint_rate")]
+        await judge.alerts.refresh()  # the next look changes nothing
+        clock.t += 5  # past the workers' copy of the store's controls
+        # At 1/s with a second of burst, two slots now; halved (one per 2 s), one.
+        assert await granted_now(worker, "microsoft") == 1
+        assert await granted_now(judge.gate, "microsoft") == 0  # the same fleet-wide slots
+        clock.t += 3600  # the next window: the judge lifts it
+        await judge.alerts.refresh()
+        clock.t += 5
+        assert await granted_now(worker, "microsoft") == 2
+    finally:
+        await judge.close()
