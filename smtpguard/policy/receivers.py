@@ -189,6 +189,19 @@ ALERT_KINDS: Mapping[str, str] = {
 """Alert kind → the event type it counts."""
 
 
+def next_turn(line: float | None, now: float, wait: float, interval: float) -> tuple[float, float]:
+    """A queued entry refused a receiver's slot: when it asks again, and where this
+    process's line of such entries then ends. Refusals take no slot, but every ask is a
+    claim and a store write; entries refused together would otherwise all ask again when
+    the next slot frees (N asks a slot for a backlog of N). Each gets its own turn, one
+    `interval` after the last one given, so about one entry asks per slot that frees, in
+    the order they were refused. With several workers each keeps its own line, and an
+    entry that loses its turn to another's goes to the end of its line: asks per send are
+    bounded by the workers, not by the backlog."""
+    turn = max(line if line is not None else now, now + max(wait, 0.05))
+    return turn, turn + interval
+
+
 def rcpt_refusal(receiver: str, paused: bool, slot_granted: bool | None) -> Reply | None:
     """RCPT's answer for a recipient of `receiver` (relay mode): `451 4.7.1` while it is
     paused or over its `max_rate` (`slot_granted` False; None: no max_rate), else None.

@@ -50,6 +50,8 @@ class ReceiverGate:
         self._clock = clock
         self._banked: OrderedDict[tuple[str, str, str], int] = OrderedDict()
         """(zone, entry key, receiver) → send slots a queued entry holds from earlier tries."""
+        self._lines: dict[tuple[str, str], float] = {}
+        """(zone, receiver) → when the last turn given to a refused queued entry ends."""
 
     async def paused(self, zone: str, receiver: str) -> bool:
         own = self._shaping().get(zone, {}).get(receiver)
@@ -117,12 +119,20 @@ class ReceiverGate:
                     have += 1
                 else:
                     self._bank(banked, have)
-                    return now + max(slot[1], 0.05)
+                    return self._turn(zone, receiver, now, slot[1])
             if have:
                 self._bank(banked, have)
         for receiver in recipients_of:
             self._banked.pop((zone, entry, receiver), None)
         return None
+
+    def _turn(self, zone: str, receiver: str, now: float, wait: float) -> float:
+        own = self._shaping().get(zone, {}).get(receiver)
+        interval = (own.interval if own is not None else None) or 0.0
+        turn, self._lines[(zone, receiver)] = receivers.next_turn(
+            self._lines.get((zone, receiver)), now, wait, interval
+        )
+        return turn
 
     def _bank(self, banked: tuple[str, str, str], have: int) -> None:
         self._banked[banked] = have

@@ -131,3 +131,33 @@ async def test_on_alert_slow_reaches_every_worker(store: Store) -> None:  # noqa
         assert await granted_now(worker, "microsoft") == 2
     finally:
         await judge.close()
+
+
+async def test_queued_entries_refused_a_slot_take_turns(store: Store) -> None:  # noqa: F811
+    """Fifty entries of one receiver at 1/s, each tried when its hold ends (the worker's
+    loop, on an injected clock). Refused a slot, an entry must not wake with all the others
+    at every slot that frees to ask again: that herd asks ~N times a second (here ~1,250
+    asks before the 50th entry goes), each a claim and a store write."""
+    clock = FakeClock()
+    clock.t = NOW
+    shaping = {"acme": {"microsoft": Shaping(max_rate=1.0)}}
+    gate = ReceiverGate(store, ClassPauses(store), lambda: shaping, clock)
+    due = [(NOW, i) for i in range(50)]
+    sent: list[tuple[float, int]] = []
+    tries = 0
+    while due and tries < 2000:
+        due.sort()
+        at, i = due.pop(0)
+        clock.t = max(clock.t, at)
+        tries += 1
+        until = await gate.hold_until("acme", f"k{i}", {"microsoft": 1})
+        if until is None:
+            sent.append((clock.t, i))
+        else:
+            due.append((until, i))
+    assert len(sent) == 50, f"{len(sent)} sent after {tries} asks"
+    assert tries <= 100, f"{tries} asks for 50 sends"
+    assert [i for _, i in sent] == list(range(50))  # in the order they were refused
+    # Never over the rate: at most rate * (W + 1) + 1 in any window W from NOW.
+    assert all(n + 1 <= 1.0 * (t - NOW + 1) + 1 for n, (t, _) in enumerate(sent))
+    assert sent[-1][0] - NOW <= 50  # and the rate used: a slot each second
