@@ -187,7 +187,7 @@ class DeliveryWorker:
             for token in verdict.refund:
                 await self.submitter.refund(rec.zone, token)
             if self.receivers is not None and zone is not None:
-                until = await self.receivers.hold_until(rec.zone, item.message.recipients)
+                until = await self.receivers.hold_until(rec.zone, rec.key, item.message.recipients)
                 if until is not None:
                     await self._hold(taken, attempt_id, until)
                     return

@@ -195,12 +195,22 @@ async def set_receiver_paused(store: Store, zone: str, receiver: str, paused: bo
         await _wake_after_resume(store, zone, None)
 
 
+async def set_receiver_slowed(store: Store, zone: str, receiver: str, slowed: bool, actor: str) -> None:
+    """`on_alert: slow` begun or ended for a receiver of the zone (DESIGN.md §21): read by
+    every worker and instance within a second, as a pause is; audited."""
+    control = receivers.slow_control(receiver)
+    if ((zone, control) in await store.paused_classes()) == slowed:
+        return  # as it is (a judge's first look after a start): nothing to write or audit
+    await store.set_class_paused(zone, control, slowed)
+    await audit(store, zone, actor, "slow:receiver" if slowed else "end-slow:receiver", receiver)
+
+
 def split_controls(pairs: set[tuple[str, str]], zone: str) -> tuple[list[str], list[str]]:
     """The zone's paused (classes, receivers), from the store's controls."""
     classes: list[str] = []
     held: list[str] = []
     for pz, name in pairs:
-        if pz != zone:
+        if pz != zone or receivers.is_slow_control(name):
             continue
         receiver = receivers.receiver_of_control(name)
         (classes if receiver is None else held).append(name if receiver is None else receiver)

@@ -232,6 +232,10 @@ class Handler:
         if listed:
             return self._refuse(principal, replies.suppressed(address, listed))
         zone = self.config.zones.get(principal.zone)
+        if zone is not None and self.receivers is not None:
+            # Under way while the domain check waits on DNS: RCPT waits for DNS once, not
+            # once per lookup (dns.timeout is the bound).
+            self.receivers.lookup.start(address)
         if zone is not None and zone.recipient_domains == "check" and self.recipient_domains is not None:
             unroutable = await self.recipient_domains.refusal(address)
             if unroutable is not None:

@@ -35,6 +35,10 @@ EVENT_TYPES = frozenset({"delivered", "deferred", "bounce", "complaint"})
 TROUBLE_TTL = 30.0
 """How long a failed or timed-out MX lookup's `other` is kept: a dead resolver costs one
 bounded wait per domain per this long, not one per RCPT."""
+MAX_HOSTS = 10
+"""MX hosts kept per domain, the most preferred: the receiver is the first of them that
+matches, and an answer the domain's owner chose (a wildcard of hundreds of long names, 80 KB
+kept per domain) must not make the cache of 10,000 domains hold hundreds of megabytes."""
 MIN_TTL = 1.0
 MAX_TTL = 86400.0
 
@@ -52,9 +56,22 @@ def control_name(receiver: str) -> str:
     return CONTROL_PREFIX + receiver
 
 
+SLOW_SUFFIX = ":slow"
+"""`on_alert: slow` in force for a receiver: kept beside its pause (`receiver:R:slow`), so
+every worker and instance taking its slots halves its rate, not only the one that judged."""
+
+
+def slow_control(receiver: str) -> str:
+    return control_name(receiver) + SLOW_SUFFIX
+
+
 def receiver_of_control(name: str) -> str | None:
     """The receiver a stored control names, or None for a message class."""
     return name[len(CONTROL_PREFIX) :] if name.startswith(CONTROL_PREFIX) else None
+
+
+def is_slow_control(name: str) -> bool:
+    return name.startswith(CONTROL_PREFIX) and name.endswith(SLOW_SUFFIX)
 
 
 def stat_name(receiver: str, kind: str) -> str:
@@ -114,7 +131,7 @@ def mx_hosts(domain: str, mx: Lookup) -> tuple[tuple[str, ...], float] | None:
             if host and host != ".":
                 ranked.append((int(pref) if pref.isdigit() else 65535, host))
         if ranked:
-            return tuple(h for _, h in sorted(ranked)), _clamp(mx.ttl)
+            return tuple(h for _, h in sorted(ranked)[:MAX_HOSTS]), _clamp(mx.ttl)
     # No MX (or only a null MX): the domain itself is the one name there is to match.
     return (domain,), _clamp(mx.ttl)
 
@@ -133,6 +150,13 @@ def match(hosts: Iterable[str], receivers: Mapping[str, Sequence[str]]) -> str:
                 if host == suffix or host.endswith("." + suffix):
                     return name
     return OTHER
+
+
+def shaped_receiver(hosts: Sequence[str], receivers: Mapping[str, Sequence[str]]) -> str | None:
+    """The receiver whose `paused` and `max_rate` apply to a recipient with these MX hosts;
+    None when DNS did not say (no hosts): such a recipient is counted as `other` but never
+    held as one — DNS trouble never holds mail up, even where `other` is paused."""
+    return match(hosts, receivers) if hosts else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +187,19 @@ ALERT_KINDS: Mapping[str, str] = {
     "deferral_rate": "deferred",
 }
 """Alert kind → the event type it counts."""
+
+
+def next_turn(line: float | None, now: float, wait: float, interval: float) -> tuple[float, float]:
+    """A queued entry refused a receiver's slot: when it asks again, and where this
+    process's line of such entries then ends. Refusals take no slot, but every ask is a
+    claim and a store write; entries refused together would otherwise all ask again when
+    the next slot frees (N asks a slot for a backlog of N). Each gets its own turn, one
+    `interval` after the last one given, so about one entry asks per slot that frees, in
+    the order they were refused. With several workers each keeps its own line, and an
+    entry that loses its turn to another's goes to the end of its line: asks per send are
+    bounded by the workers, not by the backlog."""
+    turn = max(line if line is not None else now, now + max(wait, 0.05))
+    return turn, turn + interval
 
 
 def rcpt_refusal(receiver: str, paused: bool, slot_granted: bool | None) -> Reply | None:

@@ -45,6 +45,15 @@ class SharedLookups(Generic[V]):
         known = self._known.get(name)
         if known is not None and known[1] > self.clock():
             return known[0]
+        return await asyncio.shield(self._pending(name))
+
+    def start(self, name: str) -> None:
+        """Begin the lookup of `name` unless it is known or under way; a later get() joins
+        it. For a caller that has another wait to make first: the two overlap."""
+        if self.cached(name) is None:
+            self._pending(name)
+
+    def _pending(self, name: str) -> asyncio.Task[V]:
         pending = self._asking.get(name)
         if pending is None:
             # The lookup is the shared task's, not the first caller's: a client that hangs
@@ -54,7 +63,7 @@ class SharedLookups(Generic[V]):
             # Retrieved even when every waiter went away, so a failure is never "unretrieved".
             pending.add_done_callback(lambda t: t.cancelled() or t.exception())
             self._asking[name] = pending
-        return await asyncio.shield(pending)
+        return pending
 
     async def _settle(self, name: str) -> V:
         self.lookups += 1

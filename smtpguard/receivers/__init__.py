@@ -62,7 +62,7 @@ class Receivers:
         self.lookup = ReceiverLookup(dns, config.receiver_table())
         self.gate = ReceiverGate(store, pauses, lambda: self.shaping, clock)
         self.watch = ReceiverWatch(metrics, bump)
-        self.alerts = ReceiverAlerts(store, metrics, lambda: self.shaping, clock, self._act)
+        self.alerts = ReceiverAlerts(store, metrics, lambda: self.shaping, clock, self._act, self._slow)
         self._background: set[asyncio.Task[None]] = set()
         self._alerting: asyncio.Task[None] | None = None
         if judge_alerts:
@@ -79,17 +79,18 @@ class Receivers:
     async def rcpt_refusal(self, zone: str, address: str, queued: bool) -> Reply | None:
         """RCPT: `451 4.7.1` for a recipient whose receiver is paused or over max_rate in
         relay mode; in queue mode the entry waits at delivery instead (hold_until)."""
-        receiver = await self.lookup.receiver(address)
-        if queued:
+        receiver = await self.lookup.shaped(address)
+        if queued or receiver is None:
             return None
         return await self.gate.rcpt_refusal(zone, receiver)
 
-    async def hold_until(self, zone: str, recipients: Sequence[str]) -> float | None:
+    async def hold_until(self, zone: str, entry: str, recipients: Sequence[str]) -> float | None:
         tally: dict[str, int] = {}
         for address in recipients:
-            r = await self.lookup.receiver(address)
-            tally[r] = tally.get(r, 0) + 1
-        return await self.gate.hold_until(zone, tally)
+            r = await self.lookup.shaped(address)
+            if r is not None:
+                tally[r] = tally.get(r, 0) + 1
+        return await self.gate.hold_until(zone, entry, tally)
 
     # --- counting ----------------------------------------------------------------------------
     def sent(self, zone: str, recipients: Iterable[str]) -> None:
@@ -130,14 +131,8 @@ class Receivers:
                 log.exception("receiver alerts: refresh failed")
 
     async def _act(self, zone: str, receiver: str, own: Shaping) -> None:
-        """`on_alert`: `slow` halves max_rate for the rest of the window; `pause` pauses the
-        receiver for the zone in the store (every instance, audited) until an operator
-        resumes it."""
-        assert own.alert is not None
-        now = self._clock()
-        if own.on_alert == "slow":
-            self.gate.slowed[(zone, receiver)] = (now // own.alert.window + 1) * own.alert.window
-            return
+        """`on_alert: pause`: the receiver paused for the zone in the store (every instance,
+        audited) until an operator resumes it."""
         try:
             await desk.set_receiver_paused(self._store, zone, receiver, True, "alert")
         except StoreUnavailable as e:
@@ -145,6 +140,12 @@ class Receivers:
                 "on_alert: pause could not be stored",
                 extra={"zone": zone, "receiver": receiver, "error": str(e)},
             )
+
+    async def _slow(self, zone: str, receiver: str, slowed: bool) -> None:
+        """`on_alert: slow`: max_rate halved in every worker and instance (the store's
+        control) while the window that crossed lasts. A store that fails is asked again at
+        the next look (ReceiverAlerts keeps what it last stored only once it is stored)."""
+        await desk.set_receiver_slowed(self._store, zone, receiver, slowed, "alert")
 
     def _spawn(self, work: object) -> None:
         assert asyncio.iscoroutine(work)

@@ -26,13 +26,19 @@ class ReceiverAlerts:
         shaping: Callable[[], Mapping[str, Mapping[str, Shaping]]],
         clock: Callable[[], float],
         on_alert: Callable[[str, str, Shaping], Awaitable[None]],
+        on_slow: Callable[[str, str, bool], Awaitable[None]],
     ) -> None:
         self._store = store
         self._metrics = metrics
         self._shaping = shaping
         self._clock = clock
         self._on_alert = on_alert
-        """Carries out a crossed rule's `on_alert` (slow or pause)."""
+        """Carries out a crossed rule's `on_alert: pause`."""
+        self._on_slow = on_slow
+        """Begins or ends `on_alert: slow` for every worker and instance (the store's)."""
+        self._slowed: dict[tuple[str, str], bool] = {}
+        """What this judge last stored of each receiver's slow (absent: not yet, so its
+        first look writes it, ending one a judge before a restart left behind)."""
         self.windows = AlertWindows()
 
     async def refresh(self) -> list[tuple[str, str, str]]:
@@ -59,8 +65,15 @@ class ReceiverAlerts:
                 for kind in fresh:
                     self._warn(zone, receiver, own, kind)
                     crossed.append((zone, receiver, kind))
-                if fresh and own.on_alert is not None:
+                if fresh and own.on_alert == "pause":
                     await self._on_alert(zone, receiver, own)
+                if own.on_alert == "slow" and self._slowed.get((zone, receiver)) != bool(active):
+                    # Slowed while the window that crossed lasts; the next one ends it.
+                    try:
+                        await self._on_slow(zone, receiver, bool(active))
+                    except StoreUnavailable:
+                        continue  # asked again at the next look
+                    self._slowed[(zone, receiver)] = bool(active)
         return crossed
 
     def _warn(self, zone: str, receiver: str, own: Shaping, kind: str) -> None:

@@ -36,11 +36,21 @@ class ReceiverLookup:
         return self._hosts.lookups
 
     async def receiver(self, address: str) -> str:
+        """The receiver the recipient is counted under (`other` on DNS trouble)."""
+        return await self.shaped(address) or OTHER
+
+    async def shaped(self, address: str) -> str | None:
+        """The receiver whose shaping holds the recipient; None on DNS trouble."""
         domain = receivers.domain_of(address)
         if domain is None:
             return OTHER
-        hosts = await self._hosts.get(domain)
-        return receivers.match(hosts, self.table) if hosts else OTHER
+        return receivers.shaped_receiver(await self._hosts.get(domain), self.table)
+
+    def start(self, address: str) -> None:
+        """Begin the recipient's lookup without waiting for it (receiver() joins it)."""
+        domain = receivers.domain_of(address)
+        if domain is not None:
+            self._hosts.start(domain)
 
     def cached(self, address: str) -> str | None:
         """The receiver from the cache alone, or None when it would need a lookup."""
@@ -50,7 +60,11 @@ class ReceiverLookup:
         hosts = self._hosts.cached(domain)
         if hosts is None:
             return None
-        return receivers.match(hosts, self.table) if hosts else OTHER
+        return receivers.shaped_receiver(hosts, self.table) or OTHER
+
+    def cached_hosts(self, domain: str) -> tuple[str, ...] | None:
+        """The MX hosts kept for `domain` (None: none kept now): for tests."""
+        return self._hosts.cached(domain)
 
     async def _bounded_mx(self, domain: str) -> tuple[tuple[str, ...], float]:
         try:

@@ -18,6 +18,7 @@ from smtpguard.policy.receivers import (
     rcpt_refusal,
     receiver_counts,
     receiver_of_control,
+    shaped_receiver,
     table,
 )
 
@@ -102,3 +103,9 @@ def test_an_alert_crosses_once_per_window() -> None:
     assert windows.observe(
         "acme", "gmail", rule, {"sent": 910, "bounce": 5, "complaint": 900}, t + 4 * 3600 + 1
     ) == ["bounce_rate"]
+
+
+def test_dns_trouble_is_counted_as_other_but_never_shaped() -> None:
+    assert shaped_receiver((), DEFAULT_RECEIVERS) is None
+    assert shaped_receiver(("mx.hosting.example",), DEFAULT_RECEIVERS) == OTHER
+    assert shaped_receiver(("aspmx.l.google.com",), DEFAULT_RECEIVERS) == "gmail"
