@@ -7,6 +7,7 @@ Every test counts what the upstream received."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -381,3 +382,58 @@ async def test_a_reload_that_moves_the_api_is_followed(
         await old.stop()
         await new.stop()
     assert upstream.event_keys() == ["m1"]
+
+
+class TickingClock(FakeClock):
+    """Moves a microsecond at every reading, as a real clock moves between two instances'
+    writes. (On a clock that stands still both would write the same bytes, which the store
+    takes as one write landing twice: one record, two audit lines.)"""
+
+    def __call__(self) -> float:
+        self.t += 1e-6
+        return self.t
+
+
+async def test_two_instances_looking_at_once_settle_once(
+    tmp: Path, upstream: Upstream, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every host runs the loop; both ask about the same records in the same instant, and
+    the store's compare-and-swap lets one verdict write per record."""
+    monkeypatch.setenv(API_ENV, API_KEY)
+    clock = TickingClock()
+    fake = FakeMailgun(API_KEY, MAILGUN_DOMAIN, clock)
+    await fake.start()
+    try:
+        cfg = verdict_config(tmp, upstream.port, store_url, "mailgun", fake.base_url)
+        cfg["breaker"] = {"failure_threshold": 20}  # six lost replies in a row are the point here
+        async with (
+            running_guard({**cfg, "instance": "a"}, clock=clock) as a,
+            running_guard({**cfg, "instance": "b"}, clock=clock) as b,
+        ):
+            h = Harness(a, clock, fake, upstream, "mailgun")
+            keys = [f"x{i}" for i in range(6)]
+            for i, key in enumerate(keys):
+                if i % 2:
+                    await h.lost_and_logged(key)
+                else:
+                    await h.lose_reply(key)
+            h.other_acceptance(clock.t + 1)
+            assert a.verdicts is not None and b.verdicts is not None
+            clock.t += 31 * MINUTE
+            await asyncio.gather(a.verdicts.round(), b.verdicts.round())
+            for i, key in enumerate(keys):
+                rec = await h.record(key, State.DEFERRED if i % 2 == 0 else State.DELIVERED)
+                assert len(audit_of(rec)) == 1, audit_of(rec)
+            assert a.store is not None
+            zone_audit = [e for e in await a.store.audit_log("acme", 0) if e.actor.startswith("verdict:")]
+            assert len(zone_audit) == len(keys)
+            clock.t += 2 * MINUTE
+            for key in keys:
+                reply = await send(b.ports[0], message(key))
+                assert reply.code == 250
+    finally:
+        await fake.stop()
+    # the not-accepted ones sent once more, the accepted ones never again
+    assert sorted(k for k in upstream.event_keys() if k) == sorted(
+        keys + [k for i, k in enumerate(keys) if i % 2 == 0]
+    )
