@@ -13,16 +13,21 @@ from smtpguard.replies import Reply, safe
 
 def attempt_of(rec: Record, tag: str | None) -> Attempt | None:
     """The attempt whose outcome `rec` (unknown) leaves open, as the log is asked about it:
-    the provider its DATA went to, when, and its Message-ID. None when no provider is known
-    (nothing can be asked). `tag` is what the relay wrote for the record (tags.tagged)."""
+    the provider its DATA went to, from when until when, and its Message-ID. None when no
+    provider is known (nothing can be asked). `tag` is what the relay wrote for the record
+    (tags.tagged).
+
+    From the earliest trace of the current attempt (a lost lease's trace keeps when its
+    owner last wrote, not when the loss was noticed) to the latest, or to `lost_until`
+    while an owner that lost its lease may still have been sending."""
     mine = [a for a in rec.attempts if a.attempt_id in (rec.sg_id, f"{rec.sg_id}:lost")]
-    last = mine[0] if mine else None
-    provider = rec.via or (last.provider if last is not None else None)
+    provider = rec.via or next((a.provider for a in mine if a.provider is not None), None)
     if provider is None:
         return None
-    at = last.at if last is not None else rec.updated_at
-    message_id = (last.message_id if last is not None else None) or rec.message_id
-    return Attempt(provider, at, tag, message_id)
+    times = [a.at for a in mine] or [rec.updated_at]
+    latest = max([*times, rec.lost_until or times[0]])
+    message_id = next((a.message_id for a in mine if a.message_id), None) or rec.message_id
+    return Attempt(provider, min(times), tag, message_id, latest if latest > min(times) else None)
 
 
 def settled_record(

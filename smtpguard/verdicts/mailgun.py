@@ -19,7 +19,7 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any
 
-from smtpguard.policy.verdicts import WINDOW, Attempt, LogEntry, LogKind, bare_message_id
+from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind, bare_message_id, window
 from smtpguard.verdict_config import MailgunApi
 from smtpguard.verdicts.http import ApiClient, Credential, field, need_list
 from smtpguard.verdicts.model import Reported, ReportedEvent, parse_time
@@ -69,9 +69,10 @@ class MailgunLog(ApiClient):
     async def entries(self, attempt: Attempt) -> list[LogEntry]:
         if attempt.tag is None and attempt.message_id is None:
             return []  # nothing could match: not worth ten pages of the window
+        first, last = window(attempt)
         params = {
-            "begin": f"{attempt.at - WINDOW:.0f}",
-            "end": f"{attempt.at + WINDOW:.0f}",
+            "begin": f"{first:.0f}",
+            "end": f"{last:.0f}",
             "event": "accepted OR rejected",
             "limit": str(PAGE),
         }

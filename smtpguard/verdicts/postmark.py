@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from smtpguard.policy.verdicts import WINDOW, Attempt, LogEntry, LogKind
+from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind, window
 from smtpguard.verdict_config import PostmarkApi
 from smtpguard.verdicts.http import ApiClient, Credential, field, need_list
 from smtpguard.verdicts.model import Reported, ReportedEvent, iso_utc, parse_time
@@ -78,10 +78,11 @@ class PostmarkLog(ApiClient):
     async def entries(self, attempt: Attempt) -> list[LogEntry]:
         if attempt.tag is None:
             return []  # the search cannot find a message by its Message-ID
+        first, last = window(attempt)
         params = {
             f"metadata_{KEY_FIELD}": attempt.tag,
-            "fromdate": _day(attempt.at - WINDOW - DAY),
-            "todate": _day(attempt.at + WINDOW + DAY),
+            "fromdate": _day(first - DAY),
+            "todate": _day(last + DAY),
         }
         items = await self._list("/messages/outbound", "Messages", params)
         return [e for e in map(self._entry, items) if e is not None]
