@@ -48,6 +48,12 @@ class ApiNotFound(ApiError):
     kind = "not_found"
 
 
+class ApiTruncated(ApiError):
+    """More pages than one call may read: what was read is not the whole range asked for."""
+
+    kind = "truncated"
+
+
 class ApiMalformed(ApiError):
     """The API answered something its documentation does not describe."""
 
@@ -231,9 +237,12 @@ class ApiClient:
         first: tuple[str, Mapping[str, str] | None],
         following: Callable[[Any, int], tuple[str, Mapping[str, str] | None] | None],
         max_pages: int,
+        whole: bool = False,
     ) -> AsyncIterator[Any]:
         """Each page's decoded body, first request first; `following(body, n)` gives the next
-        request after the n-th page (1-based), or None when the last page is reached."""
+        request after the n-th page (1-based), or None when the last page is reached.
+        `whole`: the caller needs every page (reconciliation moves its cursor past them), so
+        a range with pages left after `max_pages` raises ApiTruncated instead of ending."""
         request: tuple[str, Mapping[str, str] | None] | None = first
         n = 0
         while request is not None and n < max_pages:
@@ -241,6 +250,8 @@ class ApiClient:
             n += 1
             yield body
             request = following(body, n)
+        if whole and request is not None:
+            raise ApiTruncated(f"{self.provider}: more than {max_pages} pages in the range asked for")
 
 
 def _origin(url: str) -> tuple[str, str, int | None]:

@@ -54,7 +54,9 @@ class MailgunLog(ApiClient):
     def _path(self) -> str:
         return f"/v3/{self.domain}/events"
 
-    async def _items(self, params: Mapping[str, str], max_pages: int = MAX_PAGES) -> list[Any]:
+    async def _items(
+        self, params: Mapping[str, str], max_pages: int = MAX_PAGES, whole: bool = False
+    ) -> list[Any]:
         out: list[Any] = []
 
         def following(body: Any, _n: int) -> tuple[str, None] | None:
@@ -62,7 +64,7 @@ class MailgunLog(ApiClient):
             # Mailgun's last page is the empty one; its `next` is always present.
             return (nxt, None) if isinstance(nxt, str) and field(body, "items") else None
 
-        async for body in self.pages((self._path, params), following, max_pages):
+        async for body in self.pages((self._path, params), following, max_pages, whole):
             out.extend(need_list(body, "items", self.provider))
         return out
 
@@ -94,7 +96,7 @@ class MailgunLog(ApiClient):
             "event": "failed OR complained OR unsubscribed",
             "limit": str(PAGE),
         }
-        return [r for r in map(self._reported, await self._items(params)) if r is not None]
+        return [r for r in map(self._reported, await self._items(params, whole=True)) if r is not None]
 
     def _entry(self, item: Any) -> LogEntry | None:
         kind = _KINDS.get(str(field(item, "event")))
