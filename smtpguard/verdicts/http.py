@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import json
 import logging
 import time
 from collections import Counter
@@ -24,6 +25,8 @@ import aiohttp
 
 log = logging.getLogger("smtpguard.verdicts")
 
+MAX_BODY = 8 << 20
+"""Bytes of one response read at most: a page of any of the three APIs is far smaller."""
 AUTH_LOG_EVERY = 3600.0
 """A refused key is logged once an hour per API, not once per record asked about."""
 
@@ -181,13 +184,7 @@ class ApiClient:
                 async with self._client().get(url, params=params, headers=self._auth()) as resp:
                     status = resp.status
                     if status == 200:
-                        try:
-                            return await resp.json(content_type=None)
-                        except ValueError:
-                            self.errors["malformed"] += 1
-                            raise ApiMalformed(
-                                f"{self.provider}: {where} answered 200 with no JSON"
-                            ) from None
+                        return await self._json(resp, where)
                     header = resp.headers.get("Retry-After")
             except (aiohttp.ClientError, TimeoutError) as e:
                 # type(e) only: aiohttp's texts name the URL, and a URL may carry a filter value
@@ -217,6 +214,24 @@ class ApiClient:
             raise ApiError(f"{self.provider}: {where} answered HTTP {status}")
         self.errors["unavailable"] += 1
         raise ApiUnavailable(f"{self.provider}: {where} unavailable after {attempt + 1} requests ({last})")
+
+    async def _json(self, resp: aiohttp.ClientResponse, where: str) -> Any:
+        """The body of a 200, read no further than MAX_BODY: a broken or hostile API's
+        endless body, or JSON nested past the parser's recursion, is malformed, not a crash."""
+        body = bytearray()
+        if resp.content_length is None or resp.content_length <= MAX_BODY:
+            async for chunk in resp.content.iter_chunked(1 << 16):
+                body += chunk
+                if len(body) > MAX_BODY:
+                    break
+        if len(body) > MAX_BODY or (resp.content_length or 0) > MAX_BODY:
+            self.errors["malformed"] += 1
+            raise ApiMalformed(f"{self.provider}: {where} answered 200 with more than {MAX_BODY} bytes")
+        try:
+            return json.loads(body)
+        except (ValueError, RecursionError):
+            self.errors["malformed"] += 1
+            raise ApiMalformed(f"{self.provider}: {where} answered 200 with no usable JSON") from None
 
     def _backoff(self, attempt: int) -> float:
         return float(min(self._retry.backoff * (2**attempt), self._retry.backoff_max))
