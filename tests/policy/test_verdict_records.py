@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from smtpguard.policy.eventkey import message_id_for
+from smtpguard.policy.events import Match
 from smtpguard.policy.record import Attempt, Phase, Record, State
-from smtpguard.policy.verdict_records import attempt_of, settled_record
+from smtpguard.policy.verdict_records import attempt_of, names_the_message, settled_record
 from smtpguard.policy.verdicts import (
     WINDOW,
     LogEntry,
@@ -71,3 +73,14 @@ def test_a_lost_lease_is_asked_about_until_its_owner_could_have_sent() -> None:
     assert not ingested_past(a, [other_before]) and ingested_past(a, [other_after])
     v = verdict(a, [], now=T0 + 3600 + 1799, absent_after=1800, give_up=86400, proof_of_ingestion=True)
     assert v.kind is VerdictKind.NONE_YET  # absent_after counts from lost_until
+
+
+def test_an_acceptance_names_the_message_by_an_id_that_is_the_records_alone() -> None:
+    rec = unknown()
+    own = message_id_for("acme", "k", "mail.acme.example")
+    assert names_the_message(rec, Match(keys=("acme:k",), message_ids=("<m@x>",)))
+    assert names_the_message(rec, Match(sg_ids=("sg1",)))
+    assert names_the_message(rec, Match(message_ids=(own.upper(),)))
+    # The application's own Message-ID, which it may reuse under another key; another tag.
+    assert not names_the_message(rec, Match(message_ids=("<m@x>",)))
+    assert not names_the_message(rec, Match(keys=("acme:other",), message_ids=(own,)))
