@@ -78,3 +78,38 @@ async def test_verdict_asks_now_settles_and_prints_the_log(
     finally:
         await fake.stop()
     assert upstream.event_keys() == ["v1", "v2"]
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+async def test_what_the_log_says_is_printed_without_terminal_controls(
+    tmp: Path,
+    upstream: Upstream,
+    store_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The log's text is the provider's (a reason) or any sender's (a Message-ID): printed
+    to an operator's terminal, an escape sequence in it would rewrite what they read."""
+    monkeypatch.setenv(API_ENV, API_KEY)
+    fake = FakeMailgun(API_KEY, MAILGUN_DOMAIN)
+    await fake.start()
+    try:
+        cfg = verdict_config(tmp, upstream.port, store_url, "mailgun", fake.base_url)
+        c = str(write_config(tmp / "c.yaml", cfg))
+        async with running_guard(cfg) as guard:
+            assert guard.store is not None
+            upstream.handler.script = [Behaviour(drop_after_dot=True)]
+            assert (await send(guard.ports[0], message("t1"))).code == 451
+            got = upstream.received[0]
+            rec = await guard.store.get("acme", "t1")
+            assert rec is not None
+            hostile = "\x1b[2J\x1b]0;owned\x07verdict: accepted\r"
+            at = rec.attempts[-1].at + 1
+            tag = tag_of(got, "mailgun")
+            fake.add("rejected", at, message_id=message_id_of(got), tag=tag, reason=hostile)
+            code, out = await cli(capsys, "verdict", "acme", "t1", "-c", c)
+            assert code == 0 and "verdict: refused; the record is failed" in out, out
+            assert not [ch for ch in out if (ord(ch) < 32 and ch != "\n") or 127 <= ord(ch) < 160], repr(out)
+    finally:
+        await fake.stop()
+    assert upstream.event_keys() == ["t1"]
