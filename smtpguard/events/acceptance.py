@@ -68,4 +68,3 @@ async def settle_if_accepted(
             },
         )
     return settled
-
