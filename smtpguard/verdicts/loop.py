@@ -162,6 +162,12 @@ class VerdictLoop:
                 "verdicts: a reloaded api cannot be used; the previous ones stay", extra={"error": why}
             )
             return
+        # A provider's round still running uses the old clients: it ends before they close
+        # (a hung one would otherwise fail on a closed session, or hold the new settings off).
+        busy = list(self._busy.values())
+        for task in busy:
+            task.cancel()
+        await asyncio.gather(*busy, return_exceptions=True)
         old, self.clients, self._apis = self.clients, clients, apis
         self._errors_seen = {}
         for client in old.values():

@@ -21,6 +21,7 @@ from tests.support import (
     message,
     running_guard,
     send,
+    write_config,
 )
 from tests.support.eventually import eventually
 from tests.support.provider_api_fakes import FakeMailgun
@@ -55,7 +56,8 @@ async def test_a_hung_api_holds_no_other_providers_verdicts(
     cfg["zones"]["acme"]["providers"] = ["primary"]
     cfg["zones"]["globex"]["providers"] = ["standby"]
     try:
-        async with running_guard(cfg, clock=clock) as guard:
+        path = tmp / "c.yaml"
+        async with running_guard(cfg, clock=clock, config_path=path) as guard:
             store = guard.store
             assert store is not None
             upstream.handler.script = [Behaviour(drop_after_dot=True)]
@@ -86,6 +88,22 @@ async def test_a_hung_api_holds_no_other_providers_verdicts(
             assert settled is not None and settled.state is State.DELIVERED, "held by the hung api"
             held = await store.get("acme", "h1")
             assert held is not None and held.state is State.UNKNOWN
+            # SIGHUP points the primary at a log that answers (and has h1): the hung round
+            # gives way to the new settings at the next tick, not when it runs out.
+            h1 = next(r for r in upstream.received if r.header("X-Event-Key") == "h1")
+            tag = tag_of(h1, "mailgun")
+            fine.add("accepted", held.attempts[-1].at + 1, message_id=message_id_of(h1), tag=tag)
+            cfg["providers"][0]["api"] = api_section("mailgun", fine.base_url)
+            write_config(path, cfg)
+            assert await guard.reload()
+            clock.t += 6 * MINUTE
+            done = await eventually(
+                lambda: store.get("acme", "h1"),
+                lambda r: r is not None and r.state is State.DELIVERED,
+                timeout=5,
+                interval=0.05,
+            )
+            assert done is not None and done.state is State.DELIVERED, "the hung round held the reload"
     finally:
         await hung.stop()
         await fine.stop()
