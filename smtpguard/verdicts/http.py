@@ -63,6 +63,13 @@ class ApiMalformed(ApiError):
     kind = "malformed"
 
 
+def untimed(provider: str) -> ApiMalformed:
+    """An entry that may be the attempt's message, with a time smtpguard cannot read: no
+    verdict rests on the log then, for dropping the entry could leave only another
+    message's later acceptance, the proof that leads to `not accepted` and a second copy."""
+    return ApiMalformed(f"{provider}: a log entry of the message has no time smtpguard can read")
+
+
 class Credential:
     """A secret that never prints itself."""
 

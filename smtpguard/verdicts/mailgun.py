@@ -21,7 +21,7 @@ from typing import Any
 
 from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind, bare_message_id, window
 from smtpguard.verdict_config import MailgunApi
-from smtpguard.verdicts.http import ApiClient, Credential, field, need_list
+from smtpguard.verdicts.http import ApiClient, Credential, field, need_list, untimed
 from smtpguard.verdicts.model import Reported, ReportedEvent, parse_time
 
 KEY_FIELD = "smtpguard_key"
@@ -81,7 +81,8 @@ class MailgunLog(ApiClient):
         mid = bare_message_id(attempt.message_id)
         if mid is not None:
             params["message-id"] = mid
-        return [e for e in map(self._entry, await self._items(params)) if e is not None]
+        items = await self._items(params)
+        return [e for e in (self._entry(item, strict=True) for item in items) if e is not None]
 
     async def accepted_since(self, at: float) -> list[LogEntry]:
         # One accepted event per recipient: a page of 100, so a message to many recipients
@@ -98,9 +99,11 @@ class MailgunLog(ApiClient):
         }
         return [r for r in map(self._reported, await self._items(params, whole=True)) if r is not None]
 
-    def _entry(self, item: Any) -> LogEntry | None:
+    def _entry(self, item: Any, strict: bool = False) -> LogEntry | None:
         kind = _KINDS.get(str(field(item, "event")))
         at = parse_time(field(item, "timestamp"))
+        if kind is not None and at is None and strict:
+            raise untimed(self.provider)
         if kind is None or at is None:
             return None
         mid = field(item, "message", "headers", "message-id")

@@ -537,3 +537,25 @@ async def test_a_200_too_big_or_too_deep_to_read_is_malformed_not_a_crash(
             with pytest.raises(ApiMalformed, match="answered 200 with"):
                 await client.entries(attempt)
     assert sent["big"] < 24 << 20, "the whole body was read"
+
+
+async def test_an_entry_of_the_message_whose_time_cannot_be_read_is_no_absence(
+    mailgun: FakeMailgun, postmark: FakePostmark, now: Now
+) -> None:
+    """The log holds the message's acceptance but spells its time in no way smtpguard reads
+    (an API change, a bug): dropping the entry would leave only the other message's later
+    acceptance, the proof, and `not accepted` would send the second copy."""
+    t = now.t
+    lost = Attempt("primary", t, "acme:1", "<a@acme.example>")
+    item = mailgun.add("accepted", t + 1, message_id="<a@acme.example>", tag="acme:1")
+    item["timestamp"] = "Tue, 01 Dec 2026 10:00:00 GMT"
+    mailgun.add("accepted", t + 300, message_id="<d@acme.example>", tag="acme:4")
+    async with mg_client(mailgun, now) as client:
+        with pytest.raises(ApiMalformed, match="time"):
+            await judge(client, lost, t + ABSENT + 60)
+    pm = postmark.add_message(t + 1, tag="acme:1")
+    pm["ReceivedAt"] = "yesterday"
+    postmark.add_message(t + 300, tag="acme:4")
+    async with pm_client(postmark, now) as client:
+        with pytest.raises(ApiMalformed, match="time"):
+            await judge(client, lost, t + ABSENT + 60)
