@@ -24,6 +24,7 @@ from smtpguard.cli.context import (
     iso,
 )
 from smtpguard.config import Config
+from smtpguard.logs import logfmt_value
 from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.verdicts import LogEntry
 from smtpguard.store import Store
@@ -102,8 +103,12 @@ def _print(doc: dict[str, Any]) -> None:
     if doc["error"]:
         print(f"  the log could not be read: {doc['error']}")
     for e in doc["log"]:
-        ids = " ".join(f"{k}={e[k]}" for k in ("message_id", "tag", "upstream_id") if e[k])
-        print(f"  log: {e['at']} {e['kind']} {ids}{' reason=' + e['reason'] if e['reason'] else ''}")
+        # The log's text is the provider's or any sender's: escaped as a log line is, so a
+        # terminal control sequence in it is shown, never obeyed.
+        fields = " ".join(
+            f"{k}={logfmt_value(e[k])}" for k in ("message_id", "tag", "upstream_id", "reason") if e[k]
+        )
+        print(f"  log: {e['at']} {e['kind']} {fields}")
     if not doc["log"] and not doc["error"]:
         print("  log: nothing about this message")
     print(f"  verdict: {doc['verdict'].replace('_', ' ')}; the record is {doc['state']}")

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from smtpguard.events.apply import Applied
 from smtpguard.policy.events import ProviderEvent
 from smtpguard.policy.ledger import Record, State
+from smtpguard.policy.verdict_records import names_the_message
 from smtpguard.policy.verdicts import Verdict, VerdictKind, proves_acceptance
 from smtpguard.store import Store
 from smtpguard.verdicts.settle import settle
@@ -42,6 +43,8 @@ async def settle_if_accepted(
     if record is None or outcome not in SETTLING or record.state is not State.UNKNOWN:
         return None
     if not proves_acceptance(source_kind, event.provider_type):
+        return None
+    if not names_the_message(record, event.match):
         return None
     upstream_id = event.match.upstream_ids[0] if event.match.upstream_ids else None
     settled = await settle(

@@ -26,7 +26,7 @@ from smtpguard.events.apply import Applied, Applier, log_applied
 from smtpguard.policy.events import Kind, Match, ProviderEvent
 from smtpguard.policy.verdicts import WINDOW
 from smtpguard.store import Store, StoreUnavailable
-from smtpguard.verdicts.http import ApiError
+from smtpguard.verdicts.http import ApiError, ApiTruncated
 from smtpguard.verdicts.model import LogApi, ReportedEvent
 
 log = logging.getLogger("smtpguard.events")
@@ -34,6 +34,10 @@ log = logging.getLogger("smtpguard.events")
 OVERLAP = WINDOW
 """Seconds each poll reads back before its cursor: an event the log shows a few minutes late
 (logs are eventually consistent) is still read, and one read twice is a duplicate."""
+
+SPLITS = 4
+"""Halvings of a period with more events than one read's pages, per poll at most: a poll
+then reads at least 1/16 of what is behind, and no request is spent without progress."""
 
 Observe = Callable[[str, str, str], None]
 """(source, type, outcome) → count it, as the webhook listener does."""
@@ -102,14 +106,25 @@ class Reconciler:
     async def poll_one(self, provider: str, api: LogApi) -> Polled:
         name = cursor_name(provider)
         cursor = await self.store.reconcile_cursor(name)
-        until = self.clock()
+        now = self.clock()
         # Never read before: the last period only (a first start is not a backfill).
-        since = (cursor if cursor is not None else until - self.period) - OVERLAP
-        try:
-            reported = await api.reported_since(since, until)
-        except ApiError as e:
-            log.warning("reconciliation not read", extra={"provider": provider, "error": str(e)})
-            return Polled(provider, since, until, {}, False, str(e))
+        start = cursor if cursor is not None else now - self.period
+        for split in range(SPLITS + 1):
+            # More events than one read's pages: a shorter period after the cursor (so the
+            # cursor still moves) and a shorter look back, until it fits; the rest is the
+            # next poll's. The look back shrinks too, or a burst just behind the cursor,
+            # read again each time, would hold it for ever.
+            since, until = start - OVERLAP / 2**split, start + (now - start) / 2**split
+            try:
+                reported = await api.reported_since(since, until)
+                break
+            except ApiTruncated as e:
+                if split == SPLITS:
+                    log.warning("reconciliation not read", extra={"provider": provider, "error": str(e)})
+                    return Polled(provider, since, until, {}, False, str(e))
+            except ApiError as e:
+                log.warning("reconciliation not read", extra={"provider": provider, "error": str(e)})
+                return Polled(provider, since, until, {}, False, str(e))
         source = self.sources.get(provider, f"api:{provider}")
         outcomes: Counter[str] = Counter()
         for event in sorted((as_provider_event(r, source) for r in reported), key=lambda e: e.at):

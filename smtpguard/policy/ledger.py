@@ -197,10 +197,12 @@ def _lost_after_dot(rec: Record, now: float, s: LedgerSettings) -> Record:
     may still get its 250, so that moment is kept for `resolve --as retry` to respect."""
     last_lease = rec.lease_until if rec.lease_until is not None else now
     # The lost attempt in the history, so an operator sees when and where it ran; its own
-    # id stays free for the owner's outcome, should the owner still report one.
+    # id stays free for the owner's outcome, should the owner still report one. Its time is
+    # the owner's last write (the data_sent note or a renewal), not this moment, which may
+    # be hours later: the provider's log is read about the time the message went.
     trace = Attempt(
         attempt_id=f"{rec.sg_id}:lost",
-        at=now,
+        at=min(rec.updated_at, now),
         instance=rec.owner or "?",
         provider=rec.via,
         phase=Phase.DATA_SENT.value,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from smtpguard.policy.eventkey import message_id_for, qualified_key
+from smtpguard.policy.events import Match, bare_message_id, key_of_tag
 from smtpguard.policy.record import AuditEntry, Record, State, evolve
 from smtpguard.policy.verdicts import Attempt, Verdict, VerdictKind
 from smtpguard.replies import Reply, safe
@@ -13,16 +15,46 @@ from smtpguard.replies import Reply, safe
 
 def attempt_of(rec: Record, tag: str | None) -> Attempt | None:
     """The attempt whose outcome `rec` (unknown) leaves open, as the log is asked about it:
-    the provider its DATA went to, when, and its Message-ID. None when no provider is known
-    (nothing can be asked). `tag` is what the relay wrote for the record (tags.tagged)."""
+    the provider its DATA went to, from when until when, and its Message-ID. None when no
+    provider is known (nothing can be asked). `tag` is what the relay wrote for the record
+    (tags.tagged).
+
+    From the earliest trace of the current attempt (a lost lease's trace keeps when its
+    owner last wrote, not when the loss was noticed) to the latest, or to `lost_until`
+    while an owner that lost its lease may still have been sending."""
     mine = [a for a in rec.attempts if a.attempt_id in (rec.sg_id, f"{rec.sg_id}:lost")]
-    last = mine[0] if mine else None
-    provider = rec.via or (last.provider if last is not None else None)
+    provider = rec.via or next((a.provider for a in mine if a.provider is not None), None)
     if provider is None:
         return None
-    at = last.at if last is not None else rec.updated_at
-    message_id = (last.message_id if last is not None else None) or rec.message_id
-    return Attempt(provider, at, tag, message_id)
+    times = [a.at for a in mine] or [rec.updated_at]
+    latest = max([*times, rec.lost_until or times[0]])
+    message_id = next((a.message_id for a in mine if a.message_id), None) or rec.message_id
+    return Attempt(provider, min(times), tag, message_id, latest if latest > min(times) else None)
+
+
+def names_the_message(rec: Record, match: Match) -> bool:
+    """Does a provider's acceptance event, matched to `rec`, prove that `rec`'s message was
+    taken? Only when it names the record by an id that is the record's alone: smtpguard's
+    tag, an attempt id of the record, the provider's id from one of its 250s, or the
+    Message-ID smtpguard derived from the record's zone and key. A Message-ID the
+    application chose is not enough: it may reuse it under a new key, and the first
+    message's acceptance would settle the second `delivered` unsent, which loses it."""
+    tags = {key_of_tag(tag) for tag in match.keys} - {None}
+    if tags:  # smtpguard's tag decides, whatever else the event names (rule 1, §18)
+        return qualified_key(rec.zone, rec.key) in tags
+    attempt_ids = {rec.sg_id, *(a.attempt_id for a in rec.attempts)}
+    if attempt_ids.intersection(match.sg_ids):
+        return True
+    upstream_ids = {rec.upstream_id, *(a.upstream_id for a in rec.attempts)} - {None}
+    if upstream_ids.intersection(match.upstream_ids):
+        return True
+    # Its local part: the domain is the zone's hostname, which a reload may change.
+    derived = _local_part(message_id_for(rec.zone, rec.key, "x"))
+    return any(_local_part(m) == derived for m in match.message_ids)
+
+
+def _local_part(message_id: str) -> str:
+    return bare_message_id(message_id).partition("@")[0].lower()
 
 
 def settled_record(

@@ -75,6 +75,19 @@ class Attempt:
     """When the final dot went: the attempt's time."""
     tag: str | None
     message_id: str | None
+    until: float | None = None
+    """The latest moment the message may have reached the provider, when later than `at`:
+    an owner that lost its lease may have been in DATA until then (Record.lost_until).
+    Absence is proved, and `absent_after` counted, from here, not from `at`."""
+
+    @property
+    def latest(self) -> float:
+        return self.at if self.until is None else max(self.at, self.until)
+
+
+def window(attempt: Attempt) -> tuple[float, float]:
+    """The times a log entry of the attempt's message may carry."""
+    return attempt.at - WINDOW, attempt.latest + WINDOW
 
 
 class VerdictKind(StrEnum):
@@ -113,7 +126,8 @@ def bare_message_id(value: str | None) -> str | None:
 
 def matches(attempt: Attempt, entry: LogEntry) -> bool:
     """Is this log entry about the attempt's message? (rule 1 above)"""
-    if entry.provider != attempt.provider or abs(entry.at - attempt.at) > WINDOW:
+    first, last = window(attempt)
+    if entry.provider != attempt.provider or not first <= entry.at <= last:
         return False
     if entry.tag is not None:
         return attempt.tag is not None and entry.tag == attempt.tag
@@ -123,11 +137,11 @@ def matches(attempt: Attempt, entry: LogEntry) -> bool:
 
 def ingested_past(attempt: Attempt, entries: Iterable[LogEntry]) -> bool:
     """The ingestion proof from entries a client fetched: an acceptance of another message,
-    through the same provider, logged later than the attempt."""
+    through the same provider, logged later than the attempt could have reached it."""
     return any(
         e.provider == attempt.provider
         and e.kind is LogKind.ACCEPTED
-        and e.at > attempt.at
+        and e.at > attempt.latest
         and not matches(attempt, e)
         for e in entries
     )
@@ -155,7 +169,7 @@ def verdict(
         )
     if now >= attempt.at + give_up:
         return Verdict(VerdictKind.GAVE_UP)
-    if now >= attempt.at + absent_after and proof_of_ingestion:
+    if now >= attempt.latest + absent_after and proof_of_ingestion:
         return Verdict(VerdictKind.NOT_ACCEPTED)
     return Verdict(VerdictKind.NONE_YET)
 

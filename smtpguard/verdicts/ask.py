@@ -66,7 +66,7 @@ class Proof:
             if self._calls <= 0:
                 return False
             self._calls -= 1
-            self._entries.extend(await self._client.accepted_since(attempt.at))
+            self._entries.extend(await self._client.accepted_since(attempt.latest))
             return ingested_past(attempt, self._entries)
 
 
@@ -85,7 +85,7 @@ async def ask(
         entries = tuple(await client.entries(attempt))
         found = _judge(attempt, entries, settings, now, False)
         proven = False
-        if found.kind is VerdictKind.NONE_YET and now >= attempt.at + settings.absent_after:
+        if found.kind is VerdictKind.NONE_YET and now >= attempt.latest + settings.absent_after:
             proven = await proof.proven(attempt)
             if proven:
                 found = _judge(attempt, entries, settings, now, True)

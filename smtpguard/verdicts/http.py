@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import json
 import logging
 import time
 from collections import Counter
@@ -24,6 +25,8 @@ import aiohttp
 
 log = logging.getLogger("smtpguard.verdicts")
 
+MAX_BODY = 8 << 20
+"""Bytes of one response read at most: a page of any of the three APIs is far smaller."""
 AUTH_LOG_EVERY = 3600.0
 """A refused key is logged once an hour per API, not once per record asked about."""
 
@@ -48,10 +51,23 @@ class ApiNotFound(ApiError):
     kind = "not_found"
 
 
+class ApiTruncated(ApiError):
+    """More pages than one call may read: what was read is not the whole range asked for."""
+
+    kind = "truncated"
+
+
 class ApiMalformed(ApiError):
     """The API answered something its documentation does not describe."""
 
     kind = "malformed"
+
+
+def untimed(provider: str) -> ApiMalformed:
+    """An entry that may be the attempt's message, with a time smtpguard cannot read: no
+    verdict rests on the log then, for dropping the entry could leave only another
+    message's later acceptance, the proof that leads to `not accepted` and a second copy."""
+    return ApiMalformed(f"{provider}: a log entry of the message has no time smtpguard can read")
 
 
 class Credential:
@@ -175,13 +191,7 @@ class ApiClient:
                 async with self._client().get(url, params=params, headers=self._auth()) as resp:
                     status = resp.status
                     if status == 200:
-                        try:
-                            return await resp.json(content_type=None)
-                        except ValueError:
-                            self.errors["malformed"] += 1
-                            raise ApiMalformed(
-                                f"{self.provider}: {where} answered 200 with no JSON"
-                            ) from None
+                        return await self._json(resp, where)
                     header = resp.headers.get("Retry-After")
             except (aiohttp.ClientError, TimeoutError) as e:
                 # type(e) only: aiohttp's texts name the URL, and a URL may carry a filter value
@@ -212,6 +222,24 @@ class ApiClient:
         self.errors["unavailable"] += 1
         raise ApiUnavailable(f"{self.provider}: {where} unavailable after {attempt + 1} requests ({last})")
 
+    async def _json(self, resp: aiohttp.ClientResponse, where: str) -> Any:
+        """The body of a 200, read no further than MAX_BODY: a broken or hostile API's
+        endless body, or JSON nested past the parser's recursion, is malformed, not a crash."""
+        body = bytearray()
+        if resp.content_length is None or resp.content_length <= MAX_BODY:
+            async for chunk in resp.content.iter_chunked(1 << 16):
+                body += chunk
+                if len(body) > MAX_BODY:
+                    break
+        if len(body) > MAX_BODY or (resp.content_length or 0) > MAX_BODY:
+            self.errors["malformed"] += 1
+            raise ApiMalformed(f"{self.provider}: {where} answered 200 with more than {MAX_BODY} bytes")
+        try:
+            return json.loads(body)
+        except (ValueError, RecursionError):
+            self.errors["malformed"] += 1
+            raise ApiMalformed(f"{self.provider}: {where} answered 200 with no usable JSON") from None
+
     def _backoff(self, attempt: int) -> float:
         return float(min(self._retry.backoff * (2**attempt), self._retry.backoff_max))
 
@@ -231,9 +259,12 @@ class ApiClient:
         first: tuple[str, Mapping[str, str] | None],
         following: Callable[[Any, int], tuple[str, Mapping[str, str] | None] | None],
         max_pages: int,
+        whole: bool = False,
     ) -> AsyncIterator[Any]:
         """Each page's decoded body, first request first; `following(body, n)` gives the next
-        request after the n-th page (1-based), or None when the last page is reached."""
+        request after the n-th page (1-based), or None when the last page is reached.
+        `whole`: the caller needs every page (reconciliation moves its cursor past them), so
+        a range with pages left after `max_pages` raises ApiTruncated instead of ending."""
         request: tuple[str, Mapping[str, str] | None] | None = first
         n = 0
         while request is not None and n < max_pages:
@@ -241,6 +272,8 @@ class ApiClient:
             n += 1
             yield body
             request = following(body, n)
+        if whole and request is not None:
+            raise ApiTruncated(f"{self.provider}: more than {max_pages} pages in the range asked for")
 
 
 def _origin(url: str) -> tuple[str, str, int | None]:

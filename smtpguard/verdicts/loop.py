@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 from collections import Counter
@@ -81,12 +82,14 @@ class VerdictLoop:
         self._paced: dict[str, float] = {}
         """provider → when its last round ran."""
         self._errors_seen: dict[str, Counter[str]] = {}
+        self._busy: dict[str, asyncio.Task[list[Asked]]] = {}
+        """provider → its round still running (serve's loop)."""
         self._apis = _apis(config())
 
     async def run(self) -> None:
         while True:
             try:
-                await self.round()
+                await self.round(wait=False)
             except StoreUnavailable as e:
                 log.warning("verdict round skipped: store unavailable", extra={"error": str(e)})
             except Exception:  # the loop must outlive any one round's surprise
@@ -94,23 +97,54 @@ class VerdictLoop:
             await asyncio.sleep(TICK)
 
     async def close(self) -> None:
+        for task in list(self._busy.values()):
+            task.cancel()
+        await asyncio.gather(*self._busy.values(), return_exceptions=True)
         for client in self.clients.values():
             with contextlib.suppress(Exception):
                 await client.close()
 
-    async def round(self) -> list[Asked]:
+    async def round(self, wait: bool = True) -> list[Asked]:
         """One pass: every due record of every paced-in provider, up to its batch. What was
-        asked, for tests and `bench/verdicts.py`."""
+        asked, for tests and `bench/verdicts.py`.
+
+        `wait` False (serve's loop): each provider's round runs on its own and this returns
+        at once; a provider whose last round is still running is left out. A hung API then
+        holds only its own provider's looks (bounded by its timeouts), never the others'."""
         config = self._config()
         await self._follow_reload(config)
         settings = settings_of(config)
         now = self._clock()
         due = await self._due(config, settings, now)
-        ready = [p for p in due if now >= self._paced.get(p, float("-inf")) + PACE[self._kind(config, p)]]
+        ready = [
+            p
+            for p in due
+            if (wait or p not in self._busy)
+            and now >= self._paced.get(p, float("-inf")) + PACE[self._kind(config, p)]
+        ]
+        if not wait:
+            for p in ready:
+                task = asyncio.create_task(self._provider_round(config, p, due[p], settings, now))
+                self._busy[p] = task
+                task.add_done_callback(functools.partial(self._finished, p))
+            return []
         rounds = (self._provider_round(config, p, due[p], settings, now) for p in ready)
         results = await asyncio.gather(*rounds)
         self._count_errors()
         return [a for asked in results for a in asked]
+
+    def _finished(self, provider: str, task: asyncio.Task[list[Asked]]) -> None:
+        if self._busy.get(provider) is task:
+            del self._busy[provider]
+        self._count_errors()
+        if task.cancelled():
+            return
+        error = task.exception()
+        if isinstance(error, StoreUnavailable):
+            why = {"provider": provider, "error": str(error)}
+            log.warning("verdict round cut short: store unavailable", extra=why)
+        elif error is not None:
+            log.error("verdict round failed", extra={"provider": provider}, exc_info=error)
 
     async def _follow_reload(self, config: Config) -> None:
         """A reload that changed a provider's `api` (or removed it) gets clients of the new
@@ -128,6 +162,12 @@ class VerdictLoop:
                 "verdicts: a reloaded api cannot be used; the previous ones stay", extra={"error": why}
             )
             return
+        # A provider's round still running uses the old clients: it ends before they close
+        # (a hung one would otherwise fail on a closed session, or hold the new settings off).
+        busy = list(self._busy.values())
+        for task in busy:
+            task.cancel()
+        await asyncio.gather(*busy, return_exceptions=True)
         old, self.clients, self._apis = self.clients, clients, apis
         self._errors_seen = {}
         for client in old.values():

@@ -19,9 +19,9 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any
 
-from smtpguard.policy.verdicts import WINDOW, Attempt, LogEntry, LogKind, bare_message_id
+from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind, bare_message_id, window
 from smtpguard.verdict_config import MailgunApi
-from smtpguard.verdicts.http import ApiClient, Credential, field, need_list
+from smtpguard.verdicts.http import ApiClient, Credential, field, need_list, untimed
 from smtpguard.verdicts.model import Reported, ReportedEvent, parse_time
 
 KEY_FIELD = "smtpguard_key"
@@ -54,7 +54,9 @@ class MailgunLog(ApiClient):
     def _path(self) -> str:
         return f"/v3/{self.domain}/events"
 
-    async def _items(self, params: Mapping[str, str], max_pages: int = MAX_PAGES) -> list[Any]:
+    async def _items(
+        self, params: Mapping[str, str], max_pages: int = MAX_PAGES, whole: bool = False
+    ) -> list[Any]:
         out: list[Any] = []
 
         def following(body: Any, _n: int) -> tuple[str, None] | None:
@@ -62,23 +64,25 @@ class MailgunLog(ApiClient):
             # Mailgun's last page is the empty one; its `next` is always present.
             return (nxt, None) if isinstance(nxt, str) and field(body, "items") else None
 
-        async for body in self.pages((self._path, params), following, max_pages):
+        async for body in self.pages((self._path, params), following, max_pages, whole):
             out.extend(need_list(body, "items", self.provider))
         return out
 
     async def entries(self, attempt: Attempt) -> list[LogEntry]:
         if attempt.tag is None and attempt.message_id is None:
             return []  # nothing could match: not worth ten pages of the window
+        first, last = window(attempt)
         params = {
-            "begin": f"{attempt.at - WINDOW:.0f}",
-            "end": f"{attempt.at + WINDOW:.0f}",
+            "begin": f"{first:.0f}",
+            "end": f"{last:.0f}",
             "event": "accepted OR rejected",
             "limit": str(PAGE),
         }
         mid = bare_message_id(attempt.message_id)
         if mid is not None:
             params["message-id"] = mid
-        return [e for e in map(self._entry, await self._items(params)) if e is not None]
+        items = await self._items(params)
+        return [e for e in (self._entry(item, strict=True) for item in items) if e is not None]
 
     async def accepted_since(self, at: float) -> list[LogEntry]:
         # One accepted event per recipient: a page of 100, so a message to many recipients
@@ -93,11 +97,13 @@ class MailgunLog(ApiClient):
             "event": "failed OR complained OR unsubscribed",
             "limit": str(PAGE),
         }
-        return [r for r in map(self._reported, await self._items(params)) if r is not None]
+        return [r for r in map(self._reported, await self._items(params, whole=True)) if r is not None]
 
-    def _entry(self, item: Any) -> LogEntry | None:
+    def _entry(self, item: Any, strict: bool = False) -> LogEntry | None:
         kind = _KINDS.get(str(field(item, "event")))
         at = parse_time(field(item, "timestamp"))
+        if kind is not None and at is None and strict:
+            raise untimed(self.provider)
         if kind is None or at is None:
             return None
         mid = field(item, "message", "headers", "message-id")

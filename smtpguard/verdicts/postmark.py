@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from smtpguard.policy.verdicts import WINDOW, Attempt, LogEntry, LogKind
+from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind, window
 from smtpguard.verdict_config import PostmarkApi
-from smtpguard.verdicts.http import ApiClient, Credential, field, need_list
+from smtpguard.verdicts.http import ApiClient, Credential, field, need_list, untimed
 from smtpguard.verdicts.model import Reported, ReportedEvent, iso_utc, parse_time
 
 KEY_FIELD = "smtpguard_key"
@@ -78,13 +78,14 @@ class PostmarkLog(ApiClient):
     async def entries(self, attempt: Attempt) -> list[LogEntry]:
         if attempt.tag is None:
             return []  # the search cannot find a message by its Message-ID
+        first, last = window(attempt)
         params = {
             f"metadata_{KEY_FIELD}": attempt.tag,
-            "fromdate": _day(attempt.at - WINDOW - DAY),
-            "todate": _day(attempt.at + WINDOW + DAY),
+            "fromdate": _day(first - DAY),
+            "todate": _day(last + DAY),
         }
         items = await self._list("/messages/outbound", "Messages", params)
-        return [e for e in map(self._entry, items) if e is not None]
+        return [e for e in (self._entry(item, strict=True) for item in items) if e is not None]
 
     async def accepted_since(self, at: float) -> list[LogEntry]:
         body = await self.get_json(
@@ -99,9 +100,11 @@ class PostmarkLog(ApiClient):
         out = [r for r in map(self._reported, items) if r is not None]
         return [r for r in out if since <= r.at < until]
 
-    def _entry(self, item: Any) -> LogEntry | None:
+    def _entry(self, item: Any, strict: bool = False) -> LogEntry | None:
         at = parse_time(field(item, "ReceivedAt"))
         mid = field(item, "MessageID")
+        if at is None and strict:
+            raise untimed(self.provider)
         if at is None or not isinstance(mid, str):
             return None
         tag = field(item, "Metadata", KEY_FIELD)

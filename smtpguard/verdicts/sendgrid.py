@@ -124,7 +124,7 @@ class SendgridLog(ApiClient):
             def following(body: Any, n: int, path: str = path, params: dict[str, str] = params) -> Any:
                 return (path, {**params, "offset": str(n * PAGE)}) if len(body) >= PAGE else None
 
-            async for body in self.pages((path, {**params, "offset": "0"}), following, MAX_PAGES):
+            async for body in self.pages((path, {**params, "offset": "0"}), following, MAX_PAGES, True):
                 for row in need_list(body, None, self.provider):
                     event = self._reported(row, name, kind)
                     if event is not None:

@@ -15,6 +15,7 @@ import pytest
 
 from smtpguard.events.reconcile import OVERLAP, Polled, cursor_name
 from smtpguard.server import Server
+from smtpguard.verdicts.mailgun import MAX_PAGES, PAGE
 from tests.events.test_events import RCPT, events_config, events_port, sent, suppressed
 from tests.support import FakeClock, Upstream, message, running_guard, send
 from tests.support import events as ev
@@ -196,3 +197,24 @@ async def test_sendgrid_suppression_entries_name_no_record_and_suppress_nothing(
     finally:
         await sendgrid.stop()
     assert len(upstream.received) == 1
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_a_period_longer_than_the_pages_read_is_finished_by_the_next_polls(
+    cfg: dict[str, Any], upstream: Upstream, clock: FakeClock, mailgun: FakeMailgun
+) -> None:
+    """A busy period: more bounces than one poll's pages (10 of 300) before ours. The cursor
+    must not pass what was not read, or the bounce is never applied."""
+    async with running_guard(cfg, clock=clock) as guard:
+        message_id, _ = await sent(guard, upstream, "invoice:busy")
+        noise = MAX_PAGES * PAGE
+        for n in range(noise):  # other senders' bounces, no record of ours, before it
+            at = clock.t - PERIOD + 10 + n * (PERIOD - OVERLAP - 120) / noise
+            mailgun.add("failed", at, message_id=f"<n{n}@else.example>", recipient=f"n{n}@else.example")
+        mailgun.add("failed", clock.t - OVERLAP - 100, message_id=message_id, recipient=RCPT)
+        for _ in range(4):
+            if RCPT in await suppressed(guard, "acme"):
+                break
+            clock.t += 60
+            await poll(guard)
+        assert await suppressed(guard, "acme") == {RCPT: "bounce 550 via mailgun"}

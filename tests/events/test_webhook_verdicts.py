@@ -182,3 +182,30 @@ async def test_an_operator_decision_first_is_never_overridden(
     assert [a.actor for a in after.audit if a.actor.startswith("verdict:")] == []
     assert desk.last_decision(after) == desk.Decision("console:alice", "resolve:retry", decided.audit[-1].at)
     assert len(upstream.received) == 1
+
+
+async def test_an_acceptance_naming_only_a_message_id_two_records_share_settles_neither(
+    guard: Server, upstream: Upstream, keys: ev.Keys
+) -> None:
+    """The application reused its own Message-ID under a new key: the provider's late
+    acceptance of the first message names only that Message-ID. It proves nothing about
+    the second, held `unknown`: settling that one `delivered` would lose it."""
+    shared = {"Message-ID": "<invoice-7@app.acme.example>"}
+    first = await send(guard.ports[0], message("reuse:1", to=RCPT, headers=shared), recipients=[RCPT])
+    assert first.code == 250, first
+    upstream.handler.script = [Behaviour(drop_after_dot=True)]
+    lost = await send(guard.ports[0], message("reuse:2", to=RCPT, headers=shared), recipients=[RCPT])
+    assert lost.code == 451, lost
+    held = await record_of(guard, "reuse:2")
+    assert held.state is State.UNKNOWN
+    data = ev.mailgun_event("delivered", RCPT, shared["Message-ID"])
+    status, doc = await ev.post(events_port(guard), "mailgun", ev.mailgun(keys, data))
+    assert status == 200, doc
+    after = await record_of(guard, "reuse:2")
+    assert after.state is State.UNKNOWN and after.version == held.version, after.audit[-1:]
+    # Its own tag settles it: the provider's word about this record's message.
+    mine = ev.mailgun_event("delivered", RCPT, shared["Message-ID"], key="acme:reuse:2")
+    status, doc = await ev.post(events_port(guard), "mailgun", ev.mailgun(keys, mine))
+    assert status == 200, doc
+    assert (await record_of(guard, "reuse:2")).state is State.DELIVERED
+    assert len(upstream.received) == 2

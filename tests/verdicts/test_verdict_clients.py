@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import socket
 import time
@@ -482,3 +483,75 @@ def test_retry_after_reads_seconds_and_http_dates() -> None:
     assert retry_after("Tue, 14 Nov 2023 22:13:00 GMT", t) == 0.0  # already past
     for bad in (None, "", "soon", "-5", "1.5"):
         assert retry_after(bad, t) is None
+
+
+@pytest.fixture
+async def hostile_api() -> AsyncIterator[tuple[str, dict[str, int]]]:
+    """An API that answers 200 with what no provider documents: a body of 24 MiB streamed a
+    MiB at a time (`/big`), or JSON nested deeper than a parser recurses (`/deep`). The
+    count is of bytes it managed to write."""
+    from aiohttp import web
+
+    sent = {"big": 0}
+
+    async def big(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        await resp.write(b'{"items": ["')
+        chunk = b"x" * (1 << 20)
+        with contextlib.suppress(ConnectionError):
+            for _ in range(24):
+                await resp.write(chunk)
+                sent["big"] += len(chunk)
+            await resp.write(b'"], "paging": {}}')
+        return resp
+
+    async def deep(request: web.Request) -> web.Response:
+        return web.Response(body=b'{"items": ' + b"[" * 200_000 + b"]" * 200_000 + b"}")
+
+    app = web.Application()
+    app.router.add_get("/big/v3/mg.acme.example/events", big)
+    app.router.add_get("/deep/v3/mg.acme.example/events", deep)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    yield f"http://127.0.0.1:{port}", sent
+    await runner.cleanup()
+
+
+async def test_a_200_too_big_or_too_deep_to_read_is_malformed_not_a_crash(
+    hostile_api: tuple[str, dict[str, int]], now: Now
+) -> None:
+    base, sent = hostile_api
+    attempt = Attempt("primary", now.t, "acme:1", "<a@x>")
+    for path in ("big", "deep"):
+        url = f"{base}/{path}"
+        client = MailgunLog(provider="primary", base_url=url, key=KEY, domain="mg.acme.example", retry=FAST)
+        async with client:
+            with pytest.raises(ApiMalformed, match="answered 200 with"):
+                await client.entries(attempt)
+    assert sent["big"] < 24 << 20, "the whole body was read"
+
+
+async def test_an_entry_of_the_message_whose_time_cannot_be_read_is_no_absence(
+    mailgun: FakeMailgun, postmark: FakePostmark, now: Now
+) -> None:
+    """The log holds the message's acceptance but spells its time in no way smtpguard reads
+    (an API change, a bug): dropping the entry would leave only the other message's later
+    acceptance, the proof, and `not accepted` would send the second copy."""
+    t = now.t
+    lost = Attempt("primary", t, "acme:1", "<a@acme.example>")
+    item = mailgun.add("accepted", t + 1, message_id="<a@acme.example>", tag="acme:1")
+    item["timestamp"] = "Tue, 01 Dec 2026 10:00:00 GMT"
+    mailgun.add("accepted", t + 300, message_id="<d@acme.example>", tag="acme:4")
+    async with mg_client(mailgun, now) as client:
+        with pytest.raises(ApiMalformed, match="time"):
+            await judge(client, lost, t + ABSENT + 60)
+    pm = postmark.add_message(t + 1, tag="acme:1")
+    pm["ReceivedAt"] = "yesterday"
+    postmark.add_message(t + 300, tag="acme:4")
+    async with pm_client(postmark, now) as client:
+        with pytest.raises(ApiMalformed, match="time"):
+            await judge(client, lost, t + ABSENT + 60)
