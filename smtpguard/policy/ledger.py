@@ -12,11 +12,16 @@ writer that lost a race gets the current record back and decides again.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
 from typing import Any
 
 from smtpguard import replies
 from smtpguard.policy.decisions import Decision
+from smtpguard.policy.operator import OperatorRefused as OperatorRefused
+from smtpguard.policy.operator import RetryTooEarly as RetryTooEarly
+from smtpguard.policy.operator import drop as drop
+from smtpguard.policy.operator import release as release
+from smtpguard.policy.operator import resolve as resolve
+from smtpguard.policy.operator import retry_now as retry_now
 from smtpguard.policy.outcome import Kind, Outcome
 
 # The record and its stored shape live in record.py; re-exported so that every import of
@@ -26,6 +31,8 @@ from smtpguard.policy.record import AuditEntry as AuditEntry
 from smtpguard.policy.record import Phase as Phase
 from smtpguard.policy.record import Record as Record
 from smtpguard.policy.record import State as State
+from smtpguard.policy.record import audited as _audit
+from smtpguard.policy.record import bump as _bump
 from smtpguard.policy.record import evolve as evolve
 from smtpguard.replies import Reply
 
@@ -304,17 +311,6 @@ def _retry(existing: Record, sub: Submission, now: float, s: LedgerSettings) -> 
     )
 
 
-def _bump(rec: Record, now: float, **changes: Any) -> Record:
-    return evolve(rec, version=rec.version + 1, updated_at=now, **changes)
-
-
-def _audit(
-    rec: Record, now: float, actor: str, action: str, before: State, after: State, note: str = ""
-) -> Record:
-    entry = AuditEntry(now, actor, action, before.value, after.value, note)
-    return replace(rec, audit=(*rec.audit, entry))
-
-
 # --- the owner's writes while it relays ------------------------------------------------------
 def owns(rec: Record, attempt_id: str) -> bool:
     return rec.state is State.IN_FLIGHT and rec.sg_id == attempt_id
@@ -428,56 +424,6 @@ def settle(
     )
 
 
-# --- operator decisions ----------------------------------------------------------------------
-class OperatorRefused(Exception):
-    """An operator command that does not apply to the record's current state."""
-
-
-def resolve(rec: Record, as_: str, actor: str, now: float, force: bool = False) -> Record:
-    """Close an `unknown` outcome after checking with the provider (runbook: resolve).
-
-    `retry` is refused while the owner that lost its lease may still be in DATA (it may
-    yet get its 250, and the retry would be a second copy), unless `force`."""
-    if rec.state is not State.UNKNOWN:
-        raise OperatorRefused(f"{rec.zone} {rec.key} is {rec.state.value}, not unknown; nothing to resolve")
-    if as_ == "delivered":
-        new = _bump(rec, now, state=State.DELIVERED, lost_owner=None, lost_until=None)
-    elif as_ == "retry":
-        if rec.lost_until is not None and now < rec.lost_until and not force:
-            raise RetryTooEarly(rec.lost_owner or "?", rec.lost_until)
-        new = _bump(rec, now, state=State.DEFERRED, next_attempt_at=now, lost_owner=None, lost_until=None)
-    else:
-        raise OperatorRefused(f"--as must be delivered or retry, not {as_!r}")
-    note = "forced while its owner may still be sending" if force and as_ == "retry" else ""
-    return _audit(new, now, actor, f"resolve:{as_}", State.UNKNOWN, new.state, note)
-
-
-class RetryTooEarly(OperatorRefused):
-    """`resolve --as retry` while the owner that lost its lease may still be in DATA."""
-
-    def __init__(self, owner: str, possible_at: float) -> None:
-        self.owner = owner
-        self.possible_at = possible_at
-        when = datetime.fromtimestamp(possible_at, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
-        super().__init__(
-            f"owner {owner} may still be sending this event to its provider (it lost its lease "
-            f"after the final dot may have gone); a retry is safe from {when}, or use --force"
-        )
-
-
-def release(rec: Record, actor: str, now: float, force: bool = False) -> Record:
-    """Allow one new attempt of a `failed` event once its cause is fixed. Refused, as
-    `resolve --as retry` is, while an owner that lost its lease may still be sending (a
-    held event an operator dropped keeps that fact), unless `force`."""
-    if rec.state is not State.FAILED:
-        raise OperatorRefused(f"{rec.zone} {rec.key} is {rec.state.value}, not failed; nothing to release")
-    if rec.lost_until is not None and now < rec.lost_until and not force:
-        raise RetryTooEarly(rec.lost_owner or "?", rec.lost_until)
-    new = _bump(rec, now, state=State.DEFERRED, next_attempt_at=now, lost_owner=None, lost_until=None)
-    note = "forced while its owner may still be sending" if force and rec.lost_until else ""
-    return _audit(new, now, actor, "release", State.FAILED, State.DEFERRED, note)
-
-
 # --- store-and-forward (DESIGN.md §4a) -------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Deliver:
@@ -575,27 +521,3 @@ def wake(rec: Record, now: float, within: float) -> Record | None:
     if rec.next_attempt_at is None or not now < rec.next_attempt_at <= now + within:
         return None
     return _bump(rec, now, next_attempt_at=now)
-
-
-def drop(rec: Record, actor: str, now: float) -> Record:
-    """`queue drop`: the operator gives up on a queued event; it becomes failed."""
-    if rec.lane is None or rec.state not in (State.QUEUED, State.DEFERRED, State.UNKNOWN):
-        raise OperatorRefused(
-            f"{rec.zone} {rec.key} is {rec.state.value}; only queued, deferred or "
-            "unknown store-and-forward events can be dropped"
-        )
-    new = _bump(
-        rec, now, state=State.FAILED, reply=Reply(550, "5.0.0", "dropped by operator"), next_attempt_at=None
-    )
-    return _audit(new, now, actor, "drop", rec.state, State.FAILED, "dropped by operator")
-
-
-def retry_now(rec: Record, actor: str, now: float) -> Record:
-    """`queue retry`: deliver a queued or deferred event at the next worker pass."""
-    if rec.lane is None or rec.state not in (State.QUEUED, State.DEFERRED):
-        raise OperatorRefused(
-            f"{rec.zone} {rec.key} is {rec.state.value}; only queued or deferred "
-            "store-and-forward events can be retried now"
-        )
-    new = _bump(rec, now, next_attempt_at=now)
-    return _audit(new, now, actor, "queue_retry", rec.state, rec.state)

@@ -4,7 +4,7 @@ makes. The decisions over a record live in ledger.py, which re-exports these nam
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from typing import Any
 
@@ -218,3 +218,15 @@ def evolve(rec: Record, **changes: Any) -> Record:
     for name in _RECORD_FIELDS:
         object.__setattr__(new, name, changes[name] if name in changes else getattr(rec, name))
     return new
+
+
+def bump(rec: Record, now: float, **changes: Any) -> Record:
+    """A transition's copy: the next version, written now."""
+    return evolve(rec, version=rec.version + 1, updated_at=now, **changes)
+
+
+def audited(
+    rec: Record, now: float, actor: str, action: str, before: State, after: State, note: str = ""
+) -> Record:
+    entry = AuditEntry(now, actor, action, before.value, after.value, note)
+    return replace(rec, audit=(*rec.audit, entry))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from smtpguard import notify
 from smtpguard.background import keep
 from smtpguard.cap_alerts import CapAlerts
-from smtpguard.config import Config, ConfigError, OutboxSource, outbox_secrets, provider_secrets, read_secret
+from smtpguard.config import Config, ConfigError, outbox_secrets, provider_secrets, read_secret
 from smtpguard.delivery import DeliveryWorker
 from smtpguard.listener import Handler
 from smtpguard.metrics import HealthServer, Metrics
@@ -25,13 +25,13 @@ from smtpguard.provider_gate import ProviderGate
 from smtpguard.readiness.prober import Prober
 from smtpguard.recipient_domains import RecipientDomains
 from smtpguard.relay import Route
+from smtpguard.server import durability, side_listeners
 from smtpguard.server import reload as reloading
-from smtpguard.server import side_listeners
 from smtpguard.server.assembly import Assembly, ProviderSecrets, recipient_domains
 from smtpguard.server.event_loop import loop_factory as loop_factory  # re-exported: tests
 from smtpguard.server.housekeeping import Housekeeping, StatsBuffer
 from smtpguard.server.reload import _event_sources as _event_sources  # re-exported: supervisor
-from smtpguard.server.tls import certificate_not_after
+from smtpguard.server.tls import certificate_expiry
 from smtpguard.server.tls import tls_context as tls_context  # re-exported: cli, supervisor
 from smtpguard.store import Store, StoreUnavailable, StoreUnfit, store_from_url
 from smtpguard.submission import Principal, Submitter
@@ -112,9 +112,9 @@ class Server:
         self.orphaned = asyncio.Event()
         """Set when this worker's supervisor is gone: the worker drains and exits."""
         self.heartbeat: Answerer | None = None
+        """A worker's answers to its supervisor's heartbeat, until the very end of stop()."""
         self.verdicts: VerdictLoop | None = None
         """DESIGN.md §19, once per host (worker 0), when a provider has an `api`."""
-        """A worker's answers to its supervisor's heartbeat, until the very end of stop()."""
 
     @property
     def gate(self) -> ProviderGate | None:
@@ -185,18 +185,12 @@ class Server:
             if zone.paused:
                 log.info("zone paused by config", extra={"zone": zname})
         loop = asyncio.get_running_loop()
-        for i, lst in enumerate(config.listen):
-            factory = self.assembly.factory(self.handler, lst.tls, ssl_ctx, lambda: self.config.limits)
-            ssl_arg = ssl_ctx if lst.tls == "implicit" else None
-            if self.role is not None:
-                srv = await loop.create_server(factory, sock=self.role.listen_socket(i), ssl=ssl_arg)
-            else:
-                srv = await loop.create_server(
-                    factory, host=lst.host, port=lst.port, ssl=ssl_arg, reuse_address=True
-                )
+        sockets = self.role.listen_socket if self.role is not None else None
+        for lst, srv in await self.assembly.listen(
+            self.handler, config, ssl_ctx, lambda: self.config.limits, sockets
+        ):
             self._servers.append(srv)
-            for sock in srv.sockets:
-                self.ports.append(sock.getsockname()[1])
+            self.ports += [sock.getsockname()[1] for sock in srv.sockets]
             log.info("listening", extra={"address": lst.address, "tls": lst.tls, "port": self.ports[-1]})
         if config.metrics is not None:
             host, _, port = config.metrics.address.rpartition(":")
@@ -213,12 +207,9 @@ class Server:
             self._start_reconcile(config)
         self._tasks += self.housekeeping.start()
         if verdict_clients:
-            from smtpguard.verdicts.loop import VerdictLoop  # aiohttp: only with an api
-
-            self.verdicts = VerdictLoop(
-                lambda: self.config, self.store, verdict_clients, self.clock,
-                self.metrics.verdict, self.metrics.verdict_api_error,
-            )  # fmt: skip
+            self.verdicts = side_listeners.verdict_loop(
+                lambda: self.config, self.store, verdict_clients, self.metrics, self.clock
+            )
             self._tasks.append(asyncio.create_task(self.verdicts.run()))
             log.info("verdict loop started", extra={"apis": sorted(verdict_clients)})
         if self.role is not None:
@@ -290,15 +281,9 @@ class Server:
         log.info("console listening", extra={"address": config.console.address, "port": self.console.port})
 
     async def _judge_durability(self, problems: list[str], at_start: bool) -> None:
-        """DESIGN.md §15: a store that may forget an acknowledged reservation turns a restart
-        or an eviction into a duplicate; refuse it unless the operator said `unsafe`."""
-        if not problems:
+        refused = durability.refusals(problems, self.config.store.unsafe)
+        if not refused:
             return
-        if self.config.store.unsafe:
-            for p in problems:
-                log.warning("store may forget acknowledged writes (store.unsafe)", extra={"problem": p})
-            return
-        refused = [f"store: {p}; fix it or set store.unsafe: true (see docs/stores.md)" for p in problems]
         if at_start:
             assert self.store is not None
             await self.store.close()
@@ -310,14 +295,7 @@ class Server:
 
     async def _check_durability_later(self) -> None:
         assert self.store is not None
-        while True:
-            await asyncio.sleep(1.0)
-            try:
-                problems = await self.store.durability_problems()
-            except StoreUnavailable:
-                continue
-            await self._judge_durability(problems, at_start=False)
-            return
+        await self._judge_durability(await durability.first_answer(self.store), at_start=False)
 
     def _start_prober(self, config: Config, secrets: dict[str, str | None]) -> None:
         """Probe every provider with a probe_interval (DESIGN.md §12); the route, the gauge
@@ -361,25 +339,17 @@ class Server:
         readers a reload halted (their source removed or changed)."""
         if not self.singleton or self.submitter is None or not (config.outbox or self.outbox):
             return []
-        from smtpguard.server.outboxes import replace_readers
+        from smtpguard.server import outboxes
 
-        self.outbox, halted = replace_readers(self.outbox, config.outbox, passwords, self._outbox_reader)
-        return halted
-
-    def _outbox_reader(self, name: str, src: OutboxSource, password: str | None) -> OutboxReader:
-        from smtpguard.outbox.reader import OutboxReader
-
-        assert self.submitter is not None
-        return OutboxReader(
-            name,
-            src,
-            password,
+        make = outboxes.maker(
             self.submitter,
             self.clock,
             lambda p, result: self.housekeeping.on_result(p, result, 0.0),
             self.metrics.outbox,
             lambda: self.handler.recipient_domains if self.handler is not None else None,
         )
+        self.outbox, halted = outboxes.replace_readers(self.outbox, config.outbox, passwords, make)
+        return halted
 
     async def readiness(self) -> tuple[bool, str]:
         if self.draining:
@@ -412,8 +382,7 @@ class Server:
             conn.context = current
 
     def _cert_gauge(self, config: Config) -> None:
-        not_after = certificate_not_after(config.tls.cert) if config.tls is not None else None
-        if not_after is not None:
+        if (not_after := certificate_expiry(config)) is not None:
             self.metrics.cert_expiry.set(not_after)
 
     async def stop(self) -> None:

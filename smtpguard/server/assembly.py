@@ -5,12 +5,14 @@ a new route and recipient check from the new file and the server swaps them in."
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
 import ssl
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 
-from smtpguard.config import Config, LimitsConfig
+from smtpguard.config import Config, LimitsConfig, ListenerConfig
 from smtpguard.listener import GuardSMTP, Handler
 from smtpguard.metrics import Metrics
 from smtpguard.passwords import Verifier
@@ -133,6 +135,30 @@ class Assembly:
                 config, dns, store, pauses, self.metrics, bump, self.clock, judge_alerts
             )
         return self.receivers
+
+    async def listen(
+        self,
+        handler: Handler,
+        config: Config,
+        ssl_ctx: ssl.SSLContext | None,
+        limits: Callable[[], LimitsConfig],
+        sockets: Callable[[int], socket.socket] | None,
+    ) -> list[tuple[ListenerConfig, asyncio.Server]]:
+        """One SMTP server per `listen` entry: on the supervisor's shared socket under
+        `workers: N` (`sockets(i)`), else bound here."""
+        loop = asyncio.get_running_loop()
+        servers = []
+        for i, lst in enumerate(config.listen):
+            factory = self.factory(handler, lst.tls, ssl_ctx, limits)
+            ssl_arg = ssl_ctx if lst.tls == "implicit" else None
+            if sockets is not None:
+                srv = await loop.create_server(factory, sock=sockets(i), ssl=ssl_arg)
+            else:
+                srv = await loop.create_server(
+                    factory, host=lst.host, port=lst.port, ssl=ssl_arg, reuse_address=True
+                )
+            servers.append((lst, srv))
+        return servers
 
     def factory(
         self,

@@ -12,8 +12,27 @@ from smtpguard.config import OutboxSource
 
 if TYPE_CHECKING:
     from smtpguard.outbox.reader import OutboxReader
+    from smtpguard.recipient_domains import RecipientDomains
+    from smtpguard.submission import Principal, Result, Submitter
 
 Make = Callable[[str, OutboxSource, str | None], "OutboxReader"]
+
+
+def maker(
+    submitter: Submitter,
+    clock: Callable[[], float],
+    on_result: Callable[[Principal, Result], None],
+    on_counts: Callable[[str, dict[str, int], float | None], None],
+    domains: Callable[[], RecipientDomains | None],
+) -> Make:
+    """How this serve builds the reader of one source (name, source, password)."""
+
+    def make(name: str, src: OutboxSource, password: str | None) -> OutboxReader:
+        from smtpguard.outbox.reader import OutboxReader  # psycopg: only with an outbox
+
+        return OutboxReader(name, src, password, submitter, clock, on_result, on_counts, domains)
+
+    return make
 
 
 def replace_readers(

@@ -1,10 +1,11 @@
 """Building the listeners beside SMTP from the config: the provider-event webhooks and
-mailbox (§13) and the operator's console (§14). Each needs an optional extra, imported only
+mailbox (§13) and the operator's console (§14); and the jobs once per host that read the
+providers' logs (§19: the verdict loop, reconciliation). Each needs an optional extra, imported only
 when configured; the server starts and stops them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from smtpguard.config import (
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from smtpguard.events.reconcile import Reconciler
     from smtpguard.events.sources import Sources
     from smtpguard.events.web import EventsServer
+    from smtpguard.verdicts.loop import VerdictLoop
+    from smtpguard.verdicts.model import LogApi
 
 
 def applier(
@@ -104,3 +107,17 @@ def reconciler(
     sources = {} if config.events is None else config.events.sources
     names = source_names(kinds, {name: (s.kind, s.provider) for name, s in sources.items()})
     return Reconciler(store, applier, apis, names, config.reconcile.events, clock, metrics.provider_event)
+
+
+def verdict_loop(
+    config: Callable[[], Config],
+    store: Store,
+    clients: Mapping[str, LogApi],
+    metrics: Metrics,
+    clock: Callable[[], float],
+) -> VerdictLoop:
+    """§19's verdict loop over `clients` (verdicts.clients_for); aiohttp, the events extra,
+    is imported only when a provider has an `api`."""
+    from smtpguard.verdicts.loop import VerdictLoop
+
+    return VerdictLoop(config, store, clients, clock, metrics.verdict, metrics.verdict_api_error)

@@ -29,6 +29,11 @@ def load_certificate(ctx: ssl.SSLContext, files: TLSFiles) -> None:
         raise ConfigError([f"tls: cannot load certificate {files.cert} / key {files.key}: {e}"]) from None
 
 
+def certificate_expiry(config: Config) -> float | None:
+    """The served certificate's notAfter, for the expiry gauge; None without TLS."""
+    return certificate_not_after(config.tls.cert) if config.tls is not None else None
+
+
 def certificate_not_after(path: Path) -> float | None:
     """The certificate's notAfter as a Unix time, for the expiry gauge; None if unreadable.
     (The standard library decodes a PEM file only through this test hook; without it the
