@@ -26,6 +26,7 @@ each one against SQLite, a real redis-server and a real PostgreSQL):
 from __future__ import annotations
 
 import importlib
+import json
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -97,6 +98,16 @@ class QueuedMessage:
     priority: int
     smtputf8: bool = False
     """The client declared SMTPUTF8 (RFC 6531): the relay declares it to the provider too."""
+
+
+def entry_columns(record: Record, message: QueuedMessage) -> tuple[str, int, float, float, str, str, bytes]:
+    """What every store keeps of a new queue entry, in this order: lane, priority, when it is
+    first due (the record's next attempt, else at once), when it was enqueued, sender,
+    recipients (a JSON list), content."""
+    due = record.next_attempt_at if record.next_attempt_at is not None else record.updated_at
+    recipients = json.dumps(list(message.recipients))
+    lane = record.lane or ""
+    return (lane, message.priority, due, record.updated_at, message.sender, recipients, message.content)
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,3 +51,12 @@ def translated(
         return wrapper
 
     return decorate
+
+
+async def answers(ping: Awaitable[bool]) -> bool:
+    """A ping's answer for readiness (/readyz): False, not StoreUnavailable, when the store
+    does not answer."""
+    try:
+        return await ping
+    except StoreUnavailable:
+        return False

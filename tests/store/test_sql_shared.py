@@ -1,15 +1,17 @@
 """The SQL written once for SQLite and PostgreSQL (store/sql/): each dialect's rendering,
 and the statements of the fleet (provider health, throttles, connection slots, AUTH
 failures), the zone controls (pauses, counters, suppression) and the desk (provider events,
-the zone audit, queue depths) rendered for PostgreSQL byte for byte, step for step, as its
-store ran them before they were shared (the contract suite runs them on both stores)."""
+the zone audit, queue depths, cap usage, nonces, finding and listing records) rendered for
+PostgreSQL byte for byte, step for step, as its store ran them before they were shared (the
+contract suite runs them on both stores)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any, TypeVar
 
-from smtpguard.store.base import StoredEvent, ZoneAudit
+from smtpguard.store.base import StoredEvent, ZoneAudit, id_forms
+from smtpguard.store.postgres.desk import ID_COLUMNS, id_lookup
 from smtpguard.store.sql import operations
 from smtpguard.store.sql.statements import Plan, Result, Script
 
@@ -20,6 +22,14 @@ def test_a_plan_renders_parameters_and_bytewise_order_per_dialect() -> None:
     plan = Plan("SELECT a FROM t WHERE x = ? AND y = ? ORDER BY a{bytewise}, b", (1, "y"))
     assert plan.sqlite() == ("SELECT a FROM t WHERE x = ? AND y = ? ORDER BY a, b", (1, "y"))
     assert plan.postgres() == ('SELECT a FROM t WHERE x = %s AND y = %s ORDER BY a COLLATE "C", b', (1, "y"))
+
+
+def test_an_index_hint_is_given_to_sqlite_only_where_the_file_has_the_index() -> None:
+    plan = Plan("SELECT a FROM t{indexed t_by_a} WHERE x = ?", (1,))
+    assert plan.sqlite({"t_by_a", "other"}) == ("SELECT a FROM t INDEXED BY t_by_a WHERE x = ?", (1,))
+    assert plan.sqlite({"other"}) == ("SELECT a FROM t WHERE x = ?", (1,))
+    assert plan.sqlite() == ("SELECT a FROM t WHERE x = ?", (1,))
+    assert plan.postgres() == ("SELECT a FROM t WHERE x = %s", (1,))
 
 
 def test_provider_health_renders_for_postgresql_as_before() -> None:
@@ -195,3 +205,88 @@ def test_provider_events_and_the_desk_render_for_postgresql_as_before() -> None:
         "SELECT zone, lane, count(*) FROM queue GROUP BY zone, lane",
         (),
     )
+
+
+def test_cap_usage_and_nonces_render_for_postgresql_as_before() -> None:
+    assert operations.cap_usage_of("z", 7200.0, "2026-12").postgres() == (
+        "SELECT (SELECT count(*) FROM sends WHERE zone = %s AND at >= %s), "
+        "(SELECT sum(used) FROM monthly WHERE zone = %s AND month = %s)",
+        ("z", 3600.0, "z", "2026-12"),
+    )
+    taken = (
+        "INSERT INTO nonces (name, digest, until) VALUES (%s, %s, %s) "
+        "ON CONFLICT (name) DO UPDATE SET digest = excluded.digest, until = excluded.until "
+        "WHERE nonces.until < %s RETURNING digest",
+        ("svix:m1", "d1", 400.0, 100.0),
+    )
+    current = ("SELECT digest FROM nonces WHERE name = %s", ("svix:m1",))
+    nonce = lambda: operations.remember_nonce("svix:m1", "d1", 400.0, 100.0)  # noqa: E731
+    # Free (new or expired): taken at once. Live: answered by its digest, nothing written.
+    assert _steps(nonce(), [Result([("d1",)], 1)]) == ([taken], True)
+    assert _steps(nonce(), [NONE, Result([("d1",)], 1)]) == ([taken, current], True)
+    assert _steps(nonce(), [NONE, Result([("d2",)], 1)]) == ([taken, current], False)
+    assert _steps(nonce(), [NONE, NONE]) == ([taken, current], False)
+
+
+def test_finding_records_renders_for_postgresql_as_before() -> None:
+    sg = 'substring({t}data from \'"sg_id":"([^"]*)"\')'
+    for field, value, column, wanted in [
+        ("message_id", " <m1@x> ", "{t}mid", "m1@x"),
+        ("sg_id", " sg1 ", sg, "sg1"),
+        ("upstream_id", " up1 ", "{t}uid", "up1"),
+    ]:
+        assert ID_COLUMNS[field] == column
+        found, forms = id_lookup(field, value)
+        assert (found, forms) == (column, [wanted])
+        assert operations.find_records(found, forms).postgres() == (
+            f"SELECT data FROM events WHERE {column.format(t='')} = %s LIMIT 100",
+            (wanted,),
+        )
+        assert operations.records_for_event(found, forms).postgres() == (
+            f"SELECT e.data FROM events e WHERE {column.format(t='e.')} = %s AND NOT EXISTS "
+            f"(SELECT 1 FROM events o WHERE {column.format(t='o.')} = %s AND o.zone <> e.zone) "
+            "ORDER BY e.updated_at DESC LIMIT 100",
+            (wanted, wanted),
+        )
+    # SQLite reads the ids out of the record's JSON, through the index on each path, and a
+    # Message-ID in both its forms.
+    column = "json_extract({t}data, '$.message_id')"
+    assert operations.records_for_event(column, id_forms("message_id", "<m1@x>")).sqlite() == (
+        "SELECT e.data FROM events e WHERE json_extract(e.data, '$.message_id') IN (?, ?) AND NOT EXISTS "
+        "(SELECT 1 FROM events o WHERE json_extract(o.data, '$.message_id') IN (?, ?) AND o.zone <> e.zone) "
+        "ORDER BY e.updated_at DESC LIMIT 100",
+        ("m1@x", "<m1@x>", "m1@x", "<m1@x>"),
+    )
+
+
+def test_listing_records_renders_for_postgresql_as_before() -> None:
+    assert operations.list_records("z", None, None, None, 50).postgres() == (
+        "SELECT data FROM events WHERE zone = %s ORDER BY updated_at DESC LIMIT %s",
+        ("z", 50),
+    )
+    assert operations.list_records("z", "held", 1.0, 2.0, 50).postgres() == (
+        "SELECT data FROM events WHERE zone = %s AND state = %s AND updated_at >= %s AND updated_at < %s "
+        "ORDER BY updated_at DESC LIMIT %s",
+        ("z", "held", 1.0, 2.0, 50),
+    )
+    # SQLite is steered to the index of the filter, as its store did before.
+    indexes = {"events_zone_state", "events_zone_updated"}
+    assert operations.list_records("z", None, 1.0, None, 50).sqlite(indexes)[0] == (
+        "SELECT data FROM events INDEXED BY events_zone_updated WHERE zone = ? AND updated_at >= ? "
+        "ORDER BY updated_at DESC LIMIT ?"
+    )
+    assert operations.list_records("z", "held", None, None, 50).sqlite(indexes)[0] == (
+        "SELECT data FROM events INDEXED BY events_zone_state WHERE zone = ? AND state = ? "
+        "ORDER BY updated_at DESC LIMIT ?"
+    )
+
+
+def test_the_queue_listing_renders_for_postgresql_as_before() -> None:
+    # As before but for the cast, now written CAST(… AS text) (SQLite has no `::`).
+    assert operations.queue_entries("z").postgres() == (
+        "SELECT q.zone, q.key, q.lane, e.state, q.due_at, q.claimed_until, q.enqueued_at, "
+        "length(q.content) FROM queue q LEFT JOIN events e ON e.zone = q.zone AND e.key = q.key "
+        "WHERE (CAST(%s AS text) IS NULL OR q.zone = %s) ORDER BY q.priority, q.due_at, q.zone, q.key",
+        ("z", "z"),
+    )
+    assert operations.QUEUE_LANES.postgres() == ("SELECT DISTINCT lane FROM queue", ())

@@ -52,6 +52,32 @@ async def test_one_failing_operation_fails_alone(tmp_path: Path) -> None:
         await store.close()
 
 
+async def test_shared_scripts_batched_with_a_failing_operation_run_again_whole(tmp_path: Path) -> None:
+    """Each is run a second time, alone, from its first statement (store/sql/roles.py makes
+    the script afresh at each run): each address listed once, the version moved once each."""
+    store = SQLiteStore(f"sqlite:///{tmp_path / 'g.db'}")
+    await store.open()
+    try:
+
+        def broken(c: sqlite3.Connection) -> None:
+            c.execute("INSERT INTO no_such_table VALUES (1)")
+
+        adds = [
+            asyncio.ensure_future(store.suppress_add("acme", f"a{i}@example.com", "bounce", NOW))
+            for i in range(10)
+        ]
+        await asyncio.sleep(0)  # each has submitted its write: the failing one comes last
+        results = await asyncio.gather(*adds, store._write(broken), return_exceptions=True)
+        assert results[:10] == [True] * 10
+        assert isinstance(results[10], StoreUnavailable)
+        assert [s.address for s in await store.suppress_list("acme")] == [
+            f"a{i}@example.com" for i in range(10)
+        ]
+        assert await store.suppression_versions("acme") == (10, 0)
+    finally:
+        await store.close()
+
+
 async def ticks_during(seconds: float) -> int:
     """How many 10 ms sleeps the event loop completes in `seconds` (about 100 a second
     when nothing blocks it)."""

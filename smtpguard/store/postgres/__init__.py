@@ -33,15 +33,14 @@ import psycopg
 from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached
 from smtpguard.store.base import (
-    HELD,
     Claimed,
     Conflict,
     QueuedMessage,
-    QueueEntry,
     Reserved,
     ReserveResult,
-    StoreUnavailable,
+    entry_columns,
 )
+from smtpguard.store.errors import answers
 from smtpguard.store.postgres.controls import Controls
 from smtpguard.store.postgres.desk import Desk
 from smtpguard.store.postgres.fleet import Fleet
@@ -106,10 +105,7 @@ class PostgresStore(Controls, Desk, Fleet, Pool):
         return problems
 
     async def ping(self) -> bool:
-        try:
-            return await self._ping()
-        except StoreUnavailable:
-            return False
+        return await answers(self._ping())
 
     @_translated
     async def _ping(self) -> bool:
@@ -289,13 +285,7 @@ class PostgresStore(Controls, Desk, Fleet, Pool):
                 (
                     record.zone,
                     record.key,
-                    record.lane or "",
-                    message.priority,
-                    record.next_attempt_at if record.next_attempt_at is not None else record.updated_at,
-                    record.updated_at,
-                    message.sender,
-                    json.dumps(list(message.recipients)),
-                    message.content,
+                    *entry_columns(record, message),
                     message.smtputf8,
                 ),
             )
@@ -337,34 +327,3 @@ class PostgresStore(Controls, Desk, Fleet, Pool):
                     (due, record.zone, record.key),
                 )
             return None
-
-    @_translated
-    async def queue_entries(self, zone: str | None) -> list[QueueEntry]:
-        async with self._conn() as conn:
-            cur = await conn.execute(
-                "SELECT q.zone, q.key, q.lane, e.state, q.due_at, q.claimed_until, q.enqueued_at, "
-                "length(q.content) FROM queue q LEFT JOIN events e ON e.zone = q.zone AND e.key = q.key "
-                "WHERE (%s::text IS NULL OR q.zone = %s) ORDER BY q.priority, q.due_at, q.zone, q.key",
-                (zone, zone),
-            )
-            rows = await cur.fetchall()
-        now = self.now()
-        return [
-            QueueEntry(
-                str(z),
-                str(k),
-                str(lane),
-                str(state) if state else "?",
-                None if due >= HELD else float(due),
-                claimed is not None and claimed > now,
-                float(enq),
-                int(size),
-            )
-            for z, k, lane, state, due, claimed, enq, size in rows
-        ]
-
-    @_translated
-    async def queue_lanes(self) -> set[str]:
-        async with self._conn() as conn:
-            cur = await conn.execute("SELECT DISTINCT lane FROM queue")
-            return {str(lane) for (lane,) in await cur.fetchall()}

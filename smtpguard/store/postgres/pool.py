@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable
+from typing import Any, ParamSpec, TypeVar
 
 import psycopg
 from psycopg import AsyncConnection
@@ -22,13 +22,15 @@ from smtpguard.store.errors import translated
 from smtpguard.store.postgres import fencing
 from smtpguard.store.postgres.migrate import SchemaBehind, migrate_on_own_connection
 from smtpguard.store.postgres.replication import FACTS_SQL, Replication, ServerFacts
-from smtpguard.store.sql.statements import Result, Script
+from smtpguard.store.sql.roles import Runner
+from smtpguard.store.sql.statements import Done, Plan, Result, Script, advance
 
 log = logging.getLogger("smtpguard.store")
 
 Conn = AsyncConnection[tuple[Any, ...]]
 
 T = TypeVar("T")
+P = ParamSpec("P")
 _TIMEOUT = 2.0
 """Deadline of one store operation, of taking a connection from the pool, and of a connect."""
 POOL_SIZE = 32
@@ -54,7 +56,7 @@ _translated = translated(
 where an operation gets its deadline (store/errors.py)."""
 
 
-class Pool(OnServerClock):
+class Pool(OnServerClock, Runner):
     """The connections every role's operations go through (inherited by PostgresStore)."""
 
     def __init__(
@@ -173,6 +175,23 @@ class Pool(OnServerClock):
         async with self._conn() as conn, conn.transaction():
             yield conn
 
+    # --- the shared roles' runner (store/sql/roles.py) ----------------------------------------
+    @_translated
+    async def _rows(self, plan: Plan) -> list[tuple[Any, ...]]:
+        async with self._conn() as conn:
+            cur = await conn.execute(*plan.postgres())
+            return await cur.fetchall()
+
+    @_translated
+    async def _execute(self, plan: Plan) -> None:
+        async with self._conn() as conn:
+            await conn.execute(*plan.postgres())
+
+    @_translated
+    async def _script(self, make: Callable[P, Script[T]], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        async with self._tx() as conn:
+            return await _run_script(conn, make(*args, **kwargs))
+
     def _connection_trouble(self) -> None:
         """A connection failed: check the idle ones in the background, so the pool drops
         every connection to a server that is gone (a failover) rather than handing each to
@@ -284,13 +303,9 @@ async def _one(conn: Conn, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...]
 
 async def _run_script(conn: Conn, script: Script[T]) -> T:
     """A shared operation of several statements (store/sql/), in the caller's transaction."""
-    result: Result | None = None
-    while True:
-        try:
-            step = next(script) if result is None else script.send(result)
-        except StopIteration as done:
-            answer: T = done.value
-            return answer
+    step = advance(script, None)
+    while not isinstance(step, Done):
         cur = await conn.execute(*step.postgres())
         rows = await cur.fetchall() if cur.description is not None else []
-        result = Result(rows, cur.rowcount)
+        step = advance(script, Result(rows, cur.rowcount))
+    return step.value

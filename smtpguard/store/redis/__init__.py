@@ -384,33 +384,33 @@ class RedisStore(OnServerClock, Ledger, Claims, Desk, Suppressions, Upgrades):
     # --- provider health ---------------------------------------------------------------------
     @_translated
     async def set_circuit(self, instance: str, provider: str, circuit: str, now: float) -> None:
-        field = json.dumps([instance, provider])
-        await self._r.hset(_CIRCUITS, field, json.dumps([circuit, now]))
+        await self._publish(_CIRCUITS, instance, provider, [circuit, now])
 
     @_translated
     async def circuits(self) -> list[CircuitState]:
-        entries = await self._r.hgetall(_CIRCUITS)
-        out = []
-        for field, value in entries.items():
-            instance, provider = json.loads(field)
-            circuit, at = json.loads(value)
-            out.append(CircuitState(str(instance), str(provider), str(circuit), float(at)))
-        return sorted(out, key=lambda c: (c.provider, c.instance))
+        published = await self._published(_CIRCUITS)
+        return [CircuitState(i, p, str(circuit), float(at)) for i, p, (circuit, at) in published]
 
     @_translated
     async def set_probe(self, instance: str, provider: str, ready: bool, detail: str, now: float) -> None:
-        field = json.dumps([instance, provider])
-        await self._r.hset(_PROBES, field, json.dumps([ready, detail, now]))
+        await self._publish(_PROBES, instance, provider, [ready, detail, now])
 
     @_translated
     async def probes(self) -> list[ProbeState]:
-        entries = await self._r.hgetall(_PROBES)
+        published = await self._published(_PROBES)
+        return [ProbeState(i, p, bool(r), str(detail), float(at)) for i, p, (r, detail, at) in published]
+
+    async def _publish(self, key: str, instance: str, provider: str, values: list[Any]) -> None:
+        """One instance's word on one provider, in a hash every instance writes to."""
+        await self._r.hset(key, json.dumps([instance, provider]), json.dumps(values))
+
+    async def _published(self, key: str) -> list[tuple[str, str, list[Any]]]:
+        """Every instance's word in `key`, ordered by provider, then instance."""
         out = []
-        for field, value in entries.items():
+        for field, value in (await self._r.hgetall(key)).items():
             instance, provider = json.loads(field)
-            ready, detail, at = json.loads(value)
-            out.append(ProbeState(str(instance), str(provider), bool(ready), str(detail), float(at)))
-        return sorted(out, key=lambda c: (c.provider, c.instance))
+            out.append((str(instance), str(provider), json.loads(value)))
+        return sorted(out, key=lambda e: (e[1], e[0]))
 
     # --- provider throttling -----------------------------------------------------------------
     @_translated

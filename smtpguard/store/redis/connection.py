@@ -19,7 +19,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from smtpguard.store.base import StoreUnavailable
-from smtpguard.store.errors import translated
+from smtpguard.store.errors import answers, translated
 from smtpguard.store.redis.keys import (
     _QUEUED_ZONES,
     _ZONES,
@@ -164,10 +164,7 @@ class RedisConnection:
         return script
 
     async def ping(self) -> bool:
-        try:
-            return await self._ping()
-        except StoreUnavailable:
-            return False
+        return await answers(self._ping())
 
     @_translated
     async def _ping(self) -> bool:

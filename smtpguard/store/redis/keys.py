@@ -147,7 +147,7 @@ def _lanes_key(zone: str) -> str:
 
 
 def _user_keys(zone: str, cap: CapCheck | None) -> list[str]:
-    """A user's window, month counter and the zone's token map (USER_UNIT); placeholders
+    """A user's window, month counter and the zone's token map (lib/cap_unit.lua); placeholders
     under the zone's tag when the unit has no user cap, so the script's KEYS stay fixed."""
     user = cap.user if cap is not None and cap.user_caps is not None else None
     month = cap.month if cap is not None else "-"

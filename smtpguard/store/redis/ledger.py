@@ -9,7 +9,7 @@ from typing import Any
 
 from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached
-from smtpguard.store.base import Conflict, Paused, QueuedMessage, Reserved, ReserveResult
+from smtpguard.store.base import Conflict, Paused, QueuedMessage, Reserved, ReserveResult, entry_columns
 from smtpguard.store.redis.connection import _PURGE_BATCH, RedisConnection, _translated
 from smtpguard.store.redis.keys import (
     _ZONE_ANNOUNCE_EVERY,
@@ -50,6 +50,23 @@ def _reached(cap: CapCheck, reply: list[Any]) -> CapReached:
 
 def _load(data: str | None) -> Record | None:
     return Record.from_dict(json.loads(data)) if data else None
+
+
+def _cas_args(r: Record, expected_version: int | None) -> list[str | float]:
+    """ARGV[1] to ARGV[6] of lib/cas_write.lua: `r` written over `expected_version`."""
+    expected = "" if expected_version is None else str(expected_version)
+    return [expected, str(r.version), r.state.value, _dump(r), r.updated_at, r.key]
+
+
+def _queue_keys(zone: str, key: str) -> list[str]:
+    """KEYS[1] to KEYS[5] of enqueue.lua and requeue.lua."""
+    record, entry = _record_key(zone, key), _entry_key(zone, key)
+    return [record, _index_key(zone), entry, _claimed_key(zone), _queue_key(zone)]
+
+
+def _swapped(reply: list[Any]) -> Conflict | None:
+    """What a script built on lib/cas_write.lua answered: written, or the current record."""
+    return None if reply[0] == "ok" else Conflict(_load(reply[1]))
 
 
 def _dump(r: Record) -> str:
@@ -130,18 +147,11 @@ class Ledger(RedisConnection):
             await self._announce_zone(record.zone)
         keys = [_record_key(record.zone, record.key), _index_key(record.zone)]
         args = [
-            "" if expected_version is None else str(expected_version),
-            str(record.version),
-            record.state.value,
-            _dump(record),
-            record.updated_at,
-            record.key,
+            *_cas_args(record, expected_version),
             *_ids(record),
         ]
         reply = await self._eval(self._put, keys, args, replicated=True)
-        if reply[0] == "ok":
-            return None
-        return Conflict(_load(reply[1]))
+        return _swapped(reply)
 
     @_translated
     async def refund(self, zone: str, token: str, month: str) -> None:
@@ -236,59 +246,26 @@ class Ledger(RedisConnection):
     ) -> Conflict | None:
         zone, lane = record.zone, record.lane or ""
         await self._announce_zone(zone)
-        keys = [
-            _record_key(zone, record.key),
-            _index_key(zone),
-            _entry_key(zone, record.key),
-            _claimed_key(zone),
-            _queue_key(zone),
-            _lane_key(zone, lane),
-        ]
+        keys = [*_queue_keys(zone, record.key), _lane_key(zone, lane)]
         args: list[str | int | float | bytes] = [
-            "" if expected_version is None else str(expected_version),
-            str(record.version),
-            record.state.value,
-            _dump(record),
-            record.updated_at,
-            record.key,
+            *_cas_args(record, expected_version),
             _zone_prefix(zone),
-            lane,
-            message.priority,
-            record.next_attempt_at if record.next_attempt_at is not None else record.updated_at,
-            record.updated_at,
-            message.sender,
-            json.dumps(list(message.recipients)),
-            message.content,
+            *entry_columns(record, message),
             "1" if message.smtputf8 else "0",
             *_ids(record),
         ]
         reply = await self._eval(self._enqueue, keys, args, replicated=True)
-        if reply[0] == "ok":
-            return None
-        return Conflict(_load(reply[1]))
+        return _swapped(reply)
 
     @_translated
     async def requeue(self, record: Record, expected_version: int, due: float | None) -> Conflict | None:
         zone = record.zone
-        keys = [
-            _record_key(zone, record.key),
-            _index_key(zone),
-            _entry_key(zone, record.key),
-            _claimed_key(zone),
-            _queue_key(zone),
-        ]
+        keys = _queue_keys(zone, record.key)
         args: list[str | float] = [
-            str(expected_version),
-            str(record.version),
-            record.state.value,
-            _dump(record),
-            record.updated_at,
-            record.key,
+            *_cas_args(record, expected_version),
             _zone_prefix(zone),
             "" if due is None else due,
             *_ids(record),
         ]
         reply = await self._eval(self._requeue, keys, args, replicated=True)
-        if reply[0] == "ok":
-            return None
-        return Conflict(_load(reply[1]))
+        return _swapped(reply)

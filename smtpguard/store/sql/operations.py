@@ -1,6 +1,6 @@
 """The operations both SQL stores carry out alike, as plans (statements.py) and the reading
-of their rows. Written once here; each backend runs them (store/sqlite/ and store/postgres/,
-fleet.py, controls.py and desk.py).
+of their rows. Written once here; the shared roles (roles.py) hand them to each backend's
+runner (store/sqlite/access.py, store/postgres/pool.py).
 
 Provider health (DESIGN.md §6, §12): every instance publishes each provider's circuit and
 readiness probe; the console and /metrics read them all, ordered by provider, then instance.
@@ -9,22 +9,34 @@ instances.
 
 Zone controls (§5, §16): a zone's pause switch and its classes' pauses, its counters, and
 its suppression list (§3: the zone's or the global list refuses at RCPT), with a per-zone
-version each change bumps so every instance knows to reload its copy. Cap usage and adding
-to the counters are each store's own: the PostgreSQL schema spreads a zone's counts over
-slot rows and takes arrays.
+version each change bumps so every instance knows to reload its copy. A user's cap usage and
+adding to the counters are each store's own: PostgreSQL takes arrays.
 
 The desk (§13, §14): a provider event is kept once per (zone, source, event id), and only
-its first arrival lists its recipient; the operators' actions go to the zone audit.
+its first arrival lists its recipient; a webhook nonce is taken once while it lives; records
+are found by an id each store keeps its own way, and listed; the operators' actions go to
+the zone audit; the queue is listed by entry, lane and depth.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+from smtpguard.policy.ledger import Record
+from smtpguard.policy.limits import HOUR
 from smtpguard.policy.senders import suppression_key
-from smtpguard.store.base import CircuitState, ProbeState, StoredEvent, Suppression, ZoneAudit
+from smtpguard.store.base import (
+    HELD,
+    CapUsage,
+    CircuitState,
+    ProbeState,
+    QueueEntry,
+    StoredEvent,
+    Suppression,
+    ZoneAudit,
+)
 from smtpguard.store.sql.statements import Lock, Plan, Script
 
 
@@ -134,6 +146,21 @@ def paused_classes(rows: Iterable[tuple[Any, ...]]) -> set[tuple[str, str]]:
     return {(str(z), str(c)) for z, c in rows}
 
 
+def cap_usage_of(zone: str, now: float, month: str) -> Plan:
+    # sum(): PostgreSQL spreads a zone's month over slot rows (store/postgres/rows.py); SQLite
+    # keeps one row.
+    return Plan(
+        "SELECT (SELECT count(*) FROM sends WHERE zone = ? AND at >= ?), "
+        "(SELECT sum(used) FROM monthly WHERE zone = ? AND month = ?)",
+        (zone, now - HOUR, zone, month),
+    )
+
+
+def cap_usage(rows: list[tuple[Any, ...]]) -> CapUsage:
+    hour, month = rows[0]
+    return CapUsage(hour=int(hour), month=int(month or 0))
+
+
 def counters(zone: str) -> Plan:
     return Plan("SELECT name, value FROM counters WHERE zone = ?", (zone,))
 
@@ -163,7 +190,7 @@ def suppress_add(zone: str, address: str, reason: str, at: float) -> Script[bool
         (zone, suppression_key(address), reason, at),
     )
     if added.rows:
-        yield _bump_supp_version(zone)
+        yield bump_supp_version(zone)
     return bool(added.rows)
 
 
@@ -172,11 +199,12 @@ def suppress_remove(zone: str, address: str) -> Script[bool]:
         "DELETE FROM suppression WHERE zone = ? AND address = ? RETURNING 1", (zone, suppression_key(address))
     )
     if gone.rows:
-        yield _bump_supp_version(zone)
+        yield bump_supp_version(zone)
     return bool(gone.rows)
 
 
-def _bump_supp_version(zone: str) -> Plan:
+def bump_supp_version(zone: str) -> Plan:
+    """Every instance reloads the zone's list on seeing its version move."""
     return Plan(
         "INSERT INTO supp_versions (zone, v) VALUES (?, 1) "
         "ON CONFLICT (zone) DO UPDATE SET v = supp_versions.v + 1",
@@ -225,11 +253,108 @@ def apply_event(zone: str, key: str, event: StoredEvent, suppress_reason: str | 
     return True
 
 
+def remember_nonce(name: str, digest: str, until: float, now: float) -> Script[bool]:
+    # An expired nonce is free again; a live one answers by its digest.
+    taken = yield Plan(
+        "INSERT INTO nonces (name, digest, until) VALUES (?, ?, ?) "
+        "ON CONFLICT (name) DO UPDATE SET digest = excluded.digest, until = excluded.until "
+        "WHERE nonces.until < ? RETURNING digest",
+        (name, digest, until, now),
+    )
+    if taken.rows:
+        return True
+    current = yield Plan("SELECT digest FROM nonces WHERE name = ?", (name,))
+    return bool(current.rows) and current.rows[0][0] == digest
+
+
+def events(rows: Iterable[tuple[Any, ...]]) -> list[StoredEvent]:
+    return [StoredEvent.from_dict(json.loads(data)) for (data,) in rows]
+
+
+def _among(column: str, forms: Sequence[str]) -> str:
+    return f"{column} = ?" if len(forms) == 1 else f"{column} IN ({', '.join('?' * len(forms))})"
+
+
+def find_records(column: str, forms: Sequence[str]) -> Plan:
+    """Records holding an id in any of `forms`; `column` reads it from a row of events (its
+    alias written `{t}`: each store keeps ids its own way)."""
+    return Plan(f"SELECT data FROM events WHERE {_among(column.format(t=''), forms)} LIMIT 100", tuple(forms))
+
+
+def records_for_event(column: str, forms: Sequence[str]) -> Plan:
+    # The other-zone test is part of the query, before the LIMIT (DESIGN.md §18): however
+    # many records of one zone hold the id, one record of another zone voids them all.
+    return Plan(
+        f"SELECT e.data FROM events e WHERE {_among(column.format(t='e.'), forms)} AND NOT EXISTS "
+        f"(SELECT 1 FROM events o WHERE {_among(column.format(t='o.'), forms)} AND o.zone <> e.zone) "
+        "ORDER BY e.updated_at DESC LIMIT 100",
+        (*forms, *forms),
+    )
+
+
+def list_records(zone: str, state: str | None, since: float | None, before: float | None, limit: int) -> Plan:
+    where: list[str] = ["zone = ?"]
+    params: list[str | float] = [zone]
+    index = "events_zone_updated"
+    if state is not None:
+        where.append("state = ?")
+        params.append(state)
+        index = "events_zone_state"
+    if since is not None:
+        where.append("updated_at >= ?")
+        params.append(since)
+    if before is not None:
+        where.append("updated_at < ?")
+        params.append(before)
+    return Plan(
+        f"SELECT data FROM events{{indexed {index}}} WHERE {' AND '.join(where)} "
+        "ORDER BY updated_at DESC LIMIT ?",
+        (*params, limit),
+    )
+
+
+def records(rows: Iterable[tuple[Any, ...]]) -> list[Record]:
+    return [Record.from_dict(json.loads(data)) for (data,) in rows]
+
+
 def audit_add(zone: str, entry: ZoneAudit) -> Plan:
     return Plan(
         "INSERT INTO zone_audit (zone, at, actor, action, key, note) VALUES (?, ?, ?, ?, ?, ?)",
         (zone, entry.at, entry.actor, entry.action, entry.key, entry.note),
     )
+
+
+def queue_entries(zone: str | None) -> Plan:
+    # CAST: PostgreSQL cannot tell the type of a parameter that is only compared with NULL.
+    return Plan(
+        "SELECT q.zone, q.key, q.lane, e.state, q.due_at, q.claimed_until, q.enqueued_at, "
+        "length(q.content) FROM queue q LEFT JOIN events e ON e.zone = q.zone AND e.key = q.key "
+        "WHERE (CAST(? AS text) IS NULL OR q.zone = ?) ORDER BY q.priority, q.due_at, q.zone, q.key",
+        (zone, zone),
+    )
+
+
+def entries(rows: Iterable[tuple[Any, ...]], now: float) -> list[QueueEntry]:
+    return [
+        QueueEntry(
+            str(z),
+            str(k),
+            str(lane),
+            str(state) if state else "?",
+            None if due >= HELD else float(due),
+            claimed is not None and claimed > now,
+            float(enq),
+            int(size),
+        )
+        for z, k, lane, state, due, claimed, enq, size in rows
+    ]
+
+
+QUEUE_LANES = Plan("SELECT DISTINCT lane FROM queue")
+
+
+def lanes(rows: Iterable[tuple[Any, ...]]) -> set[str]:
+    return {str(lane) for (lane,) in rows}
 
 
 QUEUE_DEPTHS = Plan("SELECT zone, lane, count(*) FROM queue GROUP BY zone, lane")

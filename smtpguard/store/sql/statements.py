@@ -1,8 +1,12 @@
 """A statement written once for both SQL stores, rendered in each one's dialect.
 
-Marks in the text: `?` is a parameter (SQLite's style; PostgreSQL's driver takes `%s`), and
+Marks in the text: `?` is a parameter (SQLite's style; PostgreSQL's driver takes `%s`),
 `{bytewise}` follows a column a result is ordered by where PostgreSQL needs COLLATE "C" to
-order as SQLite does (byte by byte), whatever the database's default collation.
+order as SQLite does (byte by byte), whatever the database's default collation, and
+`{indexed NAME}` follows a table SQLite is to read through index NAME: without statistics
+its planner prefers the primary key's zone prefix, a scan of every row of the zone. The
+hint is left out where the file has no such index (a store of an older version, read before
+`serve` upgraded it) and for PostgreSQL, whose planner has statistics.
 
 An operation of several statements is a Script: a generator that yields each Plan (or a
 Lock) and is sent the Result, deciding the next step from it, and returns the answer. Each
@@ -12,13 +16,15 @@ store/postgres/pool.py _run_script); the decisions are written once.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+import re
+from collections.abc import Container, Generator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
 _BYTEWISE = "{bytewise}"
+_INDEXED = re.compile(r"\{indexed ([a-z_]+)\}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,13 +32,16 @@ class Plan:
     sql: str
     params: tuple[Any, ...] = ()
 
-    def sqlite(self) -> tuple[str, tuple[Any, ...]]:
-        return self.sql.replace(_BYTEWISE, ""), self.params
+    def sqlite(self, indexes: Container[str] = frozenset()) -> tuple[str, tuple[Any, ...]]:
+        """The statement for SQLite, on a file holding `indexes`."""
+        sql = _INDEXED.sub(lambda m: f" INDEXED BY {m[1]}" if m[1] in indexes else "", self.sql)
+        return sql.replace(_BYTEWISE, ""), self.params
 
     def postgres(self) -> tuple[str, tuple[Any, ...]]:
         # `%` would be read as a parameter by the driver; no shared statement has one.
         assert "%" not in self.sql, self.sql
-        return self.sql.replace("?", "%s").replace(_BYTEWISE, ' COLLATE "C"'), self.params
+        sql = _INDEXED.sub("", self.sql)
+        return sql.replace("?", "%s").replace(_BYTEWISE, ' COLLATE "C"'), self.params
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,3 +63,19 @@ class Result:
 
 
 Script = Generator[Plan | Lock, Result, T]
+
+
+@dataclass(frozen=True, slots=True)
+class Done(Generic[T]):
+    """A script has finished: its answer."""
+
+    value: T
+
+
+def advance(script: Script[T], result: Result | None) -> Plan | Lock | Done[T]:
+    """The script's next step, once sent the result of its last (None: it has not started),
+    or Done with its answer: the stepping both backends' runners share."""
+    try:
+        return next(script) if result is None else script.send(result)
+    except StopIteration as done:
+        return Done(done.value)

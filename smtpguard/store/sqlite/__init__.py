@@ -8,9 +8,10 @@ connections in a small thread pool, so the event loop never blocks on SQLite.
 
 SQLiteStore (here) opens the file and keeps the ledger and queue operations; the rest of the
 package: writer.py (group commit), access.py (the writer and readers every role goes
-through), controls.py, desk.py, fleet.py (one class per role, inherited), rows.py (record
-rows and their compare-and-swap), caps.py (cap units), schema.py (connections, read-only
-stand-ins) and migrate.py with migrations/ (the schema, by PRAGMA user_version).
+through), controls.py, desk.py, fleet.py (one class per role, inherited, each over the
+shared roles of store/sql/roles.py), rows.py (record rows and their compare-and-swap),
+caps.py (cap units), schema.py (connections, read-only stand-ins) and migrate.py with
+migrations/ (the schema, by PRAGMA user_version).
 """
 
 from __future__ import annotations
@@ -26,17 +27,15 @@ from pathlib import Path
 from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached
 from smtpguard.store.base import (
-    HELD,
     Claimed,
     Conflict,
     QueuedMessage,
-    QueueEntry,
     Reserved,
     ReserveResult,
     StoreMissing,
     StoreUnavailable,
+    entry_columns,
 )
-from smtpguard.store.sql import operations
 from smtpguard.store.sqlite.access import Access
 from smtpguard.store.sqlite.caps import _consume, _pause_or_cap, _refund_user, _trim
 from smtpguard.store.sqlite.controls import Controls
@@ -113,12 +112,6 @@ class SQLiteStore(Controls, Desk, Fleet, Access):
 
     async def durability_problems(self) -> list[str]:
         return []  # synchronous=FULL in WAL, set at every connect
-
-    async def queue_lanes(self) -> set[str]:
-        def op(c: sqlite3.Connection) -> set[str]:
-            return {str(lane) for (lane,) in c.execute("SELECT DISTINCT lane FROM queue")}
-
-        return await self._read(op)
 
     async def ping(self) -> bool:
         try:
@@ -225,13 +218,7 @@ class SQLiteStore(Controls, Desk, Fleet, Access):
                 (
                     record.zone,
                     record.key,
-                    record.lane or "",
-                    message.priority,
-                    record.next_attempt_at or record.updated_at,
-                    record.updated_at,
-                    message.sender,
-                    json.dumps(list(message.recipients)),
-                    message.content,
+                    *entry_columns(record, message),
                     int(message.smtputf8),
                 ),
             )
@@ -298,32 +285,3 @@ class SQLiteStore(Controls, Desk, Fleet, Access):
             return None
 
         return await self._write(op)
-
-    async def queue_entries(self, zone: str | None) -> list[QueueEntry]:
-        def op(c: sqlite3.Connection) -> list[QueueEntry]:
-            rows = c.execute(
-                "SELECT q.zone, q.key, q.lane, e.state, q.due_at, q.claimed_until, q.enqueued_at, "
-                "LENGTH(q.content) FROM queue q LEFT JOIN events e ON e.zone = q.zone AND e.key = q.key "
-                "WHERE (? IS NULL OR q.zone = ?) ORDER BY q.priority, q.due_at",
-                (zone, zone),
-            ).fetchall()
-            now = time.time()
-            return [
-                QueueEntry(
-                    z,
-                    k,
-                    lane,
-                    state or "?",
-                    None if due >= HELD else due,
-                    claimed is not None and claimed > now,
-                    enq,
-                    size,
-                )
-                for z, k, lane, state, due, claimed, enq, size in rows
-            ]
-
-        return await self._read(op)
-
-    async def queue_depths(self) -> dict[tuple[str, str], int]:
-        rows = await self._read(lambda c: c.execute(*operations.QUEUE_DEPTHS.sqlite()).fetchall())
-        return operations.queue_depths(rows)

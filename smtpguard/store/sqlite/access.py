@@ -9,17 +9,19 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from smtpguard.store.base import StoreUnavailable
-from smtpguard.store.sql.statements import Lock, Result, Script
+from smtpguard.store.sql.roles import Runner
+from smtpguard.store.sql.statements import Done, Lock, Plan, Result, Script, advance
 from smtpguard.store.sqlite.schema import _connect, _index_names
 from smtpguard.store.sqlite.writer import _Writer
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
-class Access:
+class Access(Runner):
     """The writer and the readers every role's operations go through."""
 
     path: Path
@@ -50,25 +52,33 @@ class Access:
         except sqlite3.Error as e:
             raise StoreUnavailable(f"sqlite read failed: {e}") from e
 
-    def _table(self, table: str, index: str) -> str:
-        """`table INDEXED BY index`, or just `table` where the index is not there (a store
-        of an older version, read before `serve` has upgraded it). On a reader thread only."""
+    def _indexes(self) -> set[str]:
+        """The indexes of the file this reader thread reads (statements.py `{indexed}`)."""
         indexes: set[str] = getattr(self._local, "indexes", set())
-        return f"{table} INDEXED BY {index}" if index in indexes else table
+        return indexes
+
+    # --- the shared roles' runner (store/sql/roles.py) ----------------------------------------
+    async def _rows(self, plan: Plan) -> list[tuple[Any, ...]]:
+        return await self._read(lambda c: c.execute(*plan.sqlite(self._indexes())).fetchall())
+
+    async def _execute(self, plan: Plan) -> None:
+        def op(c: sqlite3.Connection) -> None:
+            c.execute(*plan.sqlite())
+
+        await self._write(op)
+
+    async def _script(self, make: Callable[P, Script[T]], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await self._write(lambda c: run_script(c, make(*args, **kwargs)))
 
 
 def run_script(c: sqlite3.Connection, script: Script[T]) -> T:
     """A shared operation of several statements (store/sql/), inside the writer's
     transaction."""
-    result: Result | None = None
-    while True:
-        try:
-            step = next(script) if result is None else script.send(result)
-        except StopIteration as done:
-            answer: T = done.value
-            return answer
+    step = advance(script, None)
+    while not isinstance(step, Done):
         if isinstance(step, Lock):
-            result = Result([], 0)  # BEGIN IMMEDIATE holds the file already
-        else:
-            cursor = c.execute(*step.sqlite())
-            result = Result(cursor.fetchall(), cursor.rowcount)
+            step = advance(script, Result([], 0))  # BEGIN IMMEDIATE holds the file already
+            continue
+        cursor = c.execute(*step.sqlite())
+        step = advance(script, Result(cursor.fetchall(), cursor.rowcount))
+    return step.value

@@ -7,10 +7,8 @@ import sqlite3
 
 from smtpguard.policy.ledger import Record
 from smtpguard.policy.senders import suppression_key
-from smtpguard.store.base import (
-    Conflict,
-    IdField,
-)
+from smtpguard.store.base import Conflict
+from smtpguard.store.sql import operations
 
 
 def _load(c: sqlite3.Connection, zone: str, key: str) -> Record | None:
@@ -51,17 +49,8 @@ def _fold_suppression_keys(c: sqlite3.Connection) -> None:
             (zone, folded, reason, at),
         )
         c.execute("DELETE FROM suppression WHERE zone = ? AND address = ?", (zone, address))
-        _bump_supp_version(c, zone)
+        c.execute(*operations.bump_supp_version(zone).sqlite())
 
-
-def _bump_supp_version(c: sqlite3.Connection, zone: str) -> None:
-    c.execute(
-        "INSERT INTO supp_versions (zone, v) VALUES (?, 1) ON CONFLICT (zone) DO UPDATE SET v = v + 1",
-        (zone,),
-    )
-
-
-_ID_COLUMNS: dict[IdField, str] = {"sg_id": "sg_id", "message_id": "message_id", "upstream_id": "upstream_id"}
 
 _OWN = "own"
 """_swap's answer when the record already equals the one being written: a retried write
