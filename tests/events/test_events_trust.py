@@ -79,16 +79,13 @@ async def test_postmark_password_guesses_are_limited_per_address_and_logged(
         ev.postmark(keys, ev.postmark_bounce(RCPT, queue_id), password=f"guess-{i:04d}")
         for i in range(GUESSES)
     ]
-    started = time.monotonic()
     connector = aiohttp.TCPConnector(local_addr=("127.0.0.20", 0), limit=20)
     async with aiohttp.ClientSession(connector=connector) as s:
         results = await asyncio.gather(*(post_from("", port, "postmark", g, s) for g in guesses))
-    took = time.monotonic() - started
     statuses = [status for status, _ in results]
     # limits.auth_failures (5) wrong passwords are answered 401; every later guess 429.
     assert statuses.count(401) == 5, (statuses.count(401), statuses.count(429))
     assert statuses.count(429) == GUESSES - 5
-    assert took < 30
     failures = [
         r for r in caplog.records if r.getMessage() == "provider event refused: HTTP Basic credentials"
     ]

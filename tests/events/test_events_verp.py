@@ -38,6 +38,7 @@ from tests.support import (
     running_guard,
     send,
 )
+from tests.support.eventually import eventually
 
 _VERP = re.compile(r"^b\+([0-9a-f]+)-([0-9a-f]{20})@" + re.escape(VERP_DOMAIN) + "$")
 
@@ -176,13 +177,20 @@ async def test_every_relayed_message_leaves_with_a_verp_sender_through_every_pro
         await _wait_received(upstream, 2)
         assert len(upstream.received) == 2
         assert guard.store is not None
+        store = guard.store
         for got, zone, key, header_from in (
             (upstream.received[0], "acme", "relay:1", "billing@acme.example"),
             (upstream.received[1], "globex", "queue:1", "ops@globex.example"),
         ):
             m = _VERP.match(got.mail_from)
             assert m is not None, got.mail_from
-            record = await guard.store.get(zone, key)
+            # The queue's worker records the delivery just after the upstream has the message.
+            record = await eventually(
+                lambda z=zone, k=key: store.get(z, k),
+                lambda r: r is not None and r.state.value == "delivered",
+                timeout=10,
+                interval=0.02,
+            )
             assert record is not None and record.sg_id == m.group(1)
             assert [a.provider for a in record.attempts][-1] == "standby"
             assert record.sender == header_from  # the client's envelope sender, kept

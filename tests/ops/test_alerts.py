@@ -15,8 +15,12 @@ import yaml
 
 from smtpguard.config import ConfigError, loads
 from smtpguard.policy.alerts import AlertLedger, used_ratio
+from smtpguard.server import Server
+from smtpguard.server.housekeeping import GAUGE_INTERVAL
+from smtpguard.store import CapUsage
 from tests.ops.test_ops import http_get, sample
 from tests.support import FakeClock, Upstream, base_config, message, running_guard, send
+from tests.support.eventually import eventually
 
 MID_JUNE = datetime(2026, 6, 15, 10, 5, tzinfo=UTC).timestamp()
 
@@ -40,6 +44,34 @@ async def ratio(port: int, window: str, expected: float, timeout: float = 10) ->
                 if abs(value - expected) < 1e-9:
                     return value
             await asyncio.sleep(0.1)
+
+
+async def gauge_pass(guard: Server) -> None:
+    """Until serve's gauge loop has made one whole pass from here on: pruned the series, then
+    observed every configured zone (its period is housekeeping.GAUGE_INTERVAL). Watched by
+    wrapping the real CapAlerts methods that pass calls; they still run."""
+    alerts = guard.cap_alerts
+    assert alerts is not None
+    seen: list[str] = []
+    prune, observe = alerts.prune, alerts.observe
+
+    def pruned() -> None:
+        seen.clear()
+        seen.append("")
+        prune()
+
+    def observed(zone: str, usage: CapUsage, now: float) -> None:
+        if seen:
+            seen.append(zone)
+        observe(zone, usage, now)
+
+    alerts.prune, alerts.observe = pruned, observed  # type: ignore[method-assign]
+    try:
+        zones = set(guard.config.zones)
+        await eventually(lambda: zones <= set(seen), timeout=3 * GAUGE_INTERVAL, interval=0.05)
+        assert zones <= set(seen), "the gauge loop made no whole pass"
+    finally:
+        alerts.prune, alerts.observe = prune, observe  # type: ignore[method-assign]
 
 
 async def test_one_warning_per_threshold_per_window_and_the_gauge(
@@ -85,8 +117,8 @@ async def test_one_warning_per_threshold_per_window_and_the_gauge(
         await burst(3)
         assert await ratio(health, "hour", 0.8) == 0.8
         assert await ratio(health, "month", 15 / 20) == 0.75
-        # Idle for longer than the gauge loop's period: nothing is warned twice.
-        await asyncio.sleep(6)
+        # Idle until the gauge loop has looked at every zone again: nothing is warned twice.
+        await gauge_pass(guard)
     assert len(upstream.received) == sent == 15
     assert sorted(warnings_of(caplog)) == sorted(
         [("hour", 0.5), ("hour", 0.5), ("month", 0.5), ("hour", 0.8)]
@@ -157,8 +189,8 @@ async def test_a_ratio_series_goes_when_its_cap_becomes_zero_or_its_zone_is_remo
         path.write_text(yaml.safe_dump(cfg))
         assert await guard.reload()
         refused = await send(guard.ports[0], message("zero:after"))
-        # Past the gauge loop's period: every zone was observed again.
-        await asyncio.sleep(6)
+        # Until the gauge loop has pruned and observed every zone again.
+        await gauge_pass(guard)
         _, body = await http_get(health, "/metrics")
     assert refused.code == 451, refused
     assert len(upstream.received) == 3

@@ -16,8 +16,10 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import aiosmtplib
 import pytest
@@ -29,6 +31,8 @@ from smtpguard.run_dir import LOCK, PREFIX, RunDir, remove_leftovers
 from smtpguard.workers import SharedConnections
 from tests.ops.test_workers import Pool, _run_dir, pool, wait_for
 from tests.support import GuardProcess, Reply, Upstream, base_config, free_port, message, send, write_config
+
+T = TypeVar("T")
 
 HEARTBEAT = 10.0
 """The shortest workers_heartbeat there is."""
@@ -104,6 +108,17 @@ def held_lock(path: Path) -> Iterator[subprocess.Popen[bytes]]:
             proc.stdout.close()
 
 
+def answered_while_held(call: Callable[[], T]) -> T:
+    """`call`'s answer, given while held_lock holds: one that waited for the stopped holder's
+    lock fails the test after 10 s instead of hanging it (the holder is killed when held_lock
+    ends, which lets the call's thread finish)."""
+    runner = ThreadPoolExecutor(1)
+    try:
+        return runner.submit(call).result(timeout=10)
+    finally:
+        runner.shutdown(wait=False)
+
+
 async def test_a_stopped_lock_holder_blocks_no_event_loop(tmp: Path) -> None:
     """Before, admit() waited for the lock (fcntl.lockf blocking) in the event loop: a worker
     stopped while it held the lock froze every other worker's loop, heartbeat included."""
@@ -114,9 +129,7 @@ async def test_a_stopped_lock_holder_blocks_no_event_loop(tmp: Path) -> None:
     one = "192.0.2.1"
     assert shared.admit(one, 5, 2)
     with held_lock(path):
-        t0 = time.perf_counter()
-        busy = table.admit(1, address_key(one), 5, 2)
-        took = time.perf_counter() - t0
+        busy = answered_while_held(lambda: table.admit(1, address_key(one), 5, 2))
         # Judged on this worker's counts: it holds one of 192.0.2.1's two.
         local = [shared.admit(one, 5, 2), shared.admit(one, 5, 2)]
         shared.release(one)  # the connection admitted locally: it never reached the table
@@ -125,9 +138,7 @@ async def test_a_stopped_lock_holder_blocks_no_event_loop(tmp: Path) -> None:
     # The holder is gone; the kept release is applied on the loop's next try.
     await wait_for("the kept release applied", lambda: table.pending == 0, timeout=2)
     counts = (table.open_connections(), table.count(address_key(one)))
-    print(f"admit with the lock held elsewhere answered busy in {took * 1e6:.0f} µs")
-    assert busy is None
-    assert took < 0.05
+    assert busy is None  # answered "busy" while the lock was held, not after
     assert local == [True, False]
     assert counts == (0, 0)
     assert shared.admit(one, 5, 2) and table.count(address_key(one)) == 1
@@ -174,10 +185,8 @@ def test_forget_worker_waits_for_no_stopped_holder(tmp: Path) -> None:
     table = ConnectionTable.sized_for(path, workers=2, max_connections=10, create=True)
     assert table.admit(1, address_key("192.0.2.9"), 5, 5)
     with held_lock(path):
-        t0 = time.perf_counter()
-        done = table.forget_worker(1)
-        took = time.perf_counter() - t0
-    assert not done and took < 0.05
+        done = answered_while_held(lambda: table.forget_worker(1))
+    assert not done
     assert table.forget_worker(1)
     assert table.open_connections() == 0
     table.close()

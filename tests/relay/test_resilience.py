@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from aiosmtpd.smtp import SMTP, AuthResult
 from smtpguard.cli import main
 from tests.support import (
     Behaviour,
+    FakeClock,
     SmtpSink,
     Upstream,
     base_config,
@@ -27,14 +27,6 @@ from tests.support import (
     send,
     write_config,
 )
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = time.time()
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def smtp_provider(name: str, port: int, **extra: Any) -> dict[str, Any]:
@@ -344,11 +336,12 @@ async def test_temporary_refusal_of_one_recipient_defers_the_whole_event(
 ) -> None:
     upstream.handler.script = [Behaviour(rcpt={"later@example.com": "452 4.2.2 mailbox full"})]
     cfg = base_config(tmp, upstream.port, event_key={"min_retry_interval": "1s", "strip": False})
-    async with running_guard(cfg) as guard:
+    clock = FakeClock()  # min_retry_interval is on smtpguard's clock
+    async with running_guard(cfg, clock=clock) as guard:
         first = await send(guard.ports[0], message("t1"), recipients=["ok@example.com", "later@example.com"])
         assert first.code == 452 and first.text.startswith("4.2.2")
         assert upstream.received == []  # nobody got it, so nobody misses it
-        await asyncio.sleep(1.1)
+        clock.t += 1.1
         retry = await send(guard.ports[0], message("t1"), recipients=["ok@example.com", "later@example.com"])
     assert retry.code == 250
     assert [r.rcpt_tos for r in upstream.received] == [["ok@example.com", "later@example.com"]]
@@ -364,12 +357,13 @@ async def test_deferred_event_suppresses_nobody_so_its_retry_is_the_same_message
     ]
     cfg = base_config(tmp, upstream.port, event_key={"min_retry_interval": "1s", "strip": False})
     rcpts = ["gone@example.com", "later@example.com"]
-    async with running_guard(cfg) as guard:
+    clock = FakeClock()  # min_retry_interval is on smtpguard's clock
+    async with running_guard(cfg, clock=clock) as guard:
         first = await send(guard.ports[0], message("m1"), recipients=rcpts)
         assert first.code == 452
         assert guard.store is not None
         assert await guard.store.suppressed("acme", "gone@example.com") is None
-        await asyncio.sleep(1.1)
+        clock.t += 1.1
         retry = await send(guard.ports[0], message("m1"), recipients=rcpts)
     assert retry.code == 250 and "reused" not in retry.text
     assert [r.rcpt_tos for r in upstream.received] == [rcpts]

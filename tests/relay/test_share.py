@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -281,11 +280,10 @@ async def test_stop_right_after_a_reload_does_not_wait_for_the_probe_interval(
     for `probe_interval` (1h here) by a probe that swallowed its cancellation."""
     path = tmp / "smtpguard.yaml"
     cfg = share_config(tmp, upstream, standby, 0.2)
+    # The bound is the assertion: a stop held for the probe interval (1 h) runs it out.
     async with asyncio.timeout(20):
         async with running_guard(cfg, config_path=path) as guard:
             assert await until_probed(guard, "standby") is True
             cfg["providers"][1]["helo_name"] = "other.test"
             write_config(path, cfg)
             assert await guard.reload()
-            started = time.monotonic()
-    assert time.monotonic() - started < 5

@@ -21,6 +21,7 @@ from smtpguard.store.redis import _MAX_CONNECTIONS, _SPARE, RedisStore
 from tests.store.test_redis_sentinel import Node, replicas_online
 from tests.store.test_store_contract import fresh
 from tests.support import RedisServer
+from tests.support.eventually import eventually
 
 
 async def _fill_kept(store: RedisStore, zone: str, n: int = 3 * _SPARE) -> None:
@@ -162,15 +163,22 @@ async def test_a_write_cancelled_before_its_reply_is_not_retried(redis_server: R
     try:
         with pytest.raises(StoreUnavailable, match="0 of 1 replicas"):
             await store.reserve(fresh("warm", zone="keptcancel"), None, None, False)  # a kept connection
-        admin.execute_command("CLIENT", "PAUSE", "600", "WRITE")
+        # Paused until the test lifts it: a write that waited the pause out (and tried again)
+        # would still be waiting when the bound below runs out.
+        admin.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
         task = asyncio.create_task(store.reserve(fresh("cancelled", zone="keptcancel"), None, None, False))
-        await asyncio.sleep(0.2)
+
+        def blocked() -> int:
+            return int(admin.info("clients")["blocked_clients"])
+
+        # The script is at Redis, held by the pause: the write now waits for its reply.
+        assert await eventually(blocked, lambda n: n == 1, timeout=5, interval=0.01) == 1
         task.cancel()
-        started = time.monotonic()
         with pytest.raises(asyncio.CancelledError):
-            await task
-        assert time.monotonic() - started < 0.3  # not after the pause, on a second try
-        await asyncio.sleep(0.6)  # the pause is over: what Redis received has run
+            await asyncio.wait_for(task, 10)  # ended while Redis is still paused
+        admin.execute_command("CLIENT", "UNPAUSE")
+        # Nothing is held any more: what Redis received has run (or went with its connection).
+        assert await eventually(blocked, lambda n: n == 0, timeout=5, interval=0.01) == 0
         # The script ran at most once: the reservation holds the cancelled write's attempt.
         got = await store.get("keptcancel", "cancelled")
         assert got is None or got.sg_id == "att:cancelled"

@@ -83,7 +83,7 @@ async def test_queue_mode_accepts_a_paused_class_and_delivers_it_after_resume(
     path = write_config(tmp / "c.yaml", cfg)
     async with running_guard(cfg) as guard:
         assert await asyncio.to_thread(main, ["pause", "acme", "--class", "bulk", "-c", str(path)]) == 0
-        await asyncio.sleep(SETTLE)
+        # no wait: this server has not read the paused classes yet, its first look is fresh
         bulk = [await send(guard.ports[0], of_class(f"qb{i}", "bulk")) for i in range(5)]
         tx = [await send(guard.ports[0], of_class(f"qt{i}", "transactional")) for i in range(5)]
         await upstream.wait_received(5)
@@ -206,7 +206,7 @@ async def test_a_paused_class_named_twice_in_relay_mode_is_still_held(tmp: Path,
     async with running_guard(base_config(tmp, upstream.port)) as guard:
         assert guard.store is not None
         await guard.store.set_class_paused("acme", "bulk", True)
-        await asyncio.sleep(SETTLE)
+        # no wait: this server has not read the paused classes yet, its first look is fresh
         twice = message("bulk:twice")
         twice["X-Message-Class"] = "bulk"
         twice["X-Message-Class"] = "BULK"
@@ -245,15 +245,14 @@ async def test_sessions_waiting_on_a_failed_paused_classes_read_fail_with_it(tmp
     try:
         slow = SlowToFail(real)
         pauses = ClassPauses(cast(Store, slow))
-        started = time.monotonic()
         results = await asyncio.gather(*(pauses.paused() for _ in range(10)), return_exceptions=True)
-        elapsed = time.monotonic() - started
         # The next look reads again: a failure is not remembered as an answer.
         again = await asyncio.gather(pauses.paused(), return_exceptions=True)
     finally:
         await real.close()
     assert all(isinstance(r, StoreUnavailable) for r in results + again), results
-    assert elapsed < 1.0, elapsed
+    # One read for the ten sessions (each in turn would be ten, one timeout after another),
+    # and one more for the next look.
     assert slow.reads == 2
 
 
@@ -266,17 +265,35 @@ async def test_a_queued_entry_of_a_paused_class_past_its_max_age_expires_unsent(
     async with running_guard(cfg) as guard:
         assert guard.store is not None
         await guard.store.set_class_paused("acme", "otp", True)
-        await asyncio.sleep(SETTLE)
+        # no wait: this server has not read the paused classes yet, its first look is fresh
         code = await send(guard.ports[0], of_class("otp:late", "otp"))
         tx = await send(guard.ports[0], of_class("tx:meanwhile", "transactional"))
         await upstream.wait_received(1)
-        await asyncio.sleep(3.0)  # past otp's max_age, held all along
-        expired = await guard.store.get("acme", "otp:late")
+        store = guard.store
+
+        async def late() -> Any:
+            return await store.get("acme", "otp:late")
+
+        # held all along, until past otp's max_age
+        expired = await eventually(
+            late, lambda r: r is not None and r.state.value == "expired", timeout=10, interval=0.1
+        )
         await guard.store.set_class_paused("acme", "otp", False)
-        await asyncio.sleep(SETTLE + 0.5)
-    assert code.code == 250 and "queued as" in code.text and tx.code == 250
+        pauses = guard.submitter.class_pauses if guard.submitter is not None else None
+        assert pauses is not None
+        # This server sees the resume (its copy is REFRESH old at most) ...
+        seen = await eventually(
+            lambda: pauses.is_paused("acme", "otp"), lambda held: not held, timeout=5, interval=0.05
+        )
+        assert not seen
+        # ... and the positive marker before the negative check: an otp message sent after
+        # the resume arrives, so the worker has looked at the lane since; the expired one
+        # was never sent.
+        after = await send(guard.ports[0], of_class("otp:after", "otp"))
+        await upstream.wait_received(2)
+    assert code.code == 250 and "queued as" in code.text and tx.code == 250 and after.code == 250
     assert expired is not None and expired.state.value == "expired" and expired.attempts == ()
-    assert upstream.event_keys() == ["tx:meanwhile"]
+    assert upstream.event_keys() == ["tx:meanwhile", "otp:after"]
 
 
 async def test_a_paused_backlog_is_not_re_claimed_every_second_and_resume_delivers_it_at_once(
@@ -293,7 +310,7 @@ async def test_a_paused_backlog_is_not_re_claimed_every_second_and_resume_delive
         assert guard.store is not None
         store = guard.store
         assert await asyncio.to_thread(main, ["pause", "acme", "--class", "bulk", "-c", str(path)]) == 0
-        await asyncio.sleep(SETTLE)
+        # no wait: this server has not read the paused classes yet, its first look is fresh
         sem = asyncio.Semaphore(10)
 
         async def submit(i: int) -> int:
@@ -309,12 +326,11 @@ async def test_a_paused_backlog_is_not_re_claimed_every_second_and_resume_delive
         before = await versions()
         await asyncio.sleep(3.0)
         writes = await versions() - before
-        resumed_at = time.monotonic()
         assert await asyncio.to_thread(main, ["resume", "acme", "--class", "bulk", "-c", str(path)]) == 0
+        # At once, not when the entries' holds end: within this bound, a third of the 30 s
+        # a paused class's entry is held for (class_pauses.HOLD).
         await upstream.wait_received(n, timeout=10)
-        delivered_in = time.monotonic() - resumed_at
-    print(f"{n} paused entries: {writes} record writes in 3 s; delivered {delivered_in:.1f} s after resume")
+    print(f"{n} paused entries: {writes} record writes in 3 s")
     assert codes == [250] * n
     assert writes <= n // 10, writes
-    assert delivered_in < 5.0
     assert Counter(upstream.event_keys()) == Counter(f"flood:{i}" for i in range(n))

@@ -228,10 +228,9 @@ async def test_429_without_retry_after_backs_off_exponentially_then_gives_up(
 async def test_a_retry_after_beyond_the_bound_is_not_waited_for(mailgun: FakeMailgun, now: Now) -> None:
     mailgun.fail(429, times=1, retry_after="3600")
     async with mg_client(mailgun, now) as client:
-        started = time.monotonic()
+        # A client that waited the hour out fails here rather than hanging the suite.
         with pytest.raises(ApiUnavailable, match="Retry-After 3600s"):
-            await client.entries(Attempt("primary", now.t, "acme:1", "<a@x>"))
-        assert time.monotonic() - started < 2
+            await asyncio.wait_for(client.entries(Attempt("primary", now.t, "acme:1", "<a@x>")), 30)
     assert len(mailgun.requests) == 1
 
 
@@ -257,10 +256,8 @@ async def test_an_api_that_is_down_is_unavailable_within_the_bound(now: Now) -> 
         provider="primary", base_url=f"http://127.0.0.1:{port}", key=KEY, wall=now, retry=FAST
     )
     async with client:
-        started = time.monotonic()
         with pytest.raises(ApiUnavailable, match="after 4 requests"):
-            await client.entries(Attempt("primary", now.t, "acme:1", None))
-        assert time.monotonic() - started < 5
+            await asyncio.wait_for(client.entries(Attempt("primary", now.t, "acme:1", None)), 30)
     assert client.errors["network"] == 4 and client.requests == 4
 
 
@@ -438,12 +435,11 @@ async def test_clients_are_built_from_config_with_the_key_from_env_or_file(
 async def test_a_hung_api_times_out_within_the_bound(mailgun: FakeMailgun, now: Now) -> None:
     mailgun.stall = 5.0
     async with mg_client(mailgun, now, timeout=0.2) as client:
-        started = time.monotonic()
+        # Each of the four requests ended by the client's 0.2 s timeout (TimeoutError), none
+        # by the fake's answer after its 5 s stall, which would have been a success.
         with pytest.raises(ApiUnavailable, match=r"after 4 requests \(TimeoutError\)"):
-            await client.entries(Attempt("primary", now.t, "acme:1", "<a@x>"))
-        took = time.monotonic() - started
+            await asyncio.wait_for(client.entries(Attempt("primary", now.t, "acme:1", "<a@x>")), 30)
     assert len(mailgun.requests) == 4
-    assert 0.8 <= took < 3.0  # four timeouts of 0.2 s and three short backoffs, never the 5 s stall
     assert client.errors["network"] == 4
 
 

@@ -224,13 +224,11 @@ async def test_idle_client_gets_421_and_is_disconnected_while_others_are_served(
     async with running_guard(base_config(tmp, upstream.port, limits__idle_timeout="1s")) as guard:
         port = guard.ports[0]
         async with session(port) as idle:
-            started = time.monotonic()
             other = await submit(port, message_bytes("idle:1"))
             assert other.code == 250, other
-            bye = await idle.reply(timeout=10)
+            bye = await idle.reply(timeout=10)  # the bound: a client never timed out fails here
             assert (bye.code, bye.enhanced) == (421, "4.4.2") and "Idle" in bye.text, bye
             assert await idle.closed()
-            assert time.monotonic() - started < 5
         assert await all_released(guard)
     assert len(upstream.received) == 1
 
@@ -246,7 +244,6 @@ async def test_slow_data_is_cut_by_data_timeout(tmp: Path, upstream: Upstream) -
             await slow.command("RCPT TO:<customer@example.com>")
             assert (await slow.command("DATA")).code == 354
             slow.write(message_bytes("slow:1")[:-2])
-            started = time.monotonic()
 
             async def trickle() -> None:
                 while True:
@@ -260,9 +257,9 @@ async def test_slow_data_is_cut_by_data_timeout(tmp: Path, upstream: Upstream) -
                 bye = await slow.reply(timeout=10)
             finally:
                 await stop(trickler)
-            elapsed = time.monotonic() - started
+            # Cut by data_timeout ("took too long"; idle_timeout would say "Idle"), and at all:
+            # the trickle never ends, so a DATA phase left unbounded fails reply()'s bound.
             assert (bye.code, bye.enhanced) == (421, "4.4.2") and "took too long" in bye.text, bye
-            assert 1.5 < elapsed < 8, elapsed
             assert await slow.closed()
         assert guard.store is not None and await guard.store.get("acme", "slow:1") is None
         assert await all_released(guard)
@@ -276,7 +273,6 @@ async def test_slowloris_byte_by_byte_in_data_hits_the_idle_timeout(tmp: Path, u
         await slow.command("MAIL FROM:<billing@acme.example>")
         await slow.command("RCPT TO:<customer@example.com>")
         assert (await slow.command("DATA")).code == 354
-        started = time.monotonic()
 
         async def one_byte_at_a_time() -> None:
             for byte in b"From: billing@acme.example\r\nTo: customer@example.com\r\n":
@@ -287,10 +283,12 @@ async def test_slowloris_byte_by_byte_in_data_hits_the_idle_timeout(tmp: Path, u
         trickler = asyncio.create_task(one_byte_at_a_time())
         try:
             bye = await slow.reply()
+            # cut while the header was still trickling in (it would take 14 s whole)
+            cut_short = not trickler.done()
         finally:
             await stop(trickler)
         assert (bye.code, bye.enhanced) == (421, "4.4.2") and "Idle" in bye.text, bye
-        assert time.monotonic() - started < 4
+        assert cut_short
     assert upstream.handler.transactions == 0
 
 

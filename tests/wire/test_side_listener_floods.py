@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -55,7 +54,9 @@ WITH_NOFILE = (
 )
 """Runs serve under the lowered limit (what `prlimit --nofile` does, without needing it)."""
 PER_IP = 32
-ANSWER_WITHIN = 2.0
+ANSWER_WITHIN = 10
+"""The genuine clients' own timeout: well inside the flood's holds (IDLE, TRICKLE: 300 s), so
+a genuine client left waiting behind the flood fails its request."""
 
 
 @pytest.fixture
@@ -190,23 +191,23 @@ FLOODS: dict[str, tuple[bytes, bytes]] = {
 
 async def _genuine_webhook(
     port: int, keys: ev.Keys, message_id: str, queue_id: str
-) -> tuple[int, Any, float]:
+) -> tuple[int, Any]:
     signed = ev.ses(keys, ev.ses_message("Bounce", RCPT, message_id, queue_id))
     connector = aiohttp.TCPConnector(local_addr=(GENUINE, 0))
-    started = time.monotonic()
     async with (
-        aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=10)) as s,
+        aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=ANSWER_WITHIN)) as s,
         s.post(f"http://127.0.0.1:{port}/events/ses", data=signed.body, headers=signed.headers) as r,
     ):
         doc = await r.json(content_type=None)
-        return r.status, doc, time.monotonic() - started
+        return r.status, doc
 
 
-async def _flooded_listener_serves(listener: str, port: int) -> float:
-    """The flooded listener still serves a client from another address; seconds it took."""
-    started = time.monotonic()
+async def _flooded_listener_serves(listener: str, port: int) -> None:
+    """The flooded listener still serves a client from another address."""
     if listener == "mailbox":
-        client = aiosmtplib.SMTP(hostname="127.0.0.1", port=port, timeout=10, source_address=(GENUINE, 0))
+        client = aiosmtplib.SMTP(
+            hostname="127.0.0.1", port=port, timeout=ANSWER_WITHIN, source_address=(GENUINE, 0)
+        )
         await client.connect()
         code, _ = await client.ehlo()
         await client.quit()
@@ -214,12 +215,12 @@ async def _flooded_listener_serves(listener: str, port: int) -> float:
     else:
         connector = aiohttp.TCPConnector(local_addr=(GENUINE, 0))
         path = "/login" if listener == "console" else "/events/nosuch"
+        within = aiohttp.ClientTimeout(total=ANSWER_WITHIN)
         async with (
-            aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=10)) as s,
+            aiohttp.ClientSession(connector=connector, timeout=within) as s,
             s.get(f"http://127.0.0.1:{port}{path}") as r,
         ):
             assert r.status == (200 if listener == "console" else 405)
-    return time.monotonic() - started
 
 
 @pytest.mark.parametrize("listener", list(FLOODS))
@@ -239,12 +240,11 @@ async def test_a_flood_leaves_webhooks_and_submission_answered(
         message_id = upstream.received[0].header("Message-ID")
         assert message_id
 
-        status, doc, took = await _genuine_webhook(guard["events"], keys, message_id, "Q1")
+        status, doc = await _genuine_webhook(guard["events"], keys, message_id, "Q1")
         assert status == 200, doc
         assert doc.get("applied") == 1, doc
-        assert took < ANSWER_WITHIN
 
-        assert await _flooded_listener_serves(listener, guard[listener]) < ANSWER_WITHIN
+        await _flooded_listener_serves(listener, guard[listener])
 
         # The caps, not luck: at most PER_IP from each attacking address were kept.
         refused = await flood.refused()

@@ -82,18 +82,22 @@ async def connect(port: int, source: str = "127.0.0.1") -> tuple[asyncio.StreamR
 
 async def closed_after(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, trickle: bytes = b""
-) -> tuple[float, bytes]:
-    """Seconds until the listener closes the connection (bounded at 5), and what it sent;
-    meanwhile `trickle` goes out one byte every 0.1 s."""
+) -> tuple[float, bytes, int]:
+    """Seconds until the listener closes the connection (a close that does not come within
+    5 s fails the test), what it sent, and how many bytes of `trickle` (one every 0.1 s) had
+    gone out by then."""
     started = time.monotonic()
     got = bytearray()
+    dribbled = 0
 
     async def dribble() -> None:
+        nonlocal dribbled
         for byte in trickle:
-            if writer.is_closing():
+            if writer.is_closing() or reader.at_eof():
                 return
             with contextlib.suppress(OSError):
                 writer.write(bytes([byte]))
+                dribbled += 1
             await asyncio.sleep(0.1)
 
     task = asyncio.create_task(dribble())
@@ -106,7 +110,7 @@ async def closed_after(
     finally:
         task.cancel()
         writer.close()
-    return time.monotonic() - started, bytes(got)
+    return time.monotonic() - started, bytes(got), dribbled
 
 
 HEADERS = {
@@ -117,8 +121,9 @@ HEADERS = {
 
 @pytest.mark.parametrize("listener", LISTENERS)
 async def test_an_idle_connection_is_closed_after_idle_timeout(guard: Server, listener: str) -> None:
-    took, _ = await closed_after(*await connect(port_of(guard, listener)))
-    assert IDLE - 0.1 <= took < IDLE + 1.0, took
+    took, _, _ = await closed_after(*await connect(port_of(guard, listener)))
+    # Not before idle_timeout; and closed at all (closed_after's bound), not left open.
+    assert took >= IDLE - 0.1, took
 
 
 @pytest.mark.parametrize("listener", LISTENERS)
@@ -134,8 +139,10 @@ async def test_a_trickled_request_is_cut_read_timeout_after_its_first_byte(
     reader, writer = await connect(port_of(guard, listener))
     if listener == "mailbox":
         assert (await reader.readline()).startswith(b"220")
-    took, got = await closed_after(reader, writer, first)
-    assert READ - 0.1 <= took < READ + 1.0, took
+    took, got, dribbled = await closed_after(reader, writer, first)
+    # Not before read_timeout, and cut while the request was still trickling in.
+    assert took >= READ - 0.1, took
+    assert dribbled < len(first), dribbled
     assert (b"421 4.4.2" if listener == "mailbox" else b"HTTP/1.1 408") in got, got
 
 
@@ -145,8 +152,10 @@ async def test_a_trickled_body_is_cut_read_timeout_after_its_first_byte(
 ) -> None:
     reader, writer = await connect(port_of(guard, listener))
     writer.write(HEADERS[listener])
-    took, _ = await closed_after(reader, writer, b"x" * 40)
-    assert READ - 0.1 <= took < READ + 1.0, took
+    took, _, dribbled = await closed_after(reader, writer, b"x" * 40)
+    # Not before read_timeout, and cut while the body was still trickling in.
+    assert took >= READ - 0.1, took
+    assert dribbled < 40, dribbled
     if listener == "events":
         # The handler reading the body learns it will not come whole: one line, nothing applied.
         await eventually(
@@ -168,8 +177,8 @@ async def test_a_keep_alive_client_is_served_then_closed_when_idle(guard: Server
             if line.lower().startswith(b"content-length:"):
                 length = int(line.split(b":")[1])
         await reader.readexactly(length)
-    took, _ = await closed_after(reader, writer)
-    assert took < IDLE + 1.0, took
+    # Closed once idle (closed_after fails the test when no close comes).
+    await closed_after(reader, writer)
 
 
 async def _refused(reader: asyncio.StreamReader) -> bool:
@@ -273,7 +282,7 @@ async def test_malformed_http_is_400_and_one_log_line_without_a_traceback(
     for request in MALFORMED.values():
         reader, writer = await connect(port_of(guard, listener))
         writer.write(request)
-        _, got = await closed_after(reader, writer)
+        _, got, _ = await closed_after(reader, writer)
         assert got.startswith(b"HTTP/1.0 400") or got.startswith(b"HTTP/1.1 400"), got[:80]
     lines = [r for r in caplog.records if r.getMessage() == "malformed HTTP request refused"]
     assert len(lines) == len(MALFORMED)
