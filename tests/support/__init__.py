@@ -102,6 +102,9 @@ class Behaviour:
     hold_after_dot: asyncio.Event | None = None
     """Wait for this event before answering the final dot (the message is recorded first):
     a transaction kept in flight exactly as long as the test needs, not for a guessed time."""
+    accept: str = "250 2.0.0 Ok: queued as {queue_id}"
+    """The reply to a final dot the upstream takes (the message is recorded); `{queue_id}` is
+    filled in."""
     drop_after_dot: bool = False
     """Record the message, then close the connection without replying (RFC 1047 window)."""
     hang_at_mail: float = 0.0
@@ -221,7 +224,7 @@ class RecordingHandler:
             await b.hold_after_dot.wait()
         if b.idle_421:
             session.idle_expired = True  # type: ignore[attr-defined]
-        return f"250 2.0.0 Ok: queued as {queue_id}"
+        return b.accept.format(queue_id=queue_id)
 
 
 class _CountingSMTP(SMTP):

@@ -98,6 +98,8 @@ class Row:
     enhanced: str
     says: str = ""
     """A fragment the reply text must hold (the list, cap, header or user it names)."""
+    starts: str = ""
+    """What the reply text (its enhanced code first) must begin with."""
     delivered: int = 0
     """Messages the upstream received in the whole case."""
     configure: Callable[[Config, Path], None] = lambda cfg, tmp: None
@@ -355,7 +357,17 @@ ROWS = [
         configure=setting(zones__acme__monthly_cap=0),
     ),
     Row("no-provider-available", once(plain), "data", 451, "4.4.1", configure=no_provider),
-    Row("upstream-reply-passed-through", once(plain), "data", 250, "2.0.0", "queued as Q1", delivered=1),
+    Row(
+        "upstream-reply-passed-through",
+        # an enhanced code and text of the upstream's own, not smtpguard's 2.0.0
+        upstream_script(Behaviour(accept="250 2.6.0 <x@up> accepted as Q{queue_id}"))(once(plain)),
+        "data",
+        250,
+        "2.6.0",
+        "] <x@up> accepted as QQ1",
+        starts="2.6.0 [sg:",
+        delivered=1,
+    ),
     Row(
         "non-ascii-sender-without-smtputf8",
         once(lambda: plain(sender="jöe@acme.example")),
@@ -470,5 +482,5 @@ async def test_reply(row: Row, tmp: Path, upstream: Upstream, request: pytest.Fi
     reply = submission.steps.get(row.step)
     assert reply is not None, f"no reply at {row.step}: {submission.steps}"
     assert (reply.code, reply.enhanced) == (row.code, row.enhanced), reply
-    assert row.says in reply.text, reply
+    assert row.says in reply.text and reply.text.startswith(row.starts), reply
     assert len(upstream.received) == row.delivered, [r.header("X-Event-Key") for r in upstream.received]
