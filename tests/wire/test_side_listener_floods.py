@@ -189,9 +189,7 @@ FLOODS: dict[str, tuple[bytes, bytes]] = {
 }
 
 
-async def _genuine_webhook(
-    port: int, keys: ev.Keys, message_id: str, queue_id: str
-) -> tuple[int, Any]:
+async def _genuine_webhook(port: int, keys: ev.Keys, message_id: str, queue_id: str) -> tuple[int, Any]:
     signed = ev.ses(keys, ev.ses_message("Bounce", RCPT, message_id, queue_id))
     connector = aiohttp.TCPConnector(local_addr=(GENUINE, 0))
     async with (
