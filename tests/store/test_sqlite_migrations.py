@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from smtpguard.policy.ledger import State
 from smtpguard.store import Reserved, StoreUnavailable, store_from_url
 from smtpguard.store.sqlite import migrate
+from smtpguard.store.sqlite.schema import _connect
 from tests.store.test_store_contract import fresh
 
 
@@ -154,3 +156,29 @@ async def test_a_file_of_an_earlier_release_is_adopted_at_the_version_it_matches
     columns = [row[1] for row in conn.execute("PRAGMA table_info(queue)")]
     conn.close()
     assert columns.count("smtputf8") == 1
+
+
+def test_a_new_file_held_by_another_opener_is_waited_for_not_refused(tmp_path: Path) -> None:
+    """Switching a file into WAL takes an exclusive lock, and SQLite answers "database is
+    locked" at once (no busy handler) while another connection holds it: four stores
+    opening one new file together failed 1 time in 30 before the opener waited."""
+    path = tmp_path / "state.db"
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")
+    holder.execute("CREATE TABLE t (x)")
+    released = threading.Event()
+
+    def release() -> None:
+        holder.execute("COMMIT")
+        released.set()
+
+    timer = threading.Timer(0.3, release)
+    timer.start()
+    try:
+        conn = _connect(path)
+        assert released.is_set()
+        assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+        conn.close()
+    finally:
+        timer.join()
+        holder.close()
