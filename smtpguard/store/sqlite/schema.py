@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import sqlite3
+import time
 from pathlib import Path
 from urllib.parse import quote
 
@@ -64,7 +65,25 @@ def _connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
         _stand_in_for_missing_tables(conn)
         conn.execute("PRAGMA query_only = ON")
     else:
-        conn.execute("PRAGMA journal_mode = WAL")
+        _into_wal(conn)
         # FULL: a commit is on disk before the writer reports it (the 250 depends on it).
         conn.execute("PRAGMA synchronous = FULL")
     return conn
+
+
+def _into_wal(conn: sqlite3.Connection, wait: float = 30.0) -> None:
+    """Switching a file into WAL takes an exclusive lock, and SQLite answers "database is
+    locked" at once, without its busy handler, while another connection holds the file
+    (workers or the CLI opening one new file together): wait as busy_timeout would. Runs in
+    the writer's own thread, so the sleep blocks no event loop."""
+    deadline = time.monotonic() + wait
+    delay = 0.005
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() >= deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
