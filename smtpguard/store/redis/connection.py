@@ -17,7 +17,6 @@ from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
-from redis.maint_notifications import MaintNotificationsConfig
 
 from smtpguard.store.base import StoreUnavailable
 from smtpguard.store.errors import answers, translated
@@ -108,10 +107,6 @@ class RedisConnection:
             # One quick retry on a dead pooled connection (Redis restarted) and nothing on a
             # timeout: a timed-out script may have run, and running it twice counts twice.
             "retry": Retry(ExponentialBackoff(cap=0.2, base=0.05), 1, (RedisConnectionError,)),
-            # Off: while maintenance notifications (a managed-Redis feature) are on, and their
-            # default "auto" counts as on, the pool skips its checkout check and hands out
-            # connections the server has closed (after a Redis restart, every idle one).
-            "maint_notifications_config": MaintNotificationsConfig(enabled=False),
         }
         if self.url.startswith(SENTINEL_SCHEME):
             return self._sentinel_client(options)
@@ -214,12 +209,7 @@ class RedisConnection:
         Sentinel, is its address still the master's): after a Redis restart or a failover
         every kept connection is stale at once. So a connection error drops them all, and
         the retry takes its connection from the pool, which checks it (and asks the
-        sentinels again): one retry per write is enough, as before they were kept.
-
-        Before a command is sent, its connection (kept, or from the pool) is reconnected if
-        its peer has already closed it: nothing was sent on it, so this is no retry and costs
-        none. The first write after a restart then keeps its one retry for a connection lost
-        with the command on it (which own-write detection makes safe, DESIGN.md §11.4)."""
+        sentinels again): one retry per write is enough, as before they were kept."""
         pool = self._r.connection_pool
         spare = self._spare
         for attempt in (1, 2):
@@ -229,7 +219,6 @@ class RedisConnection:
                 conn = await pool.get_connection()  # type: ignore[no-untyped-call]
             clean = False
             try:
-                await _reconnect_if_closed(conn)
                 if not wait:
                     await conn.send_packed_command(packed)
                     reply = await conn.read_response(disable_decoding=raw)
@@ -308,15 +297,3 @@ class RedisConnection:
     @_translated
     async def _flag_set(self, flag: str) -> None:
         await self._r.set(flag, "1")
-
-
-async def _reconnect_if_closed(conn: Any) -> None:
-    """Reconnect `conn` if the server closed it (or it holds bytes nobody asked for): the
-    check redis-py's pool makes at checkout, here made on a kept connection too."""
-    try:
-        closed = bool(await conn.can_read())
-    except RedisConnectionError:  # already dropped: can_read raises rather than answer
-        closed = True
-    if closed:
-        await conn.disconnect(nowait=True)
-        await conn.connect()
