@@ -6,6 +6,7 @@ these and add what its schema does its own way."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
@@ -27,25 +28,26 @@ T = TypeVar("T")
 P = ParamSpec("P")
 
 
-class Runner:
+class Runner(ABC):
     """What a backend gives the shared roles: a read, a write of one statement, and a
     script of several in one transaction (statements.py), all raising StoreUnavailable.
     A script is made by `make(*args)` at each run of the transaction: SQLite's writer runs
     an operation again, alone, when another of its batch failed."""
 
-    async def _rows(self, plan: Plan) -> list[tuple[Any, ...]]:
-        raise NotImplementedError
+    @abstractmethod
+    async def _rows(self, plan: Plan) -> list[tuple[Any, ...]]: ...
 
-    async def _execute(self, plan: Plan) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    async def _execute(self, plan: Plan) -> None: ...
 
-    async def _script(self, make: Callable[P, Script[T]], /, *args: P.args, **kwargs: P.kwargs) -> T:
-        raise NotImplementedError
+    @abstractmethod
+    async def _script(self, make: Callable[P, Script[T]], /, *args: P.args, **kwargs: P.kwargs) -> T: ...
 
+    @abstractmethod
     def now(self) -> float:
         # The store's clock: SQLiteStore's own, OnServerClock's (listed before Runner in
         # Pool's bases, so that it, not this, is found).
-        raise NotImplementedError
+        ...
 
 
 class Fleet(Runner):
@@ -118,10 +120,11 @@ class Controls(Runner):
 
 
 class Desk(Runner):
+    @abstractmethod
     def _id_lookup(self, field: IdField, value: str) -> tuple[str, list[str]]:
         """Where this store keeps a record's `field` (an expression over a row of `events`,
         its alias written `{t}`) and the forms `value` may stand there in."""
-        raise NotImplementedError
+        ...
 
     # --- reconciliation cursors (§19) -------------------------------------------------------
     async def reconcile_cursor(self, name: str) -> float | None:
