@@ -57,9 +57,9 @@ class EventsServer:
         self.clock = clock
         self.observe = observe
         self.auth_limits = auth_limits
+        """`limits.auth_failures` within `auth_failure_window`, as the running config has it."""
         self.on_verdict = on_verdict
         """(provider, verdict) → smtpguard_verdicts_total, for a webhook that settled a record."""
-        """`limits.auth_failures` within `auth_failure_window`, as the running config has it."""
         self._applying: dict[str, asyncio.Semaphore] = {}
         self._auth_turns: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self.port = 0
