@@ -66,6 +66,37 @@ async def test_writes_after_a_redis_restart_do_not_fail_on_kept_connections(tmp_
         server.stop()
 
 
+async def test_writes_arriving_while_one_retries_after_a_redis_restart_all_succeed(tmp_path: Path) -> None:
+    """An instance's first submissions after a restart: the first write's kept connection is
+    stale, so it drops the kept ones to the pool and retries 50 ms later on one from the
+    pool; the writes that arrive meanwhile take the dropped (reconnecting) ones, which leaves
+    the pool's idle connections, closed by the old server too, for the retry. The pool must
+    not hand out one of those as live (redis-py 8 skips its checkout check while maintenance
+    notifications are on, and their default "auto" counts as on)."""
+    server = RedisServer(tmp_path)
+    server.start()
+    store = RedisStore(server.url)
+    await store.open()
+    try:
+        await _fill_kept(store, "keptwave")  # 16 kept, 32 idle in the pool: all of them live
+        server.stop()
+        server.start()  # same port, empty: every connection now has a closed peer
+        first = asyncio.create_task(store.reserve(fresh("first", zone="keptwave"), None, None, False))
+        # The first write is done, or it has met a stale kept connection and dropped them all.
+        await eventually(lambda: first.done() or not store._spare, timeout=5, interval=0.001)
+        wave = await asyncio.gather(
+            *(store.reserve(fresh(f"wave{i}", zone="keptwave"), None, None, False) for i in range(_SPARE)),
+            return_exceptions=True,
+        )
+        results = [*await asyncio.gather(first, return_exceptions=True), *wave]
+        assert [str(r) for r in results if r != Reserved()] == []
+        for key in ["first", *(f"wave{i}" for i in range(_SPARE))]:
+            assert await store.get("keptwave", key) is not None
+    finally:
+        await store.close()
+        server.stop()
+
+
 @pytest.mark.slow
 async def test_writes_after_a_sentinel_failover_do_not_fail_on_kept_connections(tmp_path: Path) -> None:
     """SENTINEL FAILOVER (a planned switch, the old master stays up and becomes a replica):
