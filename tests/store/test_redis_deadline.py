@@ -22,7 +22,7 @@ import redis
 from smtpguard.store import Reserved, StoreUnavailable
 from smtpguard.store.redis import _MAX_CONNECTIONS, _SPARE, RedisStore
 from smtpguard.store.redis.connection import _TIMEOUT
-from tests.store.test_redis_kept_connections import _fill_kept
+from tests.store.test_redis_kept_connections import _fill_kept, stale_after_a_restart
 from tests.store.test_store_contract import fresh
 from tests.support import RedisServer
 
@@ -59,14 +59,7 @@ async def test_a_hung_redis_fails_every_operation_at_its_deadline(tmp_path: Path
     connections, nothing answers on them): every kept and idle connection is stale, so each
     checkout reconnects and its handshake hangs; more operations than the pool holds, so
     some open new connections and some wait for one."""
-    server = RedisServer(tmp_path)
-    server.start()
-    store = RedisStore(server.url)
-    await store.open()
-    try:
-        await _fill_kept(store, "deadline")
-        server.stop()
-        server.start()
+    async with stale_after_a_restart(tmp_path, "deadline") as (server, store):
         assert server.proc is not None
         os.kill(server.proc.pid, signal.SIGSTOP)
         try:
@@ -83,9 +76,6 @@ async def test_a_hung_redis_fails_every_operation_at_its_deadline(tmp_path: Path
         assert answered == []
         # And the store works again without a restart.
         assert await store.reserve(fresh("after", zone="deadline"), None, None, False) == Reserved()
-    finally:
-        await store.close()
-        server.stop()
 
 
 async def test_an_answer_that_arrives_after_the_deadline_is_not_taken(tmp_path: Path) -> None:
