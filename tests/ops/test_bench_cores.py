@@ -47,6 +47,14 @@ def test_scenario_names_and_modes() -> None:
     assert scenario_reason("outbox-sqlite@1") == scenario_reason("guard-postgres")
 
 
+def test_redis_rows_run_where_redis_server_is_installed() -> None:
+    # The Redis store is the package smtpguard/store/redis/, not a module file.
+    want = None if shutil.which("redis-server") else "redis-server is not installed"
+    assert scenario_reason("guard-redis@1") == want
+    assert scenario_reason("guard-redis@auto") == want
+    assert scenario_reason("outbox-redis@1") in (want, scenario_reason("guard-postgres"))
+
+
 def test_sink_check_counts_duplicates_and_lost() -> None:
     rows = [
         _row("naive", "unique", 600, 300, 300),
