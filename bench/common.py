@@ -394,6 +394,29 @@ class Postgres:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def start_store(store: str, tmp: Path, name: str, stop: list[Any], pg: Postgres | None = None) -> str:
+    """The URL of a fresh `store` (sqlite, redis, postgres) for smtpguard, its server started
+    and appended to `stop`: a SQLite file tmp/NAME.db, a private redis-server, or a private
+    PostgreSQL; with `pg`, a database NAME created in that server instead of another server."""
+    if store == "sqlite":
+        return f"sqlite:///{tmp / f'{name}.db'}"
+    if store == "redis":
+        redis = Redis(tmp)
+        stop.append(redis)
+        return redis.url
+    if store == "postgres":
+        if pg is None:
+            pg = Postgres(tmp)
+            stop.append(pg)
+            return pg.url
+        import psycopg
+
+        with psycopg.connect(pg.url, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"'.encode())
+        return pg.url.rsplit("/", 1)[0] + "/" + name
+    raise ValueError(store)
+
+
 # --- a private Postfix relay -----------------------------------------------------------------
 _MASTER_CF = """\
 {port} inet n - n - - smtpd

@@ -63,8 +63,6 @@ from bench.common import (
     ROOT,
     Guard,
     Postfix,
-    Postgres,
-    Redis,
     Sink,
     descendants,
     free_port,
@@ -73,6 +71,7 @@ from bench.common import (
     machine_info,
     password_hash,
     stamp,
+    start_store,
     workdir,
     write_result,
 )
@@ -147,18 +146,7 @@ def start(
     store = base.removeprefix("guard-")
     stop: list[Any] = []
     try:
-        if store == "sqlite":
-            url = f"sqlite:///{tmp / f'{row_id}.db'}"
-        elif store == "redis":
-            redis = Redis(tmp)
-            stop.append(redis)
-            url = redis.url
-        elif store == "postgres":
-            pg = Postgres(tmp)
-            stop.append(pg)
-            url = pg.url
-        else:
-            raise ValueError(scenario)
+        url = start_store(store, tmp, row_id, stop)
         port = free_port()
         cfg = guard_config(port, sink.port, url, pool_size)
         if workers != "1":

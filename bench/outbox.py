@@ -32,12 +32,12 @@ from bench.common import (
     ZONE,
     Guard,
     Postgres,
-    Redis,
     Sink,
     cpu_seconds,
     free_port,
     guard_config,
     machine_info,
+    start_store,
     workdir,
     write_result,
 )
@@ -122,18 +122,7 @@ def drain_row(
         pg = Postgres(tmp)
         stop.append(pg)
         create_table(pg.url)
-        if store == "sqlite":
-            store_url = f"sqlite:///{tmp / f'outbox-{store}.db'}"
-        elif store == "redis":
-            redis = Redis(tmp)
-            stop.append(redis)
-            store_url = redis.url
-        elif store == "postgres":
-            with psycopg.connect(pg.url, autocommit=True) as conn:
-                conn.execute("CREATE DATABASE ledger")
-            store_url = pg.url.rsplit("/", 1)[0] + "/ledger"
-        else:
-            raise ValueError(store)
+        store_url = start_store(store, tmp, "ledger", stop, pg)
         before = sink.settled_count(quiet=0.2)
         guard = outbox_guard(tmp, f"outbox-{store}", sink, store_url, pg.url, pool_size, batch)
         stop.append(guard)

@@ -168,14 +168,15 @@ def _settings() -> Settings:
     return Settings(0.3, 1.0, 100_000, 2000, 200, 0.9, 50.0, 8, False)
 
 
-def test_outbox_drain_row_counts_every_row_at_the_sink(tmp_path: Path) -> None:
-    reason = scenario_reason("outbox-sqlite@1")
+@pytest.mark.parametrize("store", ["sqlite", "redis", "postgres"])
+def test_outbox_drain_row_counts_every_row_at_the_sink(tmp_path: Path, store: str) -> None:
+    reason = scenario_reason(f"outbox-{store}@1")
     if reason:
         pytest.skip(reason)
     tmp_path.chmod(0o755)
     sink = Sink(tmp_path)
     try:
-        row = measure_drain("outbox-sqlite@1", tmp_path, sink, _settings(), 60, "t")
+        row = measure_drain(f"outbox-{store}@1", tmp_path, sink, _settings(), 60, "t")
     finally:
         sink.stop()
     assert not row.errors, row.note
@@ -183,10 +184,10 @@ def test_outbox_drain_row_counts_every_row_at_the_sink(tmp_path: Path) -> None:
     assert row.msgs_s > 0 and row.proxy_cpu_ms_per_msg is not None and row.proxy_cpu_ms_per_msg > 0
     assert [ok for _, ok in sink_checks([row])] == [True]
     smtp = _row(
-        "guard-sqlite@1", "unique", row.msgs_s / 2, 0, 0, proxy_cpu_ms_per_msg=row.proxy_cpu_ms_per_msg
+        f"guard-{store}@1", "unique", row.msgs_s / 2, 0, 0, proxy_cpu_ms_per_msg=row.proxy_cpu_ms_per_msg
     )
     assert drain_lines([smtp, row])[0].endswith(
-        "= 2.00x guard-sqlite@1's SMTP " + f"{row.msgs_s / 2:.0f} msgs/s; CPU/msg 1.00x its SMTP's"
+        f"= 2.00x guard-{store}@1's SMTP {row.msgs_s / 2:.0f} msgs/s; CPU/msg 1.00x its SMTP's"
     )
 
 
