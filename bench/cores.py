@@ -1,5 +1,6 @@
-"""Every core: smtpguard with `workers: 1` and `workers: auto`, beside Postfix and the naive
-relay, on SQLite, Redis and PostgreSQL, in one run (issue 19, DESIGN.md §17).
+"""Every core: smtpguard with `workers: 1` and `workers: auto`, beside Postfix (default and
+tuned) and the naive relay, on SQLite, Redis and PostgreSQL, with the outbox's drain and the
+verdict loop's cost, in one run (issues 19 and 30, DESIGN.md §17, §19, §20).
 
     .venv/bin/python -m bench.cores --quick      # ~2 min: 1 s per measurement, one round
     .venv/bin/python -m bench.cores              # 3 s per measurement
@@ -11,12 +12,23 @@ Scenarios, all in front of the same upstream sink (Postfix's smtp-sink when inst
   naive            aiosmtpd + aiosmtplib pass-through with pooled upstream connections
   postfix          a private Postfix with its default settings (relayhost = the sink; the
                    clients send without AUTH from 127.0.0.1, mynetworks)
+  postfix-tuned    the same Postfix tuned for relaying (bench.common.tuned_settings:
+                   in_flow_delay = 0, default_process_limit = 200, connections to the
+                   relayhost cached); Postfix queues, so both Postfix rows wait for the sink
+                   to go quiet (1.5 s) before counting it
   guard-STORE@1    `python -m smtpguard serve`, one process (no `workers` key: the default)
   guard-STORE@auto the same with `workers: auto` (a supervisor and one worker per core)
 with STORE sqlite, redis (a private redis-server, no fsync) and postgres (a private
 PostgreSQL, fsync on). Modes: `unique` (every message a new event) for every relaying
 scenario; `dup` (the duplicate storm: 90% of the submissions repeat keys delivered before)
 for null and the guards.
+
+Beside SMTP, per store: `outbox-STORE@1 drain`, a backlog of --outbox-rows rows (10,000;
+2,000 with --quick) committed in one transaction into the application's PostgreSQL and
+drained by one smtpguard process (no `workers` key), msgs/s = rows / (last receipt -
+COMMIT), with its CPU per message (bench/outbox.py). And once per run, the verdict loop at
+--verdict-records unknown records (bench/verdicts.py, SQLite store, in-process with an
+injected clock): the CPU of its rounds per record settled and their wall time.
 
 Columns: msgs/s; p50/p99 latency; `cpu/msg`, the user+system CPU of the server's processes
 (the supervisor, its workers and every child, from /proc) over the measured window divided
@@ -30,11 +42,16 @@ and, when matplotlib is importable, a chart to bench/results/cores-STAMP.png.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import importlib.util
+import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -45,8 +62,7 @@ from bench.common import (
     PY,
     ROOT,
     Guard,
-    Postgres,
-    Redis,
+    Postfix,
     Sink,
     descendants,
     free_port,
@@ -55,6 +71,7 @@ from bench.common import (
     machine_info,
     password_hash,
     stamp,
+    start_store,
     workdir,
     write_result,
 )
@@ -73,6 +90,19 @@ from bench.relay import (
 STORES = ("sqlite", "redis", "postgres")
 WORKERS = ("1", "auto")
 NA_WORKERS = "n/a (workers not supported by this build)"
+POSTFIX_TUNED = "postfix-tuned"
+DRAIN = "drain"
+"""The mode of the outbox rows (scenario outbox-STORE@1)."""
+POSTFIX_QUIET = 1.5
+"""Seconds the sink must stay still before a Postfix row counts it (bench.relay waits as
+long for its `postfix` row): Postfix hands messages on from its queue, not in the session."""
+
+# Issue 30's targets, per store.
+NAIVE_GOAL = {"sqlite": 0.8, "redis": 0.8, "postgres": 0.65}
+CPU_GOAL_MS = {"sqlite": 1.9, "redis": 1.9, "postgres": 2.4}
+AUTO_GOAL = {"sqlite": 1.2, "redis": 1.4, "postgres": 1.4}
+POSTFIX_GOAL = 1.8
+NULL_GOAL = 0.8
 
 
 def guard_scenarios(stores: tuple[str, ...] = STORES) -> list[str]:
@@ -86,6 +116,8 @@ def split(scenario: str) -> tuple[str, str | None]:
 
 
 def modes_for(scenario: str) -> tuple[str, ...]:
+    if scenario.startswith("outbox-"):
+        return (DRAIN,)
     if scenario == "null":
         return ("dup",)
     if scenario.startswith("guard-"):
@@ -104,23 +136,17 @@ def start(
     scenario: str, tmp: Path, sink: Sink, pool_size: int, row_id: str, queue: dict[str, Any] | None = None
 ) -> Target:
     base, workers = split(scenario)
+    if scenario == POSTFIX_TUNED:
+        pf = Postfix(tmp / row_id, sink.port, tuned=True)
+        t = Target(pf.port, [], [pf], auth=False)
+        t.postfix = pf
+        return t
     if workers is None:
         return start_target(scenario, tmp, sink, pool_size, row_id, queue)
     store = base.removeprefix("guard-")
     stop: list[Any] = []
     try:
-        if store == "sqlite":
-            url = f"sqlite:///{tmp / f'{row_id}.db'}"
-        elif store == "redis":
-            redis = Redis(tmp)
-            stop.append(redis)
-            url = redis.url
-        elif store == "postgres":
-            pg = Postgres(tmp)
-            stop.append(pg)
-            url = pg.url
-        else:
-            raise ValueError(scenario)
+        url = start_store(store, tmp, row_id, stop)
         port = free_port()
         cfg = guard_config(port, sink.port, url, pool_size)
         if workers != "1":
@@ -152,6 +178,131 @@ def workers_supported(tmp: Path) -> tuple[bool, str]:
     return False, out.splitlines()[-1] if out else f"check-config exited {p.returncode}"
 
 
+def store_reason(store: str) -> str | None:
+    """None when smtpguard on `store` can run here, else why not."""
+    if store == "redis":
+        # bench.relay.scenario_available looks for smtpguard/store/redis.py, which became
+        # the package smtpguard/store/redis/: by that test every Redis row would be skipped.
+        if importlib.util.find_spec("smtpguard.store.redis") is None:
+            return "smtpguard has no Redis store"
+        return None if shutil.which("redis-server") else "redis-server is not installed"
+    return scenario_available(f"guard-{store}")
+
+
+def scenario_reason(scenario: str) -> str | None:
+    """None when `scenario` can run here, else why not."""
+    base = split(scenario)[0]
+    if scenario == POSTFIX_TUNED:
+        return scenario_available("postfix")
+    if base.startswith("outbox-"):
+        # The outbox is a PostgreSQL table of the application's, whatever the ledger's store.
+        return store_reason("postgres") or store_reason(base.removeprefix("outbox-"))
+    if base.startswith("guard-"):
+        return store_reason(base.removeprefix("guard-"))
+    return scenario_available(base)
+
+
+def measure_postfix_tuned(tmp: Path, sink: Sink, s: Settings, sessions: int, run_id: str) -> Row:
+    # bench.relay.measure() waits POSTFIX_QUIET for its own `postfix` row only, by name.
+    sink.min_quiet = POSTFIX_QUIET
+    try:
+        row = measure_retrying(POSTFIX_TUNED, "unique", sessions, tmp, sink, s, run_id, start)
+    finally:
+        sink.min_quiet = 0.0
+    if not row.errors.get("failed"):
+        row.note = (
+            f"no AUTH (mynetworks); in_flow_delay 0, connection cache; {row.extra.get('processes', '-')} "
+            f"procs, PSS {row.extra.get('pss_mb', '-')} MB"
+        )
+    return row
+
+
+def measure_drain(scenario: str, tmp: Path, sink: Sink, s: Settings, rows: int, run_id: str) -> Row:
+    """One outbox row: `rows` committed at once, drained by one smtpguard process."""
+    import psycopg
+
+    from bench.outbox import drain_row
+    from smtpguard.outbox.reader import CONCURRENCY
+
+    store = split(scenario)[0].removeprefix("outbox-")
+    row = Row(scenario, DRAIN, CONCURRENCY)
+    work = tmp / f"{run_id}-{scenario.replace('@', '-w')}"
+    work.mkdir()
+    try:
+        got = drain_row(work, sink, store, rows, s.size, s.pool_size, batch=100, timeout=600)
+    except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError, psycopg.Error) as e:
+        last = (str(e).strip().splitlines() or [""])[-1]
+        row.note = f"FAILED: {last}"[:200]
+        row.errors["failed"] = 1
+        return row
+    row.msgs_s = got["msgs_per_s"]
+    row.proxy_cpu_ms_per_msg = got.get("cpu_ms_per_msg")
+    row.sent = rows
+    row.new_accepted = row.measured = got["sent"]
+    row.upstream_received = got["sink_received"]
+    row.window_s = got["seconds"]
+    row.extra["outbox"] = got
+    row.extra["processes"] = 1
+    row.note = f"{rows}-row backlog, COMMIT to last receipt {got['seconds']} s, one process"
+    if got["sent"] < rows:
+        row.errors["not sent"] = rows - got["sent"]
+    return row
+
+
+def verdict_loop(tmp: Path, records: int) -> dict[str, Any]:
+    """bench/verdicts.py with every final-dot reply lost, so all `records` events are
+    unknown records for the loop to settle (the breaker kept closed: each lost reply counts
+    as a provider failure)."""
+    from bench.verdicts import run
+
+    work = tmp / "verdicts"
+    work.mkdir()
+    # The recording upstream's aiosmtpd warns about AUTH without TLS on every session.
+    log = logging.getLogger("mail.log")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = asyncio.run(run(records, 1.0, None, tmp=work, breaker_threshold=records + 1))
+    finally:
+        log.setLevel(level)
+    return asdict(report)
+
+
+def verdict_line(v: dict[str, Any]) -> str:
+    settled = sum(v["settled"].values())
+    per = v["loop_cpu_ms_per_settled"]
+    return (
+        f"verdict loop, SQLite store, {v['unknown']} unknown records: {settled} settled "
+        f"({', '.join(f'{n} {k}' for k, n in sorted(v['settled'].items())) or 'none'}), "
+        f"{v['unsettled']} unsettled, in {v['rounds']} rounds; loop CPU {v['loop_cpu_seconds']:.2f} s = "
+        f"{_f(per, 2)} ms per record settled, wall {v['loop_wall_seconds']:.2f} s in the rounds "
+        f"({v['wall_seconds']:.1f} s with the sends); upstream copies per event max {v['max_copies']}, "
+        f"{v['missing']} missing; {v['api_requests']} log API requests"
+    )
+
+
+def drain_lines(rows: list[Row]) -> list[str]:
+    """Each outbox drain beside the same store's SMTP row of the run (no target in the issue)."""
+    index = {(r.scenario, r.mode): r for r in rows}
+    out = []
+    for r in rows:
+        if r.mode != DRAIN or r.errors.get("failed"):
+            continue
+        store = split(r.scenario)[0].removeprefix("outbox-")
+        smtp = index.get((f"guard-{store}@1", "unique"))
+        vs = ""
+        if smtp is not None and smtp.msgs_s > 0 and not smtp.errors.get("failed"):
+            vs = f" = {r.msgs_s / smtp.msgs_s:.2f}x guard-{store}@1's SMTP {smtp.msgs_s:.0f} msgs/s"
+            if smtp.proxy_cpu_ms_per_msg and r.proxy_cpu_ms_per_msg:
+                vs += f"; CPU/msg {r.proxy_cpu_ms_per_msg / smtp.proxy_cpu_ms_per_msg:.2f}x its SMTP's"
+        out.append(
+            f"  {r.scenario}: {r.msgs_s:.0f} msgs/s, CPU {_f(r.proxy_cpu_ms_per_msg, 2)} ms per message{vs}"
+        )
+    return out
+
+
 # --- checks and ratios -----------------------------------------------------------------------
 def sink_checks(rows: list[Row]) -> list[tuple[str, bool]]:
     """Per relaying row: what the sink received against the 250s given (0 duplicates, 0 lost)."""
@@ -166,6 +317,17 @@ def sink_checks(rows: list[Row]) -> list[tuple[str, bool]]:
         got = r.upstream_received or 0
         if r.scenario == "null":
             out.append((f"{r.scenario:<18} {r.mode:<6}: relays nothing; sink received {got}", got == 0))
+            continue
+        if r.mode == DRAIN:
+            # r.sent: rows committed; r.new_accepted: rows whose receipt says sent.
+            dups, lost = max(0, got - r.new_accepted), max(0, r.sent - got)
+            out.append(
+                (
+                    f"{r.scenario:<18} {r.mode:<6}: {r.sent} rows committed, {r.new_accepted} sent, "
+                    f"sink received {got} -> {dups} duplicates, {lost} lost",
+                    dups == 0 and lost == 0 and r.new_accepted == r.sent,
+                )
+            )
             continue
         if r.mode == "dup":
             pre_ok = r.predeliver_upstream == r.predelivered
@@ -215,79 +377,103 @@ def paired_ratio(
     return (statistics.median(per), per) if per else None
 
 
+def _per_round(rounds: list[list[Row]] | None, scenario: str, attr: str) -> list[float]:
+    """`attr` of the unique row of `scenario` in every round that measured it."""
+    out = []
+    for rnd in rounds or []:
+        for r in rnd:
+            value = getattr(r, attr)
+            if r.scenario == scenario and r.mode == "unique" and not r.errors.get("failed") and value:
+                out.append(float(value))
+    return out
+
+
 def targets(rows: list[Row], workers_ok: bool, rounds: list[list[Row]] | None = None) -> list[str]:
-    """The issue's ratios. With several rounds, each is the median of the per-round ratios
-    (each round's value shown), else the ratio of the rows shown."""
+    """Issue 30's table, row by row, each with its target and MET / NOT MET. With several
+    rounds, a ratio is the median of the per-round ratios (each round's value shown) and a
+    CPU figure the median of the rounds' values; else the rows shown."""
     index = {(r.scenario, r.mode): r for r in rows}
+    multi = rounds is not None and len(rounds) > 1
     out: list[str] = []
 
-    def line(
-        name: str, a: str, b: str, goal: float | None, na: str = "not measured", mode: str = "unique"
-    ) -> None:
+    def met(ok: bool) -> str:
+        return "MET" if ok else "NOT MET"
+
+    def line(name: str, a: str, b: str, goal: float, na: str = "not measured", mode: str = "unique") -> None:
         value = ratio(index, a, b, mode)
         detail = ""
-        if rounds is not None and len(rounds) > 1:
-            got = paired_ratio(rounds, a, b, mode)
+        if multi:
+            got = paired_ratio(rounds or [], a, b, mode)
             if got is not None:
                 value = got[0]
                 detail = f" (median of rounds {'/'.join(f'{x:.2f}' for x in got[1])})"
         if value is None:
             out.append(f"  {name}: {na}")
             return
-        verdict = "" if goal is None else f" (target {goal:.2f}x) {'MET' if value >= goal else 'NOT MET'}"
-        out.append(f"  {name}: {value:.2f}x{detail}{verdict}")
+        out.append(f"  {name}: {value:.2f}x{detail} (target >= {goal:.2f}x) {met(value >= goal)}")
+
+    def cpu(scenario: str) -> tuple[float, str] | None:
+        per = _per_round(rounds, scenario, "proxy_cpu_ms_per_msg") if multi else []
+        if per:
+            return statistics.median(per), f" (median of rounds {'/'.join(f'{x:.2f}' for x in per)})"
+        r = index.get((scenario, "unique"))
+        if r is None or r.errors.get("failed") or not r.proxy_cpu_ms_per_msg:
+            return None
+        return r.proxy_cpu_ms_per_msg, ""
 
     na = "not measured" if workers_ok else NA_WORKERS
     for store in STORES:
-        goal = 1.4 if store == "redis" else None
+        line(f"guard-{store}@1 / naive @50 unique", f"guard-{store}@1", "naive", NAIVE_GOAL[store])
+    naive = cpu("naive")
+    for store in STORES:
+        name = f"guard-{store}@1 CPU per message @50 unique"
+        mine = cpu(f"guard-{store}@1")
+        if mine is None:
+            out.append(f"  {name}: not measured")
+            continue
+        vs = "" if naive is None else f" = {mine[0] / naive[0]:.2f}x naive's {naive[0]:.2f} ms"
+        goal = CPU_GOAL_MS[store]
+        out.append(
+            f"  {name}: {mine[0]:.2f} ms{mine[1]}{vs} (target <= {goal:.2f} ms) {met(mine[0] <= goal)}"
+        )
+    for store in STORES:
         line(
             f"guard-{store}@auto / guard-{store}@1 @50 unique",
             f"guard-{store}@auto",
             f"guard-{store}@1",
-            goal,
+            AUTO_GOAL[store],
             na,
         )
-    best: tuple[float, str] | None = None
-    for store in STORES:
-        x = ratio(index, f"guard-{store}@auto", "postfix")
-        if x is not None and (best is None or x > best[0]):
-            best = (x, store)
-        line(f"guard-{store}@auto / postfix @50 unique", f"guard-{store}@auto", "postfix", None, na)
-    if best is None:
-        out.append(f"  better store @auto / postfix @50 unique: {na}")
+    # The best store by its @auto row's msgs/s in the rows shown.
+    autos = [
+        r
+        for r in (index.get((f"guard-{store}@auto", "unique")) for store in STORES)
+        if r is not None and r.note != NA_WORKERS and not r.errors.get("failed") and r.msgs_s > 0
+    ]
+    best = max(autos, key=lambda r: r.msgs_s) if autos else None
+    for pf in ("postfix", POSTFIX_TUNED):
+        if best is None:
+            out.append(f"  best @auto / {pf} @50 unique: {na}")
+            continue
+        line(f"best @auto ({best.scenario}) / {pf} @50 unique", best.scenario, pf, POSTFIX_GOAL, na)
+    tuned = index.get((POSTFIX_TUNED, "unique"))
+    if best is None or tuned is None or tuned.errors.get("failed"):
+        out.append(f"  best @auto p99 <= {POSTFIX_TUNED} p99 @50 unique: not measured")
     else:
-        line(
-            f"better store @auto / postfix @50 unique ({best[1]})",
-            f"guard-{best[1]}@auto",
-            "postfix",
-            1.8,
-            na,
+        out.append(
+            f"  best @auto ({best.scenario}) p99 {_f(best.p99_ms, 2)} ms vs {POSTFIX_TUNED} p99 "
+            f"{_f(tuned.p99_ms, 2)} ms @50 unique (target guard's <= {POSTFIX_TUNED}'s) "
+            f"{met(best.p99_ms <= tuned.p99_ms)}"
         )
-    for store in STORES:
-        line(f"guard-{store}@1 / postfix @50 unique", f"guard-{store}@1", "postfix", None)
-    for store in STORES:
-        goal = 0.8 if store in ("sqlite", "redis") else None
-        line(f"guard-{store}@1 / naive @50 unique", f"guard-{store}@1", "naive", goal)
     for store in STORES:
         for w in WORKERS:
             line(
                 f"guard-{store}@{w} dup / null dup @50",
                 f"guard-{store}@{w}",
                 "null",
-                0.8,
+                NULL_GOAL,
                 na if w != "1" else "not measured",
                 mode="dup",
-            )
-    naive = index.get(("naive", "unique"))
-    for store in STORES:
-        for w in WORKERS:
-            r = index.get((f"guard-{store}@{w}", "unique"))
-            if r is None or naive is None or r.proxy_cpu_ms_per_msg is None or not naive.proxy_cpu_ms_per_msg:
-                continue
-            out.append(
-                f"  guard-{store}@{w} CPU per message {r.proxy_cpu_ms_per_msg:.2f} ms = "
-                f"{r.proxy_cpu_ms_per_msg / naive.proxy_cpu_ms_per_msg:.2f}x naive's "
-                f"{naive.proxy_cpu_ms_per_msg:.2f} ms"
             )
     return out
 
@@ -373,7 +559,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--pool-size", type=int, default=8)
     ap.add_argument("--size", type=int, default=2000)
-    ap.add_argument("--no-postfix", action="store_true")
+    ap.add_argument("--no-postfix", action="store_true", help="neither Postfix row")
+    ap.add_argument("--outbox-rows", type=int, help="outbox backlog per store (default 10,000, quick 2,000)")
+    ap.add_argument("--no-outbox", action="store_true")
+    ap.add_argument("--verdict-records", type=int, default=1000, help="unknown records for the verdict loop")
+    ap.add_argument("--no-verdicts", action="store_true")
     ap.add_argument("--chart", type=Path, help="also copy the PNG here")
     ap.add_argument("--keep-tmp", action="store_true")
     args = ap.parse_args(argv)
@@ -390,7 +580,11 @@ def main(argv: list[str] | None = None) -> int:
         pipelining=False,
     )
     stores = tuple(x for x in args.stores.split(",") if x)
-    scenarios = ["null", "naive", *([] if args.no_postfix else ["postfix"]), *guard_scenarios(stores)]
+    postfixes = [] if args.no_postfix else ["postfix", POSTFIX_TUNED]
+    scenarios = ["null", "naive", *postfixes, *guard_scenarios(stores)]
+    drains = [] if args.no_outbox else [f"outbox-{store}@1" for store in stores]
+    outbox_rows = args.outbox_rows or (2_000 if args.quick else 10_000)
+    verdicts: dict[str, Any] | None = None
     run_id = stamp()
     git_at_start = git_state()
     password_hash()
@@ -407,9 +601,9 @@ def main(argv: list[str] | None = None) -> int:
             for rnd in range(args.repeat):
                 if args.repeat > 1:
                     print(f"--- round {rnd + 1}/{args.repeat}", flush=True)
-                for scenario in scenarios:
-                    base, workers = split(scenario)
-                    reason = scenario_available(base)
+                for scenario in [*scenarios, *drains]:
+                    workers = split(scenario)[1]
+                    reason = scenario_reason(scenario)
                     if reason:
                         skipped[scenario] = reason
                         if rnd == 0:
@@ -420,9 +614,14 @@ def main(argv: list[str] | None = None) -> int:
                             all_rows.append(Row(scenario, mode, args.sessions, note=NA_WORKERS))
                             continue
                         t0 = time.monotonic()
-                        row = measure_retrying(
-                            scenario, mode, args.sessions, tmp, sink, s, f"{run_id}r{rnd}", start
-                        )
+                        if mode == DRAIN:
+                            row = measure_drain(scenario, tmp, sink, s, outbox_rows, f"{run_id}r{rnd}")
+                        elif scenario == POSTFIX_TUNED:
+                            row = measure_postfix_tuned(tmp, sink, s, args.sessions, f"{run_id}r{rnd}")
+                        else:
+                            row = measure_retrying(
+                                scenario, mode, args.sessions, tmp, sink, s, f"{run_id}r{rnd}", start
+                            )
                         row.extra["round"] = rnd
                         all_rows.append(row)
                         print(
@@ -433,11 +632,17 @@ def main(argv: list[str] | None = None) -> int:
                             f"({time.monotonic() - t0:.1f}s)",
                             flush=True,
                         )
+            if not args.no_verdicts:
+                t0 = time.monotonic()
+                verdicts = verdict_loop(tmp, args.verdict_records)
+                print(f"{verdict_line(verdicts)} ({time.monotonic() - t0:.1f}s)", flush=True)
         finally:
             sink.stop()
     rows = medians([r for r in all_rows if r.note != NA_WORKERS])
     na_rows = {(r.scenario, r.mode): r for r in all_rows if r.note == NA_WORKERS}
-    order = {(sc, m): i for i, (sc, m) in enumerate((sc, m) for sc in scenarios for m in modes_for(sc))}
+    order = {
+        (sc, m): i for i, (sc, m) in enumerate((sc, m) for sc in [*scenarios, *drains] for m in modes_for(sc))
+    }
     rows = sorted([*rows, *na_rows.values()], key=lambda r: order.get((r.scenario, r.mode), 999))
     print()
     print(table(rows))
@@ -445,7 +650,12 @@ def main(argv: list[str] | None = None) -> int:
     checks = sink_checks(all_rows)
     for text, ok in checks:
         print(f"  {text}: {'OK' if ok else 'FAIL'}")
-    print("Targets (issue 19, 50 sessions, same run):")
+    print("Outbox drain, one process per store (same run):")
+    for t in drain_lines(rows) or ["  not measured"]:
+        print(t)
+    if verdicts is not None:
+        print(verdict_line(verdicts))
+    print("Issue 30's table (50 sessions, same run):")
     by_round = [[r for r in all_rows if r.extra.get("round") == rnd] for rnd in range(args.repeat)]
     tl = targets(rows, workers_ok, by_round)
     for t in tl:
@@ -454,7 +664,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\nnotes: {os.cpu_count()} cores; {s.duration:g} s measured after {s.warmup:g} s warm-up per row, "
         f"{args.repeat} round(s); postfix sends without AUTH; redis-server without fsync; PostgreSQL with "
-        f"fsync; upstream pool {s.pool_size}; load avg now {load:.2f}"
+        f"fsync; upstream pool {s.pool_size}; outbox {outbox_rows} rows per store and round; verdict loop "
+        f"once per run; load avg now {load:.2f}"
     )
     payload: dict[str, Any] = {
         "run_id": run_id,
@@ -471,6 +682,7 @@ def main(argv: list[str] | None = None) -> int:
         "all_rounds": [asdict(r) for r in all_rows] if args.repeat > 1 else None,
         "sink_checks": [{"check": t, "ok": ok} for t, ok in checks],
         "targets": tl,
+        "verdicts": verdicts,
     }
     path = write_result("cores", payload)
     print(f"\nwrote {path.relative_to(ROOT)}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -32,9 +33,11 @@ from bench.common import (
     Guard,
     Postgres,
     Sink,
+    cpu_seconds,
     free_port,
     guard_config,
     machine_info,
+    start_store,
     workdir,
     write_result,
 )
@@ -69,16 +72,67 @@ def _wait_sent(url: str, prefix: str, n: int, timeout: float) -> tuple[int, floa
         time.sleep(0.05)
 
 
-def backlog(url: str, rows: int, size: int, timeout: float) -> dict[str, Any]:
+def backlog(url: str, rows: int, size: int, timeout: float, cpu_root: int | None = None) -> dict[str, Any]:
+    """`cpu_root`: also the CPU of that process tree (smtpguard) per row sent, from just
+    before the COMMIT to the last receipt seen."""
     body = body_for(size)
     with psycopg.connect(url) as conn:
         with conn.cursor() as cur:
             cur.executemany(_INSERT, [_row(f"ob:{i}", body) for i in range(rows)])
+        cpu0 = cpu_seconds(cpu_root) if cpu_root is not None else 0.0
         conn.commit()
         committed = time.time()
     sent, last = _wait_sent(url, "ob:", rows, timeout)
+    cpu1 = cpu_seconds(cpu_root) if cpu_root is not None else 0.0
     seconds = (last or time.time()) - committed
-    return {"rows": rows, "sent": sent, "seconds": round(seconds, 2), "msgs_per_s": round(sent / seconds, 1)}
+    out: dict[str, Any] = {
+        "rows": rows,
+        "sent": sent,
+        "seconds": round(seconds, 2),
+        "msgs_per_s": round(sent / seconds, 1),
+    }
+    if cpu_root is not None:
+        out["cpu_ms_per_msg"] = round(1000 * (cpu1 - cpu0) / sent, 3) if sent else None
+    return out
+
+
+def outbox_guard(
+    tmp: Path, name: str, sink: Sink, store_url: str, app_url: str, pool_size: int, batch: int
+) -> Guard:
+    """`serve` (one process: no `workers` key) reading the outbox table at `app_url`."""
+    cfg = guard_config(free_port(), sink.port, store_url, pool_size)
+    cfg["outbox"] = {"app": {"url": app_url, "zone": ZONE, "user": USER, "batch": batch}}
+    return Guard(tmp, name, cfg)
+
+
+def create_table(app_url: str) -> None:
+    with psycopg.connect(app_url, autocommit=True) as conn:
+        conn.execute(ddl())  # type: ignore[arg-type]
+
+
+def drain_row(
+    tmp: Path, sink: Sink, store: str, rows: int, size: int, pool_size: int, batch: int, timeout: float
+) -> dict[str, Any]:
+    """bench.cores' outbox row: a `rows` backlog drained by one smtpguard process on `store`
+    (sqlite, redis or postgres), its own PostgreSQL as the application's database (the
+    postgres store in a second database of it), every server stopped before returning.
+    Adds `sink_received`: what the sink counted over the drain (must equal `sent`)."""
+    stop: list[Any] = []
+    try:
+        pg = Postgres(tmp)
+        stop.append(pg)
+        create_table(pg.url)
+        store_url = start_store(store, tmp, "ledger", stop, pg)
+        before = sink.settled_count(quiet=0.2)
+        guard = outbox_guard(tmp, f"outbox-{store}", sink, store_url, pg.url, pool_size, batch)
+        stop.append(guard)
+        out = backlog(pg.url, rows, size, timeout, cpu_root=guard.pid)
+        out["sink_received"] = sink.settled_count(quiet=0.3) - before
+        return out
+    finally:
+        for s in reversed(stop):
+            with contextlib.suppress(Exception):
+                s.stop()
 
 
 def smtp(port: int, n: int, sessions: int, size: int) -> dict[str, Any]:
@@ -133,11 +187,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sink = Sink(tmp)
         guard: Guard | None = None
         try:
-            with psycopg.connect(pg.url, autocommit=True) as conn:
-                conn.execute(ddl())  # type: ignore[arg-type]
-            cfg = guard_config(free_port(), sink.port, f"sqlite:///{Path(tmp) / 'state.db'}", args.pool_size)
-            cfg["outbox"] = {"app": {"url": pg.url, "zone": ZONE, "user": USER, "batch": args.batch}}
-            guard = Guard(tmp, "guard", cfg)
+            create_table(pg.url)
+            guard = outbox_guard(
+                tmp, "guard", sink, f"sqlite:///{Path(tmp) / 'state.db'}", pg.url, args.pool_size, args.batch
+            )
             out = {
                 "machine": machine_info(),
                 "sink": sink.kind,

@@ -48,6 +48,8 @@ class Report:
     lost: int
     settled: dict[str, int] = field(default_factory=dict)
     """Lost outcomes by the state a verdict left them in (delivered, deferred, failed)."""
+    unknown: int = 0
+    """Records the lost replies left `unknown` (each a 451 to its client)."""
     unsettled: int = 0
     max_copies: int = 0
     """The most copies the upstream received of any one event."""
@@ -61,6 +63,12 @@ class Report:
     settle_max: float | None = None
     """Seconds on the injected clock from the lost attempt to its verdict."""
     wall_seconds: float = 0.0
+    loop_cpu_seconds: float = 0.0
+    """CPU (user+system) of this process over the verdict rounds alone: the loop, its store
+    calls and, in the same process, the fake log API answering it (an upper bound)."""
+    loop_wall_seconds: float = 0.0
+    """Wall time of the verdict rounds alone."""
+    loop_cpu_ms_per_settled: float | None = None
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -81,8 +89,11 @@ async def run(
     step: float = 30.0,
     horizon: float = 6 * 3600.0,
     tmp: Path | None = None,
+    breaker_threshold: int | None = None,
 ) -> Report:
-    """The scenario; `store_url` None: a SQLite file in `tmp` (or a temporary directory)."""
+    """The scenario; `store_url` None: a SQLite file in `tmp` (or a temporary directory).
+    `breaker_threshold`: the breaker's failure_threshold, for a lost share high enough to
+    open it (every lost reply is a provider failure; the injected clock never cools it)."""
     started = time.monotonic()
     rng = random.Random(seed)
     work = Path(tmp or tempfile.mkdtemp(prefix="bench-verdicts-"))
@@ -101,6 +112,8 @@ async def run(
         upstream.handler.script = list(script)
         cfg = verdict_config(work, upstream.port, url, "mailgun", fake.base_url)
         cfg["log"] = {"format": "json", "level": "warning"}
+        if breaker_threshold is not None:
+            cfg["breaker"] = {"failure_threshold": breaker_threshold}
         # the caps are not what is measured (a retry of every event counts too)
         cfg["zones"]["acme"] |= {"plan": "unlimited", "hourly_cap": 3 * events, "monthly_cap": 3 * events}
         os.environ[API_ENV] = API_KEY  # the api's key_env, as serve reads it
@@ -110,6 +123,7 @@ async def run(
             replies = await _send_all(guard.ports[0], keys)
             unknown = [k for k, code in replies.items() if code == 451]
             assert all(code in (250, 451) for code in replies.values()), replies
+            report.unknown = len(unknown)
             # The provider logged every message it took, each after its own delay.
             for received in upstream.received:
                 rec = await guard.store.get("acme", received.header("X-Event-Key") or "")
@@ -126,7 +140,10 @@ async def run(
             end = clock.t + horizon
             while len(settled_at) < len(unknown) and clock.t < end:
                 clock.t += step
+                cpu0, wall0 = time.process_time(), time.perf_counter()
                 await guard.verdicts.round()
+                report.loop_cpu_seconds += time.process_time() - cpu0
+                report.loop_wall_seconds += time.perf_counter() - wall0
                 report.rounds += 1
                 for k in unknown:
                     if k not in settled_at and (await _get(guard, k)).state is not State.UNKNOWN:
@@ -136,6 +153,10 @@ async def run(
                 if k in settled_at:
                     report.settled[state] = report.settled.get(state, 0) + 1
             report.unsettled = len(unknown) - len(settled_at)
+            report.loop_cpu_seconds = round(report.loop_cpu_seconds, 3)
+            report.loop_wall_seconds = round(report.loop_wall_seconds, 3)
+            if settled_at:
+                report.loop_cpu_ms_per_settled = round(1000 * report.loop_cpu_seconds / len(settled_at), 3)
             times = sorted(settled_at[k] - attempt_at[k] for k in settled_at)
             report.settle_p50 = percentile(times, 0.50)
             report.settle_p99 = percentile(times, 0.99)

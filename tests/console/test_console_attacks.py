@@ -14,6 +14,7 @@ import pytest
 import redis
 from yarl import URL
 
+from smtpguard.store.redis.connection import _TIMEOUT
 from tests.support import RedisServer, Upstream, password_hash, running_guard, write_config
 from tests.support.console import PASSWORDS, Operator, console_config, console_port
 from tests.support.utf8 import store_overrides
@@ -55,8 +56,13 @@ async def test_a_store_that_refuses_writes_never_lets_a_guess_go_uncounted(
         # Nothing is learnt while nothing can be counted: the right password is answered
         # as the wrong ones are.
         assert set(statuses) == {503} and right == 503, (statuses, right)
-        # A store that hangs (every client paused past the store's deadline): the same.
-        admin.execute_command("CLIENT", "PAUSE", "4000", "ALL")
+        # A store that hangs (every client paused past the store's deadline): the same. The
+        # two logins share a username, so they take turns: the second one's store deadline
+        # starts as the first one's ends, and the pause must outlast both. A pause of twice
+        # the deadline did not always: Redis ends a pause on its next cron tick (up to 100 ms
+        # late), at times inside the second login's deadline, and that login, counted in
+        # time, went on to 200 (about 1 run in 30).
+        admin.execute_command("CLIENT", "PAUSE", str(int((2 * _TIMEOUT + 2) * 1000)), "ALL")
         try:
             hung = await asyncio.gather(
                 attempt(port, "alice", "guess-hung", "127.0.0.2"),

@@ -17,6 +17,7 @@ from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.maint_notifications import MaintNotificationsConfig
 
 from smtpguard.store.base import StoreUnavailable
 from smtpguard.store.errors import answers, translated
@@ -107,6 +108,11 @@ class RedisConnection:
             # One quick retry on a dead pooled connection (Redis restarted) and nothing on a
             # timeout: a timed-out script may have run, and running it twice counts twice.
             "retry": Retry(ExponentialBackoff(cap=0.2, base=0.05), 1, (RedisConnectionError,)),
+            # Off: while maintenance notifications (a managed-Redis feature) are on, and their
+            # default "auto" counts as on, the pool skips its checkout check and hands out
+            # connections the server has closed (after a Redis restart, every idle one), so
+            # a write's one retry could be spent on a second dead connection.
+            "maint_notifications_config": MaintNotificationsConfig(enabled=False),
         }
         if self.url.startswith(SENTINEL_SCHEME):
             return self._sentinel_client(options)
