@@ -659,13 +659,16 @@ def profile(
     if exe is None:
         return {"error": "py-spy not installed: .venv/bin/pip install py-spy"}
     port = free_port()
-    redis = Redis(tmp) if store == "redis" else None
-    url = redis.url if redis else f"sqlite:///{tmp / 'profile.db'}"
+    # The same private servers the guard-redis and guard-postgres scenarios start.
+    server: Redis | Postgres | None = (
+        Redis(tmp) if store == "redis" else Postgres(tmp) if store == "postgres" else None
+    )
+    url = server.url if server else f"sqlite:///{tmp / 'profile.db'}"
     try:
         guard = Guard(tmp, "profile", guard_config(port, sink.port, url, s.pool_size))
     except BaseException:
-        if redis:
-            redis.stop()
+        if server:
+            server.stop()
         raise
     suffix = ("" if store == "sqlite" else f"-{store}") + ("" if mode == "unique" else f"-{mode}")
     svg, raw = out_dir / f"profile{suffix}.svg", out_dir / f"profile{suffix}.txt"
@@ -719,8 +722,8 @@ def profile(
                 p.kill()
                 p.wait()
         guard.stop()
-        if redis:
-            redis.stop()
+        if server:
+            server.stop()
     if "r" in load:
         result["msgs_s_under_profiler"] = round(load["r"].rate, 1)
         result["p99_ms_under_profiler"] = round(load["r"].percentile(99), 2)
@@ -808,7 +811,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-only", action="store_true", help="only the py-spy profile")
     ap.add_argument("--profile-seconds", type=int, default=10)
     ap.add_argument("--profile-sessions", type=int, default=50)
-    ap.add_argument("--profile-store", default="sqlite", choices=["sqlite", "redis"])
+    ap.add_argument("--profile-store", default="sqlite", choices=["sqlite", "redis", "postgres"])
     ap.add_argument("--profile-mode", default="unique", choices=["unique", "dup"])
     ap.add_argument("--keep-tmp", action="store_true")
     ap.add_argument(

@@ -50,6 +50,9 @@ RELEASES = {
     # commit with schema 1 alone could serve PostgreSQL: the ledger-index builds of
     # migration 2 are measured below with a plain SQL writer instead.
     2: "2d6a1334416d93387567fb2db9cd66d27e123ee8",
+    # The last commit whose schema was version 5 (before the one-statement reservation with a
+    # user's unit, the units with a user's, and the refund of migration 6).
+    5: "1d8bc9cf8eee6a070e49eab7923202c897eccee0",
 }
 RECORDS = 100_000
 
@@ -150,7 +153,7 @@ def filled(
         drop_database(postgres_server, name)
 
 
-@pytest.mark.parametrize(("schema", "how"), [(2, "serve"), (2, "migrate")])
+@pytest.mark.parametrize(("schema", "how"), [(2, "serve"), (2, "migrate"), (5, "serve")])
 async def test_a_store_of_an_earlier_release_is_migrated_while_that_release_keeps_serving(
     postgres_server: PostgresServer,
     releases: dict[int, Path],

@@ -10,12 +10,13 @@ without a restart.
 Atomicity is the server's. The reservation is one statement, a function the migration
 creates (`smtpguard_reserve`): `INSERT … ON CONFLICT DO NOTHING` (or `UPDATE … WHERE
 version = …`) on the primary key (zone, key), then the pause switch, then the cap unit,
-counted by upserts `… RETURNING` on one of the zone's slot rows (see _cap_args); a refusal
-(paused, a cap reached) is an error that rolls the whole statement back. Every other
-record write is one compare-and-swap statement; queue claims take rows with `FOR UPDATE
-SKIP LOCKED`. Every write is committed before the call returns, as durable as the server's
-`synchronous_commit` makes it: with a synchronous standby, a failover loses no write whose
-call returned.
+counted by upserts `… RETURNING` on one of the zone's slot rows (see _cap_args), and a
+user's unit under its own caps (`smtpguard_reserve_user`); a refusal (paused, a cap
+reached) is an error that rolls the whole statement back. A refund is one statement too
+(`smtpguard_refund`). Every other record write is one compare-and-swap statement; queue
+claims take rows with `FOR UPDATE SKIP LOCKED`. Every write is committed before the call
+returns, as durable as the server's `synchronous_commit` makes it: with a synchronous
+standby, a failover loses no write whose call returned.
 
 PostgresStore (here) keeps the ledger and queue operations; the rest of the package: pool.py
 (the pool, connection setup, each call's deadline, sampling the server's clock), controls.py,
@@ -47,10 +48,9 @@ from smtpguard.store.postgres.fleet import Fleet
 from smtpguard.store.postgres.migrate import MIGRATIONS
 from smtpguard.store.postgres.pool import MIGRATE_WAIT as MIGRATE_WAIT
 from smtpguard.store.postgres.pool import POOL_SIZE as POOL_SIZE
-from smtpguard.store.postgres.pool import Pool, _one, _translated
+from smtpguard.store.postgres.pool import Pool, _translated
 from smtpguard.store.postgres.replication import failover_problem
 from smtpguard.store.postgres.rows import (
-    _COUNT_USER_UNIT,
     _cap_args,
     _dump,
     _fetch,
@@ -65,6 +65,11 @@ _WINDOW_KEEP = 2 * HOUR
 _SETTLED_EXCLUDED = (State.IN_FLIGHT.value, State.QUEUED.value)
 
 _MIGRATIONS = MIGRATIONS  # migrate.py runs them, once, at open
+
+_RESERVE = "SELECT * FROM smtpguard_reserve(" + ", ".join(["%s"] * 20) + ")"
+_RESERVE_USER = "SELECT * FROM smtpguard_reserve_user(" + ", ".join(["%s"] * 23) + ")"
+_COUNT_UNIT = "SELECT smtpguard_count_unit(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+_COUNT_UNITS = "SELECT smtpguard_count_units(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 
 
 class PostgresStore(Controls, Desk, Fleet, Pool):
@@ -127,21 +132,18 @@ class PostgresStore(Controls, Desk, Fleet, Pool):
         mid, uid = _ids(record)
         user = _user_args(cap)
         try:
-            # With a user cap, the user's unit is a second statement of the same
-            # transaction: its refusal rolls the reservation and the zone's unit back.
-            async with self._tx() if user else self._conn() as conn:
+            # One statement, one round trip; with a user cap the user's unit is counted by
+            # the same statement, so its refusal rolls the reservation and the zone's unit back.
+            async with self._conn() as conn:
                 cur = await conn.execute(
-                    "SELECT * FROM smtpguard_reserve(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, "
-                    "%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                    _RESERVE_USER if user else _RESERVE,
                     (
                         record.zone, record.key, expected_version, record.version, record.state.value,
                         record.updated_at, data, mid, uid, paused, cap is not None,
-                        *_cap_args(cap, record.zone),
+                        *_cap_args(cap, record.zone), *user,
                     ),
                 )  # fmt: skip
                 row = await cur.fetchone()
-                if user and row is not None and row[0]:
-                    await conn.execute(_COUNT_USER_UNIT, user)
         except psycopg.Error as e:
             reached = _refusal(e, cap)
             if reached is None:
@@ -163,41 +165,10 @@ class PostgresStore(Controls, Desk, Fleet, Pool):
 
     @_translated
     async def refund(self, zone: str, token: str, month: str) -> None:
-        async with self._tx() as conn:
-            # The month the unit was counted in is kept with it; `month` is the caller's guess.
-            # The slot's row is locked before its sends row: the order the counts and the
-            # purge lock them in (the other order deadlocks against them).
-            row = await _one(conn, "SELECT slot FROM sends WHERE zone = %s AND token = %s", (zone, token))
-            if row is None:
-                return
-            await conn.execute(
-                "SELECT 1 FROM cap_slots WHERE zone = %s AND slot = %s FOR UPDATE", (zone, row[0])
-            )
-            gone = await _one(
-                conn, "DELETE FROM sends WHERE zone = %s AND token = %s RETURNING month, slot", (zone, token)
-            )
-            if gone is not None:
-                await conn.execute(
-                    "UPDATE cap_slots SET n = GREATEST(n - 1, 0) WHERE zone = %s AND slot = %s",
-                    (zone, gone[1]),
-                )
-                await conn.execute(
-                    "UPDATE monthly SET used = GREATEST(used - 1, 0) "
-                    "WHERE zone = %s AND month = %s AND slot = %s",
-                    (zone, gone[0] or month, gone[1]),
-                )
-            # The user's unit counted with the token, if any (DESIGN.md §16).
-            held = await _one(
-                conn,
-                "DELETE FROM user_sends WHERE zone = %s AND token = %s RETURNING username, month",
-                (zone, token),
-            )
-            if held is not None:
-                await conn.execute(
-                    "UPDATE user_monthly SET used = GREATEST(used - 1, 0) "
-                    "WHERE zone = %s AND username = %s AND month = %s",
-                    (zone, held[0], held[1]),
-                )
+        # One statement (migration 6): the slot, the window row, the month and the user's
+        # unit, in the lock order the counts and the purge use.
+        async with self._conn() as conn:
+            await conn.execute("SELECT smtpguard_refund(%s, %s, %s)", (zone, token, month))
 
     async def purge(self, now: float, retention: float) -> int:
         # Not one deadline for the whole purge: each step below has its own.
@@ -251,13 +222,8 @@ class PostgresStore(Controls, Desk, Fleet, Pool):
     async def consume_cap(self, cap: CapCheck) -> CapReached | None:
         user = _user_args(cap)
         try:
-            async with self._tx() if user else self._conn() as conn:
-                await conn.execute(
-                    "SELECT smtpguard_count_unit(%s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                    _cap_args(cap, cap.zone),
-                )
-                if user:
-                    await conn.execute(_COUNT_USER_UNIT, user)
+            async with self._conn() as conn:
+                await conn.execute(_COUNT_UNITS if user else _COUNT_UNIT, (*_cap_args(cap, cap.zone), *user))
         except psycopg.Error as e:
             reached = _refusal(e, cap)
             if not isinstance(reached, CapReached):

@@ -104,17 +104,12 @@ def _cap_args(cap: CapCheck | None, zone: str) -> tuple[Any, ...]:
     )  # fmt: skip
 
 
-_COUNT_USER_UNIT = "SELECT smtpguard_count_user_unit(%s, %s, %s, %s, %s, %s, %s, %s)"
-
-
 def _user_args(cap: CapCheck | None) -> tuple[Any, ...]:
-    """smtpguard_count_user_unit's arguments; empty when the unit has no user cap."""
+    """The user's arguments of smtpguard_reserve_user and smtpguard_count_units (migration
+    6, after the zone's); empty when the unit has no user cap."""
     if cap is None or cap.user is None or cap.user_caps is None:
         return ()
-    return (
-        cap.zone, cap.user, cap.token, cap.now, cap.month, cap.hour_start,
-        cap.user_caps.hourly, cap.user_caps.monthly,
-    )  # fmt: skip
+    return (cap.user, cap.user_caps.hourly, cap.user_caps.monthly)
 
 
 def _refusal(e: psycopg.Error, cap: CapCheck | None) -> ReserveResult | None:
