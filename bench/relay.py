@@ -220,8 +220,9 @@ def scenario_available(scenario: str) -> str | None:
     """None when the scenario can run here, else why not."""
     scenario = scenario.removesuffix(BASE_SUFFIX)
     if scenario in ("guard-redis", "guard-redis-queue"):
-        if not (ROOT / "smtpguard" / "store" / "redis.py").exists():
-            return "smtpguard/store/redis.py does not exist yet"
+        store = ROOT / "smtpguard" / "store"
+        if not ((store / "redis.py").exists() or (store / "redis").is_dir()):
+            return "smtpguard/store/redis does not exist yet"
         if shutil.which("redis-server") is None:
             return "redis-server is not installed"
     if scenario in ("guard-postgres", "guard-postgres-queue"):
