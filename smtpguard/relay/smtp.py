@@ -174,15 +174,14 @@ class SmtpProvider:
                         # HELO on a closed connection; the 421 is the answer (throttle).
                         raise
                     await conn.helo(timeout=t.command)
+            # This connection's last EHLO (after STARTTLS, the second): the listener's view.
+            self.smtputf8 = conn.supports_extension("smtputf8")
             if self.cfg.username:
                 await conn.login(self.cfg.username, password or "", timeout=t.command)
-            session = Session.take_over(conn)
+            return Session.take_over(conn)
         except BaseException:
             conn.close()
             raise
-        # This connection's last EHLO (after STARTTLS, the second): the listener's view.
-        self.smtputf8 = session.smtputf8
-        return session
 
     async def send(self, env: Envelope, before_data: BeforeData) -> Attempted:
         await self._slots.acquire()

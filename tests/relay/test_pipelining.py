@@ -22,6 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from smtpguard.config import SmtpProviderConfig, loads
+from smtpguard.policy.failover import Attempted
 from smtpguard.policy.outcome import Kind
 from smtpguard.relay import Envelope, SmtpProvider
 from smtpguard.relay.wire import data_block
@@ -177,18 +178,27 @@ async def test_mail_and_rcpts_go_out_in_one_write_and_both_replies_in_one_segmen
 
 
 # --- aiosmtpd offering PIPELINING: replies stay paired with their commands ----------------------
-async def test_a_refused_mail_with_its_rcpts_in_flight_leaves_the_connection_in_step(tmp: Path) -> None:
+async def _through(
+    tmp: Path, script: list[Behaviour], envelopes: list[Envelope], **provider_extra: Any
+) -> tuple[PipeliningHandler, list[Attempted]]:
+    """Each envelope sent in turn through one provider (one pool) to a pipelining upstream."""
     handler = PipeliningHandler()
-    handler.script = [Behaviour(mail="451 4.3.0 try later")]
+    handler.script = script
     async with aiosmtpd_upstream(handler) as port:
-        provider = _provider(tmp, port)
+        provider = _provider(tmp, port, **provider_extra)
         try:
-            refused = await provider.send(_env("r1"), _marked)
-            # The same pooled connection: its RCPT's 503 and the RSET's 250 were read, so
-            # the next transaction's replies are its own.
-            again = await provider.send(_env("r2", CUSTOMER, OTHER), _marked)
+            results = [await provider.send(env, _marked) for env in envelopes]
         finally:
             await provider.close()
+    return handler, results
+
+
+async def test_a_refused_mail_with_its_rcpts_in_flight_leaves_the_connection_in_step(tmp: Path) -> None:
+    # The second goes out on the same pooled connection: the first one's RCPT 503 and RSET
+    # 250 were read, so its replies are its own.
+    handler, (refused, again) = await _through(
+        tmp, [Behaviour(mail="451 4.3.0 try later")], [_env("r1"), _env("r2", CUSTOMER, OTHER)]
+    )
     assert refused.outcome.kind is Kind.DEFERRED and refused.failover and not refused.outcome.data_sent
     assert refused.outcome.reply is not None and refused.outcome.reply.code == 451
     assert again.outcome.kind is Kind.DELIVERED and again.outcome.accepted == (CUSTOMER, OTHER)
@@ -197,19 +207,12 @@ async def test_a_refused_mail_with_its_rcpts_in_flight_leaves_the_connection_in_
 
 
 async def test_pipelined_recipients_refused_one_permanently_one_for_now(tmp: Path) -> None:
-    handler = PipeliningHandler()
-    handler.script = [
+    script = [
         Behaviour(rcpt={OTHER: "550 5.1.1 no such user"}),
         Behaviour(rcpt={OTHER: "450 4.2.1 mailbox busy"}),
     ]
-    async with aiosmtpd_upstream(handler) as port:
-        provider = _provider(tmp, port)
-        try:
-            partial = await provider.send(_env("q1", CUSTOMER, OTHER), _marked)
-            deferred = await provider.send(_env("q2", CUSTOMER, OTHER), _marked)
-            after = await provider.send(_env("q3"), _marked)
-        finally:
-            await provider.close()
+    envelopes = [_env("q1", CUSTOMER, OTHER), _env("q2", CUSTOMER, OTHER), _env("q3")]
+    handler, (partial, deferred, after) = await _through(tmp, script, envelopes)
     assert partial.outcome.kind is Kind.DELIVERED and partial.outcome.accepted == (CUSTOMER,)
     assert [(r, reply.code) for r, reply in partial.outcome.rejected] == [(OTHER, 550)]
     # A temporary refusal defers the whole event: nothing of it reached the upstream.
@@ -220,15 +223,10 @@ async def test_pipelined_recipients_refused_one_permanently_one_for_now(tmp: Pat
 
 
 async def test_a_pipelined_mail_answered_late_times_out_before_data(tmp: Path) -> None:
-    handler = PipeliningHandler()
-    handler.script = [Behaviour(hang_at_mail=3.0)]
-    async with aiosmtpd_upstream(handler) as port:
-        provider = _provider(tmp, port, timeouts={"connect": "2s", "command": "1s", "data": "3s"})
-        try:
-            late = await provider.send(_env("t1"), _marked)
-            after = await provider.send(_env("t2"), _marked)
-        finally:
-            await provider.close()
+    timeouts = {"connect": "2s", "command": "1s", "data": "3s"}
+    handler, (late, after) = await _through(
+        tmp, [Behaviour(hang_at_mail=3.0)], [_env("t1"), _env("t2")], timeouts=timeouts
+    )
     assert late.outcome.kind is Kind.UNAVAILABLE and late.failover and not late.outcome.data_sent
     assert "SMTPReadTimeoutError" in late.outcome.detail
     # The session given up on was closed, not reused out of step.
@@ -237,14 +235,8 @@ async def test_a_pipelined_mail_answered_late_times_out_before_data(tmp: Path) -
 
 
 async def test_an_answer_after_the_dot_that_comes_too_late_is_unknown(tmp: Path) -> None:
-    handler = PipeliningHandler()
-    handler.script = [Behaviour(hang_after_dot=3.0)]
-    async with aiosmtpd_upstream(handler) as port:
-        provider = _provider(tmp, port, timeouts={"connect": "2s", "command": "2s", "data": "1s"})
-        try:
-            result = await provider.send(_env("u1"), _marked)
-        finally:
-            await provider.close()
+    timeouts = {"connect": "2s", "command": "2s", "data": "1s"}
+    handler, (result,) = await _through(tmp, [Behaviour(hang_after_dot=3.0)], [_env("u1")], timeouts=timeouts)
     assert result.outcome.kind is Kind.UNKNOWN and result.outcome.data_sent and not result.failover
     assert len(handler.received) == 1
 
