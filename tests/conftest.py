@@ -22,6 +22,7 @@ BOTH_LOOPS = frozenset(
         "test_hostile.py",
         "test_hostile_tls.py",
         "test_pipelining.py",
+        "test_wire_attacks.py",
         "test_side_listener_attacks.py",
     }
 )

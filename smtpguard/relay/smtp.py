@@ -333,7 +333,11 @@ class SmtpProvider:
 
             async def answer(i: int) -> Answer:
                 future = group[i] if group is not None else conn.send(lines[i])[0]
-                return await conn.reply(future, t.command)
+                code, text = await conn.reply(future, t.command)
+                if code // 100 == 3:
+                    # A 354 to MAIL or RCPT answers no command of ours: out of step.
+                    raise _out_of_step(conn, code, text)
+                return code, text
 
             try:
                 code, text = await answer(0)
@@ -371,10 +375,9 @@ class SmtpProvider:
                 # leave the others to be delivered; a temporary one defers the whole event
                 # (nothing has been accepted yet, so another provider may take it).
                 return refused_all(self.name, rejected), await _rset(conn)
-        except aiosmtplib.SMTPResponseException as e:
-            # A reply that is not SMTP (malformed, too long): the session was closed.
-            return before_dot_reply(self.name, e.code, e.message), await _rset(conn)
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as e:
+            # A reply that is not SMTP (malformed, too long, out of step) is no refusal of the
+            # message, and the session is closed: unavailable, as a lost connection (§11.6).
             return unavailable(self.name, f"before DATA: {describe(e)}"), False
         except Exception as e:
             # Anything else (an address that cannot be encoded or quoted, a defect): no DATA
@@ -435,14 +438,21 @@ class SmtpProvider:
         try:
             code, text = await conn.command(b"DATA\r\n", t.data)
             if code == 354:
+                # send() raises, writing nothing, on a session already closed.
+                future = conn.send(block)[0]
                 body_written = True
-                code, text = await conn.command(block, t.data)
-                delivered = code == 250
+                code, text = await conn.reply(future, t.data)
+            if code // 100 == 3 or (code < 400 and not body_written):
+                # A 2xx to DATA itself (no byte of the message written), or a 3xx to the
+                # message: neither is its outcome, and the session is out of step.
+                raise _out_of_step(conn, code, text)
+            delivered = code == 250
         except (aiosmtplib.SMTPServerDisconnected, aiosmtplib.SMTPTimeoutError, OSError, TimeoutError) as e:
             return lost_at_data(self.name, describe(e), rejected, body_written), False
         except aiosmtplib.SMTPResponseException as e:
-            # Not an SMTP reply (malformed, too long): the session was closed.
-            return data_reply(self.name, e.code, e.message, rejected, body_written), False
+            # Not an SMTP reply (malformed, too long, out of step): the session was closed.
+            # Before the message, nothing can have been accepted; after it, nobody knows.
+            return lost_at_data(self.name, describe(e), rejected, body_written), False
         except aiosmtplib.SMTPException as e:
             return unknown(self.name, describe(e), rejected), False
         except Exception as e:
@@ -476,6 +486,12 @@ def _retrieve(task: asyncio.Future[None]) -> None:
 class _Accepted:
     accepted: list[str]
     rejected: list[tuple[str, Reply]]
+
+
+def _out_of_step(conn: Session, code: int, text: str) -> aiosmtplib.SMTPResponseException:
+    """A reply no command of ours asked for: the session is closed, never pooled."""
+    conn.close()
+    return aiosmtplib.SMTPResponseException(code, f"reply out of step: {code} {text}")
 
 
 async def _rset(conn: Session) -> bool:

@@ -27,6 +27,7 @@ MAX_REPLY = MAX_LINE * 4
 _CONTROL = re.compile(rb"[\x00-\x1f\x7f]")
 _LINE_ENDINGS = re.compile(rb"\r\n|\n|\r(?!\n)")
 _LEADING_DOT = re.compile(rb"(?m)^\.")
+_AFTER_CODE = (b" ", b"-", b"\r", b"\n")
 
 Answer = tuple[int, str]
 
@@ -155,13 +156,13 @@ class Session(asyncio.Protocol):
             return
         buffer = self._buffer
         buffer += data
-        if len(buffer) > MAX_REPLY:
-            self._fail(aiosmtplib.SMTPResponseException(-1, "Response too long"))
-            self.close()
-            return
         while self._waiting:
             try:
                 answer = _parse(buffer)
+                # The bound is on the reply still incomplete, not on the read: one read may
+                # carry the short replies to hundreds of pipelined RCPTs.
+                if answer is None and len(buffer) > MAX_REPLY:
+                    raise aiosmtplib.SMTPResponseException(-1, "Response too long")
             except aiosmtplib.SMTPResponseException as e:
                 self._fail(e)
                 self.close()
@@ -195,11 +196,13 @@ def _parse(buffer: bytearray) -> Answer | None:
         line = bytes(buffer[offset : end + 1])
         if len(line) > MAX_LINE:
             raise aiosmtplib.SMTPResponseException(-1, "Response too long")
-        try:
-            code = int(line[:3])
-        except ValueError:
+        # Three digits, 2 to 5 first, then a space, a hyphen or the line's end (RFC 5321
+        # §4.2): int() alone would read "25 ok" as 25 and "2_50" as 250.
+        head = line[:3]
+        if not (head.isdigit() and b"2" <= head[:1] <= b"5" and line[3:4] in _AFTER_CODE):
             text = line.decode("utf-8", errors="ignore")
-            raise aiosmtplib.SMTPResponseException(-1, f"Malformed SMTP response line: {text}") from None
+            raise aiosmtplib.SMTPResponseException(-1, f"Malformed SMTP response line: {text}")
+        code = int(head)
         lines.append(line[4:].strip(b" \t\r\n"))
         offset = end + 1
         if line[3:4] != b"-":

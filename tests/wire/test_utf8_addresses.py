@@ -9,6 +9,7 @@ the message is relayed with SMTPUTF8.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -266,15 +267,21 @@ async def test_an_address_that_cannot_be_encoded_is_unavailable_not_unknown(
 async def test_an_unexpected_error_once_data_started_is_unknown(
     tmp: Path, upstream: Upstream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_command = Session.command
+    real_send, real_reply = Session.send, Session.reply
+    written: list[bytes] = []
 
-    async def dot_then_fail(self: Session, data: bytes, timeout: float) -> Answer:
-        answer = await real_command(self, data, timeout)
-        if data.endswith(b"\r\n.\r\n"):
+    def recorded(self: Session, data: bytes, replies: int = 1) -> list[asyncio.Future[Answer]]:
+        written.append(data)
+        return real_send(self, data, replies)
+
+    async def dot_then_fail(self: Session, future: asyncio.Future[Answer], timeout: float) -> Answer:
+        answer = await real_reply(self, future, timeout)
+        if written[-1].endswith(b"\r\n.\r\n"):
             raise RuntimeError("defect after the dot")
         return answer
 
-    monkeypatch.setattr(Session, "command", dot_then_fail)
+    monkeypatch.setattr(Session, "send", recorded)
+    monkeypatch.setattr(Session, "reply", dot_then_fail)
     provider = _provider(tmp, upstream.port)
     env = Envelope("acme", "k", "a4", "billing@acme.example", (CUSTOMER,), b"Subject: x\r\n\r\nx\r\n")
     try:
