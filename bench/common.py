@@ -566,6 +566,11 @@ def password_hash() -> str:
     return _HASH[0]
 
 
+LOG_LEVEL = "warning"
+"""smtpguard's log level in every bench config (`bench.relay --log-level`): warning keeps the
+decision line, one per message at info (the default), out of what is measured."""
+
+
 def guard_config(
     port: int,
     upstream_port: int,
@@ -595,7 +600,7 @@ def guard_config(
             }
         ],
         "hostname": "bench-guard.invalid",
-        "log": {"format": "json", "level": "warning"},
+        "log": {"format": "json", "level": LOG_LEVEL},
         "zones": {
             ZONE: {
                 "plan": "unlimited",

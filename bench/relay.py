@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import bench.common as bench_common
 from bench.client import LoadResult, deliver_keys, run_load
 from bench.common import (
     PY,
@@ -220,8 +221,8 @@ def scenario_available(scenario: str) -> str | None:
     """None when the scenario can run here, else why not."""
     scenario = scenario.removesuffix(BASE_SUFFIX)
     if scenario in ("guard-redis", "guard-redis-queue"):
-        redis = ROOT / "smtpguard" / "store"
-        if not ((redis / "redis.py").exists() or (redis / "redis" / "__init__.py").exists()):
+        store = ROOT / "smtpguard" / "store"
+        if not ((store / "redis.py").exists() or (store / "redis").is_dir()):
             return "smtpguard/store/redis does not exist yet"
         if shutil.which("redis-server") is None:
             return "redis-server is not installed"
@@ -813,6 +814,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-sessions", type=int, default=50)
     ap.add_argument("--profile-store", default="sqlite", choices=["sqlite", "redis", "postgres"])
     ap.add_argument("--profile-mode", default="unique", choices=["unique", "dup"])
+    ap.add_argument(
+        "--log-level", default="warning", help="smtpguard's log level (info: one decision line a message)"
+    )
     ap.add_argument("--keep-tmp", action="store_true")
     ap.add_argument(
         "--baseline",
@@ -827,6 +831,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     install_sigterm()
+    bench_common.LOG_LEVEL = args.log_level
 
     s = Settings(
         warmup=args.warmup if args.warmup is not None else (0.3 if args.quick else 0.5),

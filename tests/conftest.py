@@ -21,6 +21,8 @@ BOTH_LOOPS = frozenset(
         "test_e2e_relay.py",
         "test_hostile.py",
         "test_hostile_tls.py",
+        "test_pipelining.py",
+        "test_wire_attacks.py",
         "test_side_listener_attacks.py",
     }
 )

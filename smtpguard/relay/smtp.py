@@ -40,6 +40,7 @@ from smtpguard.policy.tags import tagged
 from smtpguard.policy.throttle import is_rate_limit
 from smtpguard.provider_gate import IDLE_HOLD, ConnectionSlots
 from smtpguard.relay.base import BeforeData, Envelope, describe, log_unexpected
+from smtpguard.relay.wire import Answer, Session, command, data_block
 from smtpguard.replies import Reply
 
 log = logging.getLogger("smtpguard.relay")
@@ -60,14 +61,14 @@ class SmtpProvider:
         self._previous: str | None = None
         """The secret in use before the last re-read (a retry after a 535 may need it)."""
         self._helo = cfg.helo_name or helo
-        self._idle: deque[aiosmtplib.SMTP] = deque()
+        self._idle: deque[Session] = deque()
         self._closed = False
         self._slots = asyncio.Semaphore(min(cfg.pool_size, cfg.max_connections or cfg.pool_size))
         self._tls_context = self._make_tls_context()
         self._fleet: ConnectionSlots | None = None
-        self._holders: dict[aiosmtplib.SMTP, str] = {}
+        self._holders: dict[Session, str] = {}
         """The max_connections slot each open connection holds (DESIGN.md §16)."""
-        self._idle_since: dict[aiosmtplib.SMTP, float] = {}
+        self._idle_since: dict[Session, float] = {}
 
     def limit_connections(self, fleet: ConnectionSlots) -> None:
         """Count every connection this pool opens against the provider's fleet-wide
@@ -81,7 +82,7 @@ class SmtpProvider:
             self._idle.remove(conn)
             self._discard(conn)
 
-    def _discard(self, conn: aiosmtplib.SMTP) -> None:
+    def _discard(self, conn: Session) -> None:
         """Close a connection and give back the slot it held."""
         conn.close()
         self._idle_since.pop(conn, None)
@@ -123,7 +124,7 @@ class SmtpProvider:
             return f"{self.cfg.idempotency_header}: {qualified}\r\n".encode() + content
         return content
 
-    async def _open(self) -> aiosmtplib.SMTP | Attempted:
+    async def _open(self) -> Session | Attempted:
         """A fresh connection, authenticated, or why not. A 535 gets one more AUTH, on a
         fresh connection, when another secret is known (`_another_password`): AUTH comes
         before MAIL, so nothing of the message has been sent either way."""
@@ -148,7 +149,7 @@ class SmtpProvider:
                 log_unexpected(self.name, "connecting", e)
                 return unavailable(self.name, f"connect: {describe(e)}")
 
-    async def _connect(self, password: str | None) -> aiosmtplib.SMTP:
+    async def _connect(self, password: str | None) -> Session:
         t = self.cfg.timeouts
         conn = aiosmtplib.SMTP(
             hostname=self.cfg.host,
@@ -177,15 +178,15 @@ class SmtpProvider:
             self.smtputf8 = conn.supports_extension("smtputf8")
             if self.cfg.username:
                 await conn.login(self.cfg.username, password or "", timeout=t.command)
+            return Session.take_over(conn)
         except BaseException:
             conn.close()
             raise
-        return conn
 
     async def send(self, env: Envelope, before_data: BeforeData) -> Attempted:
         await self._slots.acquire()
         try:
-            conn: aiosmtplib.SMTP | None = None
+            conn: Session | None = None
             while self._idle and conn is None:
                 candidate = self._idle.pop()
                 self._idle_since.pop(candidate, None)
@@ -211,7 +212,7 @@ class SmtpProvider:
                 if holder is not None and self._fleet is not None:
                     self._fleet.release(holder)
                 raise
-            if not isinstance(opened, aiosmtplib.SMTP):
+            if not isinstance(opened, Session):
                 if holder is not None and self._fleet is not None:
                     self._fleet.release(holder)
                 return opened
@@ -225,7 +226,7 @@ class SmtpProvider:
             self._slots.release()
 
     async def _guarded(
-        self, conn: aiosmtplib.SMTP, env: Envelope, before_data: BeforeData, reused: bool
+        self, conn: Session, env: Envelope, before_data: BeforeData, reused: bool
     ) -> tuple[Attempted | None, bool]:
         try:
             return await self._transaction(conn, env, before_data, reused)
@@ -235,7 +236,7 @@ class SmtpProvider:
             self._discard(conn)
             raise
 
-    def _finish(self, conn: aiosmtplib.SMTP, keep: bool, result: Attempted) -> Attempted:
+    def _finish(self, conn: Session, keep: bool, result: Attempted) -> Attempted:
         # A provider replaced by a reload is closed: its in-flight connections end here.
         if keep and conn.is_connected and not self._closed:
             self._idle.append(conn)
@@ -314,46 +315,72 @@ class SmtpProvider:
         return result
 
     async def _mail_rcpt(
-        self, conn: aiosmtplib.SMTP, env: Envelope, reused: bool
+        self, conn: Session, env: Envelope, reused: bool
     ) -> tuple[Attempted | None, bool] | _Accepted:
-        """MAIL and RCPT: the recipients taken, or the transaction's result if it ends here."""
+        """MAIL and RCPT: the recipients taken, or the transaction's result if it ends here.
+        To a provider offering PIPELINING (RFC 2920) they go out in one write and their
+        replies are read in order; DATA is never in the group, so nothing of the message
+        leaves before every RCPT is answered (and the data_sent mark is durable)."""
         t = self.cfg.timeouts
-        declare = env.smtputf8_wanted and conn.supports_extension("smtputf8")
-        options, encoding = (["SMTPUTF8"], "utf-8") if declare else ([], "ascii")
+        declare = env.smtputf8_wanted and conn.smtputf8
+        options, encoding = (b" SMTPUTF8", "utf-8") if declare else (b"", "ascii")
         try:
+            # Every line is made before any is written: an address that cannot be written
+            # stops the transaction with nothing sent.
+            lines = [command(b"MAIL FROM:", env.sender, encoding, options)]
+            lines += [command(b"RCPT TO:", rcpt, encoding) for rcpt in env.recipients]
+            group = conn.send(b"".join(lines), len(lines)) if conn.pipelining else None
+
+            async def answer(i: int) -> Answer:
+                future = group[i] if group is not None else conn.send(lines[i])[0]
+                code, text = await conn.reply(future, t.command)
+                if code // 100 == 3:
+                    # A 354 to MAIL or RCPT answers no command of ours: out of step.
+                    raise _out_of_step(conn, code, text)
+                return code, text
+
             try:
-                await conn.mail(env.sender, options=options, encoding=encoding, timeout=t.command)
+                code, text = await answer(0)
             except aiosmtplib.SMTPServerDisconnected:
                 if reused:
                     return None, False
                 raise
-            except aiosmtplib.SMTPResponseException as e:
-                if reused and e.code == 421:
-                    # A pooled connection the provider closed while it was idle (Postfix:
-                    # "421 4.4.2 … timeout exceeded"): that 421 ended the idle session, it
-                    # is no rate limit. Nothing was sent; a fresh connection asks again.
-                    return None, False
-                raise
+            if code != 250:
+                if code == 421:
+                    # The provider ends the session (RFC 5321 §3.8): no RSET on it.
+                    conn.close()
+                    if reused:
+                        # A pooled connection the provider closed while it was idle (Postfix:
+                        # "421 4.4.2 … timeout exceeded"): that 421 ended the idle session,
+                        # it is no rate limit. Nothing was sent; a fresh connection asks again.
+                        return None, False
+                elif group is not None:
+                    # The refused MAIL's RCPTs were answered too (503): read before RSET.
+                    for i in range(1, len(lines)):
+                        await answer(i)
+                return before_dot_reply(self.name, code, text), await _rset(conn)
             accepted: list[str] = []
             rejected: list[tuple[str, Reply]] = []
-            for rcpt in env.recipients:
-                try:
-                    await conn.rcpt(rcpt, encoding=encoding, timeout=t.command)
+            for i, rcpt in enumerate(env.recipients, 1):
+                code, text = await answer(i)
+                if code in (250, 251):
                     accepted.append(rcpt)
-                except aiosmtplib.SMTPRecipientRefused as e:
-                    rejected.append((rcpt, upstream_reply(e.code, e.message)))
+                    continue
+                rejected.append((rcpt, upstream_reply(code, text)))
+                if code == 421:
+                    conn.close()
             if not accepted or any(r.temporary for _, r in rejected):
                 # A recipient refused for now would silently miss the message if the rest
                 # went ahead: the 250 would close the event. Only permanent refusals may
                 # leave the others to be delivered; a temporary one defers the whole event
                 # (nothing has been accepted yet, so another provider may take it).
                 return refused_all(self.name, rejected), await _rset(conn)
-        except aiosmtplib.SMTPResponseException as e:
-            return before_dot_reply(self.name, e.code, e.message), await _rset(conn)
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as e:
+            # A reply that is not SMTP (malformed, too long, out of step) is no refusal of the
+            # message, and the session is closed: unavailable, as a lost connection (§11.6).
             return unavailable(self.name, f"before DATA: {describe(e)}"), False
         except Exception as e:
-            # Anything else (an address aiosmtplib cannot encode or quote, a defect): no DATA
+            # Anything else (an address that cannot be encoded or quoted, a defect): no DATA
             # has started, so nothing can have been accepted — unavailable, never unknown,
             # and the next provider may be tried. The connection answered EHLO, and the
             # fault is this message's: it must not count against the provider's circuit.
@@ -362,11 +389,11 @@ class SmtpProvider:
         return _Accepted(accepted, rejected)
 
     async def _transaction(
-        self, conn: aiosmtplib.SMTP, env: Envelope, before_data: BeforeData, reused: bool
+        self, conn: Session, env: Envelope, before_data: BeforeData, reused: bool
     ) -> tuple[Attempted | None, bool]:
         """One MAIL…DATA transaction; (None, False) asks for a fresh connection."""
         t = self.cfg.timeouts
-        if env.smtputf8_required and not conn.supports_extension("smtputf8"):
+        if env.smtputf8_required and not conn.smtputf8:
             # Checked on the connection in hand (pooled or fresh), before anything is sent:
             # its EHLO is what this provider will accept. RFC 6531's 553 5.6.7, but this
             # provider's alone — nothing was sent, so the route may fail over to one that
@@ -375,7 +402,7 @@ class SmtpProvider:
             # healthy and the connection clean: it is kept.
             return smtputf8_missing(self.name), True
         try:
-            payload = self._prepare(env)
+            block = data_block(self._prepare(env))
         except Exception as e:
             log_unexpected(self.name, "preparing the message", e)
             return unavailable(self.name, f"before DATA: {describe(e)}", health="ok"), True
@@ -405,28 +432,42 @@ class SmtpProvider:
         accepted, rejected = envelope.accepted, envelope.rejected
 
         # From here the final dot may reach the provider: the outcome is the provider's.
-        watch = _BodyWatch(conn)
+        # Lock-step: the message is written only after the 354, so a failure before it
+        # has sent nothing the provider could accept (body_written False).
+        body_written = delivered = False
         try:
-            with watch:
-                response = await conn.data(payload, timeout=t.data)
+            code, text = await conn.command(b"DATA\r\n", t.data)
+            if code == 354:
+                # send() raises, writing nothing, on a session already closed.
+                future = conn.send(block)[0]
+                body_written = True
+                code, text = await conn.reply(future, t.data)
+            if code // 100 == 3 or (code < 400 and not body_written):
+                # A 2xx to DATA itself (no byte of the message written), or a 3xx to the
+                # message: neither is its outcome, and the session is out of step.
+                raise _out_of_step(conn, code, text)
+            delivered = code == 250
         except (aiosmtplib.SMTPServerDisconnected, aiosmtplib.SMTPTimeoutError, OSError, TimeoutError) as e:
-            return lost_at_data(self.name, describe(e), rejected, watch.body_written), False
+            return lost_at_data(self.name, describe(e), rejected, body_written), False
         except aiosmtplib.SMTPResponseException as e:
-            # To the DATA command itself, or to the message after its final dot.
-            return data_reply(self.name, e.code, e.message, rejected, watch.body_written), await _rset(conn)
+            # Not an SMTP reply (malformed, too long, out of step): the session was closed.
+            # Before the message, nothing can have been accepted; after it, nobody knows.
+            return lost_at_data(self.name, describe(e), rejected, body_written), False
         except aiosmtplib.SMTPException as e:
             return unknown(self.name, describe(e), rejected), False
         except Exception as e:
             # Not an SMTP or socket error, but DATA had started: the dot may have gone out.
             log_unexpected(self.name, "after DATA", e)
             return unknown(self.name, describe(e), rejected), False
-        reply = upstream_reply(response.code, response.message)
+        if not delivered:
+            # To the DATA command itself, or to the message after its final dot.
+            return data_reply(self.name, code, text, rejected, body_written), await _rset(conn)
         return Attempted(
             Outcome(
                 Kind.DELIVERED,
                 self.name,
-                reply,
-                upstream_id=queue_id(response.message),
+                upstream_reply(code, text),
+                upstream_id=queue_id(text),
                 rejected=tuple(rejected),
                 accepted=tuple(accepted),
                 data_sent=True,
@@ -434,42 +475,6 @@ class SmtpProvider:
             failover=False,
             health="ok",
         ), True
-
-
-class _BodyWatch:
-    """Whether any byte of the message was handed to the socket during `conn.data()`.
-
-    aiosmtplib sends the DATA command and the message in one call; a connection lost in
-    between (no 354 yet) has sent nothing the provider could accept, while one lost after
-    the message was written is RFC 1047's unknown window. The call writes exactly twice
-    (the command line, then the message), so counting writes tells the two apart."""
-
-    def __init__(self, conn: aiosmtplib.SMTP) -> None:
-        self._protocol = conn.protocol
-        self.writes = 0
-
-    @property
-    def body_written(self) -> bool:
-        return self.writes > 1
-
-    def __enter__(self) -> _BodyWatch:
-        proto = self._protocol
-        if proto is not None:
-            original = proto.write
-
-            def counted(data: bytes) -> None:
-                self.writes += 1
-                original(data)
-
-            proto.write = counted  # type: ignore[method-assign]
-        else:
-            self.writes = 2  # nothing to watch: assume the worst (unknown)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._protocol is not None:
-            with contextlib.suppress(AttributeError):
-                del self._protocol.write
 
 
 def _retrieve(task: asyncio.Future[None]) -> None:
@@ -483,10 +488,16 @@ class _Accepted:
     rejected: list[tuple[str, Reply]]
 
 
-async def _rset(conn: aiosmtplib.SMTP) -> bool:
+def _out_of_step(conn: Session, code: int, text: str) -> aiosmtplib.SMTPResponseException:
+    """A reply no command of ours asked for: the session is closed, never pooled."""
+    conn.close()
+    return aiosmtplib.SMTPResponseException(code, f"reply out of step: {code} {text}")
+
+
+async def _rset(conn: Session) -> bool:
     """Reset after a refused transaction; keep the connection only if RSET works."""
     try:
-        await conn.rset(timeout=5)
+        code, _ = await conn.command(b"RSET\r\n", 5)
     except Exception:
         return False
-    return True
+    return code == 250

@@ -9,18 +9,19 @@ the message is relayed with SMTPUTF8.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import aiosmtplib
 import pytest
 import yaml
 
 from smtpguard.config import SmtpProviderConfig, loads
 from smtpguard.policy.outcome import Kind
 from smtpguard.relay import Envelope, SmtpProvider
+from smtpguard.relay.wire import Answer, Session
 from smtpguard.store import CapUsage
 from tests.support import Upstream, base_config, running_guard
 from tests.support.eventually import eventually
@@ -233,12 +234,13 @@ async def test_an_address_aiosmtplib_refuses_to_write_is_unavailable_not_unknown
             result = await provider.send(env, _marked)
     finally:
         await provider.close()
-    # MAIL went out, the second RCPT could not be written (aiosmtplib raises ValueError):
-    # nothing was accepted, so another provider may be tried and the cap unit refunded.
+    # The second RCPT cannot be written (aiosmtplib's quoting raises ValueError), and every
+    # line is made before one is written: nothing was sent, so another provider may be
+    # tried and the cap unit refunded.
     assert result.outcome.kind is Kind.UNAVAILABLE and result.outcome.data_sent is False
     assert result.failover and result.health == "ok"
     assert "ValueError" in result.outcome.detail
-    assert upstream.handler.transactions == 1 and upstream.received == []
+    assert upstream.handler.transactions == 0 and upstream.received == []
     assert [r.getMessage() for r in caplog.records] == ["unexpected ValueError before DATA"]
 
 
@@ -265,13 +267,21 @@ async def test_an_address_that_cannot_be_encoded_is_unavailable_not_unknown(
 async def test_an_unexpected_error_once_data_started_is_unknown(
     tmp: Path, upstream: Upstream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_data = aiosmtplib.SMTP.data
+    real_send, real_reply = Session.send, Session.reply
+    written: list[bytes] = []
 
-    async def data_then_fail(self: aiosmtplib.SMTP, message: bytes, **kwargs: object) -> object:
-        await real_data(self, message, **kwargs)  # type: ignore[arg-type]
-        raise RuntimeError("defect after the dot")
+    def recorded(self: Session, data: bytes, replies: int = 1) -> list[asyncio.Future[Answer]]:
+        written.append(data)
+        return real_send(self, data, replies)
 
-    monkeypatch.setattr(aiosmtplib.SMTP, "data", data_then_fail)
+    async def dot_then_fail(self: Session, future: asyncio.Future[Answer], timeout: float) -> Answer:
+        answer = await real_reply(self, future, timeout)
+        if written[-1].endswith(b"\r\n.\r\n"):
+            raise RuntimeError("defect after the dot")
+        return answer
+
+    monkeypatch.setattr(Session, "send", recorded)
+    monkeypatch.setattr(Session, "reply", dot_then_fail)
     provider = _provider(tmp, upstream.port)
     env = Envelope("acme", "k", "a4", "billing@acme.example", (CUSTOMER,), b"Subject: x\r\n\r\nx\r\n")
     try:
