@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import os
 import sqlite3
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -16,6 +19,8 @@ import pytest
 from smtpguard.policy import ledger
 from smtpguard.policy.ledger import LedgerSettings, State, Submission
 from smtpguard.store import StoreUnavailable
+from smtpguard.store.base import ZoneAudit
+from smtpguard.store.sql import operations
 from smtpguard.store.sqlite import SQLiteStore
 from smtpguard.store.sqlite import writer as sqlite_store
 
@@ -183,3 +188,100 @@ async def test_an_sqlite_without_returning_is_refused_at_open(
         StoreUnavailable, match=r"SQLite 3\.34\.1 is too old: smtpguard needs 3\.35\.0 or newer"
     ):
         await store.open()
+
+
+async def test_a_writer_waiting_for_another_writers_turn_goes_in_at_its_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two writers of one file (as `workers` run them): the second one's batch waits for
+    the first one's turn and is let in when it commits, never sent to SQLite's busy retry
+    (sleeps of 1 to 50 ms that left two workers idle a fifth of the time)."""
+    retried: list[float] = []
+    begin_waiting = sqlite_store._begin_waiting
+
+    def counted(conn: sqlite3.Connection) -> None:
+        retried.append(time.monotonic())
+        begin_waiting(conn)
+
+    path = tmp_path / "g.db"
+    first, second = SQLiteStore(f"sqlite:///{path}"), SQLiteStore(f"sqlite:///{path}")
+    await first.open()
+    await second.open()
+    monkeypatch.setattr(sqlite_store, "_begin_waiting", counted)
+    try:
+        entered = threading.Event()
+
+        def long_write(c: sqlite3.Connection) -> None:
+            c.execute(*operations.audit_add("acme", ZoneAudit(NOW, "op", "pause", "", "")).sqlite())
+            entered.set()
+            time.sleep(0.3)  # in the transaction, holding the turn and the file
+
+        held = first._write(long_write, heavy=True)  # heavy: runs on the writer thread
+        await asyncio.to_thread(entered.wait, 5)
+        n = len(retried)  # the heavy batch's own BEGIN went through _begin_waiting
+        results = await asyncio.wait_for(
+            asyncio.gather(held, *(second.put(fresh(f"k{i}"), None) for i in range(20))), 10
+        )
+        assert results == [None] * 21
+        assert retried[n:] == []
+        for i in range(20):
+            got = await first.get("acme", f"k{i}")
+            assert got is not None and got.version == 1
+    finally:
+        await second.close()
+        await first.close()
+
+
+async def test_a_turn_never_given_back_delays_a_write_only_until_the_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer stopped while it holds its turn (the supervisor replaces it within the
+    heartbeat): the others go on to SQLite's own lock after the deadline, and the turn,
+    when it comes late, is given straight back rather than kept by an idle writer."""
+    monkeypatch.setattr(sqlite_store, "_BUSY_RETRY_FOR", 0.3)
+    path = tmp_path / "g.db"
+    store = SQLiteStore(f"sqlite:///{path}")
+    await store.open()
+    stopped = os.open(f"{path}-lock", os.O_RDWR)
+    try:
+        fcntl.flock(stopped, fcntl.LOCK_EX)
+        started = time.monotonic()
+        assert await asyncio.wait_for(store.put(fresh("late"), None), 5) is None
+        assert time.monotonic() - started >= 0.3
+        fcntl.flock(stopped, fcntl.LOCK_UN)
+        for _ in range(100):  # the late turn reaches the writer, which lets go of it
+            await asyncio.sleep(0.01)
+            with contextlib.suppress(BlockingIOError):
+                fcntl.flock(stopped, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+        else:
+            raise AssertionError("the turn that came late was kept")
+        fcntl.flock(stopped, fcntl.LOCK_UN)
+        assert await asyncio.wait_for(store.put(fresh("after"), None), 5) is None
+    finally:
+        os.close(stopped)
+        await store.close()
+
+
+async def test_closing_the_store_ends_its_writer_threads(tmp_path: Path) -> None:
+    before = set(threading.enumerate())
+    store = SQLiteStore(f"sqlite:///{tmp_path / 'g.db'}")
+    await store.open()
+    await store.put(fresh("a"), None)
+    names = {t.name.rstrip("_0123456789") for t in set(threading.enumerate()) - before}
+    assert names >= {"smtpguard-sqlite-writer", "smtpguard-sqlite-turn"}
+    await store.close()
+    assert [t.name for t in set(threading.enumerate()) - before] == []
+
+
+async def test_a_turn_file_that_cannot_be_opened_leaves_writes_to_sqlites_lock(tmp_path: Path) -> None:
+    path = tmp_path / "g.db"
+    (tmp_path / "g.db-lock").symlink_to(tmp_path / "missing" / "lock")
+    store = SQLiteStore(f"sqlite:///{path}")
+    await store.open()
+    try:
+        assert await asyncio.gather(*(store.put(fresh(f"k{i}"), None) for i in range(5))) == [None] * 5
+        got = await store.get("acme", "k4")
+        assert got is not None and got.version == 1
+    finally:
+        await store.close()
