@@ -100,6 +100,8 @@ long for its `postfix` row): Postfix hands messages on from its queue, not in th
 # Issue 30's targets, per store.
 NAIVE_GOAL = {"sqlite": 0.8, "redis": 0.8, "postgres": 0.65}
 CPU_GOAL_MS = {"sqlite": 1.9, "redis": 1.9, "postgres": 2.4}
+ISSUE_NAIVE_CPU_MS = 1.54
+"""The naive relay's CPU per message on the machine the issue's targets were measured on."""
 AUTO_GOAL = {"sqlite": 1.2, "redis": 1.4, "postgres": 1.4}
 POSTFIX_GOAL = 1.8
 NULL_GOAL = 0.8
@@ -431,10 +433,20 @@ def targets(rows: list[Row], workers_ok: bool, rounds: list[list[Row]] | None = 
         if mine is None:
             out.append(f"  {name}: not measured")
             continue
-        vs = "" if naive is None else f" = {mine[0] / naive[0]:.2f}x naive's {naive[0]:.2f} ms"
         goal = CPU_GOAL_MS[store]
+        if naive is None:
+            out.append(
+                f"  {name}: {mine[0]:.2f} ms{mine[1]} (target <= {goal:.2f} ms) {met(mine[0] <= goal)}"
+            )
+            continue
+        # The issue's targets are milliseconds on a machine where the naive relay took
+        # ISSUE_NAIVE_CPU_MS; a faster or slower machine moves both, so the target is met
+        # when the ratio to this run's naive relay is within the issue's ratio.
+        times, goal_times = mine[0] / naive[0], goal / ISSUE_NAIVE_CPU_MS
         out.append(
-            f"  {name}: {mine[0]:.2f} ms{mine[1]}{vs} (target <= {goal:.2f} ms) {met(mine[0] <= goal)}"
+            f"  {name}: {mine[0]:.2f} ms{mine[1]} = {times:.2f}x naive's {naive[0]:.2f} ms "
+            f"(target <= {goal:.2f} ms against naive's {ISSUE_NAIVE_CPU_MS:.2f}: <= {goal_times:.2f}x naive) "
+            f"{met(times <= goal_times)}"
         )
     for store in STORES:
         line(
