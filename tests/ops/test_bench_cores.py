@@ -87,7 +87,7 @@ def test_ratios_and_targets_without_workers() -> None:
     lines = targets(rows, workers_ok=False)
     assert "  guard-redis@auto / guard-redis@1 @50 unique: " + NA_WORKERS in lines
     assert "  guard-redis@1 / naive @50 unique: 0.80x (target >= 0.80x) MET" in lines
-    assert "  guard-redis@1 dup / null dup @50: 0.90x (target >= 0.80x) MET" in lines
+    assert "  guard-redis@1 dup / null dup @50: 0.90x (target >= 0.90x) MET" in lines
     assert "  best @auto / postfix-tuned @50 unique: " + NA_WORKERS in lines
 
 
