@@ -10,6 +10,7 @@ import logging
 import os
 import queue
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -87,12 +88,14 @@ class _Turn:
         try:
             # Read access is all flock needs: a file left by another user (a CLI command
             # run as root) still serves; where none opens, writes go on under SQLite's lock alone.
-            self._fd = os.open(f"{path}-lock", os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self._fd = _open_plain(f"{path}-lock")
         except OSError as e:
             log.warning("sqlite write turns unavailable", extra={"error": repr(e)})
             self._fd = -1
         self._waiter = _Thread("smtpguard-sqlite-turn")
         self._coming: asyncio.Future[None] | None = None
+        self._late = 0
+        """Turns waited for by a batch that went on without them, and not come yet."""
         self.held = False
 
     async def take(self) -> None:
@@ -102,6 +105,11 @@ class _Turn:
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                if self._late:
+                    # The holder kept a turn past the deadline and still has it (stopped):
+                    # straight on to SQLite's lock, rather than every batch waiting out
+                    # the deadline again until the supervisor replaces the holder.
+                    return
                 self._coming = self._waiter.call(fcntl.flock, self._fd, fcntl.LOCK_EX)
             else:
                 self.held = True
@@ -112,6 +120,7 @@ class _Turn:
             await asyncio.wait_for(asyncio.shield(self._coming), _BUSY_RETRY_FOR)
         except TimeoutError:
             late, self._coming = self._coming, None
+            self._late += 1
             late.add_done_callback(self._given_back)
             return
         self._coming = None
@@ -119,6 +128,7 @@ class _Turn:
 
     def _given_back(self, late: asyncio.Future[None]) -> None:
         """A turn that came after its batch had stopped waiting goes straight back."""
+        self._late -= 1
         if self._fd >= 0 and not self.held and not late.cancelled() and late.exception() is None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
@@ -134,14 +144,32 @@ class _Turn:
 
     def close(self) -> None:
         # Closing the descriptor lets go of a turn held; a waiter still blocked on a turn
-        # coming ends when it comes (a daemon thread, holding the file until then).
-        if self._coming is None:
+        # coming, or on one that came too late for its batch, ends when it comes (a daemon
+        # thread, holding the file until then): joined, it would stop the event loop.
+        if self._coming is None and not self._late:
             self._waiter.shutdown()
         else:
             self._waiter.shutdown_nowait()
         fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
+
+
+def _open_plain(name: str) -> int:
+    """The turn file, only as a plain file of its own: a `-lock` planted as a link by
+    whoever may write the folder would have the store create (as its user) or lock a file
+    of the link's choosing, and a FIFO would hold the open, on the event loop's thread,
+    until something opened it to write (O_NONBLOCK, cleared again once it is known plain)."""
+    flags = os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    fd = os.open(name, flags, 0o644)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{name} is not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class _Writer:
