@@ -1,6 +1,6 @@
 """Migration 6's one-statement steps (smtpguard_reserve_user, smtpguard_count_units,
 smtpguard_refund) beside the previous release's several-statement ones, on one PostgreSQL
-store: the release before them (main's tree from `git archive`, run in a process of its own
+store: the release before them (its tree from `git archive`, run in a process of its own
 by this checkout's interpreter) and this one reserve, count and refund at once under one
 user's caps and one zone's; a refund races a purge; the least-privileged roles of
 docs/stores.md migrate and serve. Every unit is counted from the tables themselves."""
@@ -44,8 +44,10 @@ from tests.support.postgres import PostgresServer
 
 pytestmark = pytest.mark.slow
 
-PREVIOUS = "main"
-"""The release before migration 6: its store makes the same calls in several statements."""
+PREVIOUS = "1d8bc9cf8eee6a070e49eab7923202c897eccee0"
+"""The last commit before migration 6 (schema 5, as test_postgres_upgrade's RELEASES[5]): its
+store makes the same calls in several statements. A commit, not a branch name: a clone may
+have no `main`, and once this lands `main` is no longer the release before."""
 NOW = 1_790_000_000.0
 MONTH = month_of(NOW)
 
