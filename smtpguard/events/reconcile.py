@@ -78,26 +78,17 @@ class Polled:
     error: str | None = None
 
 
+@dataclass(eq=False)
 class Reconciler:
-    def __init__(
-        self,
-        store: Store,
-        applier: Applier,
-        apis: Mapping[str, LogApi],
-        sources: Mapping[str, str],
-        period: float,
-        clock: Callable[[], float],
-        observe: Observe = lambda source, kind, outcome: None,
-    ) -> None:
-        self.store = store
-        self.applier = applier
-        self.apis = apis
-        self.sources = sources
-        """provider → the source name its reconciled events are stored under."""
-        self.period = period
-        self.clock = clock
-        """The server's clock: the store's, or a test's injected one."""
-        self.observe = observe
+    store: Store
+    applier: Applier
+    apis: Mapping[str, LogApi]
+    sources: Mapping[str, str]
+    """provider → the source name its reconciled events are stored under."""
+    period: float
+    clock: Callable[[], float]
+    """The server's clock: the store's, or a test's injected one."""
+    observe: Observe = lambda source, kind, outcome: None
 
     async def poll(self) -> list[Polled]:
         """One poll of every API, each on its own: one API failing holds no other."""
