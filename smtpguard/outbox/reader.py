@@ -15,7 +15,7 @@ import contextlib
 import logging
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psycopg
 from psycopg import AsyncConnection
@@ -58,37 +58,26 @@ class Counters:
     """Rows claimed and handled by this reader."""
 
 
+@dataclass(eq=False)
 class OutboxReader:
-    def __init__(
-        self,
-        name: str,
-        src: OutboxSource,
-        password: str | None,
-        submitter: Submitter,
-        clock: Callable[[], float],
-        on_result: Callable[[Principal, Result], None] = lambda p, r: None,
-        on_counts: Callable[[str, dict[str, int], float | None], None] = lambda s, c, o: None,
-        domains: Callable[[], RecipientDomains | None] = lambda: None,
-        rng: random.Random | None = None,
-    ) -> None:
-        self.name = name
-        self.src = src
-        self._password = password
-        self.submitter = submitter
-        self.clock = clock
-        self.on_result = on_result
-        self.on_counts = on_counts
-        self.domains = domains
-        self.rng = rng or random.Random()
-        self.counters = Counters()
-        self._wake = asyncio.Event()
-        self._stopping = False
-        self._task: asyncio.Task[None] | None = None
-        self._conn: AsyncConnection[TupleRow] | None = None
-        self._listener: asyncio.Task[None] | None = None
-        self._unwritten: dict[int, Written] = {}
-        self._writing = asyncio.Lock()
-        self._counted_at = 0.0
+    name: str
+    src: OutboxSource
+    password: str | None = field(repr=False)
+    submitter: Submitter
+    clock: Callable[[], float]
+    on_result: Callable[[Principal, Result], None] = lambda p, r: None
+    on_counts: Callable[[str, dict[str, int], float | None], None] = lambda s, c, o: None
+    domains: Callable[[], RecipientDomains | None] = lambda: None
+    rng: random.Random = field(default_factory=random.Random)
+    counters: Counters = field(init=False, default_factory=Counters)
+    _wake: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+    _stopping: bool = field(init=False, default=False)
+    _task: asyncio.Task[None] | None = field(init=False, default=None)
+    _conn: AsyncConnection[TupleRow] | None = field(init=False, default=None)
+    _listener: asyncio.Task[None] | None = field(init=False, default=None)
+    _unwritten: dict[int, Written] = field(init=False, default_factory=dict)
+    _writing: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)
+    _counted_at: float = field(init=False, default=0.0)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -98,7 +87,7 @@ class OutboxReader:
 
     def serves(self, src: OutboxSource | None, password: str | None) -> bool:
         """True when this reader is the one `src` with `password` needs (a reload keeps it)."""
-        return src == self.src and password == self._password
+        return src == self.src and password == self.password
 
     def halt(self) -> None:
         """No claim and no submission starts from now on (no await: a reload's swap calls
@@ -123,8 +112,8 @@ class OutboxReader:
 
     # --- connections ---------------------------------------------------------------------
     async def _connect(self) -> None:
-        self._conn = await connect(self.src.url, self._password)
-        listen = await connect(self.src.url, self._password)
+        self._conn = await connect(self.src.url, self.password)
+        listen = await connect(self.src.url, self.password)
         await listen.execute(schema.listen(self.src.table))
         self._listener = asyncio.create_task(self._listen(listen))
 
