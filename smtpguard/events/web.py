@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -40,29 +41,25 @@ Observe = Callable[[str, str, str], None]
 """(source, type, outcome) → count it."""
 
 
+@dataclass(eq=False)
 class EventsServer:
-    def __init__(
-        self,
-        sources: Sources,
-        applier: Applier,
-        max_body: int,
-        clock: Callable[[], float],
-        observe: Observe,
-        limits: ListenerLimits | None = None,
-        auth_limits: Callable[[], LimitsConfig] = LimitsConfig,
-        on_verdict: Callable[[str, str], None] = lambda provider, verdict: None,
-    ) -> None:
-        self.sources = sources
-        self.applier = applier
-        self.clock = clock
-        self.observe = observe
-        self.auth_limits = auth_limits
-        """`limits.auth_failures` within `auth_failure_window`, as the running config has it."""
-        self.on_verdict = on_verdict
-        """(provider, verdict) → smtpguard_verdicts_total, for a webhook that settled a record."""
-        self._applying: dict[str, asyncio.Semaphore] = {}
-        self._auth_turns: dict[str, tuple[asyncio.Lock, list[int]]] = {}
-        self.port = 0
+    sources: Sources
+    applier: Applier
+    max_body: InitVar[int]
+    clock: Callable[[], float]
+    observe: Observe
+    limits: InitVar[ListenerLimits | None] = None
+    auth_limits: Callable[[], LimitsConfig] = LimitsConfig
+    """`limits.auth_failures` within `auth_failure_window`, as the running config has it."""
+    on_verdict: Callable[[str, str], None] = lambda provider, verdict: None
+    """(provider, verdict) → smtpguard_verdicts_total, for a webhook that settled a record."""
+    _applying: dict[str, asyncio.Semaphore] = field(init=False, default_factory=dict)
+    _auth_turns: dict[str, tuple[asyncio.Lock, list[int]]] = field(init=False, default_factory=dict)
+    port: int = field(init=False, default=0)
+    app: web.Application = field(init=False)
+    listener: LimitedListener = field(init=False)
+
+    def __post_init__(self, max_body: int, limits: ListenerLimits | None) -> None:
         self.app = web.Application(client_max_size=max_body)
         self.app.router.add_post("/events/{name}", self._handle)
         self.listener = LimitedListener(self.app, limits or ListenerLimits(), "events", log.name)
