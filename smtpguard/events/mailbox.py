@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from aiosmtpd.smtp import SMTP, Envelope, Session
@@ -44,22 +45,18 @@ MAX_RECIPIENTS = 100
 grows its envelope without end, each command well within its deadline."""
 
 
+@dataclass(eq=False)
 class ReportHandler:
-    def __init__(
-        self,
-        cfg: MailboxConfig,
-        applier: Applier,
-        observe: Callable[[str, str, str], None],
-        key: VerpKey | None = None,
-        max_recipients: Callable[[], int] = lambda: 100,
-    ) -> None:
-        self.cfg = cfg
-        self.applier = applier
-        self.observe = observe
-        self.key = key
-        self.max_recipients = max_recipients
-        """limits.max_recipients as now configured: a report naming more is read that far."""
-        self._address = suppression_key(cfg.address)
+    cfg: MailboxConfig
+    applier: Applier
+    observe: Callable[[str, str, str], None]
+    key: VerpKey | None = None
+    max_recipients: Callable[[], int] = lambda: 100
+    """limits.max_recipients as now configured: a report naming more is read that far."""
+    _address: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._address = suppression_key(self.cfg.address)
 
     def _addressed(self, address: str) -> verp.Addressed:
         if self.key is None:
