@@ -19,7 +19,8 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 
 from smtpguard.background import keep
 from smtpguard.policy.throttle import CONNECTION_WAIT, RATE_WAIT, ProviderLimits, blocked_until
@@ -141,35 +142,33 @@ class ProviderGate:
             self._on_throttled(name, throttled)
 
 
+@dataclass(eq=False)
 class ConnectionSlots:
     """max_connections for one provider: each open connection holds a leased slot in the
     store, renewed while it is open; the provider's pool asks for one before it connects."""
 
-    def __init__(
-        self, store: Store, provider: str, limit: int, instance: str, clock: Callable[[], float]
-    ) -> None:
-        self.store = store
-        self.provider = provider
-        self.limit = limit
-        self.instance = instance
-        self._clock = clock
-        self._seq = itertools.count(1)
-        self._pool = secrets.token_hex(4)
-        """Tells this pool's holders from those of the pool a reload replaced (same instance
-        and provider, its connections possibly still sending): a shared id would "renew"
-        the other's slot and let two connections count as one."""
-        self._held: set[str] = set()
-        self._task: asyncio.Task[None] | None = None
-        self._releases: set[asyncio.Task[None]] = set()
-        self.on_tick: Callable[[], None] | None = None
-        """Called every tick while slots are held: the pool closes connections idle too long."""
+    store: Store
+    provider: str
+    limit: int
+    instance: str
+    clock: Callable[[], float]
+    _seq: Iterator[int] = field(init=False, default_factory=lambda: itertools.count(1))
+    _pool: str = field(init=False, default_factory=lambda: secrets.token_hex(4))
+    """Tells this pool's holders from those of the pool a reload replaced (same instance
+    and provider, its connections possibly still sending): a shared id would "renew"
+    the other's slot and let two connections count as one."""
+    _held: set[str] = field(init=False, default_factory=set)
+    _task: asyncio.Task[None] | None = field(init=False, default=None)
+    _releases: set[asyncio.Task[None]] = field(init=False, default_factory=set)
+    on_tick: Callable[[], None] | None = field(init=False, default=None)
+    """Called every tick while slots are held: the pool closes connections idle too long."""
 
     async def acquire(self, wait: float = CONNECTION_WAIT) -> str | None:
         """A slot's holder id, waiting up to `wait` for one; None when none came free."""
         holder = f"{self.instance}:{self.provider}:{self._pool}:{next(self._seq)}"
         deadline = time.monotonic() + wait
         while True:
-            now = self._clock()
+            now = self.clock()
             if await self.store.hold_connection(
                 self.provider, holder, self.limit, now + CONNECTION_LEASE, now
             ):
@@ -204,7 +203,7 @@ class ConnectionSlots:
             if time.monotonic() - renewed < CONNECTION_LEASE / 3:
                 continue
             renewed = time.monotonic()
-            now = self._clock()
+            now = self.clock()
             for holder in list(self._held):
                 try:
                     kept = await self.store.hold_connection(
