@@ -11,6 +11,7 @@ import socket
 import ssl
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 
 from smtpguard.config import Config, LimitsConfig, ListenerConfig
 from smtpguard.listener import GuardSMTP, Handler
@@ -31,26 +32,19 @@ from smtpguard.verp import VerpKey
 log = logging.getLogger("smtpguard.server")
 
 
+@dataclass(eq=False)
 class Assembly:
-    def __init__(
-        self,
-        metrics: Metrics,
-        clock: Callable[[], float],
-        instance: str,
-        hostname: str,
-        on_circuit: Callable[[str, Circuit], None],
-    ) -> None:
-        self.metrics = metrics
-        self.clock = clock
-        self.instance = instance
-        self.hostname = hostname
-        self.on_circuit = on_circuit
-        self.gate: ProviderGate | None = None
-        """Provider throttling (DESIGN.md §16): kept across reloads, so a throttle learnt
-        stays in force when the route is rebuilt."""
-        self.receivers: Receivers | None = None
-        """Receiving providers (DESIGN.md §21): kept across reloads (the MX cache and the
-        alert windows stay) unless the resolver changed."""
+    metrics: Metrics
+    clock: Callable[[], float]
+    instance: str
+    hostname: str
+    on_circuit: Callable[[str, Circuit], None]
+    gate: ProviderGate | None = field(init=False, default=None)
+    """Provider throttling (DESIGN.md §16): kept across reloads, so a throttle learnt
+    stays in force when the route is rebuilt."""
+    receivers: Receivers | None = field(init=False, default=None)
+    """Receiving providers (DESIGN.md §21): kept across reloads (the MX cache and the
+    alert windows stay) unless the resolver changed."""
 
     def route(self, store: Store, config: Config, secrets: dict[str, str | None]) -> Route:
         limits = {
