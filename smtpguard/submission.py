@@ -94,32 +94,27 @@ class Result:
     message_id: str | None = None
 
 
+@dataclass(eq=False)
 class Submitter:
-    def __init__(
-        self,
-        config: Config,
-        store: Store,
-        route: Route,
-        instance: str,
-        hostname: str,
-        clock: Callable[[], float] = time.time,
-        verp: VerpKey | None = None,
-    ) -> None:
-        self.config = config
-        self.store = store
-        self.route = route
-        self.instance = instance
-        self.hostname = hostname
-        self.clock = clock
-        self.settled = SettledCache()
-        self.leases = LeaseKeeper()
-        self.suppressions = SuppressionCache(store)
-        self.class_pauses = ClassPauses(store)
-        self.on_enqueue: Callable[[], None] | None = None
-        """Called after a store-and-forward acceptance, to wake the local delivery worker."""
-        self.verp = verp
-        """With `events.mailbox.domain`: relayed mail's envelope sender carries a token."""
-        self._rules: tuple[Config, Rules] | None = None
+    config: Config
+    store: Store
+    route: Route
+    instance: str
+    hostname: str
+    clock: Callable[[], float] = time.time
+    verp: VerpKey | None = None
+    """With `events.mailbox.domain`: relayed mail's envelope sender carries a token."""
+    settled: SettledCache = field(init=False, default_factory=SettledCache)
+    leases: LeaseKeeper = field(init=False, default_factory=LeaseKeeper)
+    suppressions: SuppressionCache = field(init=False)
+    class_pauses: ClassPauses = field(init=False)
+    on_enqueue: Callable[[], None] | None = field(init=False, default=None)
+    """Called after a store-and-forward acceptance, to wake the local delivery worker."""
+    _rules: tuple[Config, Rules] | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.suppressions = SuppressionCache(self.store)
+        self.class_pauses = ClassPauses(self.store)
 
     async def submit(
         self, principal: Principal, mail_from: str, rcpt_tos: list[str], raw: bytes, smtputf8: bool = False
