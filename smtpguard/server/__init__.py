@@ -422,14 +422,9 @@ class Server:
         await self.housekeeping.drain()
         if self.verdicts is not None:
             await self.verdicts.close()
-        if self.health is not None:
-            await self.health.stop()
-        if self.events is not None:
-            await self.events.stop()
-        if self.mailbox is not None:
-            await self.mailbox.stop()
-        if self.console is not None:
-            await self.console.stop()
+        for listener in (self.health, self.events, self.mailbox, self.console):
+            if listener is not None:
+                await listener.stop()
         if self.reconciler is not None:
             from smtpguard.events import reconcile
 
