@@ -142,7 +142,7 @@ class ProviderGate:
             self._on_throttled(name, throttled)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class ConnectionSlots:
     """max_connections for one provider: each open connection holds a leased slot in the
     store, renewed while it is open; the provider's pool asks for one before it connects."""

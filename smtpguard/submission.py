@@ -94,7 +94,7 @@ class Result:
     message_id: str | None = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class Submitter:
     config: Config
     store: Store

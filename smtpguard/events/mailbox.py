@@ -45,7 +45,7 @@ MAX_RECIPIENTS = 100
 grows its envelope without end, each command well within its deadline."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class ReportHandler:
     cfg: MailboxConfig
     applier: Applier

@@ -78,7 +78,7 @@ class Polled:
     error: str | None = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class Reconciler:
     store: Store
     applier: Applier

@@ -41,7 +41,7 @@ Observe = Callable[[str, str, str], None]
 """(source, type, outcome) → count it."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class EventsServer:
     sources: Sources
     applier: Applier

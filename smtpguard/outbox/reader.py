@@ -58,11 +58,11 @@ class Counters:
     """Rows claimed and handled by this reader."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class OutboxReader:
     name: str
     src: OutboxSource
-    password: str | None = field(repr=False)
+    password: str | None
     submitter: Submitter
     clock: Callable[[], float]
     on_result: Callable[[Principal, Result], None] = lambda p, r: None

@@ -19,7 +19,7 @@ ALERT_INTERVAL = 5.0
 """Seconds between two readings of the counters (which instances flush once a second)."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class ReceiverAlerts:
     store: Store
     metrics: Metrics

@@ -32,7 +32,7 @@ from smtpguard.verp import VerpKey
 log = logging.getLogger("smtpguard.server")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class Assembly:
     metrics: Metrics
     clock: Callable[[], float]
