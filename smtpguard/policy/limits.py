@@ -170,13 +170,9 @@ def hour_free_at(oldest_in_window: float | None, now: float) -> float:
 
 
 def cap_reply(zone: str, reached: CapReached) -> Reply:
-    if reached.user is not None:
-        if reached.window == "month":
-            return replies.user_monthly_cap(zone, reached.user, reached.cap)
-        return replies.user_hourly_cap(zone, reached.user, reached.cap, reached.free_at or 0.0)
     if reached.window == "month":
-        return replies.monthly_cap(zone, reached.cap)
-    return replies.hourly_cap(zone, reached.cap, reached.free_at or 0.0)
+        return replies.monthly_cap(zone, reached.cap, reached.user)
+    return replies.hourly_cap(zone, reached.cap, reached.free_at or 0.0, reached.user)
 
 
 def cap_decision(reached: CapReached) -> Decision:
