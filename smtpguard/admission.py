@@ -113,6 +113,32 @@ class Admission:
         )
 
 
+class Timer:
+    """At most one pending call on the loop: arming again replaces the pending call, and the
+    timer forgets it before it runs, so the call may arm the timer anew."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._handle: asyncio.TimerHandle | None = None
+
+    @property
+    def armed(self) -> bool:
+        return self._handle is not None
+
+    def arm(self, delay: float, then: Callable[[], None]) -> None:
+        self.disarm()
+        self._handle = self._loop.call_later(delay, self._fire, then)
+
+    def disarm(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _fire(self, then: Callable[[], None]) -> None:
+        self._handle = None
+        then()
+
+
 class WriteDeadline:
     """A side listener's client must take what is written to it. While asyncio has paused
     writing (the socket's buffers are full: the client sends but does not read), the
@@ -124,23 +150,16 @@ class WriteDeadline:
     answers to be read, which is what never happens."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, seconds: float, expired: Callable[[], None]) -> None:
-        self._loop = loop
         self._seconds = seconds
         self._expired = expired
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer = Timer(loop)
 
     def paused(self) -> None:
-        if self._timer is None:
-            self._timer = self._loop.call_later(self._seconds, self._expire)
+        if not self._timer.armed:
+            self._timer.arm(self._seconds, self._expired)
 
     def resumed(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _expire(self) -> None:
-        self._timer = None
-        self._expired()
+        self._timer.disarm()
 
 
 class WriteDeadlineProtocol(asyncio.BaseProtocol):

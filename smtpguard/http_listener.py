@@ -46,6 +46,7 @@ from smtpguard.admission import (
     WARN_EVERY,
     Admission,
     ListenerLimits,
+    Timer,
     WriteDeadline,
     WriteDeadlineProtocol,
     peer_ip,
@@ -83,7 +84,8 @@ class _LimitedHandler(WriteDeadlineProtocol, RequestHandler):
         self._bucket: str | None = bucket
         """What the connection is counted under; given when it was admitted at accept (TLS)."""
         self._admitted = bucket is not None
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer = Timer(self._loop)
+        """The idle_timeout before a request, then the request's read_timeout."""
         self._reading = False
         """A request is arriving: its first byte is in, its body is not complete yet."""
         self._headers_in = False
@@ -101,7 +103,7 @@ class _LimitedHandler(WriteDeadlineProtocol, RequestHandler):
             self._bucket = bucket
         self._conn = transport
         super().connection_made(transport)
-        self._arm(self._listener.limits.idle_timeout, self._idle)
+        self._timer.arm(self._listener.limits.idle_timeout, self._idle)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._bucket is None:
@@ -109,7 +111,7 @@ class _LimitedHandler(WriteDeadlineProtocol, RequestHandler):
         self._listener.admission.release(self._bucket)
         self._bucket = None
         self._writing.resumed()
-        self._disarm()
+        self._timer.disarm()
         if self._reading and self._headers_in:
             # A handler may be waiting on the rest of the body: aiohttp hands it this exception.
             exc = BodyAborted("the connection closed before the request body was complete")
@@ -123,7 +125,7 @@ class _LimitedHandler(WriteDeadlineProtocol, RequestHandler):
             # however slowly they trickle in.
             self._reading = True
             self._headers_in = False
-            self._arm(self._listener.limits.read_timeout, self._too_slow)
+            self._timer.arm(self._listener.limits.read_timeout, self._too_slow)
         super().data_received(data)
 
     def _not_reading(self) -> None:
@@ -140,27 +142,16 @@ class _LimitedHandler(WriteDeadlineProtocol, RequestHandler):
     def request_read(self) -> None:
         """The request's body is complete (called through its payload's on_eof)."""
         self._reading = False
-        self._disarm()
+        self._timer.disarm()
 
     def headers_read(self) -> None:
         self._headers_in = True
 
-    def _arm(self, delay: float, then: Any) -> None:
-        self._disarm()
-        self._timer = self._loop.call_later(delay, then)
-
-    def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
     def _idle(self) -> None:
-        self._timer = None
         if not self._reading:
             self.force_close()
 
     def _too_slow(self) -> None:
-        self._timer = None
         transport = self.transport
         logging.getLogger(self._listener.logger).info(
             "request not received within read_timeout",

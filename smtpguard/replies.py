@@ -190,29 +190,21 @@ def receiver_held(receiver: str, why: str) -> Reply:
     return Reply(451, "4.7.1", f"Mail to {safe(receiver, 32)} recipients is held ({why}); try again later")
 
 
-def hourly_cap(zone: str, cap: int, free_at: float) -> Reply:
+def _capped(zone: str, user: str | None) -> str:
+    """Whose cap was reached: the zone's, or an SMTP user's own inside it (DESIGN.md §16)."""
+    return f"zone {zone}" if user is None else f"user {safe(user, 128)} of zone {zone}"
+
+
+def hourly_cap(zone: str, cap: int, free_at: float, user: str | None = None) -> Reply:
     return Reply(
         451,
         "4.7.0",
-        f"Hourly cap of {cap} reached for zone {zone}; a slot frees at {stamp(free_at)}",
+        f"Hourly cap of {cap} reached for {_capped(zone, user)}; a slot frees at {stamp(free_at)}",
     )
 
 
-def monthly_cap(zone: str, cap: int) -> Reply:
-    return Reply(550, "5.7.0", f"Monthly cap of {cap} reached for zone {zone}")
-
-
-def user_hourly_cap(zone: str, user: str, cap: int, free_at: float) -> Reply:
-    return Reply(
-        451,
-        "4.7.0",
-        f"Hourly cap of {cap} reached for user {safe(user, 128)} of zone {zone}; "
-        f"a slot frees at {stamp(free_at)}",
-    )
-
-
-def user_monthly_cap(zone: str, user: str, cap: int) -> Reply:
-    return Reply(550, "5.7.0", f"Monthly cap of {cap} reached for user {safe(user, 128)} of zone {zone}")
+def monthly_cap(zone: str, cap: int, user: str | None = None) -> Reply:
+    return Reply(550, "5.7.0", f"Monthly cap of {cap} reached for {_capped(zone, user)}")
 
 
 def no_provider() -> Reply:

@@ -13,13 +13,13 @@ from smtpguard.policy.classes import message_class
 from smtpguard.policy.decisions import Decision
 from smtpguard.policy.eventkey import MissingKeyMode, event_key, message_id_for
 from smtpguard.policy.fingerprint import fingerprint
-from smtpguard.policy.limits import Caps, UserLimits, caps_for, user_caps_of
+from smtpguard.policy.limits import Caps, OwnCaps, UserLimits, caps_for, user_caps_of
 from smtpguard.policy.message import HeaderLimits, Message, parse, smuggling_check
 from smtpguard.policy.senders import check_header_from
 from smtpguard.replies import Reply
 
 
-class ZoneRules(Protocol):
+class ZoneRules(OwnCaps, Protocol):
     """A zone as far as admission goes (config's ZoneConfig has this shape)."""
 
     @property
@@ -32,10 +32,6 @@ class ZoneRules(Protocol):
     def default_class(self) -> str | None: ...
     @property
     def plan(self) -> str: ...
-    @property
-    def hourly_cap(self) -> int | None: ...
-    @property
-    def monthly_cap(self) -> int | None: ...
     @property
     def users(self) -> Sequence[UserLimits]: ...
 

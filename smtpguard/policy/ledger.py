@@ -11,7 +11,9 @@ writer that lost a race gets the current record back and decides again.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any
 
 from smtpguard import replies
@@ -40,6 +42,9 @@ KEPT_HISTORY = 20
 """Attempts and audit entries a derived key's new event keeps of the events before it:
 enough to read what happened, bounded so that a message sent every window does not grow
 one record without end."""
+
+_UNOWNED: Mapping[str, None] = MappingProxyType({"owner": None, "lease_until": None, "phase": None})
+"""The changes by which an attempt lets go of its record: no owner, no lease, no phase."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,61 +259,47 @@ def _fresh(sub: Submission, now: float, s: LedgerSettings) -> Record:
         "sender": sub.sender,
     }
     if sub.lane is not None:
-        return Record(
-            **common,
-            state=State.QUEUED,
-            next_attempt_at=now,
-            lane=sub.lane,
-            queue_id=sub.attempt_id,
-            expires_at=now + sub.max_age if sub.max_age is not None else None,
-        )
-    return Record(
-        **common,
-        state=State.IN_FLIGHT,
-        owner=sub.instance,
-        lease_until=now + s.lease,
-        phase=Phase.BEFORE_DATA,
-        via=None,
-    )
+        return Record(**common, **_queued(sub, now))
+    return Record(**common, **_leased(sub.instance, now, s))
+
+
+def _queued(sub: Submission, now: float) -> dict[str, Any]:
+    """The changes that put a submission into its store-and-forward lane, due at once."""
+    return {
+        "state": State.QUEUED,
+        "next_attempt_at": now,
+        "lane": sub.lane,
+        "queue_id": sub.attempt_id,
+        "expires_at": now + sub.max_age if sub.max_age is not None else None,
+    }
+
+
+def _leased(owner: str, now: float, s: LedgerSettings) -> dict[str, Any]:
+    """The changes by which an attempt takes the record: in flight, owned and leased, nothing
+    sent yet and to no provider."""
+    return {
+        "state": State.IN_FLIGHT,
+        "owner": owner,
+        "lease_until": now + s.lease,
+        "phase": Phase.BEFORE_DATA,
+        "via": None,
+    }
 
 
 def _retry(existing: Record, sub: Submission, now: float, s: LedgerSettings) -> Record:
+    retried = {
+        "sg_id": sub.attempt_id,
+        "message_id": sub.message_id or existing.message_id,
+        "rcpt_tags": existing.rcpt_tags or sub.rcpt_tags,
+        "username": sub.username or existing.username,
+        "sender": sub.sender or existing.sender,
+    }
     if sub.lane is not None:
         # The zone delivers by queue now (it was in relay mode when this record was
         # written): the retry is accepted into the lane as a new attempt, as a new event
         # would be, and the worker sends it.
-        return _bump(
-            existing,
-            now,
-            state=State.QUEUED,
-            sg_id=sub.attempt_id,
-            owner=None,
-            lease_until=None,
-            phase=None,
-            next_attempt_at=now,
-            message_id=sub.message_id or existing.message_id,
-            rcpt_tags=existing.rcpt_tags or sub.rcpt_tags,
-            username=sub.username or existing.username,
-            sender=sub.sender or existing.sender,
-            lane=sub.lane,
-            queue_id=sub.attempt_id,
-            expires_at=now + sub.max_age if sub.max_age is not None else None,
-        )
-    return _bump(
-        existing,
-        now,
-        state=State.IN_FLIGHT,
-        sg_id=sub.attempt_id,
-        owner=sub.instance,
-        lease_until=now + s.lease,
-        phase=Phase.BEFORE_DATA,
-        via=None,
-        next_attempt_at=None,
-        message_id=sub.message_id or existing.message_id,
-        rcpt_tags=existing.rcpt_tags or sub.rcpt_tags,
-        username=sub.username or existing.username,
-        sender=sub.sender or existing.sender,
-    )
+        return _bump(existing, now, **_UNOWNED, **_queued(sub, now), **retried)
+    return _bump(existing, now, **_leased(sub.instance, now, s), next_attempt_at=None, **retried)
 
 
 # --- the owner's writes while it relays ------------------------------------------------------
@@ -387,7 +378,7 @@ def settle(
         rec = replace(rec, lost_until=None)
     if not owns(rec, attempt_id) and not reported and outcome.kind is not Kind.DELIVERED:
         return _bump(rec, now)
-    common: dict[str, Any] = {"owner": None, "lease_until": None, "phase": None, "unrefunded": ()}
+    common: dict[str, Any] = {**_UNOWNED, "unrefunded": ()}
     if outcome.kind is Kind.DELIVERED:
         return _bump(
             rec,
@@ -399,29 +390,17 @@ def settle(
             next_attempt_at=None,
             **common,
         )
-    if outcome.kind is Kind.DEFERRED:
-        return _bump(
-            rec,
-            now,
-            state=State.DEFERRED,
-            reply=reply,
-            next_attempt_at=now + (s.min_retry_interval if retry_delay is None else retry_delay),
-            **common,
-        )
     if outcome.kind is Kind.FAILED:
         return _bump(rec, now, state=State.FAILED, reply=reply, next_attempt_at=None, **common)
     if outcome.kind is Kind.UNKNOWN:
         return _bump(rec, now, state=State.UNKNOWN, reply=None, **common)
-    # Nothing reached a provider: the event stays retryable at once (a client retry), or
-    # after the worker's backoff (store-and-forward).
-    return _bump(
-        rec,
-        now,
-        state=State.DEFERRED,
-        reply=replies.no_provider(),
-        next_attempt_at=now + (retry_delay or 0.0),
-        **common,
-    )
+    if outcome.kind is Kind.DEFERRED:
+        deferred, delay = reply, s.min_retry_interval if retry_delay is None else retry_delay
+    else:
+        # Nothing reached a provider: the event stays retryable at once (a client retry), or
+        # after the worker's backoff (store-and-forward).
+        deferred, delay = replies.no_provider(), retry_delay or 0.0
+    return _bump(rec, now, state=State.DEFERRED, reply=deferred, next_attempt_at=now + delay, **common)
 
 
 # --- store-and-forward (DESIGN.md §4a) -------------------------------------------------------
@@ -457,9 +436,7 @@ def on_claim(rec: Record, attempt_id: str, instance: str, now: float, s: LedgerS
         if rec.phase is Phase.DATA_SENT:
             return Finish(_lost_after_dot(rec, now, s), Decision.UNKNOWN_HELD)
     if rec.expires_at is not None and now >= rec.expires_at:
-        gone = _bump(
-            rec, now, state=State.EXPIRED, owner=None, lease_until=None, phase=None, next_attempt_at=None
-        )
+        gone = _bump(rec, now, state=State.EXPIRED, next_attempt_at=None, **_UNOWNED)
         gone = _audit(
             gone,
             now,
@@ -471,17 +448,7 @@ def on_claim(rec: Record, attempt_id: str, instance: str, now: float, s: LedgerS
         )
         abandoned = _abandoned(rec) if rec.state is State.IN_FLIGHT else rec.unrefunded
         return Finish(replace(gone, unrefunded=()), Decision.EXPIRED, refund=abandoned)
-    taken = _bump(
-        rec,
-        now,
-        state=State.IN_FLIGHT,
-        sg_id=attempt_id,
-        owner=instance,
-        lease_until=now + s.lease,
-        phase=Phase.BEFORE_DATA,
-        via=None,
-        next_attempt_at=None,
-    )
+    taken = _bump(rec, now, **_leased(instance, now, s), sg_id=attempt_id, next_attempt_at=None)
     # An in_flight record here lost its worker before DATA: its unit goes back.
     if rec.state is State.IN_FLIGHT:
         taken = replace(taken, unrefunded=_abandoned(rec))
@@ -501,15 +468,8 @@ def hold(rec: Record, attempt_id: str, now: float, until: float) -> Record | Non
         return None
     if rec.expires_at is not None:
         until = min(until, rec.expires_at)
-    return _bump(
-        rec,
-        now,
-        state=State.DEFERRED if attempts_of_this_event(rec) else State.QUEUED,
-        owner=None,
-        lease_until=None,
-        phase=None,
-        next_attempt_at=until,
-    )
+    state = State.DEFERRED if attempts_of_this_event(rec) else State.QUEUED
+    return _bump(rec, now, state=state, next_attempt_at=until, **_UNOWNED)
 
 
 def wake(rec: Record, now: float, within: float) -> Record | None:

@@ -130,15 +130,21 @@ def user_caps_for(zone: Caps, hourly: int | None, monthly: int | None) -> Caps |
     )
 
 
-class UserLimits(Protocol):
-    """A zone's SMTP user as far as caps go (config's UserConfig has this shape)."""
+class OwnCaps(Protocol):
+    """A zone or one of its SMTP users as far as its own caps go: a window it sets None for
+    takes the plan's (a zone's) or the zone's (a user's)."""
 
-    @property
-    def username(self) -> str: ...
     @property
     def hourly_cap(self) -> int | None: ...
     @property
     def monthly_cap(self) -> int | None: ...
+
+
+class UserLimits(OwnCaps, Protocol):
+    """A zone's SMTP user as far as caps go (config's UserConfig has this shape)."""
+
+    @property
+    def username(self) -> str: ...
 
 
 def user_caps_of(users: Iterable[UserLimits], username: str | None, caps: Caps) -> Caps | None:
@@ -164,13 +170,9 @@ def hour_free_at(oldest_in_window: float | None, now: float) -> float:
 
 
 def cap_reply(zone: str, reached: CapReached) -> Reply:
-    if reached.user is not None:
-        if reached.window == "month":
-            return replies.user_monthly_cap(zone, reached.user, reached.cap)
-        return replies.user_hourly_cap(zone, reached.user, reached.cap, reached.free_at or 0.0)
     if reached.window == "month":
-        return replies.monthly_cap(zone, reached.cap)
-    return replies.hourly_cap(zone, reached.cap, reached.free_at or 0.0)
+        return replies.monthly_cap(zone, reached.cap, reached.user)
+    return replies.hourly_cap(zone, reached.cap, reached.free_at or 0.0, reached.user)
 
 
 def cap_decision(reached: CapReached) -> Decision:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from smtpguard.background import keep
 from smtpguard.policy.decisions import stat_name
@@ -15,13 +15,8 @@ from smtpguard.policy.limits import caps_for, month_of
 from smtpguard.store import ReportsReplication, Store, StoreUnavailable
 
 if TYPE_CHECKING:
-    from smtpguard.cap_alerts import CapAlerts
-    from smtpguard.config import Config
-    from smtpguard.listener import Handler
-    from smtpguard.metrics import Metrics
     from smtpguard.policy.breaker import Circuit
-    from smtpguard.provider_gate import ProviderGate
-    from smtpguard.relay import Route
+    from smtpguard.server import Server
     from smtpguard.submission import Principal, Result
 
 # The lifecycle's logger: these lines were always the server's, and stay so in the logs.
@@ -56,46 +51,11 @@ class StatsBuffer:
                     self._pending[zone][name] += n
 
 
-class Served(Protocol):
-    """What housekeeping reads of the running server, read anew each time: a reload swaps
-    the config and the route under it."""
-
-    @property
-    def config(self) -> Config: ...
-
-    @property
-    def store(self) -> Store | None: ...
-
-    @property
-    def route(self) -> Route | None: ...
-
-    @property
-    def gate(self) -> ProviderGate | None: ...
-
-    @property
-    def handler(self) -> Handler | None: ...
-
-    @property
-    def cap_alerts(self) -> CapAlerts | None: ...
-
-    @property
-    def metrics(self) -> Metrics: ...
-
-    @property
-    def stats(self) -> StatsBuffer: ...
-
-    @property
-    def instance(self) -> str: ...
-
-    @property
-    def singleton(self) -> bool: ...
-
-    def clock(self) -> float: ...
-
-
 class Housekeeping:
-    def __init__(self, server: Served) -> None:
+    def __init__(self, server: Server) -> None:
         self._server = server
+        """Read anew each time, never a copy of what it holds: a reload swaps the config and
+        the route under it."""
         self.background: set[asyncio.Task[None]] = set()
         """Circuit writes and probers being stopped: waited for (bounded) at stop."""
         self.publishing: set[asyncio.Task[None]] = set()

@@ -18,10 +18,13 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 from urllib.parse import urlsplit
 
 import aiohttp
+
+if TYPE_CHECKING:
+    from smtpguard.verdict_config import MailgunApi, PostmarkApi, SendgridApi
 
 log = logging.getLogger("smtpguard.verdicts")
 
@@ -85,6 +88,19 @@ class Credential:
         return "Credential(<hidden>)"
 
     __str__ = __repr__
+
+
+def header_auth(header: str, value: str) -> Callable[[], Mapping[str, str]]:
+    """An ApiClient's `auth` for an API whose credential is one request header: the value is
+    held by a Credential, so nothing the client keeps prints it."""
+    secret = Credential(value)
+    return lambda: {header: secret.reveal()}
+
+
+def api_settings(api: MailgunApi | PostmarkApi | SendgridApi, kind: str) -> dict[str, Any]:
+    """The ApiClient keywords a provider's `api:` sets, whichever the provider: where its API
+    is (`kind` names the default), the timeout of a request and the connections to it."""
+    return {"base_url": api.url(kind), "timeout": api.timeout, "max_connections": api.max_connections}
 
 
 @dataclass(frozen=True, slots=True)

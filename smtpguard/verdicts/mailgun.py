@@ -21,7 +21,7 @@ from typing import Any
 
 from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind, bare_message_id, window
 from smtpguard.verdict_config import MailgunApi
-from smtpguard.verdicts.http import ApiClient, Credential, field, need_list, untimed
+from smtpguard.verdicts.http import ApiClient, api_settings, field, header_auth, need_list, untimed
 from smtpguard.verdicts.model import Reported, ReportedEvent, parse_time
 
 KEY_FIELD = "smtpguard_key"
@@ -32,23 +32,13 @@ _KINDS = {"accepted": LogKind.ACCEPTED, "rejected": LogKind.REFUSED}
 
 class MailgunLog(ApiClient):
     def __init__(self, *, provider: str, base_url: str, key: str, domain: str, **kw: Any) -> None:
-        secret = Credential("Basic " + base64.b64encode(f"api:{key}".encode()).decode("ascii"))
-        super().__init__(
-            provider=provider, base_url=base_url, auth=lambda: {"Authorization": secret.reveal()}, **kw
-        )
+        basic = "Basic " + base64.b64encode(f"api:{key}".encode()).decode("ascii")
+        super().__init__(provider=provider, base_url=base_url, auth=header_auth("Authorization", basic), **kw)
         self.domain = domain
 
     @classmethod
     def from_config(cls, provider: str, api: MailgunApi, key: str, **kw: Any) -> MailgunLog:
-        return cls(
-            provider=provider,
-            base_url=api.url("mailgun"),
-            key=key,
-            domain=api.domain,
-            timeout=api.timeout,
-            max_connections=api.max_connections,
-            **kw,
-        )
+        return cls(provider=provider, key=key, domain=api.domain, **api_settings(api, "mailgun"), **kw)
 
     @property
     def _path(self) -> str:

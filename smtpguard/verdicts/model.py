@@ -5,18 +5,14 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from enum import StrEnum
 from typing import Protocol
 
+from smtpguard.policy.events import Kind
 from smtpguard.policy.verdicts import Attempt, LogEntry
 
-
-class Reported(StrEnum):
-    """The §13 effects reconciliation can bring: the suppressing ones."""
-
-    BOUNCE = "bounce"
-    COMPLAINT = "complaint"
-    UNSUBSCRIBE = "unsubscribe"
+Reported = Kind
+"""What reconciliation brings are the suppressing kinds of a provider event (§13: bounce,
+complaint, unsubscribe): the webhook path's own enum, so that both paths name them alike."""
 
 
 @dataclass(frozen=True, slots=True)

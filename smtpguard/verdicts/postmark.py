@@ -22,7 +22,7 @@ from typing import Any
 
 from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind, window
 from smtpguard.verdict_config import PostmarkApi
-from smtpguard.verdicts.http import ApiClient, Credential, field, need_list, untimed
+from smtpguard.verdicts.http import ApiClient, api_settings, field, header_auth, need_list, untimed
 from smtpguard.verdicts.model import Reported, ReportedEvent, iso_utc, parse_time
 
 KEY_FIELD = "smtpguard_key"
@@ -38,24 +38,12 @@ def _day(t: float) -> str:
 
 class PostmarkLog(ApiClient):
     def __init__(self, *, provider: str, base_url: str, key: str, **kw: Any) -> None:
-        secret = Credential(key)
-        super().__init__(
-            provider=provider,
-            base_url=base_url,
-            auth=lambda: {"X-Postmark-Server-Token": secret.reveal()},
-            **kw,
-        )
+        auth = header_auth("X-Postmark-Server-Token", key)
+        super().__init__(provider=provider, base_url=base_url, auth=auth, **kw)
 
     @classmethod
     def from_config(cls, provider: str, api: PostmarkApi, key: str, **kw: Any) -> PostmarkLog:
-        return cls(
-            provider=provider,
-            base_url=api.url("postmark"),
-            key=key,
-            timeout=api.timeout,
-            max_connections=api.max_connections,
-            **kw,
-        )
+        return cls(provider=provider, key=key, **api_settings(api, "postmark"), **kw)
 
     async def _list(
         self, path: str, key: str, params: dict[str, str], max_pages: int = MAX_PAGES

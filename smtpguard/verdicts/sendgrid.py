@@ -26,7 +26,15 @@ from typing import Any
 
 from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind
 from smtpguard.verdict_config import SendgridApi
-from smtpguard.verdicts.http import ApiClient, ApiMalformed, ApiNotFound, Credential, field, need_list
+from smtpguard.verdicts.http import (
+    ApiClient,
+    ApiMalformed,
+    ApiNotFound,
+    api_settings,
+    field,
+    header_auth,
+    need_list,
+)
 from smtpguard.verdicts.model import Reported, ReportedEvent, iso_utc, parse_time
 
 KEY_FIELD = "smtpguard_key"
@@ -48,21 +56,12 @@ def _quoted(value: str) -> str:
 
 class SendgridLog(ApiClient):
     def __init__(self, *, provider: str, base_url: str, key: str, **kw: Any) -> None:
-        secret = Credential("Bearer " + key)
-        super().__init__(
-            provider=provider, base_url=base_url, auth=lambda: {"Authorization": secret.reveal()}, **kw
-        )
+        auth = header_auth("Authorization", "Bearer " + key)
+        super().__init__(provider=provider, base_url=base_url, auth=auth, **kw)
 
     @classmethod
     def from_config(cls, provider: str, api: SendgridApi, key: str, **kw: Any) -> SendgridLog:
-        return cls(
-            provider=provider,
-            base_url=api.url("sendgrid"),
-            key=key,
-            timeout=api.timeout,
-            max_connections=api.max_connections,
-            **kw,
-        )
+        return cls(provider=provider, key=key, **api_settings(api, "sendgrid"), **kw)
 
     async def entries(self, attempt: Attempt) -> list[LogEntry]:
         if attempt.tag is None:
