@@ -18,7 +18,7 @@ import platform
 import socket
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 from prometheus_client import (
     CollectorRegistry,
@@ -39,6 +39,7 @@ from smtpguard.policy.breaker import Circuit
 from smtpguard.policy.ledger import State
 
 log = logging.getLogger("smtpguard.metrics")
+M = TypeVar("M", Counter, Gauge, Histogram)
 
 # A `_created` series per counter and histogram child doubles the series count and carries
 # nothing a rate() needs.
@@ -110,11 +111,211 @@ def fold_dead_worker(multiprocess: Path, pid: int) -> None:
             dead.unlink()
 
 
+class _Series(Generic[M]):
+    """One series of Metrics, declared once on the class. Each Metrics creates it in its own
+    registry, in the order declared (the order /metrics lists them), as an attribute of the
+    same name that hides this declaration (a non-data descriptor, as functools.cached_property
+    is): reading a series costs what reading any attribute does."""
+
+    def __init__(
+        self, kind: type[M], name: str, documentation: str, labels: Sequence[str] = (), **options: Any
+    ) -> None:
+        self.kind: type[M] = kind
+        self.name = name
+        self.documentation = documentation
+        self.labels = labels
+        self.options = options
+        """buckets of a histogram, multiprocess_mode of a gauge."""
+        self.attr = ""
+
+    def __set_name__(self, owner: type[Any], attr: str) -> None:
+        self.attr = attr
+
+    @overload
+    def __get__(self, metrics: None, owner: type[Any]) -> _Series[M]: ...
+    @overload
+    def __get__(self, metrics: Metrics, owner: type[Any]) -> M: ...
+    def __get__(self, metrics: Metrics | None, owner: type[Any]) -> _Series[M] | M:
+        if metrics is None:
+            return self
+        raise AttributeError(f"{self.attr}: Metrics.__init__ has not created it")
+
+    def create(self, registry: CollectorRegistry) -> M:
+        return self.kind(self.name, self.documentation, self.labels, registry=registry, **self.options)
+
+
 class Metrics:
     """Each gauge names how workers' values add up (`multiprocess_mode`, used only under
     `workers: N`, where prometheus_client keeps one file of values per worker process):
     live* modes forget a worker once the supervisor marks it dead; counters and histograms
     are summed over every worker that ever ran, so a killed worker's sends still count."""
+
+    submissions = _Series(
+        Counter, "smtpguard_submissions", "Submissions by zone and decision", ("zone", "decision")
+    )
+    submission_latency = _Series(
+        Histogram,
+        "smtpguard_submission_latency_seconds",
+        "End of DATA to reply, by zone and decision",
+        ("zone", "decision"),
+        buckets=_LATENCY_BUCKETS,
+    )
+    upstream_replies = _Series(
+        Counter,
+        "smtpguard_upstream_replies",
+        "Upstream attempts by provider and reply class",
+        ("provider", "class"),
+    )
+    upstream_latency = _Series(
+        Histogram,
+        "smtpguard_upstream_latency_seconds",
+        "One upstream attempt, connect to reply",
+        ("provider",),
+        buckets=_LATENCY_BUCKETS,
+    )
+    breaker_state = _Series(
+        Gauge,
+        "smtpguard_breaker_state",
+        "Circuit per provider: 0 closed, 1 half-open, 2 open",
+        ("provider",),
+        multiprocess_mode="livemax",  # each worker has its own breaker: the worst one
+    )
+    provider_ready = _Series(
+        Gauge,
+        "smtpguard_provider_ready",
+        "1 when the provider's last probe (connect, EHLO, STARTTLS, AUTH, QUIT) passed, else 0",
+        ("provider",),
+        multiprocess_mode="livemin",  # ready only when every worker's probe passed
+    )
+    provider_throttled = _Series(
+        Gauge,
+        "smtpguard_provider_throttled",
+        "1 while the provider is throttled fleet-wide after a rate-limit reply, else 0",
+        ("provider",),
+        multiprocess_mode="livemax",  # a fleet-wide flag: throttled if any worker has seen it
+    )
+    provider_rate_limited = _Series(
+        Counter,
+        "smtpguard_provider_rate_limited",
+        "Rate-limit replies (421, 451 4.7.x rate/too many) this instance got, by provider",
+        ("provider",),
+    )
+    cap_remaining = _Series(
+        Gauge,
+        "smtpguard_cap_remaining",
+        "Sends left in the zone's cap window",
+        ("zone", "window"),
+        multiprocess_mode="livemax",  # the store's count, exported by worker 0 alone
+    )
+    cap_used_ratio = _Series(
+        Gauge,
+        "smtpguard_cap_used_ratio",
+        "Share of the zone's cap used (0..1), by the whole fleet: window hour or month",
+        ("zone", "window"),
+        multiprocess_mode="livemax",  # the store's count: the freshest read is the highest
+    )
+    provider_events = _Series(
+        Counter,
+        "smtpguard_provider_events",
+        "Provider events (webhooks, DSNs) by source, type and outcome",
+        ("source", "type", "outcome"),
+    )
+    verdicts = _Series(
+        Counter,
+        "smtpguard_verdicts",
+        "Looks at a provider's log about an unknown outcome (DESIGN.md §19), by provider and verdict",
+        ("provider", "verdict"),
+    )
+    verdict_api_errors = _Series(
+        Counter,
+        "smtpguard_verdict_api_errors",
+        "Failed requests to a provider's log API, by provider and kind "
+        "(auth, rate_limited, server, network, malformed, refused, unavailable)",
+        ("provider", "kind"),
+    )
+    records = _Series(
+        Gauge,
+        "smtpguard_ledger_records",
+        "Ledger records per zone and state",
+        ("zone", "state"),
+        multiprocess_mode="livemax",  # the store's count, exported by worker 0 alone
+    )
+    connections = _Series(
+        Gauge, "smtpguard_connections", "Open client connections", multiprocess_mode="livesum"
+    )
+    auth_failures = _Series(
+        Counter, "smtpguard_auth_failures", "Failed AUTH attempts (wrong user or password)"
+    )
+    auth_lockouts = _Series(
+        Counter, "smtpguard_auth_lockouts", "Connections closed because their client IP failed AUTH too often"
+    )
+    store_errors = _Series(
+        Counter,
+        "smtpguard_store_errors",
+        "Store calls that failed (answered 451 4.3.0 or retried), by where",
+        ("where",),
+    )
+    queue_depth = _Series(
+        Gauge,
+        "smtpguard_queue_depth",
+        "Store-and-forward entries waiting or held, by zone and class",
+        ("zone", "class"),
+        multiprocess_mode="livemax",  # the store's count, exported by worker 0 alone
+    )
+    outbox_rows = _Series(
+        Gauge,
+        "smtpguard_outbox_rows",
+        "Rows of each outbox source by state (DESIGN.md §20)",
+        ("source", "state"),
+        multiprocess_mode="livemax",  # the table's count, exported by worker 0 alone
+    )
+    outbox_lag = _Series(
+        Gauge,
+        "smtpguard_outbox_lag_seconds",
+        "Age of the oldest pending row of each outbox source (0 when none is pending)",
+        ("source",),
+        multiprocess_mode="livemax",
+    )
+    synchronous = _Series(
+        Gauge,
+        "smtpguard_store_synchronous",
+        "1 while a synchronous standby of the PostgreSQL store is streaming, 0 while none is; "
+        "absent where the store's role may not read pg_stat_replication (pg_monitor)",
+        ("store",),
+        multiprocess_mode="livemax",  # the store's state, exported by worker 0 alone
+    )
+    reloads = _Series(Counter, "smtpguard_config_reloads", RELOADS_HELP, ("result",))
+    cert_expiry = _Series(
+        Gauge,
+        "smtpguard_tls_certificate_expiry_timestamp_seconds",
+        "notAfter of the listeners' TLS certificate, as a Unix time",
+        multiprocess_mode="livemin",  # the soonest expiry any worker serves
+    )
+    draining = _Series(
+        Gauge,
+        "smtpguard_draining",
+        "1 while the instance stops: no new connections, in-flight submissions finish",
+        multiprocess_mode="livemax",
+    )
+    receiver_sends = _Series(
+        Counter,
+        "smtpguard_receiver_sends",
+        "Recipients relayed, by zone and receiving provider (DESIGN.md §21)",
+        ("zone", "receiver"),
+    )
+    receiver_events = _Series(
+        Counter,
+        "smtpguard_receiver_events",
+        "Provider events by zone, receiving provider and type (delivered, deferred, bounce, complaint)",
+        ("zone", "receiver", "type"),
+    )
+    receiver_alert = _Series(
+        Gauge,
+        "smtpguard_receiver_alert",
+        "1 while a receiver's alert rate is crossed in its current window, else 0",
+        ("zone", "receiver", "kind"),
+        multiprocess_mode="livemax",
+    )
 
     def __init__(self, multiprocess: Path | None = None) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
@@ -129,187 +330,9 @@ class Metrics:
         self._configured: set[str] | None = None
         self.registry = CollectorRegistry()
         r = self.registry
-        self.submissions = Counter(
-            "smtpguard_submissions",
-            "Submissions by zone and decision",
-            ["zone", "decision"],
-            registry=r,
-        )
-        self.submission_latency = Histogram(
-            "smtpguard_submission_latency_seconds",
-            "End of DATA to reply, by zone and decision",
-            ["zone", "decision"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.upstream_replies = Counter(
-            "smtpguard_upstream_replies",
-            "Upstream attempts by provider and reply class",
-            ["provider", "class"],
-            registry=r,
-        )
-        self.upstream_latency = Histogram(
-            "smtpguard_upstream_latency_seconds",
-            "One upstream attempt, connect to reply",
-            ["provider"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.breaker_state = Gauge(
-            "smtpguard_breaker_state",
-            "Circuit per provider: 0 closed, 1 half-open, 2 open",
-            ["provider"],
-            registry=r,
-            multiprocess_mode="livemax",  # each worker has its own breaker: the worst one
-        )
-        self.provider_ready = Gauge(
-            "smtpguard_provider_ready",
-            "1 when the provider's last probe (connect, EHLO, STARTTLS, AUTH, QUIT) passed, else 0",
-            ["provider"],
-            registry=r,
-            multiprocess_mode="livemin",  # ready only when every worker's probe passed
-        )
-        self.provider_throttled = Gauge(
-            "smtpguard_provider_throttled",
-            "1 while the provider is throttled fleet-wide after a rate-limit reply, else 0",
-            ["provider"],
-            registry=r,
-            multiprocess_mode="livemax",  # a fleet-wide flag: throttled if any worker has seen it
-        )
-        self.provider_rate_limited = Counter(
-            "smtpguard_provider_rate_limited",
-            "Rate-limit replies (421, 451 4.7.x rate/too many) this instance got, by provider",
-            ["provider"],
-            registry=r,
-        )
-        self.cap_remaining = Gauge(
-            "smtpguard_cap_remaining",
-            "Sends left in the zone's cap window",
-            ["zone", "window"],
-            registry=r,
-            multiprocess_mode="livemax",  # the store's count, exported by worker 0 alone
-        )
-        self.cap_used_ratio = Gauge(
-            "smtpguard_cap_used_ratio",
-            "Share of the zone's cap used (0..1), by the whole fleet: window hour or month",
-            ["zone", "window"],
-            registry=r,
-            multiprocess_mode="livemax",  # the store's count: the freshest read is the highest
-        )
-        self.provider_events = Counter(
-            "smtpguard_provider_events",
-            "Provider events (webhooks, DSNs) by source, type and outcome",
-            ["source", "type", "outcome"],
-            registry=r,
-        )
-        self.verdicts = Counter(
-            "smtpguard_verdicts",
-            "Looks at a provider's log about an unknown outcome (DESIGN.md §19), by provider and verdict",
-            ["provider", "verdict"],
-            registry=r,
-        )
-        self.verdict_api_errors = Counter(
-            "smtpguard_verdict_api_errors",
-            "Failed requests to a provider's log API, by provider and kind "
-            "(auth, rate_limited, server, network, malformed, refused, unavailable)",
-            ["provider", "kind"],
-            registry=r,
-        )
-        self.records = Gauge(
-            "smtpguard_ledger_records",
-            "Ledger records per zone and state",
-            ["zone", "state"],
-            registry=r,
-            multiprocess_mode="livemax",  # the store's count, exported by worker 0 alone
-        )
-        self.connections = Gauge(
-            "smtpguard_connections",
-            "Open client connections",
-            registry=r,
-            multiprocess_mode="livesum",
-        )
-        self.auth_failures = Counter(
-            "smtpguard_auth_failures",
-            "Failed AUTH attempts (wrong user or password)",
-            registry=r,
-        )
-        self.auth_lockouts = Counter(
-            "smtpguard_auth_lockouts",
-            "Connections closed because their client IP failed AUTH too often",
-            registry=r,
-        )
-        self.store_errors = Counter(
-            "smtpguard_store_errors",
-            "Store calls that failed (answered 451 4.3.0 or retried), by where",
-            ["where"],
-            registry=r,
-        )
-        self.queue_depth = Gauge(
-            "smtpguard_queue_depth",
-            "Store-and-forward entries waiting or held, by zone and class",
-            ["zone", "class"],
-            registry=r,
-            multiprocess_mode="livemax",  # the store's count, exported by worker 0 alone
-        )
-        self.outbox_rows = Gauge(
-            "smtpguard_outbox_rows",
-            "Rows of each outbox source by state (DESIGN.md §20)",
-            ["source", "state"],
-            registry=r,
-            multiprocess_mode="livemax",  # the table's count, exported by worker 0 alone
-        )
-        self.outbox_lag = Gauge(
-            "smtpguard_outbox_lag_seconds",
-            "Age of the oldest pending row of each outbox source (0 when none is pending)",
-            ["source"],
-            registry=r,
-            multiprocess_mode="livemax",
-        )
-        self.synchronous = Gauge(
-            "smtpguard_store_synchronous",
-            "1 while a synchronous standby of the PostgreSQL store is streaming, 0 while none is; "
-            "absent where the store's role may not read pg_stat_replication (pg_monitor)",
-            ["store"],
-            registry=r,
-            multiprocess_mode="livemax",  # the store's state, exported by worker 0 alone
-        )
-        self.reloads = Counter(
-            "smtpguard_config_reloads",
-            RELOADS_HELP,
-            ["result"],
-            registry=r,
-        )
-        self.cert_expiry = Gauge(
-            "smtpguard_tls_certificate_expiry_timestamp_seconds",
-            "notAfter of the listeners' TLS certificate, as a Unix time",
-            registry=r,
-            multiprocess_mode="livemin",  # the soonest expiry any worker serves
-        )
-        self.draining = Gauge(
-            "smtpguard_draining",
-            "1 while the instance stops: no new connections, in-flight submissions finish",
-            registry=r,
-            multiprocess_mode="livemax",
-        )
-        self.receiver_sends = Counter(
-            "smtpguard_receiver_sends",
-            "Recipients relayed, by zone and receiving provider (DESIGN.md §21)",
-            ["zone", "receiver"],
-            registry=r,
-        )
-        self.receiver_events = Counter(
-            "smtpguard_receiver_events",
-            "Provider events by zone, receiving provider and type (delivered, deferred, bounce, complaint)",
-            ["zone", "receiver", "type"],
-            registry=r,
-        )
-        self.receiver_alert = Gauge(
-            "smtpguard_receiver_alert",
-            "1 while a receiver's alert rate is crossed in its current window, else 0",
-            ["zone", "receiver", "kind"],
-            registry=r,
-            multiprocess_mode="livemax",
-        )
+        for series in vars(Metrics).values():
+            if isinstance(series, _Series):
+                setattr(self, series.attr, series.create(r))
         if multiprocess is not None:
             # What a scrape of any worker renders: every worker's files, added up. Process
             # and platform collectors describe one process only, so they are left out.
