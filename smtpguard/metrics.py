@@ -18,7 +18,7 @@ import platform
 import socket
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Generic, TypeVar, overload
+from typing import Annotated, Any, get_args, get_type_hints
 
 from prometheus_client import (
     CollectorRegistry,
@@ -39,7 +39,6 @@ from smtpguard.policy.breaker import Circuit
 from smtpguard.policy.ledger import State
 
 log = logging.getLogger("smtpguard.metrics")
-M = TypeVar("M", Counter, Gauge, Histogram)
 
 # A `_created` series per counter and histogram child doubles the series count and carries
 # nothing a rate() needs.
@@ -111,37 +110,17 @@ def fold_dead_worker(multiprocess: Path, pid: int) -> None:
             dead.unlink()
 
 
-class _Series(Generic[M]):
-    """One series of Metrics, declared once on the class. Each Metrics creates it in its own
-    registry, in the order declared (the order /metrics lists them), as an attribute of the
-    same name that hides this declaration (a non-data descriptor, as functools.cached_property
-    is): reading a series costs what reading any attribute does."""
+class _Series:
+    """One series of Metrics, declared on the class as `attr: Annotated[Kind, _Series(...)]`:
+    each Metrics creates it, of that kind, in its own registry, in the order declared (the
+    order /metrics lists them)."""
 
-    def __init__(
-        self, kind: type[M], name: str, documentation: str, labels: Sequence[str] = (), **options: Any
-    ) -> None:
-        self.kind: type[M] = kind
+    def __init__(self, name: str, documentation: str, labels: Sequence[str] = (), **options: Any) -> None:
         self.name = name
         self.documentation = documentation
         self.labels = labels
         self.options = options
         """buckets of a histogram, multiprocess_mode of a gauge."""
-        self.attr = ""
-
-    def __set_name__(self, owner: type[Any], attr: str) -> None:
-        self.attr = attr
-
-    @overload
-    def __get__(self, metrics: None, owner: type[Any]) -> _Series[M]: ...
-    @overload
-    def __get__(self, metrics: Metrics, owner: type[Any]) -> M: ...
-    def __get__(self, metrics: Metrics | None, owner: type[Any]) -> _Series[M] | M:
-        if metrics is None:
-            return self
-        raise AttributeError(f"{self.attr}: Metrics.__init__ has not created it")
-
-    def create(self, registry: CollectorRegistry) -> M:
-        return self.kind(self.name, self.documentation, self.labels, registry=registry, **self.options)
 
 
 class Metrics:
@@ -150,172 +129,221 @@ class Metrics:
     live* modes forget a worker once the supervisor marks it dead; counters and histograms
     are summed over every worker that ever ran, so a killed worker's sends still count."""
 
-    submissions = _Series(
-        Counter, "smtpguard_submissions", "Submissions by zone and decision", ("zone", "decision")
-    )
-    submission_latency = _Series(
+    submissions: Annotated[
+        Counter, _Series("smtpguard_submissions", "Submissions by zone and decision", ("zone", "decision"))
+    ]
+    submission_latency: Annotated[
         Histogram,
-        "smtpguard_submission_latency_seconds",
-        "End of DATA to reply, by zone and decision",
-        ("zone", "decision"),
-        buckets=_LATENCY_BUCKETS,
-    )
-    upstream_replies = _Series(
+        _Series(
+            "smtpguard_submission_latency_seconds",
+            "End of DATA to reply, by zone and decision",
+            ("zone", "decision"),
+            buckets=_LATENCY_BUCKETS,
+        ),
+    ]
+    upstream_replies: Annotated[
         Counter,
-        "smtpguard_upstream_replies",
-        "Upstream attempts by provider and reply class",
-        ("provider", "class"),
-    )
-    upstream_latency = _Series(
+        _Series(
+            "smtpguard_upstream_replies",
+            "Upstream attempts by provider and reply class",
+            ("provider", "class"),
+        ),
+    ]
+    upstream_latency: Annotated[
         Histogram,
-        "smtpguard_upstream_latency_seconds",
-        "One upstream attempt, connect to reply",
-        ("provider",),
-        buckets=_LATENCY_BUCKETS,
-    )
-    breaker_state = _Series(
+        _Series(
+            "smtpguard_upstream_latency_seconds",
+            "One upstream attempt, connect to reply",
+            ("provider",),
+            buckets=_LATENCY_BUCKETS,
+        ),
+    ]
+    breaker_state: Annotated[
         Gauge,
-        "smtpguard_breaker_state",
-        "Circuit per provider: 0 closed, 1 half-open, 2 open",
-        ("provider",),
-        multiprocess_mode="livemax",  # each worker has its own breaker: the worst one
-    )
-    provider_ready = _Series(
+        _Series(
+            "smtpguard_breaker_state",
+            "Circuit per provider: 0 closed, 1 half-open, 2 open",
+            ("provider",),
+            multiprocess_mode="livemax",  # each worker has its own breaker: the worst one
+        ),
+    ]
+    provider_ready: Annotated[
         Gauge,
-        "smtpguard_provider_ready",
-        "1 when the provider's last probe (connect, EHLO, STARTTLS, AUTH, QUIT) passed, else 0",
-        ("provider",),
-        multiprocess_mode="livemin",  # ready only when every worker's probe passed
-    )
-    provider_throttled = _Series(
+        _Series(
+            "smtpguard_provider_ready",
+            "1 when the provider's last probe (connect, EHLO, STARTTLS, AUTH, QUIT) passed, else 0",
+            ("provider",),
+            multiprocess_mode="livemin",  # ready only when every worker's probe passed
+        ),
+    ]
+    provider_throttled: Annotated[
         Gauge,
-        "smtpguard_provider_throttled",
-        "1 while the provider is throttled fleet-wide after a rate-limit reply, else 0",
-        ("provider",),
-        multiprocess_mode="livemax",  # a fleet-wide flag: throttled if any worker has seen it
-    )
-    provider_rate_limited = _Series(
+        _Series(
+            "smtpguard_provider_throttled",
+            "1 while the provider is throttled fleet-wide after a rate-limit reply, else 0",
+            ("provider",),
+            multiprocess_mode="livemax",  # a fleet-wide flag: throttled if any worker has seen it
+        ),
+    ]
+    provider_rate_limited: Annotated[
         Counter,
-        "smtpguard_provider_rate_limited",
-        "Rate-limit replies (421, 451 4.7.x rate/too many) this instance got, by provider",
-        ("provider",),
-    )
-    cap_remaining = _Series(
+        _Series(
+            "smtpguard_provider_rate_limited",
+            "Rate-limit replies (421, 451 4.7.x rate/too many) this instance got, by provider",
+            ("provider",),
+        ),
+    ]
+    cap_remaining: Annotated[
         Gauge,
-        "smtpguard_cap_remaining",
-        "Sends left in the zone's cap window",
-        ("zone", "window"),
-        multiprocess_mode="livemax",  # the store's count, exported by worker 0 alone
-    )
-    cap_used_ratio = _Series(
+        _Series(
+            "smtpguard_cap_remaining",
+            "Sends left in the zone's cap window",
+            ("zone", "window"),
+            multiprocess_mode="livemax",  # the store's count, exported by worker 0 alone
+        ),
+    ]
+    cap_used_ratio: Annotated[
         Gauge,
-        "smtpguard_cap_used_ratio",
-        "Share of the zone's cap used (0..1), by the whole fleet: window hour or month",
-        ("zone", "window"),
-        multiprocess_mode="livemax",  # the store's count: the freshest read is the highest
-    )
-    provider_events = _Series(
+        _Series(
+            "smtpguard_cap_used_ratio",
+            "Share of the zone's cap used (0..1), by the whole fleet: window hour or month",
+            ("zone", "window"),
+            multiprocess_mode="livemax",  # the store's count: the freshest read is the highest
+        ),
+    ]
+    provider_events: Annotated[
         Counter,
-        "smtpguard_provider_events",
-        "Provider events (webhooks, DSNs) by source, type and outcome",
-        ("source", "type", "outcome"),
-    )
-    verdicts = _Series(
+        _Series(
+            "smtpguard_provider_events",
+            "Provider events (webhooks, DSNs) by source, type and outcome",
+            ("source", "type", "outcome"),
+        ),
+    ]
+    verdicts: Annotated[
         Counter,
-        "smtpguard_verdicts",
-        "Looks at a provider's log about an unknown outcome (DESIGN.md §19), by provider and verdict",
-        ("provider", "verdict"),
-    )
-    verdict_api_errors = _Series(
+        _Series(
+            "smtpguard_verdicts",
+            "Looks at a provider's log about an unknown outcome (DESIGN.md §19), by provider and verdict",
+            ("provider", "verdict"),
+        ),
+    ]
+    verdict_api_errors: Annotated[
         Counter,
-        "smtpguard_verdict_api_errors",
-        "Failed requests to a provider's log API, by provider and kind "
-        "(auth, rate_limited, server, network, malformed, refused, unavailable)",
-        ("provider", "kind"),
-    )
-    records = _Series(
+        _Series(
+            "smtpguard_verdict_api_errors",
+            "Failed requests to a provider's log API, by provider and kind "
+            "(auth, rate_limited, server, network, malformed, refused, unavailable)",
+            ("provider", "kind"),
+        ),
+    ]
+    records: Annotated[
         Gauge,
-        "smtpguard_ledger_records",
-        "Ledger records per zone and state",
-        ("zone", "state"),
-        multiprocess_mode="livemax",  # the store's count, exported by worker 0 alone
-    )
-    connections = _Series(
-        Gauge, "smtpguard_connections", "Open client connections", multiprocess_mode="livesum"
-    )
-    auth_failures = _Series(
-        Counter, "smtpguard_auth_failures", "Failed AUTH attempts (wrong user or password)"
-    )
-    auth_lockouts = _Series(
-        Counter, "smtpguard_auth_lockouts", "Connections closed because their client IP failed AUTH too often"
-    )
-    store_errors = _Series(
+        _Series(
+            "smtpguard_ledger_records",
+            "Ledger records per zone and state",
+            ("zone", "state"),
+            multiprocess_mode="livemax",  # the store's count, exported by worker 0 alone
+        ),
+    ]
+    connections: Annotated[
+        Gauge, _Series("smtpguard_connections", "Open client connections", multiprocess_mode="livesum")
+    ]
+    auth_failures: Annotated[
+        Counter, _Series("smtpguard_auth_failures", "Failed AUTH attempts (wrong user or password)")
+    ]
+    auth_lockouts: Annotated[
         Counter,
-        "smtpguard_store_errors",
-        "Store calls that failed (answered 451 4.3.0 or retried), by where",
-        ("where",),
-    )
-    queue_depth = _Series(
-        Gauge,
-        "smtpguard_queue_depth",
-        "Store-and-forward entries waiting or held, by zone and class",
-        ("zone", "class"),
-        multiprocess_mode="livemax",  # the store's count, exported by worker 0 alone
-    )
-    outbox_rows = _Series(
-        Gauge,
-        "smtpguard_outbox_rows",
-        "Rows of each outbox source by state (DESIGN.md §20)",
-        ("source", "state"),
-        multiprocess_mode="livemax",  # the table's count, exported by worker 0 alone
-    )
-    outbox_lag = _Series(
-        Gauge,
-        "smtpguard_outbox_lag_seconds",
-        "Age of the oldest pending row of each outbox source (0 when none is pending)",
-        ("source",),
-        multiprocess_mode="livemax",
-    )
-    synchronous = _Series(
-        Gauge,
-        "smtpguard_store_synchronous",
-        "1 while a synchronous standby of the PostgreSQL store is streaming, 0 while none is; "
-        "absent where the store's role may not read pg_stat_replication (pg_monitor)",
-        ("store",),
-        multiprocess_mode="livemax",  # the store's state, exported by worker 0 alone
-    )
-    reloads = _Series(Counter, "smtpguard_config_reloads", RELOADS_HELP, ("result",))
-    cert_expiry = _Series(
-        Gauge,
-        "smtpguard_tls_certificate_expiry_timestamp_seconds",
-        "notAfter of the listeners' TLS certificate, as a Unix time",
-        multiprocess_mode="livemin",  # the soonest expiry any worker serves
-    )
-    draining = _Series(
-        Gauge,
-        "smtpguard_draining",
-        "1 while the instance stops: no new connections, in-flight submissions finish",
-        multiprocess_mode="livemax",
-    )
-    receiver_sends = _Series(
+        _Series(
+            "smtpguard_auth_lockouts", "Connections closed because their client IP failed AUTH too often"
+        ),
+    ]
+    store_errors: Annotated[
         Counter,
-        "smtpguard_receiver_sends",
-        "Recipients relayed, by zone and receiving provider (DESIGN.md §21)",
-        ("zone", "receiver"),
-    )
-    receiver_events = _Series(
-        Counter,
-        "smtpguard_receiver_events",
-        "Provider events by zone, receiving provider and type (delivered, deferred, bounce, complaint)",
-        ("zone", "receiver", "type"),
-    )
-    receiver_alert = _Series(
+        _Series(
+            "smtpguard_store_errors",
+            "Store calls that failed (answered 451 4.3.0 or retried), by where",
+            ("where",),
+        ),
+    ]
+    queue_depth: Annotated[
         Gauge,
-        "smtpguard_receiver_alert",
-        "1 while a receiver's alert rate is crossed in its current window, else 0",
-        ("zone", "receiver", "kind"),
-        multiprocess_mode="livemax",
-    )
+        _Series(
+            "smtpguard_queue_depth",
+            "Store-and-forward entries waiting or held, by zone and class",
+            ("zone", "class"),
+            multiprocess_mode="livemax",  # the store's count, exported by worker 0 alone
+        ),
+    ]
+    outbox_rows: Annotated[
+        Gauge,
+        _Series(
+            "smtpguard_outbox_rows",
+            "Rows of each outbox source by state (DESIGN.md §20)",
+            ("source", "state"),
+            multiprocess_mode="livemax",  # the table's count, exported by worker 0 alone
+        ),
+    ]
+    outbox_lag: Annotated[
+        Gauge,
+        _Series(
+            "smtpguard_outbox_lag_seconds",
+            "Age of the oldest pending row of each outbox source (0 when none is pending)",
+            ("source",),
+            multiprocess_mode="livemax",
+        ),
+    ]
+    synchronous: Annotated[
+        Gauge,
+        _Series(
+            "smtpguard_store_synchronous",
+            "1 while a synchronous standby of the PostgreSQL store is streaming, 0 while none is; "
+            "absent where the store's role may not read pg_stat_replication (pg_monitor)",
+            ("store",),
+            multiprocess_mode="livemax",  # the store's state, exported by worker 0 alone
+        ),
+    ]
+    reloads: Annotated[Counter, _Series("smtpguard_config_reloads", RELOADS_HELP, ("result",))]
+    cert_expiry: Annotated[
+        Gauge,
+        _Series(
+            "smtpguard_tls_certificate_expiry_timestamp_seconds",
+            "notAfter of the listeners' TLS certificate, as a Unix time",
+            multiprocess_mode="livemin",  # the soonest expiry any worker serves
+        ),
+    ]
+    draining: Annotated[
+        Gauge,
+        _Series(
+            "smtpguard_draining",
+            "1 while the instance stops: no new connections, in-flight submissions finish",
+            multiprocess_mode="livemax",
+        ),
+    ]
+    receiver_sends: Annotated[
+        Counter,
+        _Series(
+            "smtpguard_receiver_sends",
+            "Recipients relayed, by zone and receiving provider (DESIGN.md §21)",
+            ("zone", "receiver"),
+        ),
+    ]
+    receiver_events: Annotated[
+        Counter,
+        _Series(
+            "smtpguard_receiver_events",
+            "Provider events by zone, receiving provider and type (delivered, deferred, bounce, complaint)",
+            ("zone", "receiver", "type"),
+        ),
+    ]
+    receiver_alert: Annotated[
+        Gauge,
+        _Series(
+            "smtpguard_receiver_alert",
+            "1 while a receiver's alert rate is crossed in its current window, else 0",
+            ("zone", "receiver", "kind"),
+            multiprocess_mode="livemax",
+        ),
+    ]
 
     def __init__(self, multiprocess: Path | None = None) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
@@ -330,9 +358,9 @@ class Metrics:
         self._configured: set[str] | None = None
         self.registry = CollectorRegistry()
         r = self.registry
-        for series in vars(Metrics).values():
-            if isinstance(series, _Series):
-                setattr(self, series.attr, series.create(r))
+        for attr, kind, series in _SERIES:
+            made = kind(series.name, series.documentation, series.labels, registry=r, **series.options)
+            setattr(self, attr, made)
         if multiprocess is not None:
             # What a scrape of any worker renders: every worker's files, added up. Process
             # and platform collectors describe one process only, so they are left out.
@@ -457,6 +485,12 @@ class Metrics:
         with _scrape_lock(self.multiprocess, exclusive=False):
             data = generate_latest(self._rendered)
         return data
+
+
+_SERIES: list[tuple[str, Callable[..., Any], _Series]] = [
+    (attr, *get_args(hint)) for attr, hint in get_type_hints(Metrics, include_extras=True).items()
+]
+"""Every (attribute, kind, series) Metrics declares, as Metrics.__init__ creates them."""
 
 
 class _Unready:
