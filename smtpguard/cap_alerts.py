@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from smtpguard.background import keep
 from smtpguard.config import Config
@@ -26,28 +27,22 @@ log = logging.getLogger("smtpguard.alerts")
 REFRESH_DEBOUNCE = 0.5
 
 
+@dataclass(eq=False)
 class CapAlerts:
-    def __init__(
-        self,
-        config: Callable[[], Config],
-        store: Store,
-        metrics: Metrics,
-        clock: Callable[[], float],
-    ) -> None:
-        self._config = config
-        self._store = store
-        self._metrics = metrics
-        self._clock = clock
-        self._ledger = AlertLedger()
-        self._pending: set[str] = set()
-        self._last: dict[str, float] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._shown: set[tuple[str, Window]] = set()
-        """The (zone, window) series the gauge has: one left behind keeps an alert firing."""
+    config: Callable[[], Config]
+    store: Store
+    metrics: Metrics
+    clock: Callable[[], float]
+    _ledger: AlertLedger = field(init=False, default_factory=AlertLedger)
+    _pending: set[str] = field(init=False, default_factory=set)
+    _last: dict[str, float] = field(init=False, default_factory=dict)
+    _tasks: set[asyncio.Task[None]] = field(init=False, default_factory=set)
+    _shown: set[tuple[str, Window]] = field(init=False, default_factory=set)
+    """The (zone, window) series the gauge has: one left behind keeps an alert firing."""
 
     def consumed(self, zone: str) -> None:
         """A unit of the zone's cap may have been used: read its usage again soon."""
-        if zone in self._pending or zone not in self._config().zones:
+        if zone in self._pending or zone not in self.config().zones:
             return
         self._pending.add(zone)
         keep(self._tasks, self._later(zone))
@@ -64,20 +59,20 @@ class CapAlerts:
 
     async def refresh(self, zone: str) -> None:
         """Read the zone's usage from the store; set the gauge, warn on a crossing."""
-        cfg = self._config().zones.get(zone)
+        cfg = self.config().zones.get(zone)
         if cfg is None:
             return
         self._last[zone] = time.monotonic()
-        now = self._clock()
+        now = self.clock()
         try:
-            usage = await self._store.cap_usage(zone, now, month_of(now))
+            usage = await self.store.cap_usage(zone, now, month_of(now))
         except StoreUnavailable:
             return
         self.observe(zone, usage, now)
 
     def observe(self, zone: str, usage: CapUsage, now: float) -> None:
         """The zone's usage as just read from the store (here or by serve's gauge loop)."""
-        cfg = self._config().zones.get(zone)
+        cfg = self.config().zones.get(zone)
         if cfg is None:
             return
         caps = caps_for(cfg.plan, cfg.hourly_cap, cfg.monthly_cap)
@@ -91,7 +86,7 @@ class CapAlerts:
                 # A zero cap has no share: no series, rather than the last one's value.
                 self._hide(zone, window)
                 continue
-            self._metrics.cap_used_ratio.labels(zone, window).set(ratio)
+            self.metrics.cap_used_ratio.labels(zone, window).set(ratio)
             self._shown.add((zone, window))
             for threshold in self._ledger.newly_crossed(zone, window, ratio, cfg.alert_at, now):
                 log.warning(
@@ -111,7 +106,7 @@ class CapAlerts:
 
     def prune(self) -> None:
         """Drop the series (and the warnings given) of zones a reload removed."""
-        zones = self._config().zones
+        zones = self.config().zones
         for zone, window in [k for k in self._shown if k[0] not in zones]:
             self._hide(zone, window)
         self._ledger.forget(lambda zone: zone not in zones)
@@ -119,7 +114,7 @@ class CapAlerts:
     def _hide(self, zone: str, window: Window) -> None:
         if (zone, window) in self._shown:
             self._shown.discard((zone, window))
-            self._metrics.cap_used_ratio.remove(zone, window)
+            self.metrics.cap_used_ratio.remove(zone, window)
 
     async def close(self) -> None:
         for task in list(self._tasks):

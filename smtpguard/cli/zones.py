@@ -7,7 +7,7 @@ import asyncio
 import csv
 import io
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -36,33 +36,27 @@ def cmd_pause(args: argparse.Namespace, paused: bool = True) -> int:
     zone = _zone(config, args.zone)
     message_class = getattr(args, "message_class", None)
     receiver = getattr(args, "receiver", None)
-    change: Callable[[Store], Awaitable[None]]
     if message_class is not None and receiver is not None:
         raise UsageError("give --class or --receiver, not both")
+    part: tuple[str, str] | None = None  # ("class", CLASS) or ("receiver", RECEIVER)
     if message_class is not None:
-        c = _class(config, message_class)
-        change, doc, what = (
-            lambda store: desk.set_class_paused(store, zone, c, paused, actor()),
-            {"zone": zone, "class": c},
-            f"class {c} of zone {zone}",
-        )
+        part = ("class", _class(config, message_class))
     elif receiver is not None:
-        r = _receiver(config, receiver)
-        change, doc, what = (
-            lambda store: desk.set_receiver_paused(store, zone, r, paused, actor()),
-            {"zone": zone, "receiver": r},
-            f"receiver {r} of zone {zone}",
-        )
-    else:
-        change, doc, what = (
-            lambda store: desk.set_zone_paused(store, zone, paused, actor()),
-            {"zone": zone},
-            f"zone {zone}",
-        )
+        part = ("receiver", _receiver(config, receiver))
+
+    def change(store: Store) -> Awaitable[None]:
+        if part is None:
+            return desk.set_zone_paused(store, zone, paused, actor())
+        kind, name = part
+        set_paused = desk.set_class_paused if kind == "class" else desk.set_receiver_paused
+        return set_paused(store, zone, name, paused, actor())
+
     asyncio.run(_with_store(config, change))
+    doc = {"zone": zone} if part is None else {"zone": zone, part[0]: part[1]}
     if args.json:
         emit({**doc, "paused": paused})
         return 0
+    what = f"zone {zone}" if part is None else f"{part[0]} {part[1]} of zone {zone}"
     print(f"{what} {'paused' if paused else 'resumed'}")
     return 0
 

@@ -19,7 +19,7 @@ import re
 import secrets
 import ssl
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal, TypeVar
 from urllib.parse import quote
 
 import jinja2
@@ -58,6 +58,20 @@ _SECURITY_HEADERS = {
 }
 
 
+_Page = TypeVar("_Page", bound=Callable[..., Awaitable[web.StreamResponse]])
+_PAGES: list[tuple[Literal["GET", "POST"], str, str]] = []
+"""(method, path, Console method) of every route, in the order the @_route lines below declare
+them: Console.__init__ adds them to the router so."""
+
+
+def _route(method: Literal["GET", "POST"], path: str) -> Callable[[_Page], _Page]:
+    def declare(page: _Page) -> _Page:
+        _PAGES.append((method, path, page.__name__))
+        return page
+
+    return declare
+
+
 class Console:
     def __init__(self, config: Callable[[], Config], store: Store, console: ConsoleConfig) -> None:
         self.config = config
@@ -76,20 +90,9 @@ class Console:
         )
         self.templates.globals.update(views.template_globals(), quote=lambda s: quote(s, safe=""))
         self.app = web.Application(middlewares=[self._guard], client_max_size=64 * 1024)
-        r = self.app.router
-        r.add_get("/login", self.login_page)
-        r.add_post("/login", self.login)
-        r.add_post("/logout", self.logout)
-        r.add_get("/", self.zones)
-        r.add_post("/zones/{zone}/{action:pause|resume}", self.pause)
-        r.add_get("/decisions", self.decisions)
-        r.add_post("/decide", self.decide)
-        r.add_get("/events/{zone}/{key:.+}", self.history)
-        r.add_get("/records/{zone}", self.records)
-        r.add_get("/suppression/{zone}", self.suppression)
-        r.add_post("/suppression/{zone}/{action:add|remove}", self.suppression_change)
-        r.add_get("/queue", self.queue)
-        r.add_get("/search", self.search)
+        add = {"GET": self.app.router.add_get, "POST": self.app.router.add_post}
+        for method, path, page in _PAGES:
+            add[method](path, getattr(self, page))
         self._listener: LimitedListener | None = None
         self.port = 0
 
@@ -216,6 +219,7 @@ class Console:
         return zone
 
     # --- login -------------------------------------------------------------------------------
+    @_route("GET", "/login")
     async def login_page(self, request: web.Request) -> web.StreamResponse:
         # No server-side session before a login succeeds: the form's CSRF token is a random
         # value in a cookie of its own, echoed by the form (double submit; the cookie is
@@ -236,6 +240,7 @@ class Console:
         )
         return response
 
+    @_route("POST", "/login")
     async def login(self, request: web.Request) -> web.StreamResponse:
         form = await request.post()
         csrf, cookie = form.get("csrf"), request.cookies.get(LOGIN_COOKIE)
@@ -303,6 +308,7 @@ class Console:
             max_age=int(self.sessions.ttl),
         )
 
+    @_route("POST", "/logout")
     async def logout(self, request: web.Request) -> web.StreamResponse:
         self.sessions.drop(request[SESSION].token)
         response = web.HTTPSeeOther("/login")
@@ -310,9 +316,11 @@ class Console:
         raise response
 
     # --- pages -------------------------------------------------------------------------------
+    @_route("GET", "/")
     async def zones(self, request: web.Request) -> web.StreamResponse:
         return self.page("zones.html", request, zones=await views.zones(self.config(), self.store))
 
+    @_route("POST", "/zones/{zone}/{action:pause|resume}")
     async def pause(self, request: web.Request) -> web.StreamResponse:
         zone = self._zone(request)
         action = request.match_info["action"]
@@ -323,6 +331,7 @@ class Console:
         )
         raise web.HTTPSeeOther("/")
 
+    @_route("GET", "/decisions")
     async def decisions(self, request: web.Request) -> web.StreamResponse:
         return self.page(
             "decisions.html",
@@ -332,6 +341,7 @@ class Console:
             shown=views.LIST_LIMIT,
         )
 
+    @_route("POST", "/decide")
     async def decide(self, request: web.Request) -> web.StreamResponse:
         form = await request.post()
         zone = self._zone(request, str(form.get("zone", "")))
@@ -362,6 +372,7 @@ class Console:
         back = str(form.get("back", ""))
         raise web.HTTPSeeOther(back if _BACK.fullmatch(back) else "/decisions")
 
+    @_route("GET", "/events/{zone}/{key:.+}")
     async def history(self, request: web.Request) -> web.StreamResponse:
         zone = self._zone(request)
         found = await views.history(self.store, zone, request.match_info["key"])
@@ -369,6 +380,7 @@ class Console:
             raise web.HTTPNotFound(reason="no such record")
         return self.page("history.html", request, h=found, zone=zone)
 
+    @_route("GET", "/search")
     async def search(self, request: web.Request) -> web.StreamResponse:
         q = request.query.get("q", "")
         if len(q) > search.QUERY_MAX:
@@ -376,6 +388,7 @@ class Console:
         found = await search.search(self.config(), self.store, q)
         return self.page("search.html", request, q=q.strip(), found=found, query_max=search.QUERY_MAX)
 
+    @_route("GET", "/records/{zone}")
     async def records(self, request: web.Request) -> web.StreamResponse:
         zone = self._zone(request)
         state = request.query.get("state") or None
@@ -387,6 +400,7 @@ class Console:
             records=await views.records(self.store, zone, state),
         )
 
+    @_route("GET", "/suppression/{zone}")
     async def suppression(self, request: web.Request) -> web.StreamResponse:
         zone = self._zone(request)
         q = request.query.get("q", "").strip().lower()
@@ -395,6 +409,7 @@ class Console:
             "suppression.html", request, zone=zone, q=q, entries=entries[:500], total=len(entries)
         )
 
+    @_route("POST", "/suppression/{zone}/{action:add|remove}")
     async def suppression_change(self, request: web.Request) -> web.StreamResponse:
         zone = self._zone(request)
         form = await request.post()
@@ -411,6 +426,7 @@ class Console:
             await desk.suppress_remove(self.store, zone, address, self._actor(request))
         raise web.HTTPSeeOther(f"/suppression/{quote(zone)}")
 
+    @_route("GET", "/queue")
     async def queue(self, request: web.Request) -> web.StreamResponse:
         outboxes = []
         if self.config().outbox:

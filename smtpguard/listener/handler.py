@@ -10,7 +10,8 @@ import base64
 import binascii
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Concatenate, ParamSpec
 
 from aiosmtpd.smtp import SMTP, AuthResult, Envelope, Session, TLSSetupException
 
@@ -32,6 +33,31 @@ from smtpguard.submission import Principal, Result, Submitter
 from smtpguard.turns import Turns
 
 log = logging.getLogger("smtpguard.listener")
+_P = ParamSpec("_P")
+
+
+def _signed_in(
+    hook: Callable[Concatenate[Handler, Principal, Envelope, _P], Awaitable[str]],
+) -> Callable[Concatenate[Handler, SMTP, Session, Envelope, _P], Awaitable[str]]:
+    """An envelope hook (MAIL, RCPT, DATA) as aiosmtpd calls it, for authenticated sessions
+    only: before AUTH it answers 530 5.7.0 itself, after AUTH the hook gets the session's
+    Principal in place of aiosmtpd's server and session."""
+
+    async def signed_in(
+        self: Handler,
+        server: SMTP,
+        session: Session,
+        envelope: Envelope,
+        /,
+        *args: _P.args,
+        **kwargs: _P.kwargs,
+    ) -> str:
+        principal = session.auth_data
+        if not isinstance(principal, Principal):
+            return str(replies.AUTH_REQUIRED)
+        return await hook(self, principal, envelope, *args, **kwargs)
+
+    return signed_in
 
 
 class Handler:
@@ -177,17 +203,10 @@ class Handler:
         return str(replies.INTERNAL_ERROR)
 
     # --- envelope ----------------------------------------------------------------------------
+    @_signed_in
     async def handle_MAIL(
-        self,
-        server: SMTP,
-        session: Session,
-        envelope: Envelope,
-        address: str,
-        mail_options: list[str],
+        self, principal: Principal, envelope: Envelope, address: str, mail_options: list[str]
     ) -> str:
-        principal = session.auth_data
-        if not isinstance(principal, Principal):
-            return str(replies.AUTH_REQUIRED)
         zone = self.config.zones.get(principal.zone)
         # aiosmtpd has moved SMTPUTF8 from the parameters to envelope.smtp_utf8 already.
         refusal = sender_refusal(
@@ -204,17 +223,10 @@ class Handler:
         envelope.mail_options.extend(mail_options)
         return str(replies.OK_SENDER)
 
+    @_signed_in
     async def handle_RCPT(
-        self,
-        server: SMTP,
-        session: Session,
-        envelope: Envelope,
-        address: str,
-        rcpt_options: list[str],
+        self, principal: Principal, envelope: Envelope, address: str, rcpt_options: list[str]
     ) -> str:
-        principal = session.auth_data
-        if not isinstance(principal, Principal):
-            return str(replies.AUTH_REQUIRED)
         refusal = recipient_refusal(
             address,
             len(envelope.rcpt_tos),
@@ -259,10 +271,9 @@ class Handler:
         return str(reply)
 
     # --- DATA --------------------------------------------------------------------------------
-    async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
-        principal = session.auth_data
-        if not isinstance(principal, Principal):
-            return str(replies.AUTH_REQUIRED)
+    @_signed_in
+    async def handle_DATA(self, principal: Principal, envelope: Envelope) -> str:
+        assert envelope.mail_from is not None  # aiosmtpd answers DATA before MAIL itself (503)
         if self.draining:
             return str(replies.SHUTTING_DOWN)
         self.active += 1

@@ -42,10 +42,50 @@ async def submit_row(
     """`stored_size`: the message's octets in its row; the claim leaves a message over the
     size limit unread, `message` is then empty and this alone refuses it."""
     principal = Principal(src.zone, src.user, session=f"outbox:{source}")
+
+    async def envelope_then_data() -> Result:
+        config = submitter.config
+        zone = config.zones.get(src.zone)
+        if zone is None:
+            return Result(replies.send_as_disabled(src.zone), Decision.ZONE_GONE)
+        raw = wire_form(message)
+        # Line ends made CRLF only add octets: a row stored over the limit is over it on the wire.
+        too_big = size_refusal(max(len(raw), stored_size), config.limits.max_message_size)
+        if too_big is not None:
+            return Result(too_big, SIZE, event_key)
+        keyed = with_key(raw, config.event_key.headers[0], event_key)
+        if isinstance(keyed, replies.Reply):
+            return Result(keyed, Decision.KEY)
+        # The outbox is its own SMTP client: it declares SMTPUTF8 when an address needs it.
+        smtputf8 = not all(a is not None and a.isascii() for a in (mail_from, *rcpt_to))
+        route = route_offers_smtputf8(p.smtputf8 for p in submitter.route.providers_for(src.zone))
+        refusal = sender_refusal(mail_from, src.zone, plan_send_as(zone), zone.senders, smtputf8, route)
+        if refusal is not None:
+            return Result(refusal.reply, Decision.ENVELOPE, event_key)
+        if not rcpt_to:
+            return Result(replies.NO_RECIPIENTS, Decision.ENVELOPE, event_key)
+        accepted: list[str] = []
+        for address in rcpt_to:
+            if address is None:
+                return Result(
+                    replies.bad_address("recipient", "NULL in rcpt_to"), Decision.ENVELOPE, event_key
+                )
+            refused = recipient_refusal(address, len(accepted), config.limits.max_recipients, smtputf8, route)
+            reply = refused.reply if refused is not None else None
+            if refused is not None and not refused.counted:
+                reply = replies.too_many_recipients_in_row(config.limits.max_recipients)
+            if reply is None:
+                listed = await submitter.suppressions.find(src.zone, address)
+                reply = replies.suppressed(address, listed) if listed else None
+            if reply is None and zone.recipient_domains == "check" and domains is not None:
+                reply = await domains.refusal(address)
+            if reply is not None:
+                return Result(reply, Decision.ENVELOPE, event_key)
+            accepted.append(normalize_address(address))
+        return await submitter.submit(principal, mail_from, accepted, keyed, smtputf8)
+
     try:
-        return principal, await _submit(
-            submitter, principal, src, event_key, message, stored_size, mail_from, rcpt_to, domains
-        )
+        return principal, await envelope_then_data()
     except StoreUnavailable:
         return principal, Result(replies.STORE_UNAVAILABLE, Decision.STORE_UNAVAILABLE, event_key)
     except Exception:
@@ -53,53 +93,3 @@ async def submit_row(
         # and the ledger never sends one event twice), it does not stop the reader.
         log.exception("internal error while submitting an outbox row", extra={"source": source})
         return principal, Result(replies.INTERNAL_ERROR, "internal_error", event_key)
-
-
-async def _submit(
-    submitter: Submitter,
-    principal: Principal,
-    src: OutboxSource,
-    event_key: str,
-    message: bytes,
-    stored_size: int,
-    mail_from: str,
-    rcpt_to: tuple[str | None, ...],
-    domains: RecipientDomains | None,
-) -> Result:
-    config = submitter.config
-    zone = config.zones.get(src.zone)
-    if zone is None:
-        return Result(replies.send_as_disabled(src.zone), Decision.ZONE_GONE)
-    raw = wire_form(message)
-    # Line ends made CRLF only add octets: a row stored over the limit is over it on the wire.
-    too_big = size_refusal(max(len(raw), stored_size), config.limits.max_message_size)
-    if too_big is not None:
-        return Result(too_big, SIZE, event_key)
-    keyed = with_key(raw, config.event_key.headers[0], event_key)
-    if isinstance(keyed, replies.Reply):
-        return Result(keyed, Decision.KEY)
-    # The outbox is its own SMTP client: it declares SMTPUTF8 when an address needs it.
-    smtputf8 = not all(a is not None and a.isascii() for a in (mail_from, *rcpt_to))
-    route = route_offers_smtputf8(p.smtputf8 for p in submitter.route.providers_for(src.zone))
-    refusal = sender_refusal(mail_from, src.zone, plan_send_as(zone), zone.senders, smtputf8, route)
-    if refusal is not None:
-        return Result(refusal.reply, Decision.ENVELOPE, event_key)
-    if not rcpt_to:
-        return Result(replies.NO_RECIPIENTS, Decision.ENVELOPE, event_key)
-    accepted: list[str] = []
-    for address in rcpt_to:
-        if address is None:
-            return Result(replies.bad_address("recipient", "NULL in rcpt_to"), Decision.ENVELOPE, event_key)
-        refused = recipient_refusal(address, len(accepted), config.limits.max_recipients, smtputf8, route)
-        reply = refused.reply if refused is not None else None
-        if refused is not None and not refused.counted:
-            reply = replies.too_many_recipients_in_row(config.limits.max_recipients)
-        if reply is None:
-            listed = await submitter.suppressions.find(src.zone, address)
-            reply = replies.suppressed(address, listed) if listed else None
-        if reply is None and zone.recipient_domains == "check" and domains is not None:
-            reply = await domains.refusal(address)
-        if reply is not None:
-            return Result(reply, Decision.ENVELOPE, event_key)
-        accepted.append(normalize_address(address))
-    return await submitter.submit(principal, mail_from, accepted, keyed, smtputf8)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from smtpguard.class_pauses import HOLD, ClassPauses
 from smtpguard.policy import receivers
@@ -35,30 +36,24 @@ def slot_name(zone: str, receiver: str) -> str:
     return f"receiver:{zone}:{receiver}"
 
 
+@dataclass(eq=False)
 class ReceiverGate:
-    def __init__(
-        self,
-        store: Store,
-        pauses: ClassPauses,
-        shaping: Callable[[], Mapping[str, Mapping[str, Shaping]]],
-        clock: Callable[[], float],
-    ) -> None:
-        self._store = store
-        self._pauses = pauses
-        self._shaping = shaping
-        """zone → receiver → its settings, read anew each time (a reload replaces them)."""
-        self._clock = clock
-        self._banked: OrderedDict[tuple[str, str, str], int] = OrderedDict()
-        """(zone, entry key, receiver) → send slots a queued entry holds from earlier tries."""
-        self._lines: dict[tuple[str, str], float] = {}
-        """(zone, receiver) → when the last turn given to a refused queued entry ends."""
+    store: Store
+    pauses: ClassPauses
+    shaping: Callable[[], Mapping[str, Mapping[str, Shaping]]]
+    """zone → receiver → its settings, read anew each time (a reload replaces them)."""
+    clock: Callable[[], float]
+    _banked: OrderedDict[tuple[str, str, str], int] = field(init=False, default_factory=OrderedDict)
+    """(zone, entry key, receiver) → send slots a queued entry holds from earlier tries."""
+    _lines: dict[tuple[str, str], float] = field(init=False, default_factory=dict)
+    """(zone, receiver) → when the last turn given to a refused queued entry ends."""
 
     async def paused(self, zone: str, receiver: str) -> bool:
-        own = self._shaping().get(zone, {}).get(receiver)
+        own = self.shaping().get(zone, {}).get(receiver)
         if own is not None and own.paused:
             return True
         try:
-            pairs = await self._pauses.paused()
+            pairs = await self.pauses.paused()
         except StoreUnavailable:
             return False  # the store's pause cannot be read: the reservation will say so
         return (zone, receivers.control_name(receiver)) in pairs
@@ -67,15 +62,15 @@ class ReceiverGate:
         """Take one of the receiver's send slots: (granted, seconds until one could be had);
         None when it has no max_rate (or the store cannot be asked: shaping never refuses
         mail the store would take)."""
-        own = self._shaping().get(zone, {}).get(receiver)
+        own = self.shaping().get(zone, {}).get(receiver)
         interval = own.interval if own is not None else None
         if interval is None:
             return None
-        now = self._clock()
+        now = self.clock()
         if own is not None and own.on_alert == "slow" and await self._slowed(zone, receiver):
             interval *= 2
         try:
-            slot = await self._store.rate_slot(slot_name(zone, receiver), interval, RCPT_BURST, now)
+            slot = await self.store.rate_slot(slot_name(zone, receiver), interval, RCPT_BURST, now)
         except StoreUnavailable:
             return None
         return slot.granted, slot.wait
@@ -83,7 +78,7 @@ class ReceiverGate:
     async def _slowed(self, zone: str, receiver: str) -> bool:
         """`on_alert: slow` in force (the store's control, which the alert judge sets)."""
         try:
-            pairs = await self._pauses.paused()
+            pairs = await self.pauses.paused()
         except StoreUnavailable:
             return False
         return (zone, receivers.slow_control(receiver)) in pairs
@@ -104,7 +99,7 @@ class ReceiverGate:
         for the entry (banked) when another is refused, so an entry with more of a
         receiver's recipients than one burst holds goes once it has them all, instead of
         spending one slot each try and waiting again for ever."""
-        now = self._clock()
+        now = self.clock()
         for receiver in recipients_of:
             if await self.paused(zone, receiver):
                 return now + PAUSE_HOLD
@@ -127,7 +122,7 @@ class ReceiverGate:
         return None
 
     def _turn(self, zone: str, receiver: str, now: float, wait: float) -> float:
-        own = self._shaping().get(zone, {}).get(receiver)
+        own = self.shaping().get(zone, {}).get(receiver)
         interval = (own.interval if own is not None else None) or 0.0
         turn, self._lines[(zone, receiver)] = receivers.next_turn(
             self._lines.get((zone, receiver)), now, wait, interval

@@ -213,7 +213,7 @@ async def test_queue_mode_holds_a_paused_receivers_entry_until_resumed(
         await guard.store.set_class_paused("acme", control_name("yahoo"), True)
         receivers = guard.assembly.receivers
         assert receivers is not None
-        await receivers.gate._pauses.paused()  # the copy every RCPT reads, fresh
+        await receivers.gate.pauses.paused()  # the copy every RCPT reads, fresh
         queued = await send(guard.ports[0], message("k1"), recipients=["y@yh.test"])
         assert queued.code == 250 and "queued" in queued.text, queued
         other = await send(guard.ports[0], message("k2"), recipients=["g@gm.test"])

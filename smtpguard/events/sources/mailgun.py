@@ -10,10 +10,16 @@ from typing import Any
 
 from smtpguard.events import signatures
 from smtpguard.events.sources.base import Nonce, Rejected, Verified, _Base, _json_object, _obj, _str, _strs
+from smtpguard.events.sources.kinds import Kinds, event_kind
 from smtpguard.events.times import event_time
-from smtpguard.policy.events import KEY_FIELD, Kind, Malformed, Match, ProviderEvent, content_id
+from smtpguard.policy.events import KEY_FIELD, Kind, Match, ProviderEvent, content_id
 
-_MAILGUN_KINDS = {"complained": Kind.COMPLAINT, "unsubscribed": Kind.UNSUBSCRIBE, "delivered": Kind.DELIVERED}
+_MAILGUN_KINDS: Kinds = {
+    "complained": Kind.COMPLAINT,
+    "unsubscribed": Kind.UNSUBSCRIBE,
+    "delivered": Kind.DELIVERED,
+    "failed": lambda data: Kind.BOUNCE if data.get("severity") == "permanent" else Kind.SOFT_BOUNCE,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,13 +53,7 @@ class Mailgun(_Base):
         return Verified([self._event(data, now)], nonce=nonce)
 
     def _event(self, data: dict[str, Any], now: float) -> ProviderEvent:
-        event = _str(data.get("event"))
-        if event is None:
-            raise Malformed("event-data.event is missing")
-        if event == "failed":
-            kind = Kind.BOUNCE if data.get("severity") == "permanent" else Kind.SOFT_BOUNCE
-        else:
-            kind = _MAILGUN_KINDS.get(event, Kind.OTHER)
+        event, kind = event_kind(data, "event", _MAILGUN_KINDS, "event-data.event is missing")
         status = data.get("delivery-status")
         code = ""
         if isinstance(status, dict):

@@ -9,15 +9,20 @@ from typing import Any
 
 from smtpguard.events import signatures
 from smtpguard.events.sources.base import Rejected, Verified, _Base, _header, _json, _obj, _str, _strs
+from smtpguard.events.sources.kinds import Kinds, event_kind
 from smtpguard.events.times import event_time
-from smtpguard.policy.events import KEY_FIELD, Kind, Malformed, Match, ProviderEvent, content_id
+from smtpguard.policy.events import KEY_FIELD, Kind, Match, ProviderEvent, content_id
 
-_SENDGRID_KINDS = {
+_SENDGRID_KINDS: Kinds = {
     "spamreport": Kind.COMPLAINT,
     "unsubscribe": Kind.UNSUBSCRIBE,
     "group_unsubscribe": Kind.UNSUBSCRIBE,
     "delivered": Kind.DELIVERED,
     "deferred": Kind.DEFERRED,
+    # `blocked` is the receiver refusing this message (content, reputation), not a dead
+    # address: history only, like a soft bounce.
+    "bounce": lambda e: Kind.SOFT_BOUNCE if e.get("type") == "blocked" else Kind.BOUNCE,
+    "dropped": lambda e: Kind.BOUNCE if "bounced" in str(e.get("reason", "")).lower() else Kind.OTHER,
 }
 SIGNATURE_HEADER = "X-Twilio-Email-Event-Webhook-Signature"
 TIMESTAMP_HEADER = "X-Twilio-Email-Event-Webhook-Timestamp"
@@ -47,17 +52,7 @@ class Sendgrid(_Base):
         return Verified([self._event(_obj(e, "an event"), now) for e in payload])
 
     def _event(self, e: dict[str, Any], now: float) -> ProviderEvent:
-        event = _str(e.get("event"))
-        if event is None:
-            raise Malformed("an event has no `event`")
-        if event == "bounce":
-            # `blocked` is the receiver refusing this message (content, reputation), not a
-            # dead address: history only, like a soft bounce.
-            kind = Kind.SOFT_BOUNCE if e.get("type") == "blocked" else Kind.BOUNCE
-        elif event == "dropped":
-            kind = Kind.BOUNCE if "bounced" in str(e.get("reason", "")).lower() else Kind.OTHER
-        else:
-            kind = _SENDGRID_KINDS.get(event, Kind.OTHER)
+        event, kind = event_kind(e, "event", _SENDGRID_KINDS, "an event has no `event`")
         sg_message_id = _str(e.get("sg_message_id"))
         # The SMTP 250 names the X-Message-Id; sg_message_id is that id, a dot, and a suffix.
         upstream = _strs(sg_message_id, sg_message_id.split(".", 1)[0] if sg_message_id else None)

@@ -76,14 +76,28 @@ def _into_wal(conn: sqlite3.Connection, wait: float = 30.0) -> None:
     locked" at once, without its busy handler, while another connection holds the file
     (workers or the CLI opening one new file together): wait as busy_timeout would. Runs in
     the writer's own thread, so the sleep blocks no event loop."""
+    execute_waiting(conn, "PRAGMA journal_mode = WAL", wait, 0.005, 0.1)
+
+
+def execute_waiting(
+    conn: sqlite3.Connection,
+    sql: str,
+    wait: float,
+    delay: float,
+    most: float,
+    busy: tuple[str, ...] = ("locked",),
+) -> None:
+    """`sql`, tried again while SQLite refuses it at once because another connection holds
+    the lock (an error that names one of `busy`): after `delay` seconds, doubling up to
+    `most`, until `wait` seconds have gone. It sleeps: call it on a thread, never on the
+    event loop."""
     deadline = time.monotonic() + wait
-    delay = 0.005
     while True:
         try:
-            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute(sql)
             return
         except sqlite3.OperationalError as e:
-            if "locked" not in str(e) or time.monotonic() >= deadline:
+            if not any(word in str(e) for word in busy) or time.monotonic() >= deadline:
                 raise
         time.sleep(delay)
-        delay = min(delay * 2, 0.1)
+        delay = min(delay * 2, most)

@@ -12,7 +12,6 @@ import queue
 import sqlite3
 import stat
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any, TypeVar
 
 from smtpguard.store.base import StoreUnavailable
 from smtpguard.store.sqlite.migrate import migrate
-from smtpguard.store.sqlite.schema import _connect
+from smtpguard.store.sqlite.schema import _connect, execute_waiting
 
 T = TypeVar("T")
 log = logging.getLogger("smtpguard.store")
@@ -331,17 +330,7 @@ def _failed(batch: list[tuple[_Op, asyncio.Future[Any]]], error: BaseException) 
 
 def _begin_waiting(conn: sqlite3.Connection) -> None:
     """BEGIN IMMEDIATE, waiting (on the writer thread) for another process's lock."""
-    deadline = time.monotonic() + _BUSY_RETRY_FOR
-    delay = 0.001
-    while True:
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            return
-        except sqlite3.OperationalError as e:
-            if ("locked" not in str(e) and "busy" not in str(e)) or time.monotonic() >= deadline:
-                raise
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+    execute_waiting(conn, "BEGIN IMMEDIATE", _BUSY_RETRY_FOR, 0.001, 0.05, ("locked", "busy"))
 
 
 def _run_each_alone(conn: sqlite3.Connection, batch: list[tuple[_Op, asyncio.Future[Any]]]) -> list[_Result]:
