@@ -77,22 +77,25 @@ class Verifier:
 
     async def verify_any(
         self, username: str, password_hashes: Sequence[str], password: str, pad_to: int = 1
-    ) -> bool:
-        """A user holding several hashes during a rotation (`password_hashes: [new, old]`),
-        all verified in one trip off the event loop. A wrong password costs as many
-        verifications as the most hashes any user holds (`pad_to`), whoever the user, an
-        unknown one included: the time of a failure says nothing about the username."""
+    ) -> str | None:
+        """The hash the password matches, None when none does. A user holds several during
+        a rotation (`password_hashes: [new, old]`), all verified in one trip off the event
+        loop. A wrong password costs as many verifications as the most hashes any user holds
+        (`pad_to`), whoever the user, an unknown one included: the time of a failure says
+        nothing about the username. The session keeps the hash it matched: a reload that
+        drops it (the end of a rotation) ends what that password may still do."""
         if len(password_hashes) == 1 and pad_to <= 1:
-            return await self.verify(username, password_hashes[0], password)
+            ok = await self.verify(username, password_hashes[0], password)
+            return password_hashes[0] if ok else None
         now = time.monotonic()
         tag = self._tag(username, password)
         for h in password_hashes:
             cached = self._cache.get((username, h))
             if cached and cached[1] > now and hmac.compare_digest(cached[0], tag):
-                return True
+                return h
         matched = await asyncio.to_thread(_verify_any_blocking, tuple(password_hashes), password, pad_to)
         if matched is not None:
             if len(self._cache) > 10_000:
                 self._cache.clear()
             self._cache[(username, matched)] = (tag, now + self._ttl)
-        return matched is not None
+        return matched

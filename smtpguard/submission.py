@@ -78,6 +78,9 @@ class Principal:
     client_ip: str | None = None
     session: str | None = None
     """The SMTP session's id in the logs: every line about one connection carries it."""
+    credential: str | None = field(default=None, repr=False, compare=False)
+    """The password hash AUTH matched: a reload that drops it, or moves or removes the
+    user, ends the session's rights (listener/handler.py `entitled`). Not in any repr."""
 
 
 @dataclass(slots=True)

@@ -55,6 +55,8 @@ def _signed_in(
         principal = session.auth_data
         if not isinstance(principal, Principal):
             return str(replies.AUTH_REQUIRED)
+        if not self.entitled(principal):
+            return self._revoke(server, principal)
         return await hook(self, principal, envelope, *args, **kwargs)
 
     return signed_in
@@ -95,6 +97,7 @@ class Handler:
         self._submissions: set[asyncio.Task[str]] = set()
         self._auth_turns = Turns()
         self._unrecorded = UnrecordedFailures()
+        self._credentials_of: tuple[Config, dict[str, tuple[str, frozenset[str]]]] | None = None
 
     @property
     def config(self) -> Config:
@@ -105,6 +108,37 @@ class Handler:
         return not self.draining and self.connections.admit(
             ip, limits.max_connections, limits.max_connections_per_ip
         )
+
+    def entitled(self, principal: Principal) -> bool:
+        """Whether the configuration now running still grants what the session's AUTH
+        proved: the user exists, in the same zone, and still holds the hash its password
+        matched. A reload that removes or moves the user, or ends a rotation, must not leave
+        a session open with the rights it no longer has (checked at MAIL, RCPT and the
+        final dot, so nothing is sent or recorded for it)."""
+        held = self._credentials(self.config).get(principal.username)
+        return held is not None and held[0] == principal.zone and principal.credential in held[1]
+
+    def _credentials(self, config: Config) -> dict[str, tuple[str, frozenset[str]]]:
+        """Each user's zone and hashes, built once per configuration (a reload swaps it)."""
+        if self._credentials_of is None or self._credentials_of[0] is not config:
+            index = {
+                user.username: (zname, frozenset(user.hashes))
+                for zname, zone in config.zones.items()
+                for user in zone.users
+            }
+            self._credentials_of = (config, index)
+        return self._credentials_of[1]
+
+    def _revoke(self, server: SMTP, principal: Principal) -> str:
+        log.warning(
+            "session closed: its credentials were changed by a reload",
+            extra={"zone": principal.zone, "client_ip": principal.client_ip, "session": principal.session},
+        )
+        if isinstance(server, GuardSMTP):
+            server.hang_up(replies.CREDENTIALS_CHANGED)
+        elif server.transport is not None:
+            server.transport.close()
+        return str(replies.CREDENTIALS_CHANGED)
 
     # --- AUTH --------------------------------------------------------------------------------
     async def auth_PLAIN(self, server: SMTP, args: list[str]) -> AuthResult:
@@ -152,14 +186,14 @@ class Handler:
                 # No hash-password output can match bytes that are not UTF-8; still pay the
                 # full verification so the reply time says nothing.
                 secret = None
-            ok = await self.verifier.verify_any(
+            matched = await self.verifier.verify_any(
                 username,
                 found[1].hashes if found and secret is not None else (),
                 secret or "",
                 pad_to=_most_hashes(self.config),
             )
-            if ok and found and secret is not None:
-                principal = Principal(found[0], username, ip, _session_id(server.session))
+            if matched is not None and found and secret is not None:
+                principal = Principal(found[0], username, ip, _session_id(server.session), matched)
                 return AuthResult(success=True, auth_data=principal)
             try:
                 failures = await self.store.auth_failure(ip, self.clock(), window)

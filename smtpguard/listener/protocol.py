@@ -325,6 +325,10 @@ class GuardSMTP(SMTP):
             self.transport.close()
 
     async def push(self, status: AnyStr) -> None:
+        if self.transport is None or self.transport.is_closing():
+            # hang_up has written the last reply: aiosmtpd's own push of the hook's answer
+            # would still be flushed before the close, a second reply to one command.
+            return
         text = status.decode() if isinstance(status, bytes) else status
         rewrite = replies.AIOSMTPD_REWRITES.get(text)
         if rewrite is None:
