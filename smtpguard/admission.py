@@ -21,13 +21,15 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 from smtpguard.policy.http_trust import limit_unit
 
 
-class HasListenerLimits(Protocol):
+class ListenerLimits(Protocol):
+    """A side listener's caps and deadlines, read-only. Its config section is one: the
+    fields, their meaning and their defaults are config.events.SideListenerLimits."""
+
     @property
     def max_connections(self) -> int: ...
     @property
@@ -36,21 +38,6 @@ class HasListenerLimits(Protocol):
     def read_timeout(self) -> float: ...
     @property
     def idle_timeout(self) -> float: ...
-
-
-@dataclass(frozen=True, slots=True)
-class ListenerLimits:
-    max_connections: int = 256
-    max_connections_per_ip: int = 32
-    read_timeout: float = 10.0
-    """From the first byte of a request (or command) to its last: headers and body."""
-    idle_timeout: float = 15.0
-    """A connection that sends nothing for this long (before its first request or between
-    keep-alive requests) is closed."""
-
-    @classmethod
-    def of(cls, cfg: HasListenerLimits) -> ListenerLimits:
-        return cls(cfg.max_connections, cfg.max_connections_per_ip, cfg.read_timeout, cfg.idle_timeout)
 
 
 def peer_ip(transport: asyncio.BaseTransport) -> str:

@@ -26,7 +26,6 @@ import jinja2
 from aiohttp import web
 
 from smtpguard import desk
-from smtpguard.admission import ListenerLimits
 from smtpguard.config import Config, ConsoleConfig, OperatorConfig
 from smtpguard.console import search, trust, views
 from smtpguard.console.logins import LoginLimiter
@@ -104,7 +103,7 @@ class Console:
             ctx.minimum_version = ssl.TLSVersion.TLSv1_2
             ctx.load_cert_chain(self.settings.tls.cert, self.settings.tls.key)
         # The connection caps, read_timeout and idle_timeout of console.* (http_listener.py).
-        self._listener = LimitedListener(self.app, ListenerLimits.of(self.settings), "console", log.name)
+        self._listener = LimitedListener(self.app, self.settings, "console", log.name)
         await self._listener.start(self.settings.host, self.settings.port, ctx)
         self.port = self._listener.port
 

@@ -219,8 +219,7 @@ class MailboxServer:
         self.cfg = handler.cfg
         self.handler = handler
         self.hostname = hostname
-        self.limits = ListenerLimits.of(self.cfg)
-        self.admission = Admission(self.limits, "events.mailbox", log.name)
+        self.admission = Admission(self.cfg, "events.mailbox", log.name)
         self._server: asyncio.Server | None = None
         self.port = 0
 
@@ -231,7 +230,7 @@ class MailboxServer:
             lambda: _MailboxSMTP(
                 self.handler,
                 self.admission,
-                self.limits,
+                self.cfg,
                 hostname=self.hostname,
                 ident="smtpguard events mailbox",
                 data_size_limit=self.cfg.max_message_size,

@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from smtpguard.admission import ListenerLimits
-from smtpguard.config import LimitsConfig
+from smtpguard.config import LimitsConfig, SideListenerLimits
 from smtpguard.events.acceptance import settle_if_accepted
 from smtpguard.events.apply import Applied, Applier, log_applied
 from smtpguard.events.sources import Rejected, Source, Sources
@@ -62,7 +62,7 @@ class EventsServer:
     def __post_init__(self, max_body: int, limits: ListenerLimits | None) -> None:
         self.app = web.Application(client_max_size=max_body)
         self.app.router.add_post("/events/{name}", self._handle)
-        self.listener = LimitedListener(self.app, limits or ListenerLimits(), "events", log.name)
+        self.listener = LimitedListener(self.app, limits or SideListenerLimits(), "events", log.name)
 
     async def start(self, host: str, port: int) -> None:
         await self.listener.start(host, port)

@@ -52,7 +52,6 @@ def events_server(
     clock: Callable[[], float],
     config: Callable[[], Config],
 ) -> EventsServer:
-    from smtpguard.admission import ListenerLimits
     from smtpguard.events.web import EventsServer
 
     return EventsServer(
@@ -61,7 +60,7 @@ def events_server(
         events.max_body,
         clock,
         metrics.provider_event,
-        ListenerLimits.of(events),
+        events,
         lambda: config().limits,
         metrics.verdict,
     )

@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -35,9 +35,12 @@ AUTH_LOG_EVERY = 3600.0
 
 
 class ApiError(Exception):
-    """The API could not answer; `kind` is the `kind` label of the error counter."""
+    """The API could not answer. `kind` is the label the client's error counter
+    (ApiClient.errors, smtpguard_verdict_api_errors_total) counts the error under when the
+    client raises it, or None: not counted. ApiError itself is the answer the client has no
+    other name for: a 4xx other than 401, 403, 404 and 429."""
 
-    kind = "error"
+    kind: ClassVar[str | None] = "refused"
 
 
 class ApiAuthRefused(ApiError):
@@ -51,13 +54,13 @@ class ApiUnavailable(ApiError):
 class ApiNotFound(ApiError):
     """404: what was asked for is not there (yet: logs are eventually consistent)."""
 
-    kind = "not_found"
+    kind = None
 
 
 class ApiTruncated(ApiError):
     """More pages than one call may read: what was read is not the whole range asked for."""
 
-    kind = "truncated"
+    kind = None
 
 
 class ApiMalformed(ApiError):
@@ -189,8 +192,9 @@ class ApiClient:
         if "://" not in path_or_url:
             return self.base_url + path_or_url
         if _origin(path_or_url) != self._origin:
-            self.errors["malformed"] += 1
-            raise ApiMalformed(f"{self.provider}: a paging link points off the API's base_url; not followed")
+            raise self._failed(
+                ApiMalformed(f"{self.provider}: a paging link points off the API's base_url; not followed")
+            )
         return path_or_url
 
     async def get_json(self, path_or_url: str, params: Mapping[str, str] | None = None) -> Any:
@@ -232,11 +236,11 @@ class ApiClient:
                 last = f"HTTP {status}"
                 continue
             if status == 404:
-                raise ApiNotFound(f"{self.provider}: {where} answered HTTP 404")
-            self.errors["refused"] += 1
-            raise ApiError(f"{self.provider}: {where} answered HTTP {status}")
-        self.errors["unavailable"] += 1
-        raise ApiUnavailable(f"{self.provider}: {where} unavailable after {attempt + 1} requests ({last})")
+                raise self._failed(ApiNotFound(f"{self.provider}: {where} answered HTTP 404"))
+            raise self._failed(ApiError(f"{self.provider}: {where} answered HTTP {status}"))
+        raise self._failed(
+            ApiUnavailable(f"{self.provider}: {where} unavailable after {attempt + 1} requests ({last})")
+        )
 
     async def _json(self, resp: aiohttp.ClientResponse, where: str) -> Any:
         """The body of a 200, read no further than MAX_BODY: a broken or hostile API's
@@ -248,19 +252,20 @@ class ApiClient:
                 if len(body) > MAX_BODY:
                     break
         if len(body) > MAX_BODY or (resp.content_length or 0) > MAX_BODY:
-            self.errors["malformed"] += 1
-            raise ApiMalformed(f"{self.provider}: {where} answered 200 with more than {MAX_BODY} bytes")
+            raise self._failed(
+                ApiMalformed(f"{self.provider}: {where} answered 200 with more than {MAX_BODY} bytes")
+            )
         try:
             return json.loads(body)
         except (ValueError, RecursionError):
-            self.errors["malformed"] += 1
-            raise ApiMalformed(f"{self.provider}: {where} answered 200 with no usable JSON") from None
+            raise self._failed(
+                ApiMalformed(f"{self.provider}: {where} answered 200 with no usable JSON")
+            ) from None
 
     def _backoff(self, attempt: int) -> float:
         return float(min(self._retry.backoff * (2**attempt), self._retry.backoff_max))
 
     def _auth_refused(self, status: int, where: str) -> None:
-        self.errors["auth"] += 1
         now = self._clock()
         if self._auth_logged_at is None or now - self._auth_logged_at >= AUTH_LOG_EVERY:
             self._auth_logged_at = now
@@ -268,7 +273,15 @@ class ApiClient:
                 "provider API refused smtpguard's credentials; verdicts for it wait",
                 extra={"provider": self.provider, "status": status, "path": where},
             )
-        raise ApiAuthRefused(f"{self.provider}: {where} answered HTTP {status} (credentials refused)")
+        raise self._failed(
+            ApiAuthRefused(f"{self.provider}: {where} answered HTTP {status} (credentials refused)")
+        )
+
+    def _failed(self, error: ApiError) -> ApiError:
+        """The error to raise, counted under its kind: every error the client raises passes here."""
+        if error.kind is not None:
+            self.errors[error.kind] += 1
+        return error
 
     async def pages(
         self,
@@ -289,7 +302,9 @@ class ApiClient:
             yield body
             request = following(body, n)
         if whole and request is not None:
-            raise ApiTruncated(f"{self.provider}: more than {max_pages} pages in the range asked for")
+            raise self._failed(
+                ApiTruncated(f"{self.provider}: more than {max_pages} pages in the range asked for")
+            )
 
 
 def _origin(url: str) -> tuple[str, str, int | None]:

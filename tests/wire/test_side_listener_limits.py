@@ -232,6 +232,13 @@ def test_an_ipv6_client_is_counted_by_its_64() -> None:
     assert limit_unit("192.0.2.7") == "192.0.2.7"
 
 
+DEFAULTS = (256, 32, 10.0, 15.0)
+
+
+def _values(limits: Any) -> tuple[int, int, float, float]:
+    return (limits.max_connections, limits.max_connections_per_ip, limits.read_timeout, limits.idle_timeout)
+
+
 def _cfg(tmp: Path, section: str, **limits: Any) -> dict[str, Any]:
     mailbox = {"listen": "127.0.0.1:0", "address": "r@guard.test", "provider": "primary"}
     if section == "events.mailbox":
@@ -249,18 +256,29 @@ def test_the_limits_have_defaults_and_bad_values_name_their_line(tmp: Path, sect
     part: Any = {"events": cfg.events, "console": cfg.console}.get(section) or (
         cfg.events and cfg.events.mailbox
     )
-    assert (part.max_connections, part.max_connections_per_ip, part.read_timeout, part.idle_timeout) == (
-        256,
-        32,
-        10.0,
-        15.0,
-    )
+    assert _values(part) == DEFAULTS
     for key, bad in [("max_connections", 0), ("max_connections_per_ip", "many"), ("read_timeout", "soon")]:
         text = yaml.safe_dump(_cfg(tmp, section, **{key: bad}), sort_keys=False)
         with pytest.raises(ConfigError) as e:
             loads(text)
         line = next(i for i, t in enumerate(text.splitlines(), 1) if t.strip().startswith(f"{key}:"))
         assert any(f": {section}.{key} (line {line})" in p for p in e.value.problems), e.value.problems
+
+
+def test_each_listener_is_held_to_its_config_section_and_the_events_server_to_the_defaults(
+    guard: Server,
+) -> None:
+    from smtpguard.events.sources import Sources
+    from smtpguard.events.web import EventsServer
+
+    cfg = guard.config
+    assert cfg.events is not None and guard.events is not None and guard.mailbox is not None
+    assert guard.console is not None and guard.console._listener is not None
+    held = [guard.events.listener, guard.console._listener, guard.mailbox]
+    assert [h.admission.limits for h in held] == [cfg.events, cfg.console, cfg.events.mailbox]
+    assert {_values(h.admission.limits) for h in held} == {(5, 3, READ, IDLE)}
+    server = EventsServer(Sources(), None, 1_000_000, time.time, lambda *seen: None)  # type: ignore[arg-type]
+    assert _values(server.listener.limits) == DEFAULTS
 
 
 MALFORMED = {
