@@ -88,12 +88,17 @@ def bad_address(what: str, reason: str) -> Reply:
     return Reply(501, "5.1.3" if what == "recipient" else "5.1.7", f"Bad {what} address: {reason}")
 
 
+def _not_mapped(what: str, address: str, zone: str) -> Reply:
+    """The envelope sender or the header From is no alias mapped to the user's zone."""
+    return Reply(550, "5.7.1", f"{what} <{safe(address)}> is not a mapped alias of zone {zone}")
+
+
 def sender_not_allowed(address: str, zone: str) -> Reply:
-    return Reply(550, "5.7.1", f"Sender <{safe(address)}> is not a mapped alias of zone {zone}")
+    return _not_mapped("Sender", address, zone)
 
 
 def from_not_allowed(address: str, zone: str) -> Reply:
-    return Reply(550, "5.7.1", f"Header From <{safe(address)}> is not a mapped alias of zone {zone}")
+    return _not_mapped("Header From", address, zone)
 
 
 def send_as_disabled(zone: str) -> Reply:
@@ -135,8 +140,12 @@ def too_many_recipients_in_row(limit: int) -> Reply:
 
 
 # --- message and event key -------------------------------------------------------------------
+def _malformed(what: str, reason: str) -> Reply:
+    return Reply(550, "5.6.0", f"Malformed {what}: {reason}")
+
+
 def malformed_message(reason: str) -> Reply:
-    return Reply(550, "5.6.0", f"Malformed message: {safe(reason)}")
+    return _malformed("message", safe(reason))
 
 
 def missing_key(header: str) -> Reply:
@@ -144,28 +153,38 @@ def missing_key(header: str) -> Reply:
 
 
 def malformed_key(header: str, reason: str) -> Reply:
-    return Reply(550, "5.6.0", f"Malformed {header}: {reason}")
+    return _malformed(header, reason)
+
+
+def _duplicate(key: str, sg_id: str, already: str) -> Reply:
+    """A key seen before answers 250 with the original smtpguard id, and nothing is sent."""
+    return Reply(250, "2.0.0", f"[sg:{sg_id}] duplicate of event {safe(key)} already {already}")
 
 
 def duplicate(key: str, sg_id: str, upstream_id: str | None) -> Reply:
     upstream = f", upstream id {safe(upstream_id)}" if upstream_id else ""
-    return Reply(250, "2.0.0", f"[sg:{sg_id}] duplicate of event {safe(key)} already accepted{upstream}")
+    return _duplicate(key, sg_id, f"accepted{upstream}")
 
 
 def duplicate_queued(key: str, sg_id: str) -> Reply:
-    return Reply(250, "2.0.0", f"[sg:{sg_id}] duplicate of event {safe(key)} already queued")
+    return _duplicate(key, sg_id, "queued")
 
 
 def key_reused(key: str) -> Reply:
     return Reply(550, "5.7.0", f"Event key {safe(key)} reused with a different message; nothing sent")
 
 
+def _not_now(key: str, why: str) -> Reply:
+    """Nothing is sent for the event now; a later retry is decided afresh (4.7.1)."""
+    return Reply(451, "4.7.1", f"Event {safe(key)} {why}")
+
+
 def in_flight(key: str) -> Reply:
-    return Reply(451, "4.7.1", f"Event {safe(key)} is being sent by another submission; try later")
+    return _not_now(key, "is being sent by another submission; try later")
 
 
 def retry_too_soon(key: str, not_before: float) -> Reply:
-    return Reply(451, "4.7.1", f"Event {safe(key)} was deferred; retry after {stamp(not_before)}")
+    return _not_now(key, f"was deferred; retry after {stamp(not_before)}")
 
 
 def outcome_unknown(key: str) -> Reply:
@@ -176,13 +195,18 @@ def expired(key: str) -> Reply:
     return Reply(550, "5.4.7", f"Event {safe(key)} expired before it could be delivered")
 
 
+def _paused(zone: str, message_class: str | None) -> Reply:
+    of_class = "" if message_class is None else f"of class {safe(message_class, 64)} "
+    return Reply(451, "4.7.0", f"Sending {of_class}for zone {zone} is paused")
+
+
 def paused(zone: str) -> Reply:
-    return Reply(451, "4.7.0", f"Sending for zone {zone} is paused")
+    return _paused(zone, None)
 
 
 def class_paused(zone: str, message_class: str) -> Reply:
     """One message class held by `pause ZONE --class C` (DESIGN.md §16); others flow."""
-    return Reply(451, "4.7.0", f"Sending of class {safe(message_class, 64)} for zone {zone} is paused")
+    return _paused(zone, message_class)
 
 
 def receiver_held(receiver: str, why: str) -> Reply:

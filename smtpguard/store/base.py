@@ -407,9 +407,10 @@ def store_from_url(
 ) -> Store:
     """The backend for `url`. `read_only`: the caller only reads (history, stats, lists) and
     the backend may open itself so; `create=False`: a store that does not exist yet is
-    StoreMissing rather than created empty (every CLI command). A backend with nothing to
-    create (a server) ignores both. `wait`: (replicas, timeout in seconds) for Redis's WAIT
-    after each ledger write. `pool_size`: PostgreSQL's most connections per process."""
+    StoreMissing rather than created empty (every CLI command). Both concern a store file:
+    only SQLite is given them, and only a server (Redis, PostgreSQL) the `password`. `wait`:
+    (replicas, timeout in seconds) for Redis's WAIT after each ledger write. `pool_size`:
+    PostgreSQL's most connections per process."""
     scheme = url.split(":", 1)[0]
     target = BACKENDS.get(scheme)
     if target is None:
@@ -424,8 +425,12 @@ def store_from_url(
             f"the {scheme} store needs the {e.name} package: pip install 'smtpguard[{extra}]'"
         ) from None
     factory = getattr(imported, cls)
-    extra_args: dict[str, object] = {"wait": wait} if wait is not None else {}
+    options: dict[str, object] = (
+        {"read_only": read_only, "create": create} if scheme == "sqlite" else {"password": password}
+    )
+    if wait is not None:
+        options["wait"] = wait
     if pool_size is not None:
-        extra_args["pool_size"] = pool_size
-    store: Store = factory(url, password=password, read_only=read_only, create=create, **extra_args)
+        options["pool_size"] = pool_size
+    store: Store = factory(url, **options)
     return store

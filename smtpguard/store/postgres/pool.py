@@ -63,11 +63,8 @@ class Pool(OnServerClock, Runner):
         self,
         url: str,
         password: str | None = None,
-        read_only: bool = False,
-        create: bool = True,
         pool_size: int = POOL_SIZE,
     ) -> None:
-        # read_only and create concern a store file; a PostgreSQL server has none to create.
         self.url = url
         self._password = password
         self._pool_size = pool_size

@@ -127,11 +127,8 @@ class RedisStore(OnServerClock, Ledger, Claims, Desk, Suppressions, Upgrades):
         self,
         url: str,
         password: str | None = None,
-        read_only: bool = False,
-        create: bool = True,
         wait: tuple[int, float] | None = None,
     ) -> None:
-        # read_only and create concern a store file; a Redis server has none to create.
         self.url = url
         self._password = password
         self._wait = b""

@@ -54,9 +54,7 @@ spill to the WAL), not on the event loop's."""
 
 
 class SQLiteStore(Controls, Desk, Fleet, Access):
-    def __init__(
-        self, url: str, password: str | None = None, read_only: bool = False, create: bool = True
-    ) -> None:
+    def __init__(self, url: str, read_only: bool = False, create: bool = True) -> None:
         self.path = path_from_url(url)
         self.read_only = read_only
         """Readers only, each opened with mode=ro: writes raise StoreUnavailable."""
