@@ -1,5 +1,6 @@
-"""The Kind each source reads an event as, through its provider's table (events/sources/kinds.py):
-pure, no listener. Requests are signed as the provider signs them."""
+"""The Kind each source reads an event as, through its provider's table (events/sources/kinds.py),
+and the ids a mailed report's events are given: pure, no listener. Requests are signed as the
+provider signs them."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from smtpguard.events.reports import read_report
 from smtpguard.events.sources import Postmark, Svix
 from smtpguard.policy.events import Kind, Malformed
 
@@ -105,3 +107,53 @@ def test_a_resend_event_without_a_type_or_data_is_malformed(
         return
     with pytest.raises(Malformed, match=problem):
         svix(payload)
+
+
+def report(report_type: str, part_type: str, fields: str) -> bytes:
+    return (
+        "From: MAILER-DAEMON@mx.example.net\r\n"
+        "MIME-Version: 1.0\r\n"
+        f'Content-Type: multipart/report; report-type={report_type}; boundary="b"\r\n'
+        "\r\n--b\r\nContent-Type: text/plain\r\n\r\nA report.\r\n"
+        f"--b\r\nContent-Type: {part_type}\r\n\r\n{fields}"
+        "\r\n--b\r\nContent-Type: text/rfc822-headers\r\n\r\nMessage-ID: <m1@app.example>\r\n\r\n--b--\r\n"
+    ).encode()
+
+
+def digest_of(raw: bytes) -> str:
+    return hashlib.sha256(raw.split(b"\r\n\r\n", 1)[-1]).hexdigest()[:32]
+
+
+def test_a_dsn_names_each_recipient_s_event_by_the_report_and_its_place() -> None:
+    raw = report(
+        "delivery-status",
+        "message/delivery-status",
+        "Reporting-MTA: dns; mx.example.net\r\n\r\n"
+        f"Final-Recipient: rfc822; {RCPT}\r\nAction: failed\r\nStatus: 5.1.1\r\n\r\n"
+        "Final-Recipient: rfc822; other@example.net\r\nAction: delayed\r\nStatus: 4.4.1\r\n\r\n"
+        "Final-Recipient: rfc822; third@example.net\r\nStatus: 2.0.0\r\n",
+    )
+    events = read_report(raw, "mailbox", NOW, 100)
+    digest = digest_of(raw)
+    assert [(e.kind, e.provider_type, e.recipient, e.status, e.event_id) for e in events] == [
+        (Kind.BOUNCE, "dsn/failed", RCPT, "5.1.1", f"dsn:{digest}:0"),
+        (Kind.DEFERRED, "dsn/delayed", "other@example.net", "4.4.1", f"dsn:{digest}:1"),
+        (Kind.OTHER, "dsn/-", "third@example.net", "2.0.0", f"dsn:{digest}:2"),
+    ]
+    assert {e.match.message_ids for e in events} == {("<m1@app.example>",)}
+    assert {(e.source, e.at) for e in events} == {("mailbox", NOW)}
+
+
+def test_an_arf_report_names_each_recipient_s_event_by_the_report_and_its_place() -> None:
+    raw = report(
+        "feedback-report",
+        "message/feedback-report",
+        f"Feedback-Type: abuse\r\nVersion: 1\r\nOriginal-Rcpt-To: {RCPT}\r\n"
+        "Original-Rcpt-To: b@example.net\r\n",
+    )
+    events = read_report(raw, "mailbox", NOW, 100)
+    digest = digest_of(raw)
+    assert [(e.kind, e.provider_type, e.recipient, e.status, e.event_id) for e in events] == [
+        (Kind.COMPLAINT, "arf/abuse", RCPT, "abuse", f"arf:{digest}:0"),
+        (Kind.COMPLAINT, "arf/abuse", "b@example.net", "abuse", f"arf:{digest}:1"),
+    ]
