@@ -17,7 +17,6 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 from smtpguard import class_pauses
@@ -26,6 +25,7 @@ from smtpguard.policy import decisions, ledger, receivers
 from smtpguard.policy.ledger import AuditEntry, Record, State
 from smtpguard.policy.limits import Caps, caps_for, month_of, user_caps_for
 from smtpguard.policy.queue import queue_due
+from smtpguard.policy.utc import iso_z
 from smtpguard.store import Store, StoreUnavailable
 from smtpguard.store.base import CapUsage, ZoneAudit
 
@@ -59,7 +59,7 @@ class Decision:
     at: float
 
     def describe(self) -> str:
-        when = datetime.fromtimestamp(self.at, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+        when = iso_z(self.at)
         return f"{self.actor} at {when}"
 
 

@@ -8,10 +8,10 @@ import json
 import os
 import socket
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from smtpguard.config import DEFAULT_CONFIG, Config, load, read_secret
+from smtpguard.policy.utc import iso_z
 from smtpguard.store import Store, store_from_url
 
 T = TypeVar("T")
@@ -58,7 +58,7 @@ def emit(doc: dict[str, Any]) -> None:
 def iso(epoch: float | None) -> str | None:
     if epoch is None:
         return None
-    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+    return iso_z(epoch)
 
 
 def actor() -> str:

@@ -4,13 +4,13 @@ app.py turns requests into these calls and their results into pages."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 from smtpguard.config import Config
 from smtpguard.desk import Decision, cap_use, last_decision, paused_receivers, split_controls, zone_paused
 from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.receivers import receiver_counts
+from smtpguard.policy.utc import iso_z
 from smtpguard.store import Store
 
 HELD = (State.UNKNOWN.value, State.FAILED.value)
@@ -25,7 +25,7 @@ def iso(epoch: float | None) -> str:
     if epoch is None:
         return "-"
     try:
-        return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+        return iso_z(epoch)
     except (OverflowError, ValueError, OSError):
         # A time stored before events refused implausible ones (`1e400`): shown, not a 500.
         return f"invalid time ({epoch!r})"

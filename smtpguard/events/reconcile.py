@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from smtpguard.events.apply import Applied, Applier, log_applied
-from smtpguard.policy.events import Kind, Match, ProviderEvent
+from smtpguard.policy.events import Match, ProviderEvent
 from smtpguard.policy.verdicts import WINDOW
 from smtpguard.store import Store, StoreUnavailable
 from smtpguard.verdicts.http import ApiError, ApiTruncated
@@ -52,7 +52,7 @@ def as_provider_event(reported: ReportedEvent, source: str) -> ProviderEvent:
     smtpguard's tag, the provider's id from its 250, the Message-ID)."""
     return ProviderEvent(
         source=source,
-        kind=Kind(reported.kind.value),
+        kind=reported.kind,
         provider_type=reported.provider_type,
         recipient=reported.recipient,
         status=reported.status,

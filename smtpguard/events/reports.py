@@ -52,14 +52,24 @@ def _read(raw: bytes, source: str, received_at: float) -> list[ProviderEvent]:
         sg_ids=tuple(v for v in [_text(original.get(ID_HEADER)).strip()] if v),
         message_ids=tuple(v for v in [_text(original.get("Message-ID")).strip()] if v),
     )
-    # The report without its header block: a redelivery with other trace headers is the
-    # same report, and is applied once.
-    digest = hashlib.sha256(raw.split(b"\r\n\r\n", 1)[-1]).hexdigest()[:32]
     if report_type == "delivery-status":
-        return _dsn(parts, source, received_at, match, digest)
-    if report_type == "feedback-report":
-        return _arf(parts, source, received_at, match, digest, original)
-    raise NotAReport(f"report-type {report_type or '(none)'} is neither delivery-status nor feedback-report")
+        form, found = "dsn", _dsn(parts)
+    elif report_type == "feedback-report":
+        form, found = "arf", _arf(parts, original)
+    else:
+        raise NotAReport(
+            f"report-type {report_type or '(none)'} is neither delivery-status nor feedback-report"
+        )
+    # A report carries no id of its own: its events are named by the report without its
+    # header block (a redelivery with other trace headers is the same report, and is
+    # applied once) and each one's place in it.
+    digest = hashlib.sha256(raw.split(b"\r\n\r\n", 1)[-1]).hexdigest()[:32]
+    return [
+        ProviderEvent(
+            source, kind, f"{form}/{name or '-'}", rcpt, status, received_at, f"{form}:{digest}:{i}", match
+        )
+        for i, (kind, name, rcpt, status) in enumerate(found)
+    ]
 
 
 def _original_headers(parts: list[Message]) -> Message:
@@ -105,10 +115,15 @@ def _address(value: object) -> str | None:
     return addr if addr and address_problem(addr) is None else None
 
 
-def _dsn(parts: list[Message], source: str, at: float, match: Match, digest: str) -> list[ProviderEvent]:
+_Found = tuple[Kind, str, str | None, str]
+"""One recipient's event as a report gives it: its Kind, the report's own word for it (Action,
+Feedback-Type), the recipient, the status."""
+
+
+def _dsn(parts: list[Message]) -> list[_Found]:
     blocks = _field_blocks(parts, "message/delivery-status")
-    events = []
-    for i, block in enumerate(blocks[1:]):  # the first block holds the per-message fields
+    found: list[_Found] = []
+    for block in blocks[1:]:  # the first block holds the per-message fields
         recipient = _address(block.get("Final-Recipient") or block.get("Original-Recipient"))
         action = _text(block.get("Action")).strip().lower()
         status = _text(block.get("Status")).strip()
@@ -120,23 +135,17 @@ def _dsn(parts: list[Message], source: str, at: float, match: Match, digest: str
             kind = Kind.DELIVERED
         else:
             kind = Kind.OTHER
-        events.append(
-            ProviderEvent(
-                source, kind, f"dsn/{action or '-'}", recipient, status, at, f"dsn:{digest}:{i}", match
-            )
-        )
-    if not events:
+        found.append((kind, action, recipient, status))
+    if not found:
         raise NotAReport("a delivery-status part without a recipient")
-    return events
+    return found
 
 
 # RFC 5965 §7.3 registry: reports of mail the recipient did not want.
 _COMPLAINTS = {"abuse", "fraud", "virus"}
 
 
-def _arf(
-    parts: list[Message], source: str, at: float, match: Match, digest: str, original: Message
-) -> list[ProviderEvent]:
+def _arf(parts: list[Message], original: Message) -> list[_Found]:
     (fields, *_) = _field_blocks(parts, "message/feedback-report") or [Message()]
     feedback = _text(fields.get("Feedback-Type")).strip().lower()
     recipients = [_address(v) for v in fields.get_all("Original-Rcpt-To") or []]
@@ -144,7 +153,4 @@ def _arf(
         to = _text(original.get("To"))
         recipients = [_address(email.utils.parseaddr(to)[1]) if to else None]
     kind = Kind.COMPLAINT if feedback in _COMPLAINTS else Kind.OTHER
-    return [
-        ProviderEvent(source, kind, f"arf/{feedback or '-'}", rcpt, feedback, at, f"arf:{digest}:{i}", match)
-        for i, rcpt in enumerate(recipients)
-    ]
+    return [(kind, feedback, rcpt, feedback) for rcpt in recipients]

@@ -36,6 +36,7 @@ from smtpguard.policy.record import State as State
 from smtpguard.policy.record import audited as _audit
 from smtpguard.policy.record import bump as _bump
 from smtpguard.policy.record import evolve as evolve
+from smtpguard.policy.record import lost_trace_id
 from smtpguard.replies import Reply
 
 KEPT_HISTORY = 20
@@ -213,7 +214,7 @@ def _lost_after_dot(rec: Record, now: float, s: LedgerSettings) -> Record:
     # the owner's last write (the data_sent note or a renewal), not this moment, which may
     # be hours later: the provider's log is read about the time the message went.
     trace = Attempt(
-        attempt_id=f"{rec.sg_id}:lost",
+        attempt_id=lost_trace_id(rec.sg_id),
         at=min(rec.updated_at, now),
         instance=rec.owner or "?",
         provider=rec.via,

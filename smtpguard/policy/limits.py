@@ -22,26 +22,33 @@ HOUR = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
-    send_as: bool
-    monthly: int
-    hourly: int
-
-
-PLANS: dict[str, Plan] = {
-    "free": Plan(send_as=False, monthly=0, hourly=0),
-    "solo": Plan(send_as=True, monthly=2_500, hourly=20),
-    "starter": Plan(send_as=True, monthly=5_000, hourly=40),
-    "business": Plan(send_as=True, monthly=12_000, hourly=60),
-    "agency": Plan(send_as=True, monthly=20_000, hourly=60),
-    "unlimited": Plan(send_as=True, monthly=100_000, hourly=300),
-}
-
-
-@dataclass(frozen=True, slots=True)
 class Caps:
     hourly: int
     monthly: int
+
+    def with_own(self, hourly: int | None, monthly: int | None) -> Caps:
+        """These caps with each window that sets its own cap (a zone inside its plan's, a
+        user inside its zone's) taking that one; None keeps this one."""
+        return Caps(
+            hourly=self.hourly if hourly is None else hourly,
+            monthly=self.monthly if monthly is None else monthly,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    send_as: bool
+    caps: Caps
+
+
+PLANS: dict[str, Plan] = {
+    "free": Plan(send_as=False, caps=Caps(hourly=0, monthly=0)),
+    "solo": Plan(send_as=True, caps=Caps(hourly=20, monthly=2_500)),
+    "starter": Plan(send_as=True, caps=Caps(hourly=40, monthly=5_000)),
+    "business": Plan(send_as=True, caps=Caps(hourly=60, monthly=12_000)),
+    "agency": Plan(send_as=True, caps=Caps(hourly=60, monthly=20_000)),
+    "unlimited": Plan(send_as=True, caps=Caps(hourly=300, monthly=100_000)),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,11 +82,7 @@ class CapReached:
 
 
 def caps_for(plan: str, hourly: int | None, monthly: int | None) -> Caps:
-    p = PLANS[plan]
-    return Caps(
-        hourly=p.hourly if hourly is None else hourly,
-        monthly=p.monthly if monthly is None else monthly,
-    )
+    return PLANS[plan].caps.with_own(hourly, monthly)
 
 
 _month_span: tuple[float, float, str] = (0.0, 0.0, "")
@@ -124,10 +127,7 @@ def user_caps_for(zone: Caps, hourly: int | None, monthly: int | None) -> Caps |
     zone's anyway, so it takes the zone's."""
     if hourly is None and monthly is None:
         return None
-    return Caps(
-        hourly=zone.hourly if hourly is None else hourly,
-        monthly=zone.monthly if monthly is None else monthly,
-    )
+    return zone.with_own(hourly, monthly)
 
 
 class OwnCaps(Protocol):

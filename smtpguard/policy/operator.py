@@ -4,9 +4,8 @@ state it does not apply to; ledger.py re-exports them."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
 from smtpguard.policy.record import Record, State, audited, bump
+from smtpguard.policy.utc import iso_z
 from smtpguard.replies import Reply
 
 
@@ -39,7 +38,7 @@ class RetryTooEarly(OperatorRefused):
     def __init__(self, owner: str, possible_at: float) -> None:
         self.owner = owner
         self.possible_at = possible_at
-        when = datetime.fromtimestamp(possible_at, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+        when = iso_z(possible_at)
         super().__init__(
             f"owner {owner} may still be sending this event to its provider (it lost its lease "
             f"after the final dot may have gone); a retry is safe from {when}, or use --force"

@@ -44,6 +44,13 @@ class Attempt:
     rejected: tuple[tuple[str, Reply], ...] = ()
 
 
+def lost_trace_id(sg_id: str) -> str:
+    """The id of the trace a lease lost after the final dot leaves in the history
+    (ledger._lost_after_dot): the attempt's own id stays free for the outcome its owner may
+    still report, and the trace is read back as that attempt's (verdict_records.attempt_of)."""
+    return f"{sg_id}:lost"
+
+
 @dataclass(frozen=True, slots=True)
 class AuditEntry:
     at: float

@@ -8,7 +8,7 @@ from typing import Any
 
 from smtpguard.policy.eventkey import message_id_for, qualified_key
 from smtpguard.policy.events import Match, bare_message_id, key_of_tag
-from smtpguard.policy.record import AuditEntry, Record, State, evolve
+from smtpguard.policy.record import AuditEntry, Record, State, evolve, lost_trace_id
 from smtpguard.policy.verdicts import Attempt, Verdict, VerdictKind
 from smtpguard.replies import Reply, safe
 
@@ -22,7 +22,7 @@ def attempt_of(rec: Record, tag: str | None) -> Attempt | None:
     From the earliest trace of the current attempt (a lost lease's trace keeps when its
     owner last wrote, not when the loss was noticed) to the latest, or to `lost_until`
     while an owner that lost its lease may still have been sending."""
-    mine = [a for a in rec.attempts if a.attempt_id in (rec.sg_id, f"{rec.sg_id}:lost")]
+    mine = [a for a in rec.attempts if a.attempt_id in (rec.sg_id, lost_trace_id(rec.sg_id))]
     provider = rec.via or next((a.provider for a in mine if a.provider is not None), None)
     if provider is None:
         return None

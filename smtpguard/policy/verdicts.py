@@ -32,6 +32,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
+from smtpguard.policy import events
+
 WINDOW = 600.0
 """Seconds either side of the attempt's time within which a log entry may be its message:
 wide enough for clock skew and the provider's queueing, narrow enough that a Message-ID a
@@ -117,11 +119,9 @@ class Verdict:
 
 
 def bare_message_id(value: str | None) -> str | None:
-    """A Message-ID compared without the surrounding <> and blanks (§13)."""
-    if value is None:
-        return None
-    bare = value.strip().removeprefix("<").removesuffix(">").strip()
-    return bare or None
+    """events.bare_message_id for a Message-ID that may be missing: None for none, or for
+    one with nothing inside its <>."""
+    return None if value is None else events.bare_message_id(value) or None
 
 
 def matches(attempt: Attempt, entry: LogEntry) -> bool:

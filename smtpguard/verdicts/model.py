@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from typing import Protocol
 
 from smtpguard.policy.events import Kind
+from smtpguard.policy.utc import stamp
 from smtpguard.policy.verdicts import Attempt, LogEntry
 
 Reported = Kind
@@ -54,9 +55,8 @@ class LogApi(Protocol):
     async def close(self) -> None: ...
 
 
-def iso_utc(t: float) -> str:
-    """2017-10-13T18:56:21Z, the form SendGrid's and Postmark's examples use."""
-    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+iso_utc = stamp
+"""2017-10-13T18:56:21Z, the form SendGrid's and Postmark's examples use: the replies' own."""
 
 
 def parse_time(value: object) -> float | None:

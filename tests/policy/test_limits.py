@@ -32,7 +32,7 @@ PLAN_TABLE = [
     ("plan", "send_as", "monthly", "hourly"), [pytest.param(*row, id=row[0]) for row in PLAN_TABLE]
 )
 def test_plan_preset_matches_design(plan: str, send_as: bool, monthly: int, hourly: int) -> None:
-    assert PLANS[plan] == Plan(send_as=send_as, monthly=monthly, hourly=hourly)
+    assert PLANS[plan] == Plan(send_as=send_as, caps=Caps(hourly=hourly, monthly=monthly))
     assert limits.caps_for(plan, None, None) == Caps(hourly=hourly, monthly=monthly)
 
 

@@ -9,9 +9,15 @@ from typing import Any
 
 from smtpguard.events import signatures
 from smtpguard.events.sources.base import Rejected, Verified, _Base, _header, _json_object, _str, _strs
+from smtpguard.events.sources.kinds import Kinds, event_kind
 from smtpguard.events.times import event_time
-from smtpguard.policy.events import KEY_FIELD, Kind, Malformed, Match, ProviderEvent, content_id
+from smtpguard.policy.events import KEY_FIELD, Kind, Match, ProviderEvent, content_id
 
+_POSTMARK_KINDS: Kinds = {
+    "Bounce": lambda p: Kind.BOUNCE if p.get("Type") == "HardBounce" else Kind.SOFT_BOUNCE,
+    "SpamComplaint": Kind.COMPLAINT,
+    "Delivery": Kind.DELIVERED,
+}
 _POSTMARK_TIMES = ("BouncedAt", "DeliveredAt", "ReceivedAt", "ChangedAt")
 
 
@@ -31,18 +37,8 @@ class Postmark(_Base):
         return Verified([self._event(payload, now)])
 
     def _event(self, p: dict[str, Any], now: float) -> ProviderEvent:
-        record_type = _str(p.get("RecordType"))
-        if record_type is None:
-            raise Malformed("`RecordType` is missing")
+        record_type, kind = event_kind(p, "RecordType", _POSTMARK_KINDS, "`RecordType` is missing")
         bounce_type = str(p.get("Type") or "")
-        if record_type == "Bounce":
-            kind = Kind.BOUNCE if bounce_type == "HardBounce" else Kind.SOFT_BOUNCE
-        elif record_type == "SpamComplaint":
-            kind = Kind.COMPLAINT
-        elif record_type == "Delivery":
-            kind = Kind.DELIVERED
-        else:
-            kind = Kind.OTHER
         metadata = p.get("Metadata") if isinstance(p.get("Metadata"), dict) else {}
         assert isinstance(metadata, dict)
         stamp = next((f for f in _POSTMARK_TIMES if p.get(f)), "BouncedAt")

@@ -17,14 +17,23 @@ from smtpguard.events.sources.base import (
     _json_object,
     _named_headers,
     _obj,
-    _str,
     _strs,
 )
+from smtpguard.events.sources.kinds import Kinds, event_kind
 from smtpguard.events.times import event_time
-from smtpguard.policy.events import ID_HEADER, Kind, Malformed, Match, ProviderEvent
+from smtpguard.policy.events import ID_HEADER, Kind, Match, ProviderEvent
 
-_RESEND_KINDS = {
-    "email.bounced": Kind.BOUNCE,
+
+def _resend_bounce(payload: dict[str, Any]) -> Kind:
+    """Resend's data.bounce.type: a Transient or Undetermined bounce is a soft one."""
+    data = payload.get("data")
+    bounce = data.get("bounce") if isinstance(data, dict) else None
+    soft = isinstance(bounce, dict) and bounce.get("type") in ("Transient", "Undetermined")
+    return Kind.SOFT_BOUNCE if soft else Kind.BOUNCE
+
+
+_RESEND_KINDS: Kinds = {
+    "email.bounced": _resend_bounce,
     "email.complained": Kind.COMPLAINT,
     "email.delivered": Kind.DELIVERED,
     "email.delivery_delayed": Kind.DEFERRED,
@@ -53,15 +62,10 @@ class Svix(_Base):
         return Verified(self._events(payload, msg_id, now))
 
     def _events(self, payload: dict[str, Any], msg_id: str, now: float) -> list[ProviderEvent]:
-        event = _str(payload.get("type"))
-        if event is None:
-            raise Malformed("`type` is missing")
+        event, kind = event_kind(payload, "type", _RESEND_KINDS, "`type` is missing")
         data = _obj(payload.get("data"), "data")
-        kind = _RESEND_KINDS.get(event, Kind.OTHER)
         bounce = data.get("bounce") if isinstance(data.get("bounce"), dict) else {}
         assert isinstance(bounce, dict)
-        if kind is Kind.BOUNCE and bounce.get("type") in ("Transient", "Undetermined"):
-            kind = Kind.SOFT_BOUNCE
         status = "/".join(_strs(bounce.get("type"), bounce.get("subType")))
         headers = _named_headers(data.get("headers"))
         match = Match(
