@@ -16,7 +16,7 @@ import pytest
 
 from smtpguard.events.reports import read_report
 from smtpguard.events.sources import Postmark, Svix
-from smtpguard.policy.events import Kind, Malformed
+from smtpguard.policy.events import Kind, Malformed, ProviderEvent
 
 NOW = time.time()
 PASSWORD = secrets.token_urlsafe(12)
@@ -124,6 +124,14 @@ def digest_of(raw: bytes) -> str:
     return hashlib.sha256(raw.split(b"\r\n\r\n", 1)[-1]).hexdigest()[:32]
 
 
+def read(raw: bytes) -> tuple[list[ProviderEvent], list[tuple[object, ...]], str]:
+    """The report's events, each as (kind, provider_type, recipient, status, event_id), and
+    the digest its ids are made of."""
+    events = read_report(raw, "mailbox", NOW, 100)
+    rows = [(e.kind, e.provider_type, e.recipient, e.status, e.event_id) for e in events]
+    return events, rows, digest_of(raw)
+
+
 def test_a_dsn_names_each_recipient_s_event_by_the_report_and_its_place() -> None:
     raw = report(
         "delivery-status",
@@ -133,9 +141,8 @@ def test_a_dsn_names_each_recipient_s_event_by_the_report_and_its_place() -> Non
         "Final-Recipient: rfc822; other@example.net\r\nAction: delayed\r\nStatus: 4.4.1\r\n\r\n"
         "Final-Recipient: rfc822; third@example.net\r\nStatus: 2.0.0\r\n",
     )
-    events = read_report(raw, "mailbox", NOW, 100)
-    digest = digest_of(raw)
-    assert [(e.kind, e.provider_type, e.recipient, e.status, e.event_id) for e in events] == [
+    events, rows, digest = read(raw)
+    assert rows == [
         (Kind.BOUNCE, "dsn/failed", RCPT, "5.1.1", f"dsn:{digest}:0"),
         (Kind.DEFERRED, "dsn/delayed", "other@example.net", "4.4.1", f"dsn:{digest}:1"),
         (Kind.OTHER, "dsn/-", "third@example.net", "2.0.0", f"dsn:{digest}:2"),
@@ -151,9 +158,8 @@ def test_an_arf_report_names_each_recipient_s_event_by_the_report_and_its_place(
         f"Feedback-Type: abuse\r\nVersion: 1\r\nOriginal-Rcpt-To: {RCPT}\r\n"
         "Original-Rcpt-To: b@example.net\r\n",
     )
-    events = read_report(raw, "mailbox", NOW, 100)
-    digest = digest_of(raw)
-    assert [(e.kind, e.provider_type, e.recipient, e.status, e.event_id) for e in events] == [
+    _, rows, digest = read(raw)
+    assert rows == [
         (Kind.COMPLAINT, "arf/abuse", RCPT, "abuse", f"arf:{digest}:0"),
         (Kind.COMPLAINT, "arf/abuse", "b@example.net", "abuse", f"arf:{digest}:1"),
     ]
