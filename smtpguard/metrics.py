@@ -35,6 +35,7 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from smtpguard import __version__
+from smtpguard.admission import Admission, ListenerLimits, peer_ip
 from smtpguard.closing import close_server
 from smtpguard.policy.breaker import Circuit
 from smtpguard.policy.ledger import State
@@ -462,6 +463,14 @@ class _Unready:
             yield metric
 
 
+_LIMITS = ListenerLimits(max_connections=128, max_connections_per_ip=32, read_timeout=5.0)
+"""The metrics listener takes no authentication and shares the process's descriptors with
+the SMTP listener: a scrape or a health check holds a connection for one request, so its
+connections are capped (a connection over a cap is closed at accept) and a request has 5 s
+from accept to its last header, an answer 5 s to be taken; a client trickling header lines
+held its connection for good, and 600 of them left SMTP unable to accept."""
+
+
 class HealthServer:
     """GET /metrics, /healthz (process up), /readyz (store reachable, a provider usable)."""
 
@@ -470,6 +479,7 @@ class HealthServer:
         self.ready = ready
         self._server: asyncio.Server | None = None
         self.port = 0
+        self.admission = Admission(_LIMITS, "metrics", log.name)
 
     async def start(self, host: str, port: int, sock: socket.socket | None = None) -> None:
         if sock is not None:  # a worker's socket in the supervisor's group (workers: N)
@@ -483,12 +493,17 @@ class HealthServer:
             await close_server(self._server)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        bucket = self.admission.admit(peer_ip(writer.transport))
+        if bucket is None:
+            writer.transport.abort()
+            return
         try:
-            request = await asyncio.wait_for(reader.readline(), 5)
-            # Drain the headers; nothing in them matters here.
-            while (line := await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
-                if len(line) > 8192:
-                    break
+            async with asyncio.timeout(_LIMITS.read_timeout):
+                request = await reader.readline()
+                # Drain the headers; nothing in them matters here.
+                while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+                    if len(line) > 8192:
+                        break
             parts = request.decode("latin-1").split()
             path = parts[1].split("?")[0] if len(parts) >= 2 else ""
             if len(parts) < 2 or parts[0] not in ("GET", "HEAD"):
@@ -508,10 +523,14 @@ class HealthServer:
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
             ).encode()
             writer.write(head + (body if parts and parts[0] != "HEAD" else b""))
-            await writer.drain()
-        except (TimeoutError, ConnectionError, UnicodeDecodeError):
-            pass
+            async with asyncio.timeout(_LIMITS.read_timeout):
+                await writer.drain()
+        except TimeoutError:
+            writer.transport.abort()  # an answer not taken: close() would wait for the reader
+        except (ConnectionError, UnicodeDecodeError, ValueError):
+            pass  # ValueError: a line over the reader's 64 KiB limit
         finally:
+            self.admission.release(bucket)
             writer.close()
 
 

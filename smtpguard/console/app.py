@@ -29,7 +29,7 @@ from smtpguard import desk
 from smtpguard.config import Config, ConsoleConfig, OperatorConfig
 from smtpguard.console import search, trust, views
 from smtpguard.console.logins import LoginLimiter
-from smtpguard.console.sessions import COOKIE, LOGIN_COOKIE, Session, Sessions, fingerprint
+from smtpguard.console.sessions import COOKIE, LOGIN_COOKIE, Session, Sessions, fingerprint, same_token
 from smtpguard.http_listener import BodyAborted, LimitedListener
 from smtpguard.passwords import Verifier
 from smtpguard.policy.senders import address_problem, normalize_address
@@ -243,7 +243,7 @@ class Console:
     async def login(self, request: web.Request) -> web.StreamResponse:
         form = await request.post()
         csrf, cookie = form.get("csrf"), request.cookies.get(LOGIN_COOKIE)
-        if not isinstance(csrf, str) or not cookie or not hmac.compare_digest(csrf, cookie):
+        if not isinstance(csrf, str) or not cookie or not same_token(cookie, csrf):
             raise web.HTTPForbidden(reason="missing or wrong CSRF token; reload the login page")
         ip = request[CLIENT]
         given, password = form.get("username"), form.get("password")

@@ -25,6 +25,18 @@ LOGIN_COOKIE = "sg_login"
 MAX_SESSIONS = 10_000
 
 
+def same_token(expected: str, given: str) -> bool:
+    """Constant-time equality of a token we issued and one a request carries, compared as
+    bytes: compare_digest refuses str with non-ASCII characters (a TypeError, a 500 and a
+    logged traceback for any stranger's form), and no token we issue has any."""
+    return hmac.compare_digest(_octets(expected), _octets(given))
+
+
+def _octets(token: str) -> bytes:
+    # surrogatepass: a header or form value decoded with surrogateescape still encodes.
+    return token.encode("utf-8", "surrogatepass")
+
+
 def fingerprint(password_hash: str) -> str:
     """What a session remembers of the hash it was opened with (not the hash itself)."""
     return hashlib.sha256(password_hash.encode()).hexdigest()
@@ -41,7 +53,7 @@ class Session:
     """fingerprint() of the operator's password hash at login."""
 
     def csrf_ok(self, given: str | None) -> bool:
-        return given is not None and hmac.compare_digest(self.csrf, given)
+        return given is not None and same_token(self.csrf, given)
 
 
 class Sessions:

@@ -1,0 +1,53 @@
+"""PostgreSQL crashes (`pg_ctl stop -m immediate`: no shutdown checkpoint, every backend cut)
+while the upstream holds its answer to a message's final dot, and is back a moment later.
+Counted at the upstream: that message once, its retry a duplicate; a submission made
+while the server is down gets 451 4.3.0 and sends nothing, then sends once. A server of
+its own (the session's is shared), real clients, a real recording upstream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.store.test_postgres_upgrade import config_for, database
+from tests.support import Behaviour, Upstream, message, running_guard, send
+from tests.support.postgres import PostgresServer
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[PostgresServer]:
+    server = PostgresServer(name="crash")
+    server.init()
+    server.start()
+    yield server
+    server.remove()
+
+
+async def test_postgres_crashed_while_the_upstream_holds_the_dot_sends_the_event_once(
+    tmp: Path, upstream: Upstream, own_postgres: PostgresServer
+) -> None:
+    url = database(own_postgres, "sg_crash")
+    cfg = config_for(tmp, upstream.port, url, "crash", 0)
+    cfg["event_key"]["lease"] = "2s"
+    cfg["event_key"]["inflight_wait"] = "1s"
+    held = asyncio.Event()
+    upstream.handler.script.append(Behaviour(hold_after_dot=held))
+    async with running_guard(cfg) as guard:
+        port = guard.ports[0]
+        first = asyncio.create_task(send(port, message("pgc:1"), timeout=60))
+        await upstream.wait_received(1)
+        await asyncio.to_thread(own_postgres.stop)
+        held.set()
+        during = await send(port, message("pgc:2"))
+        assert str(during).startswith("451 4.3.0"), during
+        await asyncio.to_thread(own_postgres.start)
+        reply = await asyncio.wait_for(first, 60)
+        assert reply.code == 250 and "queued as Q1" in reply.text, reply
+        again = await send(port, message("pgc:1"))
+        assert again.code == 250 and "duplicate" in again.text, again
+        assert (await send(port, message("pgc:2"))).code == 250
+        await upstream.wait_received(2)
+    assert upstream.event_keys() == ["pgc:1", "pgc:2"]
