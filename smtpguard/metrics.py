@@ -35,8 +35,9 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from smtpguard import __version__
-from smtpguard.admission import Admission, ListenerLimits, peer_ip
+from smtpguard.admission import Admission, peer_ip
 from smtpguard.closing import close_server
+from smtpguard.config import SideListenerLimits
 from smtpguard.policy.breaker import Circuit
 from smtpguard.policy.ledger import State
 
@@ -463,7 +464,7 @@ class _Unready:
             yield metric
 
 
-_LIMITS = ListenerLimits(max_connections=128, max_connections_per_ip=32, read_timeout=5.0)
+_LIMITS = SideListenerLimits(max_connections=128, max_connections_per_ip=32, read_timeout=5.0)
 """The metrics listener takes no authentication and shares the process's descriptors with
 the SMTP listener: a scrape or a health check holds a connection for one request, so its
 connections are capped (a connection over a cap is closed at accept) and a request has 5 s

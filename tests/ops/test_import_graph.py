@@ -68,7 +68,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "store": frozenset({"policy"}),
     "config": frozenset({"policy", "units"}),
     "settled": frozenset({"policy"}),
-    "metrics": frozenset({"smtpguard", "admission", "closing", "policy"}),
+    "metrics": frozenset({"smtpguard", "admission", "closing", "config", "policy"}),
     # small services over store and config
     "class_pauses": frozenset({"policy", "store"}),
     "suppression": frozenset({"policy", "store"}),
