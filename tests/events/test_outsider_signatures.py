@@ -10,8 +10,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hashlib
+import hmac
 import io
 import json
+import secrets
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +24,8 @@ from cryptography.hazmat.primitives.asymmetric import ec, padding
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature, encode_dss_signature
 
 from smtpguard.cli import main
+from smtpguard.events.sources.base import Rejected
+from smtpguard.events.sources.mailgun import Mailgun
 from smtpguard.events.sources.ses import sns_canonical
 from smtpguard.server import Server
 from tests.events.test_events import RCPT, events_config, events_port, sent
@@ -173,3 +179,54 @@ async def test_another_topics_sns_notification_naming_the_victims_topic_is_refus
         await _still_sends(guard, upstream, "ses:2")
         assert await _history_events(tmp, "ses:1") == []
     assert upstream.event_keys() == ["ses:1", "ses:2"]
+
+
+def _mailgun_signed(key: str, timestamp: str, token: str, data: dict[str, object]) -> dict[str, object]:
+    mac = hmac.new(key.encode(), (timestamp + token).encode(), hashlib.sha256).hexdigest()
+    return {"signature": {"timestamp": timestamp, "token": token, "signature": mac}, "event-data": data}
+
+
+async def test_a_mailgun_signature_resplit_at_e0_carries_no_body_of_its_own(
+    tmp: Path, upstream: Upstream, keys: ev.Keys
+) -> None:
+    """HMAC over timestamp + token, no separator: a token that starts with `e0` can lend
+    those two characters to the timestamp (`…e0` is the same moment to float()), giving a
+    new token (so no replay seen) and the same signed bytes over any body. The timestamp
+    is read as digits only, so the forged bounce is 401 and the victim still gets mail."""
+    cfg = events_config(tmp, upstream, keys, {}, only="mailgun")
+    async with running_guard(cfg, config_path=tmp / "smtpguard.yaml") as guard:
+        message_id, _ = await sent(guard, upstream, "mg:1")
+        ts, token = str(int(time.time())), "e0" + secrets.token_hex(24)
+        genuine = _mailgun_signed(keys.mailgun, ts, token, ev.mailgun_event("delivered", RCPT, message_id))
+        signature = genuine["signature"]
+        assert isinstance(signature, dict)
+        forged = {
+            "signature": {**signature, "timestamp": ts + "e0", "token": token[2:]},
+            "event-data": ev.mailgun_event("failed", RCPT, message_id, severity="permanent"),
+        }
+        status, doc = await ev.post(events_port(guard), "mailgun", ev.Signed(json.dumps(forged).encode(), {}))
+        assert status == 401 and "signature.timestamp is not a Unix time" in str(doc), doc
+        status, doc = await ev.post(
+            events_port(guard), "mailgun", ev.Signed(json.dumps(genuine).encode(), {})
+        )
+        assert status == 200 and doc["applied"] == 1, doc
+        await _still_sends(guard, upstream, "mg:2")
+        assert await _history_events(tmp, "mg:1") == ["delivered"]
+    assert upstream.event_keys() == ["mg:1", "mg:2"]
+
+
+@pytest.mark.parametrize(
+    "timestamp",
+    ["{now}e0", "{now}.0", "{now}_0", " {now}", "{now} ", "+{now}", "0x{now}", "9" * 13, ""],
+)
+def test_a_signed_timestamp_is_ascii_digits_only(timestamp: str) -> None:
+    """The signature verifies over exactly these bytes: only the reading of the timestamp
+    can refuse them."""
+    now = int(time.time())
+    text = timestamp.format(now=now)
+    source = Mailgun("mailgun", "primary", 300.0, "key-" + "k" * 32)
+    body = json.dumps(_mailgun_signed(source.signing_key, text, "t" * 50, {"event": "delivered"})).encode()
+    with pytest.raises(Rejected) as refused:
+        source.verify(body, {}, float(now))
+    assert refused.value.status == 401
+    assert refused.value.reason == "signature.timestamp is not a Unix time in whole seconds"

@@ -63,9 +63,21 @@ class _Base:
     def precheck(self, headers: Mapping[str, str]) -> None:
         return None
 
-    def _fresh(self, timestamp: float, now: float) -> None:
-        if not math.isfinite(timestamp) or abs(now - timestamp) > self.tolerance:
+    def _fresh(self, at: float, now: float) -> None:
+        if not math.isfinite(at) or abs(now - at) > self.tolerance:
             raise Rejected(401, "timestamp outside the tolerance (a replayed or delayed request)")
+
+    def _fresh_seconds(self, timestamp: str, now: float, name: str) -> float:
+        """The signed `timestamp`, Unix seconds in ASCII digits as the providers write them,
+        if fresh. Nothing looser: Mailgun signs timestamp + token and SendGrid timestamp +
+        body with no separator, so a reading that took `1764770000e0` (float() does) would
+        let a captured signature verify over the same bytes split elsewhere: a new token
+        and a body of anyone's choosing."""
+        if not (timestamp.isascii() and timestamp.isdigit() and len(timestamp) <= 12):
+            raise Rejected(401, f"{name} is not a Unix time in whole seconds")
+        at = float(timestamp)
+        self._fresh(at, now)
+        return at
 
 
 # --- small readers ---------------------------------------------------------------------------

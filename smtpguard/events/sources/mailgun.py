@@ -37,10 +37,7 @@ class Mailgun(_Base):
         timestamp, token, signature = str(sig["timestamp"]), str(sig["token"]), str(sig["signature"])
         if not signatures.mailgun(self.signing_key, timestamp, token, signature):
             raise Rejected(401, "the signature does not verify with the signing key")
-        try:
-            self._fresh(float(timestamp), now)
-        except ValueError:
-            raise Rejected(401, "signature.timestamp is not a number") from None
+        at = self._fresh_seconds(timestamp, now, "signature.timestamp")
         data = _obj(payload.get("event-data"), "event-data")
         # The signature covers timestamp and token, not the body: the token seen again with
         # another body is a captured request replayed with its events changed. The store
@@ -48,7 +45,7 @@ class Mailgun(_Base):
         nonce = Nonce(
             f"mailgun:{self.name}:{token}",
             hashlib.sha256(body).hexdigest(),
-            float(timestamp) + self.tolerance,
+            at + self.tolerance,
         )
         return Verified([self._event(data, now)], nonce=nonce)
 

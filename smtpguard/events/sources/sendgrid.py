@@ -42,10 +42,7 @@ class Sendgrid(_Base):
         timestamp = _header(headers, TIMESTAMP_HEADER)
         if not signatures.sendgrid(self.public_key, timestamp, body, signature):
             raise Rejected(401, "the signature does not verify with the public key")
-        try:
-            self._fresh(float(timestamp), now)
-        except ValueError:
-            raise Rejected(401, f"{TIMESTAMP_HEADER} is not a number") from None
+        self._fresh_seconds(timestamp, now, TIMESTAMP_HEADER)
         payload = _json(body)
         if not isinstance(payload, list):
             raise Rejected(400, "the body is not a JSON array of events")

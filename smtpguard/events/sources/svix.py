@@ -54,10 +54,7 @@ class Svix(_Base):
         timestamp = _header(headers, "svix-timestamp")
         if not signatures.svix(self.secret, msg_id, timestamp, body, _header(headers, "svix-signature")):
             raise Rejected(401, "no svix-signature verifies with the secret")
-        try:
-            self._fresh(float(timestamp), now)
-        except ValueError:
-            raise Rejected(401, "svix-timestamp is not a number") from None
+        self._fresh_seconds(timestamp, now, "svix-timestamp")
         payload = _json_object(body)
         return Verified(self._events(payload, msg_id, now))
 
