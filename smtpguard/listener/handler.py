@@ -23,6 +23,7 @@ from smtpguard.listener.protocol import GuardSMTP
 from smtpguard.passwords import Verifier
 from smtpguard.policy.decisions import Decision
 from smtpguard.policy.envelope import recipient_refusal, sender_refusal
+from smtpguard.policy.http_trust import limit_unit
 from smtpguard.policy.senders import normalize_address, route_offers_smtputf8
 from smtpguard.policy.unrecorded import UnrecordedFailures
 from smtpguard.receivers import Receivers
@@ -104,10 +105,16 @@ class Handler:
         return self.submitter.config
 
     def admit(self, ip: str) -> bool:
+        """A new connection from `ip`, counted per IPv4 address and per IPv6 /64 (as every
+        other listener counts): one client holds a whole /64, so per address it would have
+        `max_connections_per_ip` connections 2^64 times over."""
         limits = self.config.limits
         return not self.draining and self.connections.admit(
-            ip, limits.max_connections, limits.max_connections_per_ip
+            limit_unit(ip), limits.max_connections, limits.max_connections_per_ip
         )
+
+    def release(self, ip: str) -> None:
+        self.connections.release(limit_unit(ip))
 
     def entitled(self, principal: Principal) -> bool:
         """Whether the configuration now running still grants what the session's AUTH
@@ -162,21 +169,26 @@ class Handler:
 
     async def _authenticate(self, server: SMTP, login: bytes, password: bytes) -> AuthResult:
         ip = _peer_ip(server.session)
-        # One verification at a time per client IP: N parallel connections must not each
-        # pass the failure check before any of them has recorded its failure.
-        async with self._auth_turns.turn(ip):
+        # Failures are counted per IPv4 address and per IPv6 /64, as the console counts
+        # them: a client holding a /64 must not get a fresh count from each address in it.
+        unit = limit_unit(ip)
+        # One verification at a time per client: N parallel connections must not each pass
+        # the failure check before any of them has recorded its failure.
+        async with self._auth_turns.turn(unit):
             if isinstance(server, GuardSMTP):
                 async with server.working():
-                    return await self._authenticate_one(server, ip, login, password)
-            return await self._authenticate_one(server, ip, login, password)
+                    return await self._authenticate_one(server, ip, unit, login, password)
+            return await self._authenticate_one(server, ip, unit, login, password)
 
-    async def _authenticate_one(self, server: SMTP, ip: str, login: bytes, password: bytes) -> AuthResult:
+    async def _authenticate_one(
+        self, server: SMTP, ip: str, unit: str, login: bytes, password: bytes
+    ) -> AuthResult:
         limits = self.config.limits
         try:
             now = self.clock()
             window = limits.auth_failure_window
-            counted = await self.store.auth_failures(ip, now, window)
-            if counted + self._unrecorded.count(ip, now, window) >= limits.auth_failures:
+            counted = await self.store.auth_failures(unit, now, window)
+            if counted + self._unrecorded.count(unit, now, window) >= limits.auth_failures:
                 return await self._lock_out(server, ip)
             username = login.decode("utf-8", "replace")
             found = self.config.user_zone(username)
@@ -196,13 +208,13 @@ class Handler:
                 principal = Principal(found[0], username, ip, _session_id(server.session), matched)
                 return AuthResult(success=True, auth_data=principal)
             try:
-                failures = await self.store.auth_failure(ip, self.clock(), window)
+                failures = await self.store.auth_failure(unit, self.clock(), window)
             except StoreUnavailable:
                 # The failure could not be counted in the store: count it here, so a store
                 # that reads but cannot write never allows unlimited guesses (module doc).
-                self._unrecorded.add(ip, self.clock())
+                self._unrecorded.add(unit, self.clock())
                 raise
-            failures += self._unrecorded.count(ip, self.clock(), window)
+            failures += self._unrecorded.count(unit, self.clock(), window)
         except StoreUnavailable:
             self.observe("store_error:auth")
             return AuthResult(success=False, handled=False, message=str(replies.STORE_UNAVAILABLE))

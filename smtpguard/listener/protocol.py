@@ -20,12 +20,14 @@ from aiosmtpd.smtp import MISSING, SMTP, Session
 
 from smtpguard import replies
 from smtpguard.config import Config
-from smtpguard.connection_table import Connections
 from smtpguard.policy.senders import address_problem
 from smtpguard.replies import Reply
 
 log = logging.getLogger("smtpguard.listener")
 _MAX_BOGUS_COMMANDS = 10
+_JUNK_COMMANDS = ("NOOP", "RSET", "VRFY", "EXPN", "HELP")
+"""Postfix's junk commands (it has ETRN where aiosmtpd has EXPN and HELP): harmless one by
+one, and each one resets the idle timer, so past `limits.max_junk_commands` each is an error."""
 _HANG_UP_GRACE = 5.0
 """Seconds a closing connection may take to flush its last reply before it is aborted (a
 client that never reads must not keep the socket open)."""
@@ -33,14 +35,14 @@ _READ = Callable[[bytes], Awaitable[bytes]]
 
 
 class Guard(Protocol):
-    """What GuardSMTP needs of its handler: the limits, admission and the connection counts."""
+    """What GuardSMTP needs of its handler: the limits, and admission of a connection."""
 
     @property
     def config(self) -> Config: ...
 
-    connections: Connections
-
     def admit(self, ip: str) -> bool: ...
+
+    def release(self, ip: str) -> None: ...
 
 
 class GuardSession(Session):
@@ -58,11 +60,17 @@ class GuardSMTP(SMTP):
         # command and DATA line, and with it the memory one line can take.
         self.line_length_limit = limits.max_line_length
         self._data_timeout = limits.data_timeout
+        self._max_errors = limits.max_errors
+        self._max_junk = limits.max_junk_commands
+        self._errors = 0
+        self._junk = 0
         self._long_line = _long_line_pattern(limits.max_line_length)
         self._data_timer: asyncio.TimerHandle | None = None
         self._abort_timer: asyncio.TimerHandle | None = None
         self._last_data = 0.0
         super().__init__(handler, **kwargs)
+        for name in _JUNK_COMMANDS:
+            self._smtp_methods[name] = self._counted_as_junk(self._smtp_methods[name])
         self._guard = handler
         self._admitted_ip: str | None = None
         self._refused = False
@@ -239,7 +247,32 @@ class GuardSMTP(SMTP):
         # neither the DATA cap nor the idle timer may cut the submission short.
         self._stop_data_timer()
         async with self.working():
-            return await super()._call_handler_hook(command, *args)
+            status = await super()._call_handler_hook(command, *args)
+        if isinstance(status, str) and status.startswith("250"):
+            # A client that delivers is not probing: its errors and junk start afresh, so a
+            # long session of many messages is never cut (as Postfix resets its counts).
+            self._errors = self._junk = 0
+        return status
+
+    def _counted_as_junk(self, method: Callable[[str], Awaitable[None]]) -> Callable[[str], Awaitable[None]]:
+        """aiosmtpd's command, then counted as junk. functools.wraps keeps the syntax that
+        aiosmtpd's HELP reads from the method."""
+
+        @functools.wraps(method)
+        async def junk(arg: str) -> None:
+            await method(arg)
+            self._junk += 1
+            if self._junk > self._max_junk:
+                self._error()
+
+        return junk
+
+    def _error(self) -> None:
+        """One more error in this session; at `limits.max_errors` the session ends."""
+        self._errors += 1
+        if self._errors >= self._max_errors:
+            log.warning("too many errors; session closed", extra={**self._where(), "errors": self._errors})
+            self.hang_up(replies.TOO_MANY_ERRORS)
 
     @contextlib.asynccontextmanager
     async def working(self) -> AsyncIterator[None]:
@@ -302,7 +335,7 @@ class GuardSMTP(SMTP):
         if self._refused:
             return
         if self._admitted_ip is not None:
-            self._guard.connections.release(self._admitted_ip)
+            self._guard.release(self._admitted_ip)
             self._admitted_ip = None
         super().connection_lost(error)
 
@@ -334,6 +367,8 @@ class GuardSMTP(SMTP):
         if rewrite is None:
             rewrite = next((r for p, r in replies.AIOSMTPD_PREFIX_REWRITES if text.startswith(p)), None)
         await super().push(str(rewrite) if rewrite else text)
+        if text[:1] in ("4", "5") and text[1:3].isdigit():
+            self._error()
 
 
 def _raw_path(arg: str) -> tuple[str, str]:
