@@ -18,14 +18,6 @@ from tests.support import events as ev
 from tests.support.utf8 import store_overrides
 
 
-@pytest.fixture
-def keys(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> ev.Keys:
-    k = ev.Keys.make(tmp)
-    for name, value in k.env().items():
-        monkeypatch.setenv(name, value)
-    return k
-
-
 @pytest.fixture(params=["sqlite", "redis"])
 def store(request: pytest.FixtureRequest, tmp: Path) -> Iterator[dict[str, Any]]:
     yield from store_overrides(request, tmp, redis_db=8)

@@ -12,7 +12,6 @@ import contextlib
 from pathlib import Path
 
 import aiosmtplib
-import pytest
 
 from tests.events.test_events import RCPT, events_config, events_port, suppressed
 from tests.support import (
@@ -27,14 +26,6 @@ from tests.support import (
     write_config,
 )
 from tests.support import events as ev
-
-
-@pytest.fixture
-def keys(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> ev.Keys:
-    k = ev.Keys.make(tmp)
-    for name, value in k.env().items():
-        monkeypatch.setenv(name, value)
-    return k
 
 
 async def test_an_event_for_a_send_whose_owner_died_after_the_dot_applies_once_its_lease_is_over(

@@ -30,14 +30,6 @@ STALE = 400.0
 """Seconds off: beyond the default 5 m tolerance."""
 
 
-@pytest.fixture
-def keys(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> ev.Keys:
-    k = ev.Keys.make(tmp)
-    for name, value in k.env().items():
-        monkeypatch.setenv(name, value)
-    return k
-
-
 def config(tmp: Path, upstream: Upstream, keys: ev.Keys, **events: Any) -> dict[str, Any]:
     return base_config(
         tmp, upstream.port, events={"address": "127.0.0.1:0", "sources": keys.sources(), **events}

@@ -20,14 +20,6 @@ from tests.support import events as ev
 VICTIM = "victim@example.org"
 
 
-@pytest.fixture
-def keys(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> ev.Keys:
-    k = ev.Keys.make(tmp)
-    for name, value in k.env().items():
-        monkeypatch.setenv(name, value)
-    return k
-
-
 @pytest.mark.parametrize(("header", "forged"), [
     ("X-SMTPAPI", '{"unique_args": {"smtpguard_key": "acme:invoice:1", "order": "42"}}'),
     # The member's name in JSON escapes: no byte test finds the word.

@@ -29,14 +29,6 @@ YEAR = 366 * 86400
 
 
 @pytest.fixture
-def keys(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> ev.Keys:
-    k = ev.Keys.make(tmp)
-    for name, value in k.env().items():
-        monkeypatch.setenv(name, value)
-    return k
-
-
-@pytest.fixture
 async def guard(tmp: Path, upstream: Upstream, keys: ev.Keys) -> AsyncIterator[Server]:
     cfg = base_config(
         tmp,

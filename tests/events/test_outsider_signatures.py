@@ -35,14 +35,6 @@ from tests.support import events as ev
 _P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
 
 
-@pytest.fixture
-def keys(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> ev.Keys:
-    k = ev.Keys.make(tmp)
-    for name, value in k.env().items():
-        monkeypatch.setenv(name, value)
-    return k
-
-
 async def _history_events(tmp: Path, key: str) -> list[str]:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -6,20 +6,13 @@ reach the upstream once, and their retries are duplicates. Counted at the upstre
 from __future__ import annotations
 
 import asyncio
-import base64
 import os
 import signal
 from pathlib import Path
 
 from tests.ops.test_workers import pool, wait_for
-from tests.support import PASSWORD, Behaviour, Upstream, message, send, write_config
-
-
-async def _line(reader: asyncio.StreamReader) -> bytes:
-    while True:
-        got = await asyncio.wait_for(reader.readline(), 15)
-        if got[3:4] != b"-":
-            return got
+from tests.support import Behaviour, Upstream, message, send, write_config
+from tests.support.hostile import session
 
 
 async def test_sighup_to_two_workers_mid_data_and_mid_relay_sends_each_once(
@@ -32,20 +25,11 @@ async def test_sighup_to_two_workers_mid_data_and_mid_relay_sends_each_once(
     async with pool(tmp, upstream) as p:
         relayed = asyncio.create_task(send(p.port, message("hup:held"), timeout=60))
         await upstream.wait_received(1)
-        reader, writer = await asyncio.open_connection("127.0.0.1", p.port)
-        try:
-            assert (await _line(reader)).startswith(b"220")
-            for command, code in (
-                (b"EHLO client.test", b"250"),
-                (b"AUTH PLAIN " + base64.b64encode(b"\0acme-app\0" + PASSWORD.encode()), b"235"),
-                (b"MAIL FROM:<billing@acme.example>", b"250"),
-                (b"RCPT TO:<customer@example.com>", b"250"),
-                (b"DATA", b"354"),
-            ):
-                writer.write(command + b"\r\n")
-                assert (await _line(reader)).startswith(code), command
-            writer.write(raw[:half])
-            await writer.drain()
+        async with session(p.port) as c:
+            assert (await c.command("MAIL FROM:<billing@acme.example>")).code == 250
+            assert (await c.command("RCPT TO:<customer@example.com>")).code == 250
+            assert (await c.command("DATA")).code == 354
+            c.write(raw[:half])
             cfg = p.cfg
             cfg["zones"]["acme"]["plan"] = "agency"
             cfg["providers"][0]["timeouts"]["data"] = "4s"
@@ -56,12 +40,9 @@ async def test_sighup_to_two_workers_mid_data_and_mid_relay_sends_each_once(
                 lambda: sum(e.get("msg") == "config reloaded" for e in p.lines()) == 2,
             )
             held.set()
-            writer.write(raw[half:] + b".\r\n")
-            final = await _line(reader)
-            assert final.startswith(b"250 2.0.0"), final
-            writer.write(b"QUIT\r\n")
-        finally:
-            writer.close()
+            c.write(raw[half:] + b".\r\n")
+            final = await c.reply(timeout=15)
+            assert (final.code, final.enhanced) == (250, "2.0.0"), final
         first = await asyncio.wait_for(relayed, 60)
         assert first.code == 250 and "duplicate" not in first.text, first
         for key in ("hup:held", "hup:data"):

@@ -13,8 +13,6 @@ import io
 import json
 from pathlib import Path
 
-import pytest
-
 from smtpguard.cli import main
 from tests.store.test_postgres_upgrade import config_for, database, drop_database, grant_dml
 from tests.support import Upstream, message, running_guard, send, suppressions_refreshed, write_config
@@ -23,14 +21,6 @@ from tests.support.console import PASSWORDS, Operator, console_config
 from tests.support.postgres import PostgresServer
 
 RCPT = "gone@example.net"
-
-
-@pytest.fixture
-def keys(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> ev.Keys:
-    k = ev.Keys.make(tmp)
-    for name, value in k.env().items():
-        monkeypatch.setenv(name, value)
-    return k
 
 
 def _cli(*args: str) -> tuple[int, str]:

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.store.test_postgres_upgrade import config_for, database
-from tests.support import Behaviour, Upstream, message, running_guard, send
+from tests.support import Behaviour, Upstream, running_guard
+from tests.support.failover import store_away_while_the_dot_is_held
 from tests.support.postgres import PostgresServer
 
 
@@ -37,17 +38,12 @@ async def test_postgres_crashed_while_the_upstream_holds_the_dot_sends_the_event
     upstream.handler.script.append(Behaviour(hold_after_dot=held))
     async with running_guard(cfg) as guard:
         port = guard.ports[0]
-        first = asyncio.create_task(send(port, message("pgc:1"), timeout=60))
-        await upstream.wait_received(1)
-        await asyncio.to_thread(own_postgres.stop)
-        held.set()
-        during = await send(port, message("pgc:2"))
-        assert str(during).startswith("451 4.3.0"), during
-        await asyncio.to_thread(own_postgres.start)
-        reply = await asyncio.wait_for(first, 60)
-        assert reply.code == 250 and "queued as Q1" in reply.text, reply
-        again = await send(port, message("pgc:1"))
-        assert again.code == 250 and "duplicate" in again.text, again
-        assert (await send(port, message("pgc:2"))).code == 250
-        await upstream.wait_received(2)
+        await store_away_while_the_dot_is_held(
+            port,
+            upstream,
+            held,
+            lambda: asyncio.to_thread(own_postgres.stop),
+            lambda: asyncio.to_thread(own_postgres.start),
+            "pgc",
+        )
     assert upstream.event_keys() == ["pgc:1", "pgc:2"]

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from tests.support import Behaviour, RedisServer, Upstream, base_config, message, running_guard, send
+from tests.support.failover import store_away_while_the_dot_is_held
 
 
 def _config(tmp: Path, upstream: Upstream, redis: RedisServer) -> dict[str, Any]:
@@ -38,19 +39,14 @@ async def test_redis_restarted_while_the_upstream_holds_the_dot_sends_the_event_
     try:
         async with running_guard(_config(tmp, upstream, redis)) as guard:
             port = guard.ports[0]
-            first = asyncio.create_task(send(port, message("mid:1"), timeout=60))
-            await upstream.wait_received(1)
-            redis.stop()
-            held.set()
-            during = await send(port, message("mid:2"))
-            assert str(during).startswith("451 4.3.0"), during
-            redis.start()
-            reply = await asyncio.wait_for(first, 60)
-            assert reply.code == 250 and "queued as Q1" in reply.text, reply
-            again = await send(port, message("mid:1"))
-            assert again.code == 250 and "duplicate" in again.text, again
-            assert (await send(port, message("mid:2"))).code == 250
-            await upstream.wait_received(2)
+            await store_away_while_the_dot_is_held(
+                port,
+                upstream,
+                held,
+                lambda: asyncio.to_thread(redis.stop),
+                lambda: asyncio.to_thread(redis.start),
+                "mid",
+            )
     finally:
         redis.stop()
     assert upstream.event_keys() == ["mid:1", "mid:2"]

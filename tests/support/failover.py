@@ -134,3 +134,31 @@ async def storm(
     count.duplicates = {str(k): n for k, n in sent.items() if n > 1}
     count.lost = sorted(k for k in count.ok if sent[k] == 0)
     return count
+
+
+async def store_away_while_the_dot_is_held(
+    port: int,
+    upstream: Upstream,
+    held: asyncio.Event,
+    stop: Callable[[], Awaitable[None]],
+    start: Callable[[], Awaitable[None]],
+    prefix: str,
+) -> None:
+    """The store goes away while the upstream holds its answer to a message's final dot
+    (`held`, a Behaviour(hold_after_dot=…) the caller scripted), and is back a moment later.
+    The held message's 250 is recorded (its retry is a duplicate); a new event submitted
+    while the store is away is 451 4.3.0 and unsent, and sends once when retried after. The
+    caller counts the upstream: `PREFIX:1`, `PREFIX:2`, each once."""
+    first = asyncio.create_task(send(port, message(f"{prefix}:1"), timeout=60))
+    await upstream.wait_received(1)
+    await stop()
+    held.set()
+    during = await send(port, message(f"{prefix}:2"))
+    assert str(during).startswith("451 4.3.0"), during
+    await start()
+    reply = await asyncio.wait_for(first, 60)
+    assert reply.code == 250 and "queued as Q1" in reply.text, reply
+    again = await send(port, message(f"{prefix}:1"))
+    assert again.code == 250 and "duplicate" in again.text, again
+    assert (await send(port, message(f"{prefix}:2"))).code == 250
+    await upstream.wait_received(2)

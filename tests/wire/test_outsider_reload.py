@@ -7,12 +7,10 @@ file; the reload re-reads the config file as SIGHUP does."""
 from __future__ import annotations
 
 import asyncio
-import base64
 from pathlib import Path
 from typing import Any
 
 from tests.support import (
-    PASSWORD,
     Behaviour,
     Upstream,
     base_config,
@@ -21,6 +19,7 @@ from tests.support import (
     send,
     write_config,
 )
+from tests.support.hostile import session
 
 
 def _provider(port: int) -> dict[str, Any]:
@@ -71,13 +70,6 @@ async def test_a_reload_moving_the_provider_while_a_relay_is_held_sends_once(tmp
     assert new.event_keys() == ["reload:2"]
 
 
-async def _line(reader: asyncio.StreamReader) -> bytes:
-    while True:
-        got = await asyncio.wait_for(reader.readline(), 10)
-        if got[3:4] != b"-":
-            return got
-
-
 async def test_a_reload_between_the_halves_of_a_clients_data_sends_once(
     tmp: Path, upstream: Upstream
 ) -> None:
@@ -90,32 +82,18 @@ async def test_a_reload_between_the_halves_of_a_clients_data_sends_once(
     half = raw.index(b"second half")
     async with running_guard(cfg, config_path=path) as guard:
         port = guard.ports[0]
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        try:
-            assert (await _line(reader)).startswith(b"220")
-            writer.write(b"EHLO client.test\r\n")
-            assert (await _line(reader)).startswith(b"250")
-            token = base64.b64encode(b"\0acme-app\0" + PASSWORD.encode())
-            writer.write(b"AUTH PLAIN " + token + b"\r\n")
-            assert (await _line(reader)).startswith(b"235")
-            writer.write(b"MAIL FROM:<billing@acme.example>\r\n")
-            assert (await _line(reader)).startswith(b"250")
-            writer.write(b"RCPT TO:<customer@example.com>\r\n")
-            assert (await _line(reader)).startswith(b"250")
-            writer.write(b"DATA\r\n")
-            assert (await _line(reader)).startswith(b"354")
-            writer.write(raw[:half])
-            await writer.drain()
+        async with session(port) as c:
+            assert (await c.command("MAIL FROM:<billing@acme.example>")).code == 250
+            assert (await c.command("RCPT TO:<customer@example.com>")).code == 250
+            assert (await c.command("DATA")).code == 354
+            c.write(raw[:half])
             cfg["zones"]["acme"]["plan"] = "agency"
             cfg["providers"][0]["timeouts"]["data"] = "4s"
             write_config(path, cfg)
             assert await guard.reload()
-            writer.write(raw[half:] + b".\r\n")
-            final = await _line(reader)
-            assert final.startswith(b"250 2.0.0"), final
-            writer.write(b"QUIT\r\n")
-        finally:
-            writer.close()
+            c.write(raw[half:] + b".\r\n")
+            final = await c.reply()
+            assert (final.code, final.enhanced) == (250, "2.0.0"), final
         again = await send(port, message("reload:data", body="first half\nsecond half\n"))
         assert again.code == 250 and "duplicate" in again.text
     assert upstream.event_keys() == ["reload:data"]

@@ -20,7 +20,6 @@ from smtpguard import desk
 from smtpguard.cli import main
 from smtpguard.metrics import Metrics
 from smtpguard.policy.receivers import control_name, slow_control
-from tests.events.test_events import keys  # noqa: F401 - the signing keys, in the env
 from tests.support import (
     FakeClock,
     RedisServer,
@@ -233,7 +232,7 @@ async def test_provider_events_are_counted_per_receiver(
     tmp: Path,
     upstream: Upstream,
     dns_server: NsdServer,
-    keys: ev.Keys,  # noqa: F811 - the fixture imported above
+    keys: ev.Keys,
 ) -> None:
     cfg = receiving_config(tmp, upstream, dns_server.nameserver)
     cfg["events"] = {"address": "127.0.0.1:0", "sources": {"mailgun": keys.sources()["mailgun"]}}

@@ -60,14 +60,6 @@ a genuine client left waiting behind the flood fails its request."""
 
 
 @pytest.fixture
-def keys(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> ev.Keys:
-    k = ev.Keys.make(tmp)
-    for name, value in k.env().items():
-        monkeypatch.setenv(name, value)
-    return k
-
-
-@pytest.fixture
 async def guard(tmp: Path, upstream: Upstream, keys: ev.Keys) -> AsyncIterator[dict[str, int]]:
     ports = {name: free_port() for name in ("smtp", "events", "console", "mailbox")}
     cfg = base_config(
