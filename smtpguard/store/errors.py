@@ -9,7 +9,7 @@ import functools
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
-from smtpguard.store.base import StoreUnavailable
+from smtpguard.store.base import REFUSES_WRITES, UNREACHABLE, StoreUnavailable
 
 S = TypeVar("S")
 P = ParamSpec("P")
@@ -53,10 +53,12 @@ def translated(
     return decorate
 
 
-async def answers(ping: Awaitable[bool]) -> bool:
-    """A ping's answer for readiness (/readyz): False, not StoreUnavailable, when the store
-    does not answer."""
+async def unready_of(probe: Awaitable[str | None]) -> str | None:
+    """A probe's answer for /readyz (Store.unready): UNREACHABLE, not StoreUnavailable, when
+    the store does not answer; REFUSES_WRITES and the probe's reason when it says the store
+    would refuse a write."""
     try:
-        return await ping
+        why = await probe
     except StoreUnavailable:
-        return False
+        return UNREACHABLE
+    return None if why is None else f"{REFUSES_WRITES}: {why}"

@@ -19,8 +19,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.maint_notifications import MaintNotificationsConfig
 
-from smtpguard.store.base import StoreUnavailable
-from smtpguard.store.errors import answers, translated
+from smtpguard.store.base import UNREACHABLE, StoreUnavailable
+from smtpguard.store.errors import translated, unready_of
 from smtpguard.store.redis.keys import (
     _QUEUED_ZONES,
     _ZONES,
@@ -170,11 +170,23 @@ class RedisConnection:
         return script
 
     async def ping(self) -> bool:
-        return await answers(self._ping())
+        return await self.unready() != UNREACHABLE
+
+    async def unready(self) -> str | None:
+        return await unready_of(self._refusal())
 
     @_translated
-    async def _ping(self) -> bool:
-        return bool(await self._r.ping())
+    async def _refusal(self) -> str | None:
+        """Whether the server is a replica (writes answer READONLY, or are dropped at the
+        next sync with `replica-read-only no`), in the round trip a PING took. CONFIG GET,
+        as durability_problems reads (the ACL of docs/redis.md allows `config|get`; ROLE
+        and INFO are @dangerous). A server that refuses CONFIG answered: ready."""
+        try:
+            got = await self._r.config_get("replicaof")
+        except ResponseError:
+            return None
+        master = str(got.get("replicaof") or "")
+        return f"redis is a replica of {master} (replicaof)" if master else None
 
     async def _eval(
         self,

@@ -27,6 +27,8 @@ from pathlib import Path
 from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached
 from smtpguard.store.base import (
+    REFUSES_WRITES,
+    UNREACHABLE,
     Claimed,
     Conflict,
     QueuedMessage,
@@ -34,10 +36,12 @@ from smtpguard.store.base import (
     ReserveResult,
     StoreMissing,
     StoreUnavailable,
+    StoreUnfit,
     entry_columns,
 )
 from smtpguard.store.sqlite.access import Access
 from smtpguard.store.sqlite.caps import _consume, _pause_or_cap, _refund_user, _trim
+from smtpguard.store.sqlite.checks import cannot_write
 from smtpguard.store.sqlite.controls import Controls
 from smtpguard.store.sqlite.desk import Desk
 from smtpguard.store.sqlite.fleet import Fleet
@@ -84,10 +88,16 @@ class SQLiteStore(Controls, Desk, Fleet, Access):
                 f"SQLite {sqlite3.sqlite_version} is too old: smtpguard needs {need} or newer "
                 "(Python's sqlite3 module is linked against it; use Redis or a newer Python build)"
             )
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreUnfit(f"cannot create {self.path.parent}: {e.strerror}") from None
         writer = _Writer(self.path)
         try:
             await writer.open()
+        except StoreUnfit:
+            await writer.close()
+            raise
         except Exception as e:
             await writer.close()
             raise StoreUnavailable(f"cannot open {self.path}: {e}") from e
@@ -112,11 +122,20 @@ class SQLiteStore(Controls, Desk, Fleet, Access):
         return []  # synchronous=FULL in WAL, set at every connect
 
     async def ping(self) -> bool:
+        return await self.unready() != UNREACHABLE
+
+    async def unready(self) -> str | None:
+        def probe(c: sqlite3.Connection) -> str | None:
+            c.execute("SELECT 1").fetchone()
+            # The writer's connection was found writable at open; what can change since is
+            # the file system (remounted read-only after an I/O error) or the file's mode.
+            return cannot_write(self.path)
+
         try:
-            await self._read(lambda c: c.execute("SELECT 1").fetchone())
+            why = await self._read(probe)
         except Exception:
-            return False
-        return True
+            return UNREACHABLE
+        return None if why is None else f"{REFUSES_WRITES}: {why}"
 
     # --- ledger ------------------------------------------------------------------------------
     async def get(self, zone: str, key: str) -> Record | None:
