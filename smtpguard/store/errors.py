@@ -53,12 +53,20 @@ def translated(
     return decorate
 
 
-async def unready_of(probe: Awaitable[str | None]) -> str | None:
-    """A probe's answer for /readyz (Store.unready): UNREACHABLE, not StoreUnavailable, when
-    the store does not answer; REFUSES_WRITES and the probe's reason when it says the store
-    would refuse a write."""
-    try:
-        why = await probe
-    except StoreUnavailable:
-        return UNREACHABLE
-    return None if why is None else f"{REFUSES_WRITES}: {why}"
+class Probed:
+    """ping and unready (Store) of every backend, over its `_refusal`: one round trip that
+    raises StoreUnavailable when the store does not answer and returns why it would refuse
+    a write (None: it would take one)."""
+
+    async def _refusal(self) -> str | None:
+        raise NotImplementedError
+
+    async def ping(self) -> bool:
+        return await self.unready() != UNREACHABLE
+
+    async def unready(self) -> str | None:
+        try:
+            why = await self._refusal()
+        except StoreUnavailable:
+            return UNREACHABLE
+        return None if why is None else f"{REFUSES_WRITES}: {why}"

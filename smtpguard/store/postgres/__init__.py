@@ -34,7 +34,6 @@ import psycopg
 from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached
 from smtpguard.store.base import (
-    UNREACHABLE,
     Claimed,
     Conflict,
     QueuedMessage,
@@ -42,7 +41,7 @@ from smtpguard.store.base import (
     ReserveResult,
     entry_columns,
 )
-from smtpguard.store.errors import unready_of
+from smtpguard.store.errors import Probed
 from smtpguard.store.postgres.controls import Controls
 from smtpguard.store.postgres.desk import Desk
 from smtpguard.store.postgres.fleet import Fleet
@@ -75,7 +74,7 @@ _COUNT_UNIT = "SELECT smtpguard_count_unit(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
 _COUNT_UNITS = "SELECT smtpguard_count_units(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 
 
-class PostgresStore(Controls, Desk, Fleet, Pool):
+class PostgresStore(Probed, Controls, Desk, Fleet, Pool):
     @_translated
     async def durability_problems(self) -> list[str]:
         """Settings under which the server may forget a committed reservation (a duplicate
@@ -111,12 +110,6 @@ class PostgresStore(Controls, Desk, Fleet, Pool):
                 "a failover loses the writes the standby had not received"
             )
         return problems
-
-    async def ping(self) -> bool:
-        return await self.unready() != UNREACHABLE
-
-    async def unready(self) -> str | None:
-        return await unready_of(self._refusal())
 
     @_translated
     async def _refusal(self) -> str | None:

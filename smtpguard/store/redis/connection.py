@@ -19,8 +19,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.maint_notifications import MaintNotificationsConfig
 
-from smtpguard.store.base import UNREACHABLE, StoreUnavailable
-from smtpguard.store.errors import translated, unready_of
+from smtpguard.store.base import StoreUnavailable
+from smtpguard.store.errors import Probed, translated
 from smtpguard.store.redis.keys import (
     _QUEUED_ZONES,
     _ZONES,
@@ -66,7 +66,7 @@ def parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, int, str |
     return sentinels, unquote(parts[0]), int(parts[1]) if len(parts) > 1 else 0, password
 
 
-class RedisConnection:
+class RedisConnection(Probed):
     """What every part of RedisStore stands on; RedisStore.__init__ sets these."""
 
     url: str
@@ -168,12 +168,6 @@ class RedisConnection:
         if script is None:
             raise StoreUnavailable("store is not open")
         return script
-
-    async def ping(self) -> bool:
-        return await self.unready() != UNREACHABLE
-
-    async def unready(self) -> str | None:
-        return await unready_of(self._refusal())
 
     @_translated
     async def _refusal(self) -> str | None:

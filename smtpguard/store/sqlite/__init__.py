@@ -27,8 +27,6 @@ from pathlib import Path
 from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.limits import HOUR, CapCheck, CapReached
 from smtpguard.store.base import (
-    REFUSES_WRITES,
-    UNREACHABLE,
     Claimed,
     Conflict,
     QueuedMessage,
@@ -39,6 +37,7 @@ from smtpguard.store.base import (
     StoreUnfit,
     entry_columns,
 )
+from smtpguard.store.errors import Probed
 from smtpguard.store.sqlite.access import Access
 from smtpguard.store.sqlite.caps import _consume, _pause_or_cap, _refund_user, _trim
 from smtpguard.store.sqlite.checks import cannot_write
@@ -57,7 +56,7 @@ _HEAVY_BODY = 64 * 1024
 spill to the WAL), not on the event loop's."""
 
 
-class SQLiteStore(Controls, Desk, Fleet, Access):
+class SQLiteStore(Probed, Controls, Desk, Fleet, Access):
     def __init__(self, url: str, read_only: bool = False, create: bool = True) -> None:
         self.path = path_from_url(url)
         self.read_only = read_only
@@ -121,21 +120,14 @@ class SQLiteStore(Controls, Desk, Fleet, Access):
     async def durability_problems(self) -> list[str]:
         return []  # synchronous=FULL in WAL, set at every connect
 
-    async def ping(self) -> bool:
-        return await self.unready() != UNREACHABLE
-
-    async def unready(self) -> str | None:
+    async def _refusal(self) -> str | None:
         def probe(c: sqlite3.Connection) -> str | None:
             c.execute("SELECT 1").fetchone()
             # The writer's connection was found writable at open; what can change since is
             # the file system (remounted read-only after an I/O error) or the file's mode.
             return cannot_write(self.path)
 
-        try:
-            why = await self._read(probe)
-        except Exception:
-            return UNREACHABLE
-        return None if why is None else f"{REFUSES_WRITES}: {why}"
+        return await self._read(probe)
 
     # --- ledger ------------------------------------------------------------------------------
     async def get(self, zone: str, key: str) -> Record | None:
