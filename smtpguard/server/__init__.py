@@ -33,7 +33,7 @@ from smtpguard.server.housekeeping import Housekeeping, StatsBuffer
 from smtpguard.server.reload import _event_sources as _event_sources  # re-exported: supervisor
 from smtpguard.server.tls import certificate_expiry
 from smtpguard.server.tls import tls_context as tls_context  # re-exported: cli, supervisor
-from smtpguard.store import Store, StoreUnavailable, StoreUnfit, store_from_url
+from smtpguard.store import UNREACHABLE, Store, StoreUnavailable, StoreUnfit, store_from_url
 from smtpguard.submission import Principal, Submitter
 from smtpguard.verdicts import clients_for
 from smtpguard.verp import VerpKey, verp_key
@@ -354,8 +354,9 @@ class Server:
     async def readiness(self) -> tuple[bool, str]:
         if self.draining:
             return False, "draining: stopping, no new connections"
-        if self.store is None or not await self.store.ping():
-            return False, "store unreachable"
+        unready = UNREACHABLE if self.store is None else await self.store.unready()
+        if unready is not None:
+            return False, unready
         if self.route is None or not self.route.any_closed():
             return False, "every provider circuit is open"
         return True, "ready"

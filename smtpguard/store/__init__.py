@@ -2,6 +2,8 @@
 
 from smtpguard.store.base import (
     HELD,
+    REFUSES_WRITES,
+    UNREACHABLE,
     CapUsage,
     CircuitState,
     Claimed,
@@ -23,6 +25,8 @@ from smtpguard.store.base import (
 
 __all__ = [
     "HELD",
+    "REFUSES_WRITES",
+    "UNREACHABLE",
     "CapUsage",
     "CircuitState",
     "Claimed",

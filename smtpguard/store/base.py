@@ -44,7 +44,13 @@ class StoreUnavailable(Exception):
 
 class StoreUnfit(Exception):
     """The backend answers, but this instance must not serve on it: a schema older than
-    this release that its role may not upgrade. `serve` exits naming the problem."""
+    this release that its role may not upgrade, a SQLite file this process may not write.
+    `serve` exits naming the problem."""
+
+
+UNREACHABLE = "store unreachable"
+REFUSES_WRITES = "store refuses writes"
+"""The reasons Store.unready gives (/readyz answers 503 with them)."""
 
 
 @runtime_checkable
@@ -185,7 +191,13 @@ class Store(Protocol):
         """Flush pending writes and release connections."""
 
     async def ping(self) -> bool:
-        """True when the backend answers now (for /readyz)."""
+        """True when the backend answers now."""
+
+    async def unready(self) -> str | None:
+        """Why this instance cannot serve on the backend now, for /readyz: UNREACHABLE, or
+        REFUSES_WRITES and why (a read-only file, a Redis replica, a PostgreSQL standby);
+        None when it answers and would take a write. Cheap, and never a write: one round
+        trip, as ping."""
 
     def now(self) -> float:
         """The store's clock in epoch seconds: what every instance sharing the store agrees

@@ -9,7 +9,7 @@ import functools
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
-from smtpguard.store.base import StoreUnavailable
+from smtpguard.store.base import REFUSES_WRITES, UNREACHABLE, StoreUnavailable
 
 S = TypeVar("S")
 P = ParamSpec("P")
@@ -53,10 +53,20 @@ def translated(
     return decorate
 
 
-async def answers(ping: Awaitable[bool]) -> bool:
-    """A ping's answer for readiness (/readyz): False, not StoreUnavailable, when the store
-    does not answer."""
-    try:
-        return await ping
-    except StoreUnavailable:
-        return False
+class Probed:
+    """ping and unready (Store) of every backend, over its `_refusal`: one round trip that
+    raises StoreUnavailable when the store does not answer and returns why it would refuse
+    a write (None: it would take one)."""
+
+    async def _refusal(self) -> str | None:
+        raise NotImplementedError
+
+    async def ping(self) -> bool:
+        return await self.unready() != UNREACHABLE
+
+    async def unready(self) -> str | None:
+        try:
+            why = await self._refusal()
+        except StoreUnavailable:
+            return UNREACHABLE
+        return None if why is None else f"{REFUSES_WRITES}: {why}"

@@ -41,7 +41,7 @@ from smtpguard.store.base import (
     ReserveResult,
     entry_columns,
 )
-from smtpguard.store.errors import answers
+from smtpguard.store.errors import Probed
 from smtpguard.store.postgres.controls import Controls
 from smtpguard.store.postgres.desk import Desk
 from smtpguard.store.postgres.fleet import Fleet
@@ -62,6 +62,8 @@ from smtpguard.store.postgres.rows import (
 )
 
 _WINDOW_KEEP = 2 * HOUR
+_READ_ONLY_SQL = "SELECT pg_is_in_recovery(), current_setting('transaction_read_only')"
+"""/readyz's probe: a standby, or a session that may not write (fencing.py's read_only)."""
 _SETTLED_EXCLUDED = (State.IN_FLIGHT.value, State.QUEUED.value)
 
 _MIGRATIONS = MIGRATIONS  # migrate.py runs them, once, at open
@@ -72,7 +74,7 @@ _COUNT_UNIT = "SELECT smtpguard_count_unit(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
 _COUNT_UNITS = "SELECT smtpguard_count_units(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 
 
-class PostgresStore(Controls, Desk, Fleet, Pool):
+class PostgresStore(Probed, Controls, Desk, Fleet, Pool):
     @_translated
     async def durability_problems(self) -> list[str]:
         """Settings under which the server may forget a committed reservation (a duplicate
@@ -109,14 +111,18 @@ class PostgresStore(Controls, Desk, Fleet, Pool):
             )
         return problems
 
-    async def ping(self) -> bool:
-        return await answers(self._ping())
-
     @_translated
-    async def _ping(self) -> bool:
+    async def _refusal(self) -> str | None:
+        """Why the server would refuse a write (a standby, a role or database whose
+        default_transaction_read_only is on), in the round trip a SELECT 1 took."""
         async with self._conn() as conn:
-            await conn.execute("SELECT 1")
-        return True
+            row = await (await conn.execute(_READ_ONLY_SQL)).fetchone()
+        assert row is not None
+        if row[0]:
+            return "postgresql: the server is a standby (pg_is_in_recovery)"
+        if row[1] == "on":
+            return "postgresql: transaction_read_only is on (default_transaction_read_only)"
+        return None
 
     # --- ledger ------------------------------------------------------------------------------
     @_translated

@@ -20,7 +20,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.maint_notifications import MaintNotificationsConfig
 
 from smtpguard.store.base import StoreUnavailable
-from smtpguard.store.errors import answers, translated
+from smtpguard.store.errors import Probed, translated
 from smtpguard.store.redis.keys import (
     _QUEUED_ZONES,
     _ZONES,
@@ -66,7 +66,7 @@ def parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, int, str |
     return sentinels, unquote(parts[0]), int(parts[1]) if len(parts) > 1 else 0, password
 
 
-class RedisConnection:
+class RedisConnection(Probed):
     """What every part of RedisStore stands on; RedisStore.__init__ sets these."""
 
     url: str
@@ -169,12 +169,18 @@ class RedisConnection:
             raise StoreUnavailable("store is not open")
         return script
 
-    async def ping(self) -> bool:
-        return await answers(self._ping())
-
     @_translated
-    async def _ping(self) -> bool:
-        return bool(await self._r.ping())
+    async def _refusal(self) -> str | None:
+        """Whether the server is a replica (writes answer READONLY, or are dropped at the
+        next sync with `replica-read-only no`), in the round trip a PING took. CONFIG GET,
+        as durability_problems reads (the ACL of docs/redis.md allows `config|get`; ROLE
+        and INFO are @dangerous). A server that refuses CONFIG answered: ready."""
+        try:
+            got = await self._r.config_get("replicaof")
+        except ResponseError:
+            return None
+        master = str(got.get("replicaof") or "")
+        return f"redis is a replica of {master} (replicaof)" if master else None
 
     async def _eval(
         self,

@@ -34,10 +34,13 @@ from smtpguard.store.base import (
     ReserveResult,
     StoreMissing,
     StoreUnavailable,
+    StoreUnfit,
     entry_columns,
 )
+from smtpguard.store.errors import Probed
 from smtpguard.store.sqlite.access import Access
 from smtpguard.store.sqlite.caps import _consume, _pause_or_cap, _refund_user, _trim
+from smtpguard.store.sqlite.checks import cannot_write
 from smtpguard.store.sqlite.controls import Controls
 from smtpguard.store.sqlite.desk import Desk
 from smtpguard.store.sqlite.fleet import Fleet
@@ -53,7 +56,7 @@ _HEAVY_BODY = 64 * 1024
 spill to the WAL), not on the event loop's."""
 
 
-class SQLiteStore(Controls, Desk, Fleet, Access):
+class SQLiteStore(Probed, Controls, Desk, Fleet, Access):
     def __init__(self, url: str, read_only: bool = False, create: bool = True) -> None:
         self.path = path_from_url(url)
         self.read_only = read_only
@@ -84,10 +87,16 @@ class SQLiteStore(Controls, Desk, Fleet, Access):
                 f"SQLite {sqlite3.sqlite_version} is too old: smtpguard needs {need} or newer "
                 "(Python's sqlite3 module is linked against it; use Redis or a newer Python build)"
             )
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreUnfit(f"cannot create {self.path.parent}: {e.strerror}") from None
         writer = _Writer(self.path)
         try:
             await writer.open()
+        except StoreUnfit:
+            await writer.close()
+            raise
         except Exception as e:
             await writer.close()
             raise StoreUnavailable(f"cannot open {self.path}: {e}") from e
@@ -111,12 +120,14 @@ class SQLiteStore(Controls, Desk, Fleet, Access):
     async def durability_problems(self) -> list[str]:
         return []  # synchronous=FULL in WAL, set at every connect
 
-    async def ping(self) -> bool:
-        try:
-            await self._read(lambda c: c.execute("SELECT 1").fetchone())
-        except Exception:
-            return False
-        return True
+    async def _refusal(self) -> str | None:
+        def probe(c: sqlite3.Connection) -> str | None:
+            c.execute("SELECT 1").fetchone()
+            # The writer's connection was found writable at open; what can change since is
+            # the file system (remounted read-only after an I/O error) or the file's mode.
+            return cannot_write(self.path)
+
+        return await self._read(probe)
 
     # --- ledger ------------------------------------------------------------------------------
     async def get(self, zone: str, key: str) -> Record | None:

@@ -25,6 +25,9 @@ MIGRATIONS: list[str] = [
     if f.name.endswith(".sql")
 ]
 LATEST = len(MIGRATIONS)
+APPLICATION_ID = 0x53475244
+"""PRAGMA application_id of smtpguard's files ("SGRD"), set by migrate(): a file another
+application marked is refused (checks.py), an unmarked one of an earlier release is marked."""
 _ADOPTED = 2
 """The version a file from before numbered migrations is brought to by _adopt."""
 
@@ -48,8 +51,9 @@ def schema_version(conn: sqlite3.Connection) -> int:
 
 
 def migrate(conn: sqlite3.Connection) -> tuple[int, int]:
-    """Bring the file to LATEST on `conn` (autocommit mode). Returns (before, after); a
-    file of a newer release (a version above LATEST) is left as it is."""
+    """Bring the file to LATEST on `conn` (autocommit mode) and mark it smtpguard's
+    (APPLICATION_ID, once). Returns (before, after); a file of a newer release (a version
+    above LATEST) is left at its version."""
     conn.execute("BEGIN IMMEDIATE")
     try:
         before = schema_version(conn)
@@ -59,6 +63,8 @@ def migrate(conn: sqlite3.Connection) -> tuple[int, int]:
                 _run(conn, text)
             # PRAGMA takes no parameter; LATEST is the count of files, an int.
             conn.execute(f"PRAGMA user_version = {LATEST:d}")
+        if int(conn.execute("PRAGMA application_id").fetchone()[0]) != APPLICATION_ID:
+            conn.execute(f"PRAGMA application_id = {APPLICATION_ID:d}")
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
+from smtpguard.store.sqlite.checks import check_ours
 from smtpguard.store.sqlite.migrate import MIGRATIONS, statements
 
 _MIN_SQLITE = (3, 35, 0)
@@ -61,6 +62,11 @@ def _connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
     else:
         conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
     conn.execute("PRAGMA busy_timeout = 30000")
+    try:
+        check_ours(conn, path)
+    except BaseException:
+        conn.close()
+        raise
     if readonly:
         _stand_in_for_missing_tables(conn)
         conn.execute("PRAGMA query_only = ON")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from smtpguard.store.base import StoreUnavailable
+from smtpguard.store.sqlite.checks import check_writable, unwritable
 from smtpguard.store.sqlite.migrate import migrate
 from smtpguard.store.sqlite.schema import _connect, execute_waiting
 
@@ -192,8 +193,15 @@ class _Writer:
 
     async def open(self) -> None:
         def connect() -> sqlite3.Connection:
-            conn = _connect(self._path)
-            migrate(conn)
+            try:
+                conn = _connect(self._path)
+                check_writable(conn, self._path)
+                migrate(conn)
+            except sqlite3.Error as e:
+                refused = unwritable(self._path, e)
+                if refused is None:
+                    raise
+                raise refused from None
             # The loop thread must never wait on a lock held by another process: a busy
             # BEGIN is retried on the writer thread instead (_begin_waiting).
             conn.execute("PRAGMA busy_timeout = 0")
