@@ -25,11 +25,12 @@ from smtpguard.replies import Reply
 
 log = logging.getLogger("smtpguard.listener")
 _MAX_BOGUS_COMMANDS = 10
-_JUNK_COMMANDS = ("NOOP", "RSET", "VRFY", "EXPN", "HELP", "HELO", "EHLO")
+_JUNK_COMMANDS = ("NOOP", "RSET", "VRFY", "EXPN", "HELP")
 """Postfix's junk commands (it has ETRN where aiosmtpd has EXPN and HELP): harmless one by
-one, and each one resets the idle timer, so past `limits.max_junk_commands` each is an error.
-HELO and EHLO too, which a client sends once or twice a session: repeated, they would hold a
-connection open as NOOP would."""
+one, and each one resets the idle timer, so past `limits.max_junk_commands` each is an error."""
+_GREETINGS = ("HELO", "EHLO")
+"""Junk too when the session has greeted already: a client greets once, and once more after
+STARTTLS (a new session, RFC 3207 4.2); repeated, they would hold a connection as NOOP did."""
 _HANG_UP_GRACE = 5.0
 """Seconds a closing connection may take to flush its last reply before it is aborted (a
 client that never reads must not keep the socket open)."""
@@ -72,8 +73,8 @@ class GuardSMTP(SMTP):
         self._abort_timer: asyncio.TimerHandle | None = None
         self._last_data = 0.0
         super().__init__(handler, **kwargs)
-        for name in _JUNK_COMMANDS:
-            self._smtp_methods[name] = self._counted_as_junk(self._smtp_methods[name])
+        for name in _JUNK_COMMANDS + _GREETINGS:
+            self._smtp_methods[name] = self._counted_as_junk(name, self._smtp_methods[name])
         self._guard = handler
         self._admitted_ip: str | None = None
         self._refused = False
@@ -263,16 +264,20 @@ class GuardSMTP(SMTP):
             self._errors = self._junk = 0
         return status
 
-    def _counted_as_junk(self, method: Callable[[str], Awaitable[None]]) -> Callable[[str], Awaitable[None]]:
-        """aiosmtpd's command, then counted as junk. functools.wraps keeps the syntax that
-        aiosmtpd's HELP reads from the method."""
+    def _counted_as_junk(
+        self, name: str, method: Callable[[str], Awaitable[None]]
+    ) -> Callable[[str], Awaitable[None]]:
+        """aiosmtpd's command, then counted as junk (a greeting only when the session has
+        one). functools.wraps keeps the syntax that aiosmtpd's HELP reads from the method."""
 
         @functools.wraps(method)
         async def junk(arg: str) -> None:
+            counted = name not in _GREETINGS or getattr(self.session, "host_name", None) is not None
             await method(arg)
-            self._junk += 1
-            if self._junk > self._max_junk:
-                self._error()
+            if counted:
+                self._junk += 1
+                if self._junk > self._max_junk:
+                    self._error()
 
         return junk
 

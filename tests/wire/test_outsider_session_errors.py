@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import shutil
 import smtplib
+import ssl
 from email import policy
 from email.message import EmailMessage
 from pathlib import Path
 
+import aiosmtplib
+
 from tests.support import PASSWORD, Upstream, base_config, running_guard, suppressions_refreshed
-from tests.support.hostile import message_bytes, session, terminated
+from tests.support.hostile import make_cert, message_bytes, session, terminated
 
 SENDER = "billing@acme.example"
 
@@ -77,10 +80,10 @@ async def test_a_stranger_cannot_hold_a_session_with_ehlo_instead_of_noop(
     few seconds) must hold for EHLO and HELO too, which a client sends once or twice."""
     cfg = base_config(tmp, upstream.port, limits={"max_junk_commands": 30, "max_errors": 5})
     async with running_guard(cfg) as guard, session(guard.ports[0], login=False) as c:
-        # The session's own EHLO, 33 more, and the 35th in all is the fifth past the limit.
-        greetings = [f"{'EHLO' if n % 2 else 'HELO'} client.test" for n in range(33)]
+        # After the session's own EHLO, each greeting is junk: the 35th is the fifth past it.
+        greetings = [f"{'EHLO' if n % 2 else 'HELO'} client.test" for n in range(34)]
         codes = [(await c.command(line)).code for line in greetings]
-        assert codes == [250] * 33, codes
+        assert codes == [250] * 34, codes
         assert (await c.command("EHLO client.test")).code == 250
         last = await c.reply()
         assert last.code == 421 and last.text.startswith("4.7.0 Too many errors"), last
@@ -147,3 +150,34 @@ async def test_swaks_pipelining_a_list_past_max_recipients_delivers_to_those_acc
     assert not any("421" in line for line in lines), out.decode()[-2000:]
     assert upstream.event_keys() == ["swaks:list"]
     assert len(upstream.received[0].rcpt_tos) == 100
+
+
+async def test_aiosmtplib_starttls_then_auth_is_not_junk_even_at_the_tightest_limits(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """EHLO, STARTTLS, EHLO again (a new session, RFC 3207 4.2), AUTH, then five messages
+    on one connection, with max_junk_commands and max_errors at their minimum of 1: the
+    two greetings are each the first of their session, so nothing is junk."""
+    cert, key = make_cert(tmp)
+    cfg = base_config(tmp, upstream.port, limits={"max_junk_commands": 1, "max_errors": 1})
+    cfg["tls"] = {"cert": str(cert), "key": str(key)}
+    cfg["listen"] = [{"address": "127.0.0.1:0", "tls": "starttls"}]
+    async with running_guard(cfg) as guard:
+        client = aiosmtplib.SMTP(
+            hostname="localhost",
+            port=guard.ports[0],
+            start_tls=True,
+            tls_context=ssl.create_default_context(cafile=str(cert)),
+            timeout=20,
+        )
+        await client.connect()
+        try:
+            await client.login("acme-app", PASSWORD)
+            for n in range(5):
+                refused, _ = await client.send_message(
+                    _message(f"tls:{n}"), recipients=["customer@example.com"]
+                )
+                assert refused == {}, refused
+        finally:
+            await client.quit()
+    assert upstream.event_keys() == [f"tls:{n}" for n in range(5)]

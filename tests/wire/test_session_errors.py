@@ -52,10 +52,9 @@ async def test_a_noop_flood_ends_after_the_junk_limit_and_max_errors_more(
 ) -> None:
     cfg = base_config(tmp, upstream.port, limits={"max_junk_commands": 30, "max_errors": 5})
     async with running_guard(cfg) as guard, session(guard.ports[0], login=False) as c:
-        # The session's EHLO is the first junk command.
-        codes = [(await c.command("NOOP")).code for _ in range(33)]
-        assert codes == [250] * 33, codes
-        # The 34th NOOP is the fifth past the limit: answered, then the session is closed.
+        codes = [(await c.command("NOOP")).code for _ in range(34)]
+        assert codes == [250] * 34, codes
+        # The 35th is the fifth past the limit: answered, then the session is closed.
         assert (await c.command("NOOP")).code == 250
         last = await c.reply()
         assert _closed_for_errors(last), last
@@ -69,8 +68,7 @@ async def test_a_delivered_message_starts_the_counts_afresh(tmp: Path, upstream:
         for n in range(3):
             for _ in range(3):  # three errors: one short of the limit
                 assert (await c.command(RCPT)).code == 503
-            # Junk up to the limit, not past it (the session's EHLO is the first one).
-            for _ in range(2 if n == 0 else 3):
+            for _ in range(3):  # junk up to the limit, not past it
                 assert (await c.command("RSET")).code == 250
             assert (await c.command(MAIL)).code == 250
             assert (await c.command(RCPT)).code == 250
