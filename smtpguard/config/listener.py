@@ -45,10 +45,11 @@ class LimitsConfig(_Strict):
     max_connections_per_ip: int = Field(100, ge=1)
     max_errors: int = Field(20, ge=1)
     """Error replies (4xx, 5xx) one session may get since it last had a message accepted,
-    before `421 4.7.0` and disconnect (Postfix's smtpd_hard_error_limit)."""
+    before `421 4.7.0` and disconnect (Postfix's smtpd_hard_error_limit). A refused recipient
+    is not one: the client sends DATA for the others (RFC 5321)."""
     max_junk_commands: int = Field(100, ge=1)
-    """NOOP, RSET, VRFY, EXPN and HELP one session may send since it last had a message
-    accepted; each one past it counts as an error (Postfix's smtpd_junk_command_limit):
+    """NOOP, RSET, VRFY, EXPN, HELP and a repeated HELO or EHLO one session may send since it
+    last had a message accepted; each one past it counts as an error (smtpd_junk_command_limit):
     `idle_timeout` alone would let a NOOP every few seconds hold a connection for good."""
     idle_timeout: Duration = 300.0
     max_header_size: Size = 64 * 1024

@@ -28,6 +28,9 @@ _MAX_BOGUS_COMMANDS = 10
 _JUNK_COMMANDS = ("NOOP", "RSET", "VRFY", "EXPN", "HELP")
 """Postfix's junk commands (it has ETRN where aiosmtpd has EXPN and HELP): harmless one by
 one, and each one resets the idle timer, so past `limits.max_junk_commands` each is an error."""
+_GREETINGS = ("HELO", "EHLO")
+"""Junk too when the session has greeted already: a client greets once, and once more after
+STARTTLS (a new session, RFC 3207 4.2); repeated, they would hold a connection as NOOP did."""
 _HANG_UP_GRACE = 5.0
 """Seconds a closing connection may take to flush its last reply before it is aborted (a
 client that never reads must not keep the socket open)."""
@@ -64,13 +67,14 @@ class GuardSMTP(SMTP):
         self._max_junk = limits.max_junk_commands
         self._errors = 0
         self._junk = 0
+        self._recipient_answer = False
         self._long_line = _long_line_pattern(limits.max_line_length)
         self._data_timer: asyncio.TimerHandle | None = None
         self._abort_timer: asyncio.TimerHandle | None = None
         self._last_data = 0.0
         super().__init__(handler, **kwargs)
-        for name in _JUNK_COMMANDS:
-            self._smtp_methods[name] = self._counted_as_junk(self._smtp_methods[name])
+        for name in _JUNK_COMMANDS + _GREETINGS:
+            self._smtp_methods[name] = self._counted_as_junk(name, self._smtp_methods[name])
         self._guard = handler
         self._admitted_ip: str | None = None
         self._refused = False
@@ -241,6 +245,12 @@ class GuardSMTP(SMTP):
         super()._set_post_data_state()  # type: ignore[no-untyped-call]
 
     async def _call_handler_hook(self, command: str, *args: Any) -> Any:
+        if command == "RCPT":
+            # The handler's answer about one recipient of a signed-in transaction (suppressed,
+            # held, past max_recipients) is no error of the client's: RFC 5321 has it send
+            # DATA for those accepted, so it is not counted (push), or a list message with
+            # 20 refused recipients would be lost for all the others.
+            self._recipient_answer = True
         if command != "DATA":
             return await super()._call_handler_hook(command, *args)
         # The message is in: from here the client waits on smtpguard and its provider, so
@@ -254,16 +264,20 @@ class GuardSMTP(SMTP):
             self._errors = self._junk = 0
         return status
 
-    def _counted_as_junk(self, method: Callable[[str], Awaitable[None]]) -> Callable[[str], Awaitable[None]]:
-        """aiosmtpd's command, then counted as junk. functools.wraps keeps the syntax that
-        aiosmtpd's HELP reads from the method."""
+    def _counted_as_junk(
+        self, name: str, method: Callable[[str], Awaitable[None]]
+    ) -> Callable[[str], Awaitable[None]]:
+        """aiosmtpd's command, then counted as junk (a greeting only when the session has
+        one). functools.wraps keeps the syntax that aiosmtpd's HELP reads from the method."""
 
         @functools.wraps(method)
         async def junk(arg: str) -> None:
+            counted = name not in _GREETINGS or getattr(self.session, "host_name", None) is not None
             await method(arg)
-            self._junk += 1
-            if self._junk > self._max_junk:
-                self._error()
+            if counted:
+                self._junk += 1
+                if self._junk > self._max_junk:
+                    self._error()
 
         return junk
 
@@ -358,6 +372,8 @@ class GuardSMTP(SMTP):
             self.transport.close()
 
     async def push(self, status: AnyStr) -> None:
+        counted = not self._recipient_answer
+        self._recipient_answer = False
         if self.transport is None or self.transport.is_closing():
             # hang_up has written the last reply: aiosmtpd's own push of the hook's answer
             # would still be flushed before the close, a second reply to one command.
@@ -367,7 +383,7 @@ class GuardSMTP(SMTP):
         if rewrite is None:
             rewrite = next((r for p, r in replies.AIOSMTPD_PREFIX_REWRITES if text.startswith(p)), None)
         await super().push(str(rewrite) if rewrite else text)
-        if text[:1] in ("4", "5") and text[1:3].isdigit():
+        if counted and text[:1] in ("4", "5") and text[1:3].isdigit():
             self._error()
 
 
