@@ -154,7 +154,10 @@ async def measure(port: int, pid: int, scenario: str, args: argparse.Namespace) 
 
 def config(port: int, dns_port: int, scenario: str, store_url: str) -> dict[str, Any]:
     # No DATA is sent: the provider's port is never connected to.
-    cfg = guard_config(port, free_port(), store_url, pool_size=1, limits={"max_recipients": 1000})
+    # Its MAIL, RCPT…, RSET loop never delivers: without room for its RSETs the junk
+    # command limit would end the session (smtp_session.py).
+    limits = {"max_recipients": 1000, "max_junk_commands": 1_000_000}
+    cfg = guard_config(port, free_port(), store_url, pool_size=1, limits=limits)
     cfg["dns"] = {"nameservers": [f"127.0.0.1:{dns_port}"], "timeout": "2s"}
     zone = next(iter(cfg["zones"].values()))
     zone["recipient_domains"] = "check" if scenario.startswith("on-") else "off"

@@ -38,6 +38,7 @@ from smtpguard import __version__
 from smtpguard.admission import Admission, peer_ip
 from smtpguard.closing import close_server
 from smtpguard.config import SideListenerLimits
+from smtpguard.policy import http_trust
 from smtpguard.policy.breaker import Circuit
 from smtpguard.policy.ledger import State
 
@@ -470,6 +471,10 @@ the SMTP listener: a scrape or a health check holds a connection for one request
 connections are capped (a connection over a cap is closed at accept) and a request has 5 s
 from accept to its last header, an answer 5 s to be taken; a client trickling header lines
 held its connection for good, and 600 of them left SMTP unable to accept."""
+_LOCAL_LIMITS = SideListenerLimits(max_connections=32, max_connections_per_ip=32, read_timeout=5.0)
+"""Loopback's own share, outside the total: four remote addresses holding 32 connections
+each fill the 128, and a health check from this host (`smtpguard healthcheck`, the
+container's HEALTHCHECK, a local agent) must still be answered."""
 
 
 class HealthServer:
@@ -481,6 +486,7 @@ class HealthServer:
         self._server: asyncio.Server | None = None
         self.port = 0
         self.admission = Admission(_LIMITS, "metrics", log.name)
+        self.local = Admission(_LOCAL_LIMITS, "metrics (loopback)", log.name)
 
     async def start(self, host: str, port: int, sock: socket.socket | None = None) -> None:
         if sock is not None:  # a worker's socket in the supervisor's group (workers: N)
@@ -494,7 +500,10 @@ class HealthServer:
             await close_server(self._server)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        bucket = self.admission.admit(peer_ip(writer.transport))
+        ip = peer_ip(writer.transport)
+        peer = http_trust.address(ip)
+        gate = self.local if peer is not None and peer.is_loopback else self.admission
+        bucket = gate.admit(ip)
         if bucket is None:
             writer.transport.abort()
             return
@@ -531,7 +540,7 @@ class HealthServer:
         except (ConnectionError, UnicodeDecodeError, ValueError):
             pass  # ValueError: a line over the reader's 64 KiB limit
         finally:
-            self.admission.release(bucket)
+            gate.release(bucket)
             writer.close()
 
 

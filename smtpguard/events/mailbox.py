@@ -32,6 +32,7 @@ from smtpguard.policy.events import Match, ProviderEvent
 from smtpguard.policy.ledger import Record
 from smtpguard.policy.senders import recipient_tag, suppression_key
 from smtpguard.policy.sends import sent_as
+from smtpguard.smtp_session import LimitedSession
 from smtpguard.store import StoreUnavailable
 from smtpguard.verp import VerpKey
 
@@ -131,10 +132,14 @@ def _was_recipient(record: Record, event: ProviderEvent) -> bool:
     return recipient_tag(event.recipient) in record.rcpt_tags
 
 
-class _MailboxSMTP(WriteDeadlineProtocol, SMTP):
+class _MailboxSMTP(WriteDeadlineProtocol, LimitedSession):
     """aiosmtpd's SMTP for one mailbox connection, admitted and timed by its listener
     (DESIGN.md §18): idle_timeout between commands, read_timeout from a command's (or a
-    message's) first byte to its end, however slowly it trickles."""
+    message's) first byte to its end, however slowly it trickles; and Postfix's error and
+    junk command limits (smtp_session.py), or a NOOP each few seconds would hold it."""
+
+    log = log
+    recipient_refusals_count = True
 
     def __init__(
         self, handler: ReportHandler, admission: Admission, limits: ListenerLimits, **kw: Any

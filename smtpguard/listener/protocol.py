@@ -16,24 +16,16 @@ import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, AnyStr, Protocol, cast
 
-from aiosmtpd.smtp import MISSING, SMTP, Session
+from aiosmtpd.smtp import MISSING, Session
 
 from smtpguard import replies
 from smtpguard.config import Config
 from smtpguard.policy.senders import address_problem
 from smtpguard.replies import Reply
+from smtpguard.smtp_session import LimitedSession
 
 log = logging.getLogger("smtpguard.listener")
 _MAX_BOGUS_COMMANDS = 10
-_JUNK_COMMANDS = ("NOOP", "RSET", "VRFY", "EXPN", "HELP")
-"""Postfix's junk commands (it has ETRN where aiosmtpd has EXPN and HELP): harmless one by
-one, and each one resets the idle timer, so past `limits.max_junk_commands` each is an error."""
-_GREETINGS = ("HELO", "EHLO")
-"""Junk too when the session has greeted already: a client greets once, and once more after
-STARTTLS (a new session, RFC 3207 4.2); repeated, they would hold a connection as NOOP did."""
-_HANG_UP_GRACE = 5.0
-"""Seconds a closing connection may take to flush its last reply before it is aborted (a
-client that never reads must not keep the socket open)."""
 _READ = Callable[[bytes], Awaitable[bytes]]
 
 
@@ -56,25 +48,21 @@ class GuardSession(Session):
         self.id = secrets.token_hex(6)
 
 
-class GuardSMTP(SMTP):
+class GuardSMTP(LimitedSession):
+    log = log
+
     def __init__(self, handler: Guard, **kwargs: Any) -> None:
         limits = handler.config.limits
         # aiosmtpd sizes its StreamReader from this attribute in SMTP.__init__: it bounds every
         # command and DATA line, and with it the memory one line can take.
         self.line_length_limit = limits.max_line_length
         self._data_timeout = limits.data_timeout
-        self._max_errors = limits.max_errors
-        self._max_junk = limits.max_junk_commands
-        self._errors = 0
-        self._junk = 0
-        self._recipient_answer = False
         self._long_line = _long_line_pattern(limits.max_line_length)
         self._data_timer: asyncio.TimerHandle | None = None
-        self._abort_timer: asyncio.TimerHandle | None = None
         self._last_data = 0.0
-        super().__init__(handler, **kwargs)
-        for name in _JUNK_COMMANDS + _GREETINGS:
-            self._smtp_methods[name] = self._counted_as_junk(name, self._smtp_methods[name])
+        super().__init__(
+            handler, max_errors=limits.max_errors, max_junk_commands=limits.max_junk_commands, **kwargs
+        )
         self._guard = handler
         self._admitted_ip: str | None = None
         self._refused = False
@@ -245,48 +233,13 @@ class GuardSMTP(SMTP):
         super()._set_post_data_state()  # type: ignore[no-untyped-call]
 
     async def _call_handler_hook(self, command: str, *args: Any) -> Any:
-        if command == "RCPT":
-            # The handler's answer about one recipient of a signed-in transaction (suppressed,
-            # held, past max_recipients) is no error of the client's: RFC 5321 has it send
-            # DATA for those accepted, so it is not counted (push), or a list message with
-            # 20 refused recipients would be lost for all the others.
-            self._recipient_answer = True
         if command != "DATA":
             return await super()._call_handler_hook(command, *args)
         # The message is in: from here the client waits on smtpguard and its provider, so
         # neither the DATA cap nor the idle timer may cut the submission short.
         self._stop_data_timer()
         async with self.working():
-            status = await super()._call_handler_hook(command, *args)
-        if isinstance(status, str) and status.startswith("250"):
-            # A client that delivers is not probing: its errors and junk start afresh, so a
-            # long session of many messages is never cut (as Postfix resets its counts).
-            self._errors = self._junk = 0
-        return status
-
-    def _counted_as_junk(
-        self, name: str, method: Callable[[str], Awaitable[None]]
-    ) -> Callable[[str], Awaitable[None]]:
-        """aiosmtpd's command, then counted as junk (a greeting only when the session has
-        one). functools.wraps keeps the syntax that aiosmtpd's HELP reads from the method."""
-
-        @functools.wraps(method)
-        async def junk(arg: str) -> None:
-            counted = name not in _GREETINGS or getattr(self.session, "host_name", None) is not None
-            await method(arg)
-            if counted:
-                self._junk += 1
-                if self._junk > self._max_junk:
-                    self._error()
-
-        return junk
-
-    def _error(self) -> None:
-        """One more error in this session; at `limits.max_errors` the session ends."""
-        self._errors += 1
-        if self._errors >= self._max_errors:
-            log.warning("too many errors; session closed", extra={**self._where(), "errors": self._errors})
-            self.hang_up(replies.TOO_MANY_ERRORS)
+            return await super()._call_handler_hook(command, *args)
 
     @contextlib.asynccontextmanager
     async def working(self) -> AsyncIterator[None]:
@@ -299,16 +252,6 @@ class GuardSMTP(SMTP):
         finally:
             if self.transport is not None:
                 self._reset_timeout()
-
-    def hang_up(self, reply: Reply) -> None:
-        """Send a last reply and close; abort if the client will not take the reply."""
-        # Not an isinstance test: uvloop's transports do not derive from asyncio's classes.
-        transport = cast(asyncio.Transport | None, self.transport)
-        if transport is None or transport.is_closing():
-            return
-        transport.write(f"{reply}\r\n".encode())
-        transport.close()
-        self._abort_timer = self.loop.call_later(_HANG_UP_GRACE, transport.abort)
 
     def _getaddr(self, arg: str) -> tuple[str | None, str | None]:
         """Judge the address the client wrote, not the one aiosmtpd's parser made of it: the
@@ -343,9 +286,6 @@ class GuardSMTP(SMTP):
 
     def connection_lost(self, error: Exception | None) -> None:
         self._stop_data_timer()
-        if self._abort_timer is not None:
-            self._abort_timer.cancel()
-            self._abort_timer = None
         if self._refused:
             return
         if self._admitted_ip is not None:
@@ -372,19 +312,11 @@ class GuardSMTP(SMTP):
             self.transport.close()
 
     async def push(self, status: AnyStr) -> None:
-        counted = not self._recipient_answer
-        self._recipient_answer = False
-        if self.transport is None or self.transport.is_closing():
-            # hang_up has written the last reply: aiosmtpd's own push of the hook's answer
-            # would still be flushed before the close, a second reply to one command.
-            return
         text = status.decode() if isinstance(status, bytes) else status
         rewrite = replies.AIOSMTPD_REWRITES.get(text)
         if rewrite is None:
             rewrite = next((r for p, r in replies.AIOSMTPD_PREFIX_REWRITES if text.startswith(p)), None)
         await super().push(str(rewrite) if rewrite else text)
-        if counted and text[:1] in ("4", "5") and text[1:3].isdigit():
-            self._error()
 
 
 def _raw_path(arg: str) -> tuple[str, str]:

@@ -15,11 +15,9 @@ from typing import Any
 import pytest
 
 from tests.events.test_events import RCPT, events_config, events_port, sent
-from tests.events.test_outsider_signatures import _history_events, _mailgun_signed, keys
+from tests.events.test_outsider_signatures import _history_events, _mailgun_signed
 from tests.support import Upstream, running_guard
 from tests.support import events as ev
-
-__all__ = ["keys"]  # the fixture
 
 
 async def test_a_mailgun_timestamp_sent_as_a_json_number_verifies(

@@ -64,6 +64,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     # pure rules (§3, §11): replies only
     "policy": frozenset({"replies"}),
     "http_listener": frozenset({"admission", "background"}),
+    "smtp_session": frozenset({"replies"}),
     # storage and settings: the rules' types, nothing that uses them
     "store": frozenset({"policy"}),
     "config": frozenset({"policy", "units"}),
@@ -87,7 +88,18 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "relay": frozenset({"config", "policy", "provider_gate", "replies"}),
     "sink": frozenset({"config", "relay"}),
     "events": frozenset(
-        {"admission", "closing", "config", "http_listener", "policy", "replies", "store", "verp", "verdicts"}
+        {
+            "admission",
+            "closing",
+            "config",
+            "http_listener",
+            "policy",
+            "replies",
+            "smtp_session",
+            "store",
+            "verp",
+            "verdicts",
+        }
     ),
     "submission": frozenset(
         {
@@ -108,7 +120,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "listener": frozenset(
         {
             "background", "config", "connection_table", "passwords", "policy", "receivers",
-            "recipient_domains", "replies", "store", "submission", "turns",
+            "recipient_domains", "replies", "smtp_session", "store", "submission", "turns",
         }
     ),
     "workers": frozenset({"connection_table", "heartbeat", "listener"}),

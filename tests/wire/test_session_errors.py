@@ -13,7 +13,7 @@ import yaml
 
 from smtpguard.config import ConfigError, loads
 from tests.support import Upstream, base_config, running_guard
-from tests.support.hostile import SmtpReply, message_bytes, session, terminated
+from tests.support.hostile import RawClient, SmtpReply, message_bytes, nothing_recorded, session, terminated
 
 MAIL = "MAIL FROM:<billing@acme.example>"
 RCPT = "RCPT TO:<customer@example.com>"
@@ -99,3 +99,45 @@ async def test_help_still_names_the_junk_commands(tmp: Path, upstream: Upstream)
         listed = "Supported commands: AUTH EHLO HELO HELP MAIL NOOP QUIT RCPT RSET VRFY"
         assert await c.command("HELP") == SmtpReply(250, listed)
         assert await c.command("HELP NOOP") == SmtpReply(250, "Syntax: NOOP [ignored]")
+
+
+async def test_a_message_pipelined_behind_the_last_error_is_never_taken(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """aiosmtpd goes on reading what a client pipelined before the 421: a whole transaction
+    sent behind the error that ends the session reaches no handler, and nothing is sent or
+    recorded."""
+    cfg = base_config(tmp, upstream.port, limits={"max_errors": 3})
+    async with running_guard(cfg) as guard, session(guard.ports[0]) as c:
+        for _ in range(2):
+            assert (await c.command(RCPT)).code == 503
+        behind = terminated(message_bytes("errors:behind"))
+        c.write(f"{RCPT}\r\n{MAIL}\r\n{RCPT}\r\nDATA\r\n".encode() + behind)
+        assert (await c.reply()).code == 503
+        last = await c.reply()
+        assert _closed_for_errors(last), last
+        assert await c.closed()
+        assert await nothing_recorded(guard, "acme", "errors:behind")
+    assert upstream.event_keys() == []
+
+
+async def test_the_events_mailbox_ends_a_noop_flood_at_postfixs_limits(tmp: Path, upstream: Upstream) -> None:
+    cfg = base_config(
+        tmp,
+        upstream.port,
+        events={"mailbox": {"listen": "127.0.0.1:0", "address": "reports@guard.test", "provider": "primary"}},
+    )
+    async with running_guard(cfg) as guard:
+        assert guard.mailbox is not None
+        client = await RawClient.connect(guard.mailbox.port)
+        try:
+            assert (await client.reply()).code == 220
+            # 100 junk commands, then 20 more that each count as an error: the 120th ends it.
+            codes = [(await client.command("NOOP")).code for _ in range(120)]
+            assert codes == [250] * 120, codes
+            last = await client.reply()
+            assert _closed_for_errors(last), last
+            assert await client.closed()
+        finally:
+            await client.close()
+    assert upstream.event_keys() == []
