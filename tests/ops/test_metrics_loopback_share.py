@@ -9,30 +9,12 @@ The remote addresses need a loopback of their own: the check runs in a network n
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 from tests.support.metrics_share import ATTACKERS, LATE
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.netns import run_in_namespace
 
 
 def test_remote_connections_filling_the_metrics_listener_leave_loopback_checks_answered() -> None:
-    assert os.geteuid() == 0, "needs root for a network namespace (scripts/test runs as root in CI)"
-    addresses = " ".join([*ATTACKERS, LATE])
-    script = (
-        "set -e; ip link set lo up; "
-        f"for a in {addresses}; do ip addr add $a/32 dev lo; done; "
-        f"exec {sys.executable} -m tests.support.metrics_share"
-    )
-    done = subprocess.run(
-        ["unshare", "-n", "sh", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    seen = json.loads(done.stdout)
+    seen = run_in_namespace("tests.support.metrics_share", [f"{a}/32" for a in (*ATTACKERS, LATE)])
     assert seen["full"] == 128, seen
     assert seen["local"] == ["200"] * 10, seen
     assert seen["healthcheck"] == 0, seen

@@ -41,6 +41,10 @@ class SmtpReply:
 CLOSED = SmtpReply(0, "connection closed")
 
 
+MAILBOX = {"listen": "127.0.0.1:0", "address": "reports@guard.test", "provider": "primary"}
+"""An events mailbox (`events.mailbox`) on a free loopback port, for the acme zone's provider."""
+
+
 class RawClient:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader

@@ -7,30 +7,12 @@ namespace (`unshare -n`, as root, which CI is), so the host's network is never c
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 from tests.support.ipv6_prefix import ADDRESSES
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.netns import run_in_namespace
 
 
 def test_auth_failures_and_connections_are_counted_per_ipv6_64() -> None:
-    assert os.geteuid() == 0, "needs root for a network namespace (scripts/test runs as root in CI)"
-    addresses = " ".join(ADDRESSES)
-    script = (
-        "set -e; ip link set lo up; "
-        f"for a in {addresses}; do ip -6 addr add $a/64 dev lo nodad; done; "
-        f"exec {sys.executable} -m tests.support.ipv6_prefix"
-    )
-    done = subprocess.run(
-        ["unshare", "-n", "sh", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    seen = json.loads(done.stdout)
+    seen = run_in_namespace("tests.support.ipv6_prefix", [f"{a}/64" for a in ADDRESSES])
     # 60 guesses from the /64 with auth_failures 3: two 535, the third failure and every
     # later guess 421 (locked out, the password never checked).
     assert seen["auth"] == {"535": 2, "421": 58}, seen

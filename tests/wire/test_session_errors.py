@@ -13,7 +13,15 @@ import yaml
 
 from smtpguard.config import ConfigError, loads
 from tests.support import Upstream, base_config, running_guard
-from tests.support.hostile import RawClient, SmtpReply, message_bytes, nothing_recorded, session, terminated
+from tests.support.hostile import (
+    MAILBOX,
+    RawClient,
+    SmtpReply,
+    message_bytes,
+    nothing_recorded,
+    session,
+    terminated,
+)
 
 MAIL = "MAIL FROM:<billing@acme.example>"
 RCPT = "RCPT TO:<customer@example.com>"
@@ -122,11 +130,7 @@ async def test_a_message_pipelined_behind_the_last_error_is_never_taken(
 
 
 async def test_the_events_mailbox_ends_a_noop_flood_at_postfixs_limits(tmp: Path, upstream: Upstream) -> None:
-    cfg = base_config(
-        tmp,
-        upstream.port,
-        events={"mailbox": {"listen": "127.0.0.1:0", "address": "reports@guard.test", "provider": "primary"}},
-    )
+    cfg = base_config(tmp, upstream.port, events={"mailbox": MAILBOX})
     async with running_guard(cfg) as guard:
         assert guard.mailbox is not None
         client = await RawClient.connect(guard.mailbox.port)

@@ -18,6 +18,7 @@ import pytest
 from smtpguard.server import Server
 from tests.support import Upstream, base_config, password_hash, running_guard
 from tests.support import events as ev
+from tests.support.hostile import MAILBOX
 
 READ = 0.6
 LIMITS = {
@@ -182,11 +183,7 @@ async def test_a_mailbox_session_takes_at_most_100_recipients(tmp: Path, upstrea
     """The mailbox takes mail for one address: a session repeating RCPT would otherwise grow
     its envelope without end (about 130 bytes a recipient, 318,000 of them measured in four
     sessions in a minute), one command at a time, each within its deadline."""
-    cfg = base_config(
-        tmp,
-        upstream.port,
-        events={"mailbox": {"listen": "127.0.0.1:0", "address": "reports@guard.test", "provider": "primary"}},
-    )
+    cfg = base_config(tmp, upstream.port, events={"mailbox": MAILBOX})
     async with running_guard(cfg) as guard:
         assert guard.mailbox is not None
         reader, writer = await asyncio.open_connection("127.0.0.1", guard.mailbox.port)
