@@ -22,16 +22,10 @@ from tests.support import (
 from tests.support.hostile import session
 
 
-def _provider(port: int) -> dict[str, Any]:
-    return {
-        "name": "primary",
-        "kind": "smtp",
-        "host": "127.0.0.1",
-        "port": port,
-        "tls": "none",
-        "timeouts": {"connect": "2s", "command": "5s", "data": "5s"},
-        "pool_size": 2,
-    }
+def _provider(tmp: Path, port: int) -> dict[str, Any]:
+    """The tests' provider at `port`, with room for a held dot (data 5s) and 2 connections."""
+    provider: dict[str, Any] = base_config(tmp, port)["providers"][0]
+    return {**provider, "timeouts": {**provider["timeouts"], "data": "5s"}, "pool_size": 2}
 
 
 async def test_a_reload_moving_the_provider_while_a_relay_is_held_sends_once(tmp: Path) -> None:
@@ -45,14 +39,14 @@ async def test_a_reload_moving_the_provider_while_a_relay_is_held_sends_once(tmp
     held = asyncio.Event()
     old.handler.script.append(Behaviour(hold_after_dot=held))
     cfg = base_config(tmp, old.port)
-    cfg["providers"] = [_provider(old.port)]
+    cfg["providers"] = [_provider(tmp, old.port)]
     path = tmp / "smtpguard.yaml"
     try:
         async with running_guard(cfg, config_path=path) as guard:
             port = guard.ports[0]
             first = asyncio.create_task(send(port, message("reload:1")))
             await old.wait_received(1)
-            cfg["providers"] = [_provider(new.port)]
+            cfg["providers"] = [_provider(tmp, new.port)]
             cfg["zones"]["acme"]["plan"] = "agency"
             write_config(path, cfg)
             assert await guard.reload()
