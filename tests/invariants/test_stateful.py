@@ -394,6 +394,9 @@ class Model:
     operated: set[tuple[str, str]] = field(default_factory=set)
     uncertain: dict[str, int] = field(default_factory=dict)
     """Per zone: units of attempts that died after noting data_sent but before DATA."""
+    unrefunded: dict[str, str] = field(default_factory=dict)
+    """Cap token → zone of refunds the store never got (StoreProxy.unrefunded, shared by
+    every instance): the unit stays consumed by design."""
     unknown_ok: dict[tuple[str, str], int] = field(default_factory=dict)
     """Keys whose instance died after noting data_sent with no dot sent, and the key's
     transaction count then: `unknown` without a dot is what a crash there leaves."""
@@ -489,7 +492,7 @@ class LedgerMachine(RuleBasedStateMachine):
         config = self.configs[slot]
         name = f"{slot}{self.generation[slot]}"
         store, wire = await self.h.backend.open(wired=True)
-        proxy = StoreProxy(store, self.clock, wire)
+        proxy = StoreProxy(store, self.clock, wire, self.model.unrefunded)
         helo = f"{name}.helo.test"
         route = Route(
             build_providers(config.providers, provider_secrets(config), helo),
@@ -1096,15 +1099,16 @@ class LedgerMachine(RuleBasedStateMachine):
                 if zone == z and r is not None and r.state is State.IN_FLIGHT and r.phase is Phase.BEFORE_DATA
             )
             uncertain = m.uncertain.get(z, 0)
+            kept = sum(1 for zone in m.unrefunded.values() if zone == z)
             assert dots <= used[z], (
                 f"§11.3 units: zone {z} has {used[z]} units consumed but {dots} messages reached "
                 "the provider's final dot (a unit was refunded for a message that went out)"
             )
-            assert used[z] <= commands + pending + uncertain, (
+            assert used[z] <= commands + pending + uncertain + kept, (
                 f"§11.3 units: zone {z} has {used[z]} units consumed, but the provider saw "
                 f"{commands} DATA commands; {pending} reservations are still before DATA and "
-                f"{uncertain} attempts died after noting data_sent (a unit of an attempt that "
-                "never reached DATA was kept)"
+                f"{uncertain} attempts died after noting data_sent and {kept} refunds never "
+                "reached the store (a unit of an attempt that never reached DATA was kept)"
             )
 
         m.snap = records

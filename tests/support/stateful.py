@@ -416,7 +416,16 @@ class StoreProxy:
     """Forwards every Store call to one instance's own store. Dead, it forwards nothing and
     answers nothing, as a killed process."""
 
-    def __init__(self, store: Any, clock: Clock, wire: WireFaults | None = None) -> None:
+    def __init__(
+        self,
+        store: Any,
+        clock: Clock,
+        wire: WireFaults | None = None,
+        unrefunded: dict[str, str] | None = None,
+    ) -> None:
+        self.unrefunded: dict[str, str] = {} if unrefunded is None else unrefunded
+        """Cap token → zone of each refund whose last call did not reach the store: the
+        submitter gives up after its tries and keeps the unit (the safe side of a cap)."""
         self._store = store
         self._clock = clock
         self._wire = wire
@@ -473,6 +482,8 @@ class StoreProxy:
         fault = self._take_fault(name)
         if fault is not None and fault.mode == "before":
             self.injected.append(f"{name}:before")
+            if name == "refund":
+                self.unrefunded[args[1]] = args[0]
             raise StoreUnavailable(f"injected: {name} failed before it was sent")
         if fault is not None and fault.mode == "wire" and self._wire is not None:
             self._wire.armed = True
@@ -484,6 +495,12 @@ class StoreProxy:
         self._answered.clear()
         try:
             result = await target(*args, **kwargs)
+            if name == "refund":
+                self.unrefunded.pop(args[1], None)
+        except StoreUnavailable:
+            if name == "refund":
+                self.unrefunded[args[1]] = args[0]
+            raise
         finally:
             self.inflight -= 1
             if not self.inflight:
