@@ -6,14 +6,17 @@ a redis-server turned replica and back, a streaming standby made by pg_basebacku
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
+import psycopg
 import pytest
 import redis
 
 from smtpguard.store import store_from_url
 from tests.store.test_postgres_failover import pair
 from tests.support import RedisServer
+from tests.support.postgres import PostgresServer
 
 
 async def test_a_redis_replica_is_not_ready_and_a_master_again_is(tmp: Path) -> None:
@@ -45,10 +48,28 @@ async def test_a_redis_replica_is_not_ready_and_a_master_again_is(tmp: Path) -> 
     assert pinged is True  # it still answers: ping is not readiness
 
 
+def replayed(primary: PostgresServer, standby: PostgresServer, timeout: float = 30) -> None:
+    """Until the standby has replayed all the WAL the primary has written now."""
+    with psycopg.connect(primary.url, autocommit=True) as conn:
+        lsn = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+    assert lsn is not None
+    deadline = time.monotonic() + timeout
+    while True:
+        with psycopg.connect(standby.url, autocommit=True) as conn:
+            row = conn.execute("SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (lsn[0],)).fetchone()
+        if row is not None and row[0]:
+            return
+        assert time.monotonic() < deadline, f"the standby did not replay the primary's WAL to {lsn[0]}"
+        time.sleep(0.05)
+
+
 async def test_a_postgres_standby_is_not_ready_and_its_primary_is() -> None:
     with pair(synchronous=False) as (primary, standby):
         on_primary = store_from_url(primary.url)
         await on_primary.open()  # migrates; the standby replays the schema
+        # Asynchronous replication: until the standby has replayed the primary's WAL, the
+        # schema is not there and opening would try (and fail) to migrate a standby.
+        replayed(primary, standby)
         on_standby = store_from_url(standby.url)
         try:
             await on_standby.open()
