@@ -4,6 +4,7 @@ the operator's name in audits, and the config and store a command works on."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import socket
@@ -75,14 +76,20 @@ def _config(args: argparse.Namespace) -> Config:
     return load(_config_path(args))
 
 
-async def _with_store(config: Config, fn: Callable[[Store], Awaitable[T]], read_only: bool = False) -> T:
-    password = read_secret(config.store.password_env, config.store.password_file, "store")
-    store = store_from_url(config.store.url, password=password, read_only=read_only, create=False)
-    await store.open()
-    try:
-        return await fn(store)
-    finally:
-        await store.close()
+def on_store(config: Config, fn: Callable[[Store], Awaitable[T]], read_only: bool = False) -> T:
+    """Run `fn` on the configured store, opened for this one call and closed after it, in
+    the command's one event loop."""
+
+    async def run() -> T:
+        password = read_secret(config.store.password_env, config.store.password_file, "store")
+        store = store_from_url(config.store.url, password=password, read_only=read_only, create=False)
+        await store.open()
+        try:
+            return await fn(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(run())
 
 
 def _zone(config: Config, zone: str, allow_global: bool = False) -> str:

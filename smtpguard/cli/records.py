@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -14,11 +13,11 @@ from smtpguard.cli.context import (
     NotFound,
     UsageError,
     _config,
-    _with_store,
     _zone,
     actor,
     emit,
     iso,
+    on_store,
 )
 from smtpguard.policy import ledger
 from smtpguard.store import Store
@@ -71,7 +70,7 @@ def cmd_history(args: argparse.Namespace) -> int:
             return None, []
         return rec, await store.provider_events(rec.zone, rec.key)
 
-    rec, events = asyncio.run(_with_store(config, read, read_only=True))
+    rec, events = on_store(config, read, read_only=True)
     if rec is None:
         raise NotFound(f"no record for zone {args.zone} key {args.key!r}")
     doc = history_json(rec, events)
@@ -177,7 +176,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         since = store.now() - window if window is not None else None
         return await list_records(store, zones, states, since, args.provider, args.limit)
 
-    records = asyncio.run(_with_store(config, run, read_only=True))
+    records = on_store(config, run, read_only=True)
     if args.json:
         emit({"records": [_list_json(r) for r in records]})
         return 0
@@ -203,7 +202,7 @@ def _operator_change(args: argparse.Namespace, change: desk.Change, action: str)
         except desk.DeskError as e:
             raise CLIError(str(e)) from None
 
-    new = asyncio.run(_with_store(config, run))
+    new = on_store(config, run)
     if args.json:
         emit({"zone": zone, "key": args.key, "state": new.state.value, "sg_id": new.sg_id})
         return 0
@@ -227,7 +226,7 @@ def cmd_queue(args: argparse.Namespace) -> int:
         return _operator_change(args, lambda r, now: ledger.drop(r, actor(), now), "queue:drop")
     config = _config(args)
     zone = _zone(config, args.zone) if args.zone else None
-    entries = asyncio.run(_with_store(config, lambda s: s.queue_entries(zone), read_only=True))
+    entries = on_store(config, lambda s: s.queue_entries(zone), read_only=True)
     if args.json:
         emit(
             {

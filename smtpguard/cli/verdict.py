@@ -9,7 +9,6 @@ conclusive, the API failed, or past `give_up`) or no such record.
 from __future__ import annotations
 
 import argparse
-import asyncio
 from typing import Any
 
 from smtpguard.cli.context import (
@@ -18,10 +17,10 @@ from smtpguard.cli.context import (
     CLIError,
     NotFound,
     _config,
-    _with_store,
     _zone,
     emit,
     iso,
+    on_store,
 )
 from smtpguard.config import Config
 from smtpguard.logs import logfmt_value
@@ -33,7 +32,7 @@ from smtpguard.store import Store
 def cmd_verdict(args: argparse.Namespace) -> int:
     config = _config(args)
     zone = _zone(config, args.zone)
-    doc = asyncio.run(_with_store(config, lambda store: _verdict(config, store, zone, args.key)))
+    doc = on_store(config, lambda store: _verdict(config, store, zone, args.key))
     if args.json:
         emit(doc)
     else:

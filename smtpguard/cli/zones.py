@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import csv
 import io
 import sys
@@ -17,11 +16,11 @@ from smtpguard.cli.context import (
     NotFound,
     UsageError,
     _config,
-    _with_store,
     _zone,
     actor,
     emit,
     iso,
+    on_store,
 )
 from smtpguard.config import Config
 from smtpguard.policy import receivers
@@ -51,7 +50,7 @@ def cmd_pause(args: argparse.Namespace, paused: bool = True) -> int:
         set_paused = desk.set_class_paused if kind == "class" else desk.set_receiver_paused
         return set_paused(store, zone, name, paused, actor())
 
-    asyncio.run(_with_store(config, change))
+    on_store(config, change)
     doc = {"zone": zone} if part is None else {"zone": zone, part[0]: part[1]}
     if args.json:
         emit({**doc, "paused": paused})
@@ -100,7 +99,7 @@ def cmd_suppress(args: argparse.Namespace) -> int:
             reason = args.reason or "added by operator"
             return desk.suppress_add(store, zone, addr, reason, actor(), args.reason or "")
 
-        added = asyncio.run(_with_store(config, add))
+        added = on_store(config, add)
         if args.json:
             emit({"zone": zone, "address": addr, "added": added})
         else:
@@ -108,9 +107,7 @@ def cmd_suppress(args: argparse.Namespace) -> int:
     elif args.action == "remove":
         addr = _address(args.address)
 
-        removed = asyncio.run(
-            _with_store(config, lambda store: desk.suppress_remove(store, zone, addr, actor()))
-        )
+        removed = on_store(config, lambda store: desk.suppress_remove(store, zone, addr, actor()))
         if not removed:
             raise NotFound(f"{addr} is not on the {zone} suppression list")
         if args.json:
@@ -120,15 +117,13 @@ def cmd_suppress(args: argparse.Namespace) -> int:
     elif args.action == "import":
         rows = _read_csv(Path(args.file))
 
-        n = asyncio.run(
-            _with_store(config, lambda store: desk.suppress_import(store, zone, rows, actor(), args.file))
-        )
+        n = on_store(config, lambda store: desk.suppress_import(store, zone, rows, actor(), args.file))
         if args.json:
             emit({"zone": zone, "rows": len(rows), "added": n})
         else:
             print(f"imported {n} new address(es) of {len(rows)} into the {zone} suppression list")
     else:
-        entries = asyncio.run(_with_store(config, lambda s: s.suppress_list(zone), read_only=True))
+        entries = on_store(config, lambda s: s.suppress_list(zone), read_only=True)
         if args.action == "list" and args.json:
             emit(
                 {
@@ -185,7 +180,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
             {n: iso(t) for n, t in throttled.items()},
         )
 
-    rows, circuits, throttled = asyncio.run(_with_store(config, gather_all, read_only=True))
+    rows, circuits, throttled = on_store(config, gather_all, read_only=True)
     if args.json:
         emit({"zones": rows, "providers": circuits, "throttled": throttled})
         return 0

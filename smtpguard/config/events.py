@@ -26,40 +26,41 @@ from smtpguard.policy import http_trust, verp
 from smtpguard.policy.senders import address_problem
 
 
-class MailgunSource(_Secret):
-    kind: Literal["mailgun"]
+class _Source(_Strict):
     provider: str
+    """The provider (providers[].name) this source's events come from: they match records
+    relayed through it."""
+
+
+class MailgunSource(_Source, _Secret):
+    kind: Literal["mailgun"]
     signing_key_env: str | None = None
     signing_key_file: FilePath | None = None
 
 
-class SendgridSource(_Secret):
+class SendgridSource(_Source, _Secret):
     kind: Literal["sendgrid"]
-    provider: str
     public_key_env: str | None = None
     """The Event Webhook's verification key: base64 DER of an ECDSA P-256 public key."""
     public_key_file: FilePath | None = None
 
 
-class SvixSource(_Secret):
+class SvixSource(_Source, _Secret):
     kind: Literal["svix"]
-    provider: str
     secret_env: str | None = None
     """The endpoint's signing secret, `whsec_…` (Resend and others deliver through Svix)."""
     secret_file: FilePath | None = None
 
 
-class PostmarkSource(_Secret):
+class PostmarkSource(_Source, _Secret):
     kind: Literal["postmark"]
-    provider: str
     username: str = Field(min_length=1)
     password_env: str | None = None
     password_file: FilePath | None = None
 
 
-class SesSource(_Strict):
+class SesSource(_Source):
     kind: Literal["ses"]
-    provider: str
     certificate_file: FilePath
     """The SNS signing certificate (PEM), downloaded once by the operator: smtpguard never
     fetches a SigningCertURL named by the request it is verifying. The file may hold
