@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
@@ -53,13 +54,13 @@ def translated(
     return decorate
 
 
-class Probed:
+class Probed(ABC):
     """ping and unready (Store) of every backend, over its `_refusal`: one round trip that
     raises StoreUnavailable when the store does not answer and returns why it would refuse
     a write (None: it would take one)."""
 
-    async def _refusal(self) -> str | None:
-        raise NotImplementedError
+    @abstractmethod
+    async def _refusal(self) -> str | None: ...
 
     async def ping(self) -> bool:
         return await self.unready() != UNREACHABLE
