@@ -75,7 +75,7 @@ async def test_two_instances_draining_one_queue_send_each_event_once(
         cfg["queue"] = {"backoff": {"base": "100ms", "max": "500ms"}, "workers": 4, "poll_interval": "50ms"}
         guards.append(GuardProcess(write_config(tmp / f"{name}.yaml", cfg), tmp / f"{name}.log"))
         ports.append(port)
-    a, b = guards
+    a = guards[0]
     try:
         for g, port in zip(guards, ports, strict=True):
             g.start()
