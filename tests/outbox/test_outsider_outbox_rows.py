@@ -12,7 +12,7 @@ import psycopg
 
 from tests.support import Upstream, running_guard
 from tests.support.eventually import eventually
-from tests.support.outbox import app_database, insert, outbox_config, receipts, row
+from tests.support.outbox import OutRow, app_database, insert, outbox_config, receipts, row
 from tests.support.postgres import PostgresServer
 
 
@@ -58,3 +58,38 @@ async def test_a_forged_sg_id_does_not_make_another_message_read_sent(
     assert "reused" in found["inv:1"]["reply"]
     # A key with no record: nothing to follow, the row is submitted like any other.
     assert found["inv:1:held"]["state"] == "sent", found["inv:1:held"]
+
+
+async def test_header_and_command_injection_in_the_address_columns_is_refused(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer
+) -> None:
+    """CR, LF or NUL in `mail_from` or an element of `rcpt_to` would add an SMTP command (a
+    second recipient, another sender) on the relay's wire. Each row fails on its own with a
+    5xx naming the address, nothing is relayed for it, and the clean row after them is sent."""
+    url = app_database(postgres_server)
+    injected = {
+        "inj:from-crlf": ("billing@acme.example>\r\nRCPT TO:<victim@example.org", ("customer@example.com",)),
+        "inj:from-lf": ("billing@acme.example\nX-Injected: 1", ("customer@example.com",)),
+        "inj:rcpt-crlf": ("billing@acme.example", ("customer@example.com>\r\nRCPT TO:<victim@example.org",)),
+        "inj:rcpt-cr": ("billing@acme.example", ("customer@example.com\rDATA",)),
+        "inj:rcpt-nul": ("billing@acme.example", ("customer@example.com\x00victim@example.org",)),
+        "inj:alias": ("ceo@globex.example", ("customer@example.com",)),
+    }
+    rows_in = [OutRow(k, row(k).message, f, r) for k, (f, r) in injected.items()]
+    rows_in.append(row("inj:clean"))
+    async with running_guard(outbox_config(tmp, upstream.port, url)) as _:
+        for r in rows_in:
+            try:
+                await insert(url, [r])
+            except psycopg.Error:
+                # PostgreSQL itself refuses NUL in text: that row never exists.
+                injected.pop(r.event_key)
+        found = await settled(url, {*injected, "inj:clean"})
+    print("injection:", {k: (r["state"], r["reply"]) for k, r in found.items()})
+    for key in injected:
+        assert found[key]["state"] == "failed", (key, found[key])
+        assert found[key]["reply"][:1] == "5", (key, found[key])
+    assert found["inj:alias"]["reply"].startswith("550 5.7.1"), found["inj:alias"]
+    assert found["inj:clean"]["state"] == "sent"
+    assert upstream.event_keys() == ["inj:clean"]
+    assert [r.rcpt_tos for r in upstream.received] == [["customer@example.com"]]
