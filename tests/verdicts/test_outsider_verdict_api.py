@@ -120,3 +120,40 @@ async def test_a_body_trickled_for_ever_ends_at_the_timeout() -> None:
         took = time.monotonic() - started
     print(f"trickle: took={took:.2f}s bytes written={written['bytes']}")
     assert took < 10
+
+
+@pytest.mark.parametrize("stamp", [float("nan"), float("inf"), 10**400], ids=["NaN", "Infinity", "huge-int"])
+async def test_a_time_that_is_no_number_is_unreadable_not_another_message(stamp: Any) -> None:
+    """The log holds the message's acceptance with a time JSON can spell but that is no
+    instant (NaN, Infinity, an integer past any float). Dropping that entry silently leaves
+    the other message's later acceptance, the proof: `not accepted`, and a second copy."""
+    now = Now()
+    t = now.t
+    lost = Attempt("primary", t, "acme:1", "<a@acme.example>")
+    mailgun = FakeMailgun(KEY, DOMAIN, now)
+    item = mailgun.add("accepted", t + 1, message_id="<a@acme.example>", tag="acme:1")
+    item["timestamp"] = stamp
+    mailgun.add("accepted", t + 300, message_id="<d@acme.example>", tag="acme:4")
+    postmark = FakePostmark(KEY, now)
+    pm = postmark.add_message(t + 1, tag="acme:1")
+    pm["ReceivedAt"] = stamp
+    postmark.add_message(t + 300, tag="acme:4")
+    sendgrid = FakeSendgrid(KEY, now)
+    sg = sendgrid.add_message(t + 1, tag="acme:1")
+    sg["events"][0]["processed"] = stamp
+    sendgrid.add_message(t + 300, tag="acme:4")
+    now.t = t + 1800 + 60  # absent_after past the attempt, on every party's clock
+    outcomes: dict[str, str] = {}
+    fakes: list[tuple[str, FakeApi]] = [("mailgun", mailgun), ("postmark", postmark), ("sendgrid", sendgrid)]
+    for kind, fake in fakes:
+        await fake.start()
+        try:
+            async with client(kind, fake.base_url, now) as api:
+                try:
+                    outcomes[kind] = (await judge(api, lost, now.t)).kind.value
+                except ApiMalformed as e:
+                    outcomes[kind] = f"malformed: {e}"
+        finally:
+            await fake.stop()
+    print(f"time {stamp!r:.20}: {outcomes}")
+    assert all(o.startswith("malformed") and "time" in o for o in outcomes.values()), outcomes
