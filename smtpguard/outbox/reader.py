@@ -307,9 +307,13 @@ class OutboxReader:
         state = policy.settled(record.state.value if record is not None else None)
         if state is RowState.PENDING:
             return None
+        assert record is not None
+        if not policy.is_records_message(
+            row.message, row.mail_from, row.rcpt_to, self._header_limits(), record.fingerprint
+        ):
+            return None
         if state is None:
             return Written(row.state, None, row.sg_id, None, self.clock() + self._retry().follow_every, False)
-        assert record is not None
         reply = str(record.reply) if record.reply is not None else None
         return Written(state, reply, row.sg_id, record.upstream_id, None, True)
 
@@ -319,6 +323,10 @@ class OutboxReader:
         follow = config.verdicts.every if config.verdicts is not None else 60.0
         return Retry(b.base, b.max, config.event_key.min_retry_interval, min(follow, 60.0))
 
+    def _header_limits(self) -> HeaderLimits:
+        limits = self.submitter.config.limits
+        return HeaderLimits(limits.max_header_size, limits.max_header_count)
+
     def _max_age(self, row: Row) -> float:
         """The max_age of the row's message class (its class header, else the zone's or the
         queue's default class), as a queued message of that class would have."""
@@ -326,8 +334,7 @@ class OutboxReader:
         q = config.queue
         zone = config.zones.get(self.src.zone)
         default = zone.default_class if zone is not None else None
-        limits = HeaderLimits(config.limits.max_header_size, config.limits.max_header_count)
-        parsed = parse(policy.wire_form(row.message), limits)
+        parsed = parse(policy.wire_form(row.message), self._header_limits())
         names = (
             [] if isinstance(parsed, Reply) else class_names(parsed, q.class_header, default, q.default_class)
         )

@@ -13,6 +13,8 @@ from enum import StrEnum
 
 from smtpguard import replies
 from smtpguard.policy.decisions import Decision
+from smtpguard.policy.fingerprint import fingerprint
+from smtpguard.policy.message import HeaderLimits, parse
 from smtpguard.policy.queue import backoff_delay
 from smtpguard.replies import Reply
 
@@ -112,6 +114,20 @@ def settled(record_state: str | None) -> RowState | None:
         case "deferred" | None:
             return RowState.PENDING
     return None
+
+
+def is_records_message(
+    message: bytes, mail_from: str, rcpt_to: tuple[str, ...], limits: HeaderLimits, record_fingerprint: str
+) -> bool:
+    """Is the row's message the one its record was written for? A followed row takes its
+    receipt from the record, and `sg_id` and `state` are columns the application can write:
+    a row that replaced a sent one under the same key, its sg_id copied, would otherwise
+    read `sent` for a message that never went. False: submit it, and the ledger answers it
+    (a duplicate, or `reused`) as SMTP would."""
+    parsed = parse(wire_form(message), limits)
+    if isinstance(parsed, Reply):
+        return False
+    return fingerprint(mail_from, rcpt_to, parsed) == record_fingerprint
 
 
 _UNSAFE_KEY = re.compile(r"[\x00-\x20\x7f]")

@@ -4,8 +4,8 @@ logged once an hour and counted; paging bounded in pages. Errors become smtpguar
 (`ApiAuthRefused`, `ApiUnavailable`, `ApiMalformed`) here and nowhere else.
 
 The API key is held by `Credential`, whose repr and str hide it, and goes only into the
-headers of requests to the configured `base_url`: a paging link that points anywhere else is
-refused rather than followed, and no log line, exception or repr is built from the headers.
+headers of requests to the configured `base_url`: a paging link that points anywhere else, and
+any redirect, is refused rather than followed, and no log line, exception or repr is built from the headers.
 """
 
 from __future__ import annotations
@@ -208,7 +208,11 @@ class ApiClient:
                 await self._sleep(wait)
             self.requests += 1
             try:
-                async with self._client().get(url, params=params, headers=self._auth()) as resp:
+                # Never followed: a redirect to another host would carry a header credential
+                # there (aiohttp drops only Authorization) and make its answer the verdict's.
+                async with self._client().get(
+                    url, params=params, headers=self._auth(), allow_redirects=False
+                ) as resp:
                     status = resp.status
                     if status == 200:
                         return await self._json(resp, where)
@@ -235,6 +239,12 @@ class ApiClient:
                 wait = self._backoff(attempt)
                 last = f"HTTP {status}"
                 continue
+            if 300 <= status < 400:
+                raise self._failed(
+                    ApiMalformed(
+                        f"{self.provider}: {where} answered a redirect (HTTP {status}); not followed"
+                    )
+                )
             if status == 404:
                 raise self._failed(ApiNotFound(f"{self.provider}: {where} answered HTTP 404"))
             raise self._failed(ApiError(f"{self.provider}: {where} answered HTTP {status}"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -60,11 +61,18 @@ iso_utc = stamp
 
 
 def parse_time(value: object) -> float | None:
-    """Unix seconds from epoch seconds or an ISO 8601 time (a zone-less one read as UTC)."""
+    """Unix seconds from epoch seconds or an ISO 8601 time (a zone-less one read as UTC);
+    None for what is no instant. JSON as Python reads it spells NaN, Infinity and integers
+    past any float: such a time compares with no window, so its entry would drop out of
+    the look unnoticed instead of making it malformed (verdicts.http.untimed)."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int | float):
-        return float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:
+            return None
+        return seconds if math.isfinite(seconds) else None
     if not isinstance(value, str) or not value:
         return None
     try:

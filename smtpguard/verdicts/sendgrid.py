@@ -34,6 +34,7 @@ from smtpguard.verdicts.http import (
     field,
     header_auth,
     need_list,
+    untimed,
 )
 from smtpguard.verdicts.model import Reported, ReportedEvent, iso_utc, parse_time
 
@@ -70,7 +71,7 @@ class SendgridLog(ApiClient):
         body = await self.get_json("/v3/messages", {"query": query, "limit": "10"})
         out: list[LogEntry] = []
         for msg in need_list(body, "messages", self.provider)[:MAX_DETAILS]:
-            entry = await self._details(msg)
+            entry = await self._details(msg, strict=True)
             if entry is not None:
                 out.append(entry)
         return out
@@ -84,7 +85,10 @@ class SendgridLog(ApiClient):
                 return [entry]
         return []
 
-    async def _details(self, msg: Any) -> LogEntry | None:
+    async def _details(self, msg: Any, strict: bool = False) -> LogEntry | None:
+        """The message's entry from its details. `strict` (a search by the record's tag): a
+        `processed` event whose time cannot be read makes the look malformed, as Mailgun's
+        and Postmark's do, rather than dropping what may be the message's acceptance."""
         msg_id = field(msg, "msg_id")
         if not isinstance(msg_id, str) or not msg_id or "/" in msg_id:
             return None
@@ -96,6 +100,8 @@ class SendgridLog(ApiClient):
         processed = [
             parse_time(field(e, "processed")) for e in events if field(e, "event_name") == "processed"
         ]
+        if strict and None in processed:
+            raise untimed(self.provider)
         times = [t for t in processed if t is not None]
         dropped = next((e for e in events if field(e, "event_name") == "dropped"), None)
         if not times and dropped is None:
