@@ -273,6 +273,9 @@ class Handler:
     async def handle_RCPT(
         self, principal: Principal, envelope: Envelope, address: str, rcpt_options: list[str]
     ) -> str:
+        if normalize_address(address) in envelope.rcpt_tos:
+            # Named again: accepted already, and relayed once (policy/envelope.py).
+            return str(replies.OK_RECIPIENT)
         refusal = recipient_refusal(
             address,
             len(envelope.rcpt_tos),
