@@ -65,3 +65,31 @@ async def test_a_multi_line_reply_with_one_code_is_still_one_reply(tmp: Path) ->
         (result,) = await _send_all(_provider(tmp, up.port), _env("one"))
     assert result.outcome.kind is Kind.DELIVERED and result.outcome.upstream_id == "M9"
     assert len(up.messages) == 1
+
+
+@pytest.mark.parametrize(
+    ("dot", "after_dot"),
+    [
+        pytest.param(
+            b"250 2.0.0 Ok: queued as D1\r\n250 2.0.0 Ok: queued as D1 again\r\n", b"", id="same-write"
+        ),
+        pytest.param(b"250 2.0.0 Ok: queued as D1\r\n", b"250 2.0.0 Ok: queued as D1 again\r\n", id="late"),
+    ],
+)
+async def test_a_dot_answered_twice_is_one_delivery_and_the_next_message_is_not_misread(
+    tmp: Path, dot: bytes, after_dot: bytes
+) -> None:
+    # The second answer reaches a session pooled for the next message: it is dropped, or
+    # taken for that message's MAIL, which puts the session out of step before anything of
+    # it is written. Either way each event is at the upstream at most once, and only when
+    # the relay says delivered.
+    async with Scripted(dot=[dot], after_dot=after_dot) as up:
+        first, second = await _send_all(_provider(tmp, up.port), _env("twice1"), _env("twice2"))
+    assert first.outcome.kind is Kind.DELIVERED and first.outcome.upstream_id == "D1", first.outcome
+    copies = [sum(f"Subject: {key}\r\n".encode() in m for m in up.messages) for key in ("twice1", "twice2")]
+    assert copies[0] == 1
+    if second.outcome.kind is Kind.DELIVERED:
+        assert copies[1] == 1
+    else:
+        assert second.outcome.kind is Kind.UNAVAILABLE and second.failover, second.outcome
+        assert copies[1] == 0
