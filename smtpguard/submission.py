@@ -30,6 +30,7 @@ from smtpguard.policy import ledger, verp
 from smtpguard.policy.admission import Refused, Rules, admit
 from smtpguard.policy.classes import class_names
 from smtpguard.policy.decisions import Decision, relayed_as
+from smtpguard.policy.envelope import distinct_recipients
 from smtpguard.policy.ledger import LedgerSettings, Phase, Record, Submission
 from smtpguard.policy.limits import (
     CapReached,
@@ -127,6 +128,7 @@ class Submitter:
             # The zone was removed by a reload while this session was open.
             return Result(replies.send_as_disabled(principal.zone), Decision.ZONE_GONE)
         attempt_id = new_id(self.clock())
+        rcpt_tos = distinct_recipients(rcpt_tos)
         admitted = admit(
             raw,
             mail_from,

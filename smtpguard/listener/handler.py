@@ -156,7 +156,11 @@ class Handler:
         if len(parts) != 3:
             await server.push(str(replies.AUTH_BAD_PLAIN))
             return AuthResult(success=False, handled=True)
-        return await self._authenticate(server, parts[1], parts[2])
+        authzid, login, password = parts
+        # RFC 4616 §2: the authenticated user must be allowed to act as the authzid. No
+        # smtpguard user may act as another, so one naming anyone else fails as a bad
+        # password does (verified and counted the same, so its reply tells nothing).
+        return await self._authenticate(server, login, password, acts_as_self=authzid in (b"", login))
 
     async def auth_LOGIN(self, server: SMTP, args: list[str]) -> AuthResult:
         login = await _first_response(server, args, "Username:")
@@ -167,7 +171,9 @@ class Handler:
             return AuthResult(success=False, handled=True)
         return await self._authenticate(server, login, password)
 
-    async def _authenticate(self, server: SMTP, login: bytes, password: bytes) -> AuthResult:
+    async def _authenticate(
+        self, server: SMTP, login: bytes, password: bytes, acts_as_self: bool = True
+    ) -> AuthResult:
         ip = _peer_ip(server.session)
         # Failures are counted per IPv4 address and per IPv6 /64, as the console counts
         # them: a client holding a /64 must not get a fresh count from each address in it.
@@ -177,11 +183,11 @@ class Handler:
         async with self._auth_turns.turn(unit):
             if isinstance(server, GuardSMTP):
                 async with server.working():
-                    return await self._authenticate_one(server, ip, unit, login, password)
-            return await self._authenticate_one(server, ip, unit, login, password)
+                    return await self._authenticate_one(server, ip, unit, login, password, acts_as_self)
+            return await self._authenticate_one(server, ip, unit, login, password, acts_as_self)
 
     async def _authenticate_one(
-        self, server: SMTP, ip: str, unit: str, login: bytes, password: bytes
+        self, server: SMTP, ip: str, unit: str, login: bytes, password: bytes, acts_as_self: bool
     ) -> AuthResult:
         limits = self.config.limits
         try:
@@ -204,7 +210,7 @@ class Handler:
                 secret or "",
                 pad_to=_most_hashes(self.config),
             )
-            if matched is not None and found and secret is not None:
+            if matched is not None and found and secret is not None and acts_as_self:
                 principal = Principal(found[0], username, ip, _session_id(server.session), matched)
                 return AuthResult(success=True, auth_data=principal)
             try:
@@ -273,6 +279,9 @@ class Handler:
     async def handle_RCPT(
         self, principal: Principal, envelope: Envelope, address: str, rcpt_options: list[str]
     ) -> str:
+        if normalize_address(address) in envelope.rcpt_tos:
+            # Named again: accepted already, and relayed once (policy/envelope.py).
+            return str(replies.OK_RECIPIENT)
         refusal = recipient_refusal(
             address,
             len(envelope.rcpt_tos),

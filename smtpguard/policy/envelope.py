@@ -17,7 +17,7 @@ Authentication is the listener's check, before all of these: it knows the sessio
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from smtpguard import replies
@@ -80,3 +80,11 @@ def recipient_refusal(
     if problem:
         return Refusal(replies.bad_address("recipient", problem))
     return None
+
+
+def distinct_recipients(recipients: Sequence[str]) -> list[str]:
+    """Each recipient once, in the order first named. The upstream must be told an address
+    once however often the client named it (as Postfix's cleanup does): a provider that does
+    not dedupe would deliver the event to that mailbox once per RCPT. Compared as relayed
+    (normalize_address): the local part may be case-sensitive (RFC 5321 §2.4)."""
+    return list(dict.fromkeys(recipients))

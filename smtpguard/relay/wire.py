@@ -188,6 +188,7 @@ class Session(asyncio.Protocol):
 def _parse(buffer: bytearray) -> Answer | None:
     """The first complete reply in `buffer`, removed from it; None if it is incomplete."""
     offset = 0
+    first = 0
     lines: list[bytes] = []
     while True:
         end = buffer.find(b"\n", offset)
@@ -203,6 +204,15 @@ def _parse(buffer: bytearray) -> Answer | None:
             text = line.decode("utf-8", errors="ignore")
             raise aiosmtplib.SMTPResponseException(-1, f"Malformed SMTP response line: {text}")
         code = int(head)
+        if lines and code != first:
+            # RFC 5321 §4.2.1: every line of one reply carries the same code. `250-queued
+            # as A1` then `451 try later` says both; read as its last line it would defer
+            # (and so resend) a message the provider may have queued. No outcome at all:
+            # before the dot unavailable, after it unknown (relay/smtp.py).
+            raise aiosmtplib.SMTPResponseException(
+                -1, f"Malformed SMTP response: one reply with codes {first} and {code}"
+            )
+        first = code
         lines.append(line[4:].strip(b" \t\r\n"))
         offset = end + 1
         if line[3:4] != b"-":
