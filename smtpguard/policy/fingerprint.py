@@ -4,7 +4,9 @@ The fingerprint covers the envelope sender, the sorted recipients, header From/T
 and the body. It ignores Date, Message-ID and trace headers, which legacy clients regenerate
 on every attempt. MIME boundaries are replaced by a placeholder before hashing: PHPMailer,
 nodemailer and Python's email package draw a random boundary per attempt, and without this a
-retry of a deferred event would look like a reused key and never be delivered.
+retry of a deferred event would look like a reused key and never be delivered. Only a
+boundary doing its job is replaced: in a header's `boundary=` parameter and at the start of
+a delimiter line. A `boundary=` in a plain body or inside a part's content is text.
 """
 
 from __future__ import annotations
@@ -39,15 +41,47 @@ def fingerprint(mail_from: str, rcpt_tos: Iterable[str], message: Message) -> st
 def _neutral_boundaries(header_block: bytes, body: bytes) -> bytes:
     # A literal search of the lower-cased bytes (ASCII folding, as re.IGNORECASE on bytes):
     # a case-insensitive regex scan of a 2 KB body took 11 µs, this takes 2.
-    if b"boundary" not in header_block.lower() and b"boundary" not in body.lower():
-        # Not multipart (the common transactional message): every step below is a no-op.
+    if b"boundary" not in header_block.lower():
+        # Not multipart (the common transactional message): a `boundary=` in its body is
+        # text like any other, and neutralising it would let two messages differing only
+        # there (`?boundary=1` and `?boundary=2` in a link) share a fingerprint.
         return body
-    boundaries = {m.group(1) or m.group(2) for m in _BOUNDARY.finditer(header_block + b"\r\n" + body)}
-    # Only where a boundary does its job, in a `boundary=` parameter and at the start of a
-    # delimiter line (RFC 2046 §5.1.1): the same bytes inside the text are content, and
-    # replacing them too would let two different messages share a fingerprint.
-    body = _BOUNDARY.sub(b'boundary="\x00BOUNDARY\x00"', body)
-    # Longest first, so a boundary that starts with another is replaced whole.
-    for b in sorted(boundaries, key=len, reverse=True):
-        body = re.sub(rb"(?m)^--" + re.escape(b), b"--\x00BOUNDARY\x00", body)
-    return body
+    known = _declared(header_block)
+    if not known:
+        return body
+    # Only where a boundary does its job (RFC 2046 §5.1.1): in a `boundary=` parameter of a
+    # header (the message's, or a part's, which may declare a nested multipart) and at the
+    # start of a delimiter line. The same bytes inside a part's content are content.
+    out: list[bytes] = []
+    in_part_header = False
+    for line in body.split(b"\n"):
+        boundary = _delimiter_of(line, known)
+        if boundary is not None:
+            rest = line[2 + len(boundary) :]
+            line = _NEUTRAL_DELIMITER + rest
+            in_part_header = not rest.startswith(b"--")  # a close delimiter: the epilogue follows
+        elif in_part_header:
+            if line in (b"", b"\r"):
+                in_part_header = False
+            elif b"boundary" in line.lower():
+                known |= _declared(line)
+                line = _BOUNDARY.sub(_NEUTRAL_PARAMETER, line)
+        out.append(line)
+    return b"\n".join(out)
+
+
+_NEUTRAL_PARAMETER = b'boundary="\x00BOUNDARY\x00"'
+_NEUTRAL_DELIMITER = b"--\x00BOUNDARY\x00"
+
+
+def _declared(header_lines: bytes) -> set[bytes]:
+    return {m.group(1) or m.group(2) for m in _BOUNDARY.finditer(header_lines)}
+
+
+def _delimiter_of(line: bytes, known: set[bytes]) -> bytes | None:
+    """The longest known boundary `line` is a delimiter of (one boundary may begin with
+    another), else None."""
+    if not line.startswith(b"--"):
+        return None
+    found = [b for b in known if line.startswith(b, 2)]
+    return max(found, key=len) if found else None
