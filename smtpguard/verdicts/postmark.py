@@ -22,13 +22,17 @@ from typing import Any
 
 from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind, window
 from smtpguard.verdict_config import PostmarkApi
-from smtpguard.verdicts.http import ApiClient, api_settings, field, header_auth, need_list, untimed
+from smtpguard.verdicts.http import ApiClient, ApiError, api_settings, field, header_auth, need_list, untimed
 from smtpguard.verdicts.model import Reported, ReportedEvent, iso_utc, parse_time
 
 KEY_FIELD = "smtpguard_key"
 PAGE = 500
 MAX_PAGES = 10
 DAY = 86400.0
+METADATA_MAX = 80
+"""The longest metadata value Postmark keeps (its custom-metadata FAQ). A longer tag may be
+cut or dropped on the way in, and a search by the whole tag then finds nothing: absence,
+which with a later acceptance reads as `not accepted`, and a second copy."""
 _BOUNCES = {"HardBounce": Reported.BOUNCE, "SpamComplaint": Reported.COMPLAINT}
 
 
@@ -64,8 +68,14 @@ class PostmarkLog(ApiClient):
         return out
 
     async def entries(self, attempt: Attempt) -> list[LogEntry]:
-        if attempt.tag is None:
-            return []  # the search cannot find a message by its Message-ID
+        # The search finds a message by its tag alone (not by its Message-ID): without one
+        # that Postmark keeps whole, finding nothing proves nothing, so no verdict is given
+        # (none yet, then gave up: the record waits for an operator).
+        if attempt.tag is None or len(attempt.tag) > METADATA_MAX:
+            raise ApiError(
+                f"{self.provider}: Postmark's log cannot be searched for this record: "
+                + ("it has no tag" if attempt.tag is None else f"its tag is over {METADATA_MAX} characters")
+            )
         first, last = window(attempt)
         params = {
             f"metadata_{KEY_FIELD}": attempt.tag,

@@ -124,10 +124,18 @@ async def test_postmark_accepted_by_tag_and_not_accepted_with_the_proof(
         assert (await judge(client, lost, t + ABSENT)).kind is VerdictKind.NONE_YET
         postmark.add_message(t + 400, tag="acme:3")
         assert (await judge(client, lost, t + 10 + ABSENT)).kind is VerdictKind.NOT_ACCEPTED
-        # no tag: the search cannot find it, and asks nothing
+        # No tag, or one longer than Postmark keeps of a metadata value: the search cannot
+        # find the message, so nothing is asked and no absence is proved, although another
+        # message was accepted later (acme:3) and absent_after has passed.
         before = len(postmark.requests)
-        assert await client.entries(Attempt("primary", t, None, "<a@acme.example>")) == []
+        long_tag = "acme:" + "x" * 76
+        for tag in (None, long_tag):
+            with pytest.raises(ApiError, match="cannot be searched"):
+                await client.entries(Attempt("primary", t + 10, tag, "<b@acme.example>"))
         assert len(postmark.requests) == before
+        assert (
+            await judge(client, Attempt("primary", t + 10, long_tag[:80], None), t + 10 + ABSENT)
+        ).kind is (VerdictKind.NOT_ACCEPTED)  # 80 characters are searched as before
     q = postmark.requests[0].query
     assert q["metadata_smtpguard_key"] == "acme:1" and q["count"] == "500" and q["offset"] == "0"
 
