@@ -19,7 +19,6 @@ from tests.support import (
     GuardProcess,
     RedisServer,
     Upstream,
-    base_config,
     free_port,
     message,
     send,
@@ -27,6 +26,7 @@ from tests.support import (
     write_config,
 )
 from tests.support.postgres import PostgresServer, reset
+from tests.support.queue import killable_queue_config
 
 MESSAGES = 40
 
@@ -61,18 +61,9 @@ async def test_two_instances_draining_one_queue_send_each_event_once(
     ports: list[int] = []
     for name in ("a", "b"):
         port = free_port()
-        cfg = base_config(
-            tmp,
-            upstream.port,
-            zones__acme__delivery="queue",
-            zones__acme__hourly_cap=100_000,
-            zones__acme__monthly_cap=1_000_000,
+        cfg = killable_queue_config(
+            tmp, upstream.port, port, store_url=store_url, instance=name, poll_interval="50ms"
         )
-        cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
-        cfg["store"] = {"url": store_url}
-        cfg["instance"] = name
-        cfg["event_key"] = {"inflight_wait": "200ms", "lease": "1s", "strip": False}
-        cfg["queue"] = {"backoff": {"base": "100ms", "max": "500ms"}, "workers": 4, "poll_interval": "50ms"}
         guards.append(GuardProcess(write_config(tmp / f"{name}.yaml", cfg), tmp / f"{name}.log"))
         ports.append(port)
     a = guards[0]

@@ -16,13 +16,13 @@ from tests.support import (
     Behaviour,
     GuardProcess,
     Upstream,
-    base_config,
     free_port,
     message,
     send,
     settled_records,
     write_config,
 )
+from tests.support.queue import killable_queue_config
 
 ITERATIONS = 12
 PER_ITERATION = 4
@@ -33,16 +33,7 @@ async def test_queue_mode_kill_9_loop(tmp: Path, upstream: Upstream) -> None:
     rng = random.Random(seed)
     upstream.handler.default = Behaviour(hang_after_dot=0.2)
     port = free_port()
-    cfg = base_config(
-        tmp,
-        upstream.port,
-        zones__acme__delivery="queue",
-        zones__acme__hourly_cap=100_000,
-        zones__acme__monthly_cap=1_000_000,
-    )
-    cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
-    cfg["event_key"] = {"inflight_wait": "200ms", "min_retry_interval": "60s", "lease": "1s", "strip": False}
-    cfg["queue"] = {"backoff": {"base": "100ms", "max": "500ms"}, "workers": 4, "poll_interval": "100ms"}
+    cfg = killable_queue_config(tmp, upstream.port, port)
     cfg["breaker"] = {"failure_threshold": 50, "cooldown": "1s"}
     path = write_config(tmp / "c.yaml", cfg)
     proc = GuardProcess(path, tmp / "guard.log")

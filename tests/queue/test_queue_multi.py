@@ -12,13 +12,13 @@ from tests.support import (
     GuardProcess,
     RedisServer,
     Upstream,
-    base_config,
     free_port,
     message,
     send,
     settled_records,
     write_config,
 )
+from tests.support.queue import killable_queue_config
 
 MESSAGES = 30
 
@@ -32,22 +32,9 @@ async def test_instance_b_delivers_what_killed_instance_a_accepted(tmp: Path, up
     try:
         for name in ("a", "b"):
             port = free_port()
-            cfg = base_config(
-                tmp,
-                upstream.port,
-                zones__acme__delivery="queue",
-                zones__acme__hourly_cap=100_000,
-                zones__acme__monthly_cap=1_000_000,
+            cfg = killable_queue_config(
+                tmp, upstream.port, port, store_url=redis.url, instance=name, workers=2
             )
-            cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
-            cfg["store"] = {"url": redis.url}
-            cfg["instance"] = name
-            cfg["event_key"] = {"inflight_wait": "200ms", "lease": "1s", "strip": False}
-            cfg["queue"] = {
-                "backoff": {"base": "100ms", "max": "500ms"},
-                "workers": 2,
-                "poll_interval": "100ms",
-            }
             path = write_config(tmp / f"{name}.yaml", cfg)
             guards.append(GuardProcess(path, tmp / f"{name}.log"))
             ports.append(port)
