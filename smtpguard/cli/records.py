@@ -8,17 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from smtpguard import desk
-from smtpguard.cli.context import (
-    CLIError,
-    NotFound,
-    UsageError,
-    _config,
-    _zone,
-    actor,
-    emit,
-    iso,
-    on_store,
-)
+from smtpguard.cli.context import CLIError, NotFound, UsageError, _config, _zone, actor, emit, iso, on_store
 from smtpguard.policy import ledger
 from smtpguard.store import Store
 from smtpguard.store.base import IdField, StoredEvent

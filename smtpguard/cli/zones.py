@@ -11,17 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from smtpguard import desk
-from smtpguard.cli.context import (
-    CLIError,
-    NotFound,
-    UsageError,
-    _config,
-    _zone,
-    actor,
-    emit,
-    iso,
-    on_store,
-)
+from smtpguard.cli.context import CLIError, NotFound, UsageError, _config, _zone, actor, emit, iso, on_store
 from smtpguard.config import Config
 from smtpguard.policy import receivers
 from smtpguard.policy.senders import address_problem, normalize_address
