@@ -8,6 +8,7 @@ import asyncio
 import base64
 import copy
 from pathlib import Path
+from typing import Any
 
 from smtpguard.passwords import hash_password
 from tests.support import (
@@ -19,7 +20,7 @@ from tests.support import (
     running_guard,
     write_config,
 )
-from tests.support.hostile import RawClient, message_bytes, nothing_recorded, session, terminated
+from tests.support.hostile import message_bytes, nothing_recorded, session, terminated
 
 MAIL = "MAIL FROM:<billing@acme.example>"
 RCPT = "RCPT TO:<customer@example.com>"
@@ -29,10 +30,13 @@ AUTH = "AUTH PLAIN " + base64.b64encode(f"\0acme-app\0{PASSWORD}".encode()).deco
 async def test_a_reload_while_auth_verifies_the_password_ends_the_session_at_mail(
     tmp: Path, upstream: Upstream
 ) -> None:
-    """The user's hash has production argon2 cost, so the verification is still running off
-    the event loop when a reload removing the user is applied. AUTH then succeeds on what
-    the old file said (235), and the session's first MAIL is 421: nothing sent or recorded.
-    Five rounds, each with a fresh session and the user put back."""
+    """The password's verification has begun on what the old file said when a reload removing
+    the user is applied. AUTH then succeeds (235), and the session's first MAIL is 421:
+    nothing sent or recorded. Five rounds, each with a fresh session and the user put back.
+
+    The verification is held at its start until the reload is in: the real argon2 check
+    then runs. A sleep standing in for "the AUTH line has been read" was too short on a
+    loaded machine, where the reload landed first and AUTH was rightly refused."""
     path = tmp / "smtpguard.yaml"
     cfg = base_config(tmp, upstream.port)
     cfg["zones"]["acme"]["users"] = [{"username": "acme-app", "password_hash": hash_password(PASSWORD)}]
@@ -41,23 +45,32 @@ async def test_a_reload_while_auth_verifies_the_password_ends_the_session_at_mai
     async with running_guard(cfg, config_path=path) as guard:
         assert guard.handler is not None
         verifier = guard.handler.verifier
+        verifying, reloaded = asyncio.Event(), asyncio.Event()
+        verify_any = verifier.verify_any
+
+        async def held_until_reloaded(*args: Any, **kwargs: Any) -> str | None:
+            verifying.set()
+            await reloaded.wait()
+            return await verify_any(*args, **kwargs)
+
+        verifier.verify_any = held_until_reloaded  # type: ignore[method-assign]
         for n in range(5):
             verifier._cache.clear()  # each round verifies for real
-            c = await RawClient.connect(guard.ports[0])
-            assert (await c.reply()).code == 220
-            assert (await c.ehlo()).code == 250
-            c.write(f"{AUTH}\r\n".encode())
-            await asyncio.sleep(0.005)  # the AUTH line is read and its verification under way
-            write_config(path, removed)
-            assert await guard.reload()
-            # The reload is applied and the AUTH reply not yet written: it was in flight.
-            assert not c.reader._buffer, (n, bytes(c.reader._buffer))
-            auth = await c.reply()
-            assert auth.code == 235, (n, auth)
-            reply = await c.command(MAIL)
-            assert reply.code == 421 and reply.text.startswith("4.7.0 Credentials changed"), (n, reply)
-            assert await c.closed()
-            await c.close()
+            verifying.clear()
+            reloaded.clear()
+            async with session(guard.ports[0], login=False) as c:
+                c.write(f"{AUTH}\r\n".encode())
+                await asyncio.wait_for(verifying.wait(), 10)
+                write_config(path, removed)
+                assert await guard.reload()
+                reloaded.set()
+                # The reload is applied and the AUTH reply not yet written: it was in flight.
+                assert not c.reader._buffer, (n, bytes(c.reader._buffer))
+                auth = await c.reply()
+                assert auth.code == 235, (n, auth)
+                reply = await c.command(MAIL)
+                assert reply.code == 421 and reply.text.startswith("4.7.0 Credentials changed"), (n, reply)
+                assert await c.closed()
             write_config(path, cfg)
             assert await guard.reload()
         assert upstream.event_keys() == []
