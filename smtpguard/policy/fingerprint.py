@@ -41,29 +41,42 @@ def fingerprint(mail_from: str, rcpt_tos: Iterable[str], message: Message) -> st
 def _neutral_boundaries(header_block: bytes, body: bytes) -> bytes:
     # A literal search of the lower-cased bytes (ASCII folding, as re.IGNORECASE on bytes):
     # a case-insensitive regex scan of a 2 KB body took 11 µs, this takes 2.
-    if b"boundary" not in header_block.lower():
-        # Not multipart (the common transactional message): a `boundary=` in its body is
-        # text like any other, and neutralising it would let two messages differing only
-        # there (`?boundary=1` and `?boundary=2` in a link) share a fingerprint.
+    embeds = False
+    # Not multipart (the common transactional message): a `boundary=` in its body is text
+    # like any other, and neutralising it would let two messages differing only there
+    # (`?boundary=1` and `?boundary=2` in a link) share a fingerprint. Unless the body is a
+    # message of its own, whose header block may declare one.
+    if b"boundary" not in header_block.lower() and (
+        b"boundary" not in body.lower() or not (embeds := _embeds_message([header_block]))
+    ):
         return body
     known = _declared(header_block)
-    if not known:
+    if not known and not embeds:
         return body
     # Only where a boundary does its job (RFC 2046 §5.1.1): in a `boundary=` parameter of a
     # header (the message's, or a part's, which may declare a nested multipart) and at the
     # start of a delimiter line. The same bytes inside a part's content are content.
     out: list[bytes] = []
-    in_part_header = False
+    in_part_header = embeds
+    part_header: list[bytes] = []
     for line in body.split(b"\n"):
         boundary = _delimiter_of(line, known)
         if boundary is not None:
             rest = line[2 + len(boundary) :]
             line = _NEUTRAL_DELIMITER + rest
             in_part_header = not rest.startswith(b"--")  # a close delimiter: the epilogue follows
+            part_header = []
         elif in_part_header:
             if line in (b"", b"\r"):
-                in_part_header = False
-            elif b"boundary" in line.lower():
+                # A message/rfc822 part (a mail forwarded as an attachment): its content
+                # opens with the embedded message's header block, which declares its own
+                # boundary, drawn afresh per attempt as the outer one is.
+                in_part_header = _embeds_message(part_header)
+                part_header = []
+                out.append(line)
+                continue
+            part_header.append(line)
+            if b"boundary" in line.lower():
                 known |= _declared(line)
                 line = _BOUNDARY.sub(_NEUTRAL_PARAMETER, line)
         out.append(line)
@@ -72,6 +85,13 @@ def _neutral_boundaries(header_block: bytes, body: bytes) -> bytes:
 
 _NEUTRAL_PARAMETER = b'boundary="\x00BOUNDARY\x00"'
 _NEUTRAL_DELIMITER = b"--\x00BOUNDARY\x00"
+
+
+_EMBEDDED = re.compile(rb"(?:^|\n)content-type\s*:\s*message/(?:rfc822|global)\b", re.IGNORECASE)
+
+
+def _embeds_message(header_lines: list[bytes]) -> bool:
+    return _EMBEDDED.search(b"\n".join(header_lines)) is not None
 
 
 def _declared(header_lines: bytes) -> set[bytes]:
