@@ -57,29 +57,47 @@ def _neutral_boundaries(header_block: bytes, body: bytes) -> bytes:
     # header (the message's, or a part's, which may declare a nested multipart) and at the
     # start of a delimiter line. The same bytes inside a part's content are content.
     out: list[bytes] = []
-    in_part_header = embeds
-    part_header: list[bytes] = []
+    # A part's header block is taken whole, at its blank line: a `boundary=` may be folded
+    # (`boundary=` CRLF SP `"b"`), and its parameter is replaced across the fold as the
+    # rule before this one replaced it.
+    header: list[bytes] | None = [] if embeds else None
+
+    def end_of_header() -> bool:
+        nonlocal known
+        assert header is not None
+        block = b"\n".join(header)
+        if b"boundary" in block.lower():
+            known |= _declared(block)
+            block = _BOUNDARY.sub(_NEUTRAL_PARAMETER, block)
+        if header:
+            out.append(block)
+        # A message/rfc822 part (a mail forwarded as an attachment): its content opens
+        # with the embedded message's header block, which declares its own boundary,
+        # drawn afresh per attempt as the outer one is.
+        return _embeds_message(header)
+
     for line in body.split(b"\n"):
         boundary = _delimiter_of(line, known)
         if boundary is not None:
+            if header is not None:
+                end_of_header()
             rest = line[2 + len(boundary) :]
-            line = _NEUTRAL_DELIMITER + rest
-            in_part_header = not rest.startswith(b"--")  # a close delimiter: the epilogue follows
-            part_header = []
-        elif in_part_header:
-            if line in (b"", b"\r"):
-                # A message/rfc822 part (a mail forwarded as an attachment): its content
-                # opens with the embedded message's header block, which declares its own
-                # boundary, drawn afresh per attempt as the outer one is.
-                in_part_header = _embeds_message(part_header)
-                part_header = []
-                out.append(line)
-                continue
-            part_header.append(line)
+            out.append(_NEUTRAL_DELIMITER + rest)
+            # A close delimiter: the epilogue follows, no header.
+            header = None if rest.startswith(b"--") else []
+        elif header is None:
+            out.append(line)
+        elif line in (b"", b"\r"):
+            embedded = end_of_header()
+            out.append(line)
+            header = [] if embedded else None
+        else:
+            header.append(line)
             if b"boundary" in line.lower():
+                # Known at once: a part header cut short by a delimiter (no blank line).
                 known |= _declared(line)
-                line = _BOUNDARY.sub(_NEUTRAL_PARAMETER, line)
-        out.append(line)
+    if header is not None:
+        end_of_header()
     return b"\n".join(out)
 
 

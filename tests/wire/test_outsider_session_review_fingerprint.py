@@ -7,8 +7,10 @@ from __future__ import annotations
 from email.message import EmailMessage
 from pathlib import Path
 
+import pytest
+
 from smtpguard.policy import fingerprint as fp_module
-from tests.policy.test_fingerprint import _v1_neutral_boundaries, fp, msg
+from tests.policy.test_fingerprint import _v1_neutral_boundaries, fp, msg, raw
 from tests.support import Upstream, base_config, message, running_guard, send
 
 
@@ -67,3 +69,40 @@ def test_a_message_that_is_a_message_is_neutral_inside_too() -> None:
     # A plain embedded message keeps its text: `boundary=` there is content.
     plain = b"From: Billing <billing@acme.example>\r\nContent-Type: message/rfc822\r\n\r\nFrom: a@b\r\n\r\n"
     assert fp(plain + b"?boundary=1\r\n") != fp(plain + b"?boundary=2\r\n")
+
+
+def _nested(outer: bytes, inner: bytes, parameter: bytes, blank: bool = True) -> bytes:
+    part_header = b"Content-Type: multipart/alternative;" + parameter.replace(b"B", inner) + b"\r\n"
+    return raw(
+        extra=b'MIME-Version: 1.0\r\nContent-Type: multipart/mixed;\r\n\tboundary="' + outer + b'"\r\n',
+        body=b"--"
+        + outer
+        + b"\r\n"
+        + part_header
+        + (b"\r\n" if blank else b"")
+        + b"--"
+        + inner
+        + b"\r\nContent-Type: text/plain\r\n\r\nHi\r\n--"
+        + inner
+        + b"--\r\n"
+        + b"--"
+        + outer
+        + b"--\r\n",
+    )
+
+
+@pytest.mark.parametrize(
+    ("parameter", "blank"),
+    [
+        pytest.param(b'\r\n boundary=\r\n "B"', True, id="folded-after-equals"),
+        pytest.param(b'\r\n\tboundary="B"', False, id="no-blank-line"),
+        pytest.param(b" boundary = B", True, id="spaced-unquoted"),
+    ],
+)
+def test_a_part_headers_boundary_is_neutral_however_folded(parameter: bytes, blank: bool) -> None:
+    first, retry = _nested(b"o1", b"i1", parameter, blank), _nested(b"o2", b"i2", parameter, blank)
+    assert fp(first) == fp(retry)
+    m = msg(first)
+    assert fp_module._neutral_boundaries(m.header_block, m.body) == _v1_neutral_boundaries(
+        m.header_block, m.body
+    )
