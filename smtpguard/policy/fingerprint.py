@@ -24,6 +24,22 @@ _SPACES = re.compile(r"\s+")
 
 
 def fingerprint(mail_from: str, rcpt_tos: Iterable[str], message: Message) -> str:
+    return _hashed(mail_from, rcpt_tos, message, _neutral_boundaries(message.header_block, message.body))
+
+
+def earlier_fingerprint(mail_from: str, rcpt_tos: Iterable[str], message: Message) -> str | None:
+    """The fingerprint the rule before this one gave the message, where it differs: only
+    for a `boundary=` outside any header, which that rule neutralised too. Its records are
+    in the store an upgrade keeps (and an instance of the earlier release may still be
+    serving it): a keyed retry of such a message is the same event, not a reused key."""
+    if b"boundary" not in message.body.lower():
+        return None
+    body = _neutral_boundaries(message.header_block, message.body)
+    before = _earlier_neutral_boundaries(message.header_block, message.body)
+    return None if before == body else _hashed(mail_from, rcpt_tos, message, before)
+
+
+def _hashed(mail_from: str, rcpt_tos: Iterable[str], message: Message, body: bytes) -> str:
     h = hashlib.sha256()
     h.update(b"v1\x00")
     h.update(normalize_address(mail_from).encode("utf-8", "surrogateescape") + b"\x00")
@@ -34,8 +50,17 @@ def fingerprint(mail_from: str, rcpt_tos: Iterable[str], message: Message) -> st
         for value in message.get_all(name):
             h.update(name.encode() + b":" + _SPACES.sub(" ", value).strip().encode() + b"\x00")
     h.update(b"\x00")
-    h.update(_neutral_boundaries(message.header_block, message.body))
+    h.update(body)
     return h.hexdigest()
+
+
+def _earlier_neutral_boundaries(header_block: bytes, body: bytes) -> bytes:
+    boundaries = _declared(header_block + b"\r\n" + body)
+    body = _BOUNDARY.sub(_NEUTRAL_PARAMETER, body)
+    # Longest first, so a boundary that starts with another is replaced whole.
+    for b in sorted(boundaries, key=len, reverse=True):
+        body = re.sub(rb"(?m)^--" + re.escape(b), _NEUTRAL_DELIMITER, body)
+    return body
 
 
 def _neutral_boundaries(header_block: bytes, body: bytes) -> bytes:

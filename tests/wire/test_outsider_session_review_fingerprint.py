@@ -106,3 +106,15 @@ def test_a_part_headers_boundary_is_neutral_however_folded(parameter: bytes, bla
     assert fp_module._neutral_boundaries(m.header_block, m.body) == _v1_neutral_boundaries(
         m.header_block, m.body
     )
+
+
+def test_the_earlier_fingerprint_is_given_only_where_the_rules_differ() -> None:
+    from smtpguard.policy.fingerprint import earlier_fingerprint
+
+    plain = msg(raw(body=b"Pay at https://pay.example/?boundary=77\r\n"))
+    before = earlier_fingerprint("billing@acme.example", ["ann@example.org"], plain)
+    now = fp_module.fingerprint("billing@acme.example", ["ann@example.org"], plain)
+    assert before is not None and before != now
+    built = msg(wire(forwarded("k")))
+    assert earlier_fingerprint("billing@acme.example", ["ann@example.org"], built) is None
+    assert earlier_fingerprint("billing@acme.example", ["ann@example.org"], msg(raw())) is None
