@@ -174,6 +174,7 @@ class Submitter:
             principal.username,
             # Kept where VERP replaces it on the wire (DESIGN.md §18).
             sender=mail_from if self.verp is not None else None,
+            earlier_fingerprint=admitted.earlier_fingerprint,
         )
         settings = self.settings(zone)
         try:

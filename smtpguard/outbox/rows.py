@@ -35,7 +35,8 @@ class Row:
     size: int
     """The message's octets as stored."""
     mail_from: str
-    rcpt_to: tuple[str, ...]
+    rcpt_to: tuple[str | None, ...]
+    """An element may be NULL: the column is the application's (refused at submission)."""
     created_at: float
     not_before: float | None
     attempts: int

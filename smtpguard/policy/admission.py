@@ -12,7 +12,7 @@ from typing import Protocol
 from smtpguard.policy.classes import message_class
 from smtpguard.policy.decisions import Decision
 from smtpguard.policy.eventkey import MissingKeyMode, event_key, message_id_for
-from smtpguard.policy.fingerprint import fingerprint
+from smtpguard.policy.fingerprint import earlier_fingerprint, fingerprint
 from smtpguard.policy.limits import Caps, OwnCaps, UserLimits, caps_for, user_caps_of
 from smtpguard.policy.message import HeaderLimits, Message, parse, smuggling_check
 from smtpguard.policy.senders import check_header_from
@@ -74,6 +74,8 @@ class Admitted:
     caps: Caps
     user_caps: Caps | None
     """The caps a reservation counts: the zone's, and the SMTP user's own inside them."""
+    earlier_fingerprint: str | None = None
+    """Where the earlier rule hashed this message otherwise (policy/fingerprint.py)."""
 
 
 def admit(
@@ -133,4 +135,5 @@ def admit(
         max_age,
         caps,
         user_caps_of(zone.users, username, caps),
+        earlier_fingerprint(mail_from, rcpt_tos, parsed),
     )

@@ -79,6 +79,9 @@ class Submission:
     message is sent, which in store-and-forward is long after the session."""
     sender: str | None = None
     """The client's envelope sender, kept when VERP replaces it on the wire (§18)."""
+    earlier_fingerprint: str | None = None
+    """The message's fingerprint under the earlier boundary rule, where it differs: a record
+    written by that rule is this message's too."""
 
 
 # --- verdicts --------------------------------------------------------------------------------
@@ -141,7 +144,7 @@ def decide(existing: Record | None, sub: Submission, now: float, s: LedgerSettin
         return Proceed(
             _audit(fresh, now, "smtpguard", "new_event", existing.state, fresh.state, note), existing.version
         )
-    if existing.fingerprint != sub.fingerprint:
+    if existing.fingerprint not in (sub.fingerprint, sub.earlier_fingerprint):
         return Answer(replies.key_reused(sub.key), Decision.REUSED)
 
     state = existing.state

@@ -117,17 +117,25 @@ def settled(record_state: str | None) -> RowState | None:
 
 
 def is_records_message(
-    message: bytes, mail_from: str, rcpt_to: tuple[str, ...], limits: HeaderLimits, record_fingerprint: str
+    message: bytes,
+    mail_from: str,
+    rcpt_to: tuple[str | None, ...],
+    limits: HeaderLimits,
+    record_fingerprint: str,
 ) -> bool:
     """Is the row's message the one its record was written for? A followed row takes its
     receipt from the record, and `sg_id` and `state` are columns the application can write:
     a row that replaced a sent one under the same key, its sg_id copied, would otherwise
     read `sent` for a message that never went. False: submit it, and the ledger answers it
     (a duplicate, or `reused`) as SMTP would."""
+    if None in rcpt_to:
+        # No submission took this envelope (a NULL in rcpt_to is refused 501): submitted,
+        # it is refused as such; never fingerprinted, which cannot read a NULL.
+        return False
     parsed = parse(wire_form(message), limits)
     if isinstance(parsed, Reply):
         return False
-    return fingerprint(mail_from, rcpt_to, parsed) == record_fingerprint
+    return fingerprint(mail_from, [r for r in rcpt_to if r is not None], parsed) == record_fingerprint
 
 
 _UNSAFE_KEY = re.compile(r"[\x00-\x20\x7f]")
