@@ -6,7 +6,6 @@ retry is a duplicate and each event reaches the upstream once."""
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable, Iterator
 from email.message import EmailMessage
 from pathlib import Path
@@ -23,21 +22,15 @@ from tests.support import (
     send,
     write_config,
 )
+from tests.support.releases import extract_release
 from tests.wire.test_outsider_session_review_fingerprint import forwarded
 
-ROOT = Path(__file__).resolve().parents[2]
 BEFORE = "40cb517"
 
 
 @pytest.fixture
 def before(tmp: Path) -> Iterator[Path]:
-    dest = tmp / "before"
-    dest.mkdir()
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", BEFORE, "smtpguard"], check=True, capture_output=True
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-    yield dest
+    yield extract_release(BEFORE, tmp / "before")
 
 
 def multipart(key: str | None) -> EmailMessage:

@@ -29,8 +29,8 @@ from tests.support import (
     send,
     write_config,
 )
+from tests.support.releases import ROOT, extract_release
 
-ROOT = Path(__file__).resolve().parents[2]
 RELEASES = {"44f68cc": 0, "a89d5c7": 2}
 """Commit → the SQLite user_version its `serve` leaves: the last release before numbered
 migrations, and the last before migration 3."""
@@ -40,11 +40,7 @@ migrations, and the last before migration 3."""
 def release(request: pytest.FixtureRequest) -> Iterator[tuple[Path, int]]:
     commit = str(request.param)
     with tempfile.TemporaryDirectory(prefix="smtpguard-release-") as tmp:
-        archive = subprocess.run(
-            ["git", "-C", str(ROOT), "archive", commit, "smtpguard"], check=True, capture_output=True
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        yield Path(tmp), RELEASES[commit]
+        yield extract_release(commit, Path(tmp)), RELEASES[commit]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

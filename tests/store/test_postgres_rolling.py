@@ -11,7 +11,6 @@ answers the other's as a duplicate.
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -21,10 +20,10 @@ import pytest
 from smtpguard.store.postgres.migrate import LATEST
 from tests.support import GuardProcess, Upstream, base_config, free_port, message, send, write_config
 from tests.support.postgres import PostgresServer
+from tests.support.releases import extract_release
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 LAST_RELEASE = "44f68cc"
 LAST_SCHEMA = 4
 KEYS = 12
@@ -37,13 +36,6 @@ def config(tmp: Path, upstream: Upstream, url: str, instance: str, port: int) ->
     return write_config(tmp / f"{instance}.yaml", cfg)
 
 
-def extract(commit: str, dest: str) -> None:
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", commit, "smtpguard"], check=True, capture_output=True
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
-
-
 async def test_the_last_release_and_this_one_serve_one_ledger(
     postgres_server: PostgresServer, tmp: Path, upstream: Upstream
 ) -> None:
@@ -53,7 +45,7 @@ async def test_the_last_release_and_this_one_serve_one_ledger(
         conn.execute(f"CREATE DATABASE {name}")
     url = postgres_server.url.rsplit("/", 1)[0] + f"/{name}"
     with tempfile.TemporaryDirectory(prefix="smtpguard-release-") as src:
-        await asyncio.to_thread(extract, LAST_RELEASE, src)
+        await asyncio.to_thread(extract_release, LAST_RELEASE, Path(src))
         old_port, new_port = free_port(), free_port()
         old = GuardProcess(config(tmp, upstream, url, "old", old_port), tmp / "old.log", src=Path(src))
         new = GuardProcess(config(tmp, upstream, url, "new", new_port), tmp / "new.log")

@@ -16,7 +16,6 @@ import contextlib
 import io
 import json
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -41,10 +40,10 @@ from tests.support import (
     write_config,
 )
 from tests.support.postgres import PostgresServer
+from tests.support.releases import extract_release
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 RELEASES = {
     # The last commit whose schema was version 2 (before the throttle's migration 3). No
     # commit with schema 1 alone could serve PostgreSQL: the ledger-index builds of
@@ -62,13 +61,7 @@ def releases() -> Iterator[dict[int, Path]]:
     trees: dict[int, Path] = {}
     with tempfile.TemporaryDirectory(prefix="smtpguard-release-") as tmp:
         for version, commit in RELEASES.items():
-            dest = Path(tmp) / f"v{version}"
-            dest.mkdir()
-            archive = subprocess.run(
-                ["git", "-C", str(ROOT), "archive", commit, "smtpguard"], check=True, capture_output=True
-            ).stdout
-            subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-            trees[version] = dest
+            trees[version] = extract_release(commit, Path(tmp) / f"v{version}")
         yield trees
 
 

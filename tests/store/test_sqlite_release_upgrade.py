@@ -24,8 +24,8 @@ from smtpguard.store import CapUsage, Reserved, Store, store_from_url
 from smtpguard.store.base import ZoneAudit
 from smtpguard.store.sqlite.migrate import LATEST
 from tests.store.test_store_contract import MONTH, NOW, fresh
+from tests.support.releases import extract_release
 
-ROOT = Path(__file__).resolve().parents[2]
 RELEASE = "44f68cc"
 """The last release before the SQLite schema was kept as numbered migrations."""
 
@@ -78,11 +78,7 @@ asyncio.run(main())
 @pytest.fixture(scope="module")
 def release_tree() -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="smtpguard-release-") as tmp:
-        archive = subprocess.run(
-            ["git", "-C", str(ROOT), "archive", RELEASE, "smtpguard"], check=True, capture_output=True
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        yield Path(tmp)
+        yield extract_release(RELEASE, Path(tmp))
 
 
 def _written_by_the_release(tree: Path, url: str) -> dict[str, Any]:
