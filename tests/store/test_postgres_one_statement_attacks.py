@@ -28,7 +28,6 @@ from smtpguard.policy.limits import CapCheck, CapReached, Caps, cap_check, month
 from smtpguard.store import CapUsage, Reserved, store_from_url
 from smtpguard.store.postgres import PostgresStore
 from smtpguard.store.postgres.migrate import LATEST
-from tests.store.test_postgres_rolling import extract
 from tests.store.test_postgres_upgrade import database, drop_database
 from tests.support import (
     OTHER_PASSWORD,
@@ -41,6 +40,7 @@ from tests.support import (
     write_config,
 )
 from tests.support.postgres import PostgresServer
+from tests.support.releases import extract_release
 
 pytestmark = pytest.mark.slow
 
@@ -154,8 +154,7 @@ class Previous:
 @pytest.fixture(scope="module")
 def previous_tree() -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="smtpguard-release-") as tmp:
-        extract(PREVIOUS, tmp)
-        yield Path(tmp)
+        yield extract_release(PREVIOUS, Path(tmp))
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.store.test_postgres_rolling import extract
 from tests.support import (
     OTHER_PASSWORD,
     GuardProcess,
@@ -26,6 +25,7 @@ from tests.support import (
     send,
     write_config,
 )
+from tests.support.releases import extract_release
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ async def test_the_base_release_and_this_one_count_one_cap_on_one_redis(
 ) -> None:
     redis.Redis(port=redis_server.port).flushall()
     with tempfile.TemporaryDirectory(prefix="smtpguard-release-") as src:
-        await asyncio.to_thread(extract, BASE_RELEASE, src)
+        await asyncio.to_thread(extract_release, BASE_RELEASE, Path(src))
         old_port, new_port = free_port(), free_port()
         old = GuardProcess(
             config(tmp, upstream, redis_server.url, "old", old_port), tmp / "old.log", src=Path(src)
