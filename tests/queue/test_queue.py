@@ -117,8 +117,12 @@ async def test_backoff_gaps_grow(tmp: Path, upstream: Upstream) -> None:
     assert rec is not None and len(rec.attempts) == 4
     times = [a.at for a in rec.attempts]
     gaps = [b - a for a, b in itertools.pairwise(times)]
-    # base 200ms doubling with equal jitter: [0.1,0.2), [0.2,0.4), [0.4,0.8)
-    assert gaps[0] >= 0.1 and gaps[2] >= 0.4 and gaps[2] > gaps[0]
+    # base 200ms doubling with equal jitter: each retry is due [0.1,0.2), [0.2,0.4), [0.4,0.8)
+    # after the attempt before it. Only the floors are the guard's: an attempt runs when a
+    # claim finds it due, which a loaded machine delays (a first gap of 0.59 s was seen), so
+    # comparing gaps with each other measures the machine. Floors of 0.1, 0.2 and 0.4 s are
+    # met by no fixed delay under 0.4 s.
+    assert gaps[0] >= 0.1 and gaps[1] >= 0.2 and gaps[2] >= 0.4, gaps
 
 
 async def test_otp_expires_and_is_never_sent_after(tmp: Path) -> None:
