@@ -98,6 +98,13 @@ ACTOR = "stateful@operator"
 RCPTS = ("customer@example.com",)
 ZONES = ("acme", "auto")
 START = 1_900_000_000.0  # 2030-03-17: no month boundary within a run's few days
+PASS_BUDGET = 20.0
+"""Real seconds a worker pass may take to come quiet: a pass that never does is a hang."""
+STALLED_PASS_BUDGET = 3 * PASS_BUDGET + 5.0
+"""A pass stalled at a phase (stall_during_delivery) is held there by the harness while the
+other instance runs a whole pass of its own: its budget covers reaching the phase (20 s at
+most), the stalled writes landing (5 s) and that other pass (PASS_BUDGET), on top of its own.
+With PASS_BUDGET alone, a PostgreSQL long run on a loaded machine timed out such a pass."""
 
 
 # --- the events --------------------------------------------------------------------------------
@@ -627,9 +634,9 @@ class LedgerMachine(RuleBasedStateMachine):
         results = self.run_as(inst, self._worker_pass(inst))
         self.run(self._collect(inst, results))
 
-    async def _worker_pass(self, inst: Instance) -> list[tuple[str, Result]]:
+    async def _worker_pass(self, inst: Instance, budget: float = PASS_BUDGET) -> list[tuple[str, Result]]:
         """The real worker loop, from its first claim until a claim made with no delivery in
-        progress finds nothing due."""
+        progress finds nothing due, within `budget` seconds of real time."""
         results: list[tuple[str, Result]] = []
         worker = DeliveryWorker(
             inst.submitter, inst.proxy, lambda z, r: results.append((z, r)), rng=HalfRandom()
@@ -644,7 +651,7 @@ class LedgerMachine(RuleBasedStateMachine):
         inst.proxy.claim_seen = seen
         worker.start()
         try:
-            await asyncio.wait_for(quiet.wait(), 20)
+            await asyncio.wait_for(quiet.wait(), budget)
         finally:
             inst.proxy.claim_probe = None
             inst.proxy.claim_seen = None
@@ -705,7 +712,16 @@ class LedgerMachine(RuleBasedStateMachine):
         other = self.instances["b" if slot == "a" else "a"]
         msg = MESSAGES[0]
         mine, theirs = self.run(
-            self._stall(inst, other, phase, seconds, lambda: self._worker_pass(inst), then, msg, None)
+            self._stall(
+                inst,
+                other,
+                phase,
+                seconds,
+                lambda: self._worker_pass(inst, STALLED_PASS_BUDGET),
+                then,
+                msg,
+                None,
+            )
         )
         self._stall_results(inst, other, msg, mine, theirs)
 
