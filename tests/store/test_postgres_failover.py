@@ -49,6 +49,7 @@ from tests.support import (
     send,
     write_config,
 )
+from tests.support.eventually import eventually
 from tests.support.failover import storm
 from tests.support.postgres import PostgresServer
 
@@ -144,7 +145,10 @@ async def test_primary_killed_mid_storm_standby_promoted_nothing_twice_nothing_l
             guard.start()
             await guard.wait_port(port)
             await states.open()
-            await states.ping()
+            # The schema is migrated at open, in the background, by this store and by the
+            # guard at once, each commit waiting for the synchronous standby: on a loaded
+            # machine that outlasted the first ping (not ready, no replication facts seen).
+            assert await eventually(states.ping, timeout=60, interval=0.2), "the store answers"
             assert states.synchronous is True, "the standby streams synchronously"
 
             async def fail_over() -> None:
