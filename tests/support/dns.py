@@ -51,7 +51,7 @@ class NsdServer:
         self.records = records
         self.ttl = ttl
         self.negative = negative
-        self.port = free_port_udp_tcp()
+        self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -120,19 +120,6 @@ zone:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-
-def free_port_udp_tcp() -> int:
-    """A port free for both UDP and TCP on 127.0.0.1 (DNS listens on both)."""
-    for _ in range(50):
-        port = free_port()
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
-            try:
-                u.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port")
 
 
 class BadResolver:

@@ -141,7 +141,7 @@ class RedisConnection(Probed):
         options = {k: v for k, v in options.items() if k not in ("max_connections", "timeout")}
         if self._password is not None:
             password = self._password
-        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis-py 8
             sentinels,
             socket_timeout=_TIMEOUT,
             socket_connect_timeout=_TIMEOUT,
