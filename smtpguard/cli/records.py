@@ -74,10 +74,9 @@ def cmd_history(args: argparse.Namespace) -> int:
             f"  store-and-forward: class {doc['class']}, queued as {doc['queue_id']}, "
             f"never sent after {doc['expires_at']}"
         )
-    if doc["next_attempt_at"]:
-        print(f"  next attempt not before {doc['next_attempt_at']}")
-    if doc["upstream_id"]:
-        print(f"  upstream id {doc['upstream_id']}")
+    for label, name in (("next attempt not before", "next_attempt_at"), ("upstream id", "upstream_id")):
+        if doc[name]:
+            print(f"  {label} {doc[name]}")
     for a in doc["attempts"]:
         code = f"{a['code']} {a['enhanced']}" if a["code"] else "-"
         print(

@@ -186,10 +186,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
             f"{sum(r['rejected'].values()):>8} {hour:>9} {month:>13} "
             f"{'yes' if r['paused'] else 'no':>6} {r['suppressed']:>5}"
         )
-        if r["paused_classes"]:
-            print(f"  paused classes: {', '.join(r['paused_classes'])}")
-        if r["paused_receivers"]:
-            print(f"  paused receivers: {', '.join(r['paused_receivers'])}")
+        for paused in ("classes", "receivers"):
+            if names := r[f"paused_{paused}"]:
+                print(f"  paused {paused}: {', '.join(names)}")
         for name, c in r["receivers"].items():
             print(
                 f"  receiver {name}: sent {c['sent']}, delivered {c['delivered']}, deferred "
