@@ -39,11 +39,20 @@ RECIPIENT = "customer@example.com"
 HUGE_CAP = 100_000_000
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A free loopback port not handed out before in this process: a port-0 binding may be
+    given a just-closed port again, so two calls in a row can return one number (the
+    suite's own helper did; tests/support/ports.py keeps the suite's servers apart further)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def wait_port(port: int, timeout: float = 20.0, proc: Proc | None = None) -> None:
