@@ -23,6 +23,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind, matches
+
 if TYPE_CHECKING:
     from smtpguard.verdict_config import MailgunApi, PostmarkApi, SendgridApi
 
@@ -332,6 +334,17 @@ def field(obj: Any, *path: str | int) -> Any:
         if obj is None:
             return None
     return obj
+
+
+def partial_look(provider: str, attempt: Attempt, entries: list[LogEntry]) -> list[LogEntry]:
+    """The entries of a look that could not read all the search found (pages or details
+    left unread): they settle the record only by an acceptance of its own among them. An
+    entry left unread may be that acceptance, so without one the look proves neither a
+    refusal (a drop of some recipients, the acceptance for another unread: `failed`, and
+    the application sends it another way) nor an absence (`not accepted`, sent again)."""
+    if any(e.kind is LogKind.ACCEPTED and matches(attempt, e) for e in entries):
+        return entries
+    raise ApiTruncated(f"{provider}: the log holds more entries that may be the message than one look reads")
 
 
 def need_list(body: Any, key: str | None, provider: str) -> list[Any]:

@@ -21,13 +21,28 @@ from typing import Any
 
 from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind, bare_message_id, window
 from smtpguard.verdict_config import MailgunApi
-from smtpguard.verdicts.http import ApiClient, api_settings, field, header_auth, need_list, untimed
+from smtpguard.verdicts.http import (
+    ApiClient,
+    ApiTruncated,
+    api_settings,
+    field,
+    header_auth,
+    need_list,
+    partial_look,
+    untimed,
+)
 from smtpguard.verdicts.model import Reported, ReportedEvent, parse_time
 
 KEY_FIELD = "smtpguard_key"
 PAGE = 300
 MAX_PAGES = 10
 _KINDS = {"accepted": LogKind.ACCEPTED, "rejected": LogKind.REFUSED}
+
+
+def _following(body: Any, _n: int) -> tuple[str, None] | None:
+    nxt = field(body, "paging", "next")
+    # Mailgun's last page is the empty one; its `next` is always present.
+    return (nxt, None) if isinstance(nxt, str) and field(body, "items") else None
 
 
 class MailgunLog(ApiClient):
@@ -47,16 +62,20 @@ class MailgunLog(ApiClient):
     async def _items(
         self, params: Mapping[str, str], max_pages: int = MAX_PAGES, whole: bool = False
     ) -> list[Any]:
+        items, complete = await self._read(params, max_pages)
+        if whole and not complete:
+            raise ApiTruncated(f"{self.provider}: more than {max_pages} pages in the range asked for")
+        return items
+
+    async def _read(self, params: Mapping[str, str], max_pages: int = MAX_PAGES) -> tuple[list[Any], bool]:
+        """The items of the first `max_pages` pages, and whether they were all there is."""
         out: list[Any] = []
-
-        def following(body: Any, _n: int) -> tuple[str, None] | None:
-            nxt = field(body, "paging", "next")
-            # Mailgun's last page is the empty one; its `next` is always present.
-            return (nxt, None) if isinstance(nxt, str) and field(body, "items") else None
-
-        async for body in self.pages((self._path, params), following, max_pages, whole):
-            out.extend(need_list(body, "items", self.provider))
-        return out
+        try:
+            async for body in self.pages((self._path, params), _following, max_pages, whole=True):
+                out.extend(need_list(body, "items", self.provider))
+        except ApiTruncated:
+            return out, False
+        return out, True
 
     async def entries(self, attempt: Attempt) -> list[LogEntry]:
         if attempt.tag is None and attempt.message_id is None:
@@ -71,8 +90,11 @@ class MailgunLog(ApiClient):
         mid = bare_message_id(attempt.message_id)
         if mid is not None:
             params["message-id"] = mid
-        items = await self._items(params)
-        return [e for e in (self._entry(item, strict=True) for item in items) if e is not None]
+        # A Message-ID an application writes on every message can fill more pages than one
+        # look reads: what was read is then judged as a part (verdicts.http.partial_look).
+        items, whole = await self._read(params)
+        entries = [e for e in (self._entry(item, strict=True) for item in items) if e is not None]
+        return entries if whole else partial_look(self.provider, attempt, entries)
 
     async def accepted_since(self, at: float) -> list[LogEntry]:
         # One accepted event per recipient: a page of 100, so a message to many recipients
