@@ -295,6 +295,7 @@ class OutboxReader:
             result.upstream_id if r.state is RowState.SENT else None,
             r.next_attempt_at,
             r.done,
+            row.event_key,
         )
 
     async def _follow(self, row: Row) -> Written | None:
@@ -303,7 +304,7 @@ class OutboxReader:
         try:
             record = await self.submitter.store.get(self.src.zone, row.event_key)
         except StoreUnavailable:
-            return Written(row.state, None, row.sg_id, None, self.clock() + self._retry().follow_every, False)
+            return self._waiting(row)
         state = policy.settled(record.state.value if record is not None else None)
         if state is RowState.PENDING:
             return None
@@ -313,9 +314,14 @@ class OutboxReader:
         ):
             return None
         if state is None:
-            return Written(row.state, None, row.sg_id, None, self.clock() + self._retry().follow_every, False)
+            return self._waiting(row)
         reply = str(record.reply) if record.reply is not None else None
-        return Written(state, reply, row.sg_id, record.upstream_id, None, True)
+        return Written(state, reply, row.sg_id, record.upstream_id, None, True, row.event_key)
+
+    def _waiting(self, row: Row) -> Written:
+        """A followed row whose record is not settled yet: looked at again in a while."""
+        due = self.clock() + self._retry().follow_every
+        return Written(row.state, None, row.sg_id, None, due, False, row.event_key)
 
     def _retry(self) -> Retry:
         config = self.submitter.config

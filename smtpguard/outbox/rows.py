@@ -52,6 +52,9 @@ class Written:
     upstream_id: str | None
     next_attempt_at: float | None
     done: bool
+    event_key: str
+    """The key of the row as it was read: the receipt answers that event, and a row the
+    application has since rewritten to another key is not its to take."""
 
 
 _CLAIM = """
@@ -79,7 +82,11 @@ UPDATE {t}
 SET state = %(state)s, reply = coalesce(%(reply)s, reply), sg_id = %(sg_id)s,
     upstream_id = coalesce(%(upstream_id)s, upstream_id),
     next_attempt_at = %(next)s, done_at = CASE WHEN %(done)s THEN %(now)s END
-WHERE id = (SELECT id FROM {t} WHERE id = %(id)s AND state IN ('pending', 'held') FOR UPDATE SKIP LOCKED)
+WHERE id = (
+    SELECT id FROM {t}
+    WHERE id = %(id)s AND event_key = %(key)s AND state IN ('pending', 'held')
+    FOR UPDATE SKIP LOCKED
+)
 RETURNING id
 """
 
@@ -90,9 +97,19 @@ SET next_attempt_at = NULL,
 WHERE id = ANY(%(ids)s) AND state IN ('pending', 'held')
 """
 
-_STILL_OPEN = "SELECT id FROM {t} WHERE id = ANY(%(ids)s) AND state IN ('pending', 'held')"
+_STILL_OPEN = "SELECT id, event_key FROM {t} WHERE id = ANY(%(ids)s) AND state IN ('pending', 'held')"
 """Of the receipts no row took: the rows still open (a plain read, never waits on a lock).
 The others hold a final receipt or were deleted: nothing more to write."""
+
+_REWRITTEN = """
+UPDATE {t}
+SET next_attempt_at = NULL
+WHERE id = ANY(
+    SELECT id FROM {t} WHERE id = ANY(%(ids)s) AND state IN ('pending', 'held') FOR UPDATE SKIP LOCKED
+)
+"""
+"""Rows rewritten to another event while their first was sent: due at once, as the event
+they now hold (one still locked by the application comes due when its claim lapses)."""
 
 _COUNTS = """
 SELECT state, count(*),
@@ -144,7 +161,9 @@ async def write(
     A row the application holds locked (a transaction of its own left open on it) is
     skipped rather than waited for: the ids returned are those still to be written, so one
     open transaction never holds up the receipts of every other row, nor the next claim.
-    A row deleted meanwhile is done with: its receipt has nowhere to go."""
+    A row deleted meanwhile is done with: its receipt has nowhere to go. A row the
+    application rewrote to another event_key meanwhile is not answered by it either: the
+    receipt is dropped and the row made due, to be submitted as the event it now holds."""
     params = [
         {
             "state": w.state.value,
@@ -155,6 +174,7 @@ async def write(
             "done": w.done,
             "now": stamp(now),
             "id": row_id,
+            "key": w.event_key,
         }
         for row_id, w in receipts.items()
     ]
@@ -170,7 +190,13 @@ async def write(
         if not untaken:
             return set()
         await cur.execute(_q(_STILL_OPEN, table), {"ids": untaken})
-        return {int(r[0]) for r in await cur.fetchall()}
+        still_open = {int(r[0]): str(r[1]) for r in await cur.fetchall()}
+        rewritten = [i for i, key in still_open.items() if key != receipts[i].event_key]
+        if rewritten:
+            # The receipt's event is not the row's any more: dropped, and the row submitted
+            # again as the event it holds now (the ledger answers the first one's key).
+            await cur.execute(_q(_REWRITTEN, table), {"ids": rewritten})
+        return {i for i, key in still_open.items() if key == receipts[i].event_key}
 
 
 async def release(conn: AsyncConnection[TupleRow], table: str, claimed: Sequence[Row]) -> None:
