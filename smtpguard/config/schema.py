@@ -219,4 +219,20 @@ class Config(_Strict):
         problem = api_problem(with_api, self.reconcile)
         if problem:
             raise FieldProblem(("reconcile",), problem)
+        sources = self.events.sources.items() if self.events is not None else ()
+        for i, p in enumerate(self.providers):
+            if not isinstance(p, SmtpProviderConfig) or p.api is None or p.api.kind == "mailgun":
+                continue
+            # The relay writes the tag of the first source reading the provider's webhooks
+            # (server/reload.py _event_tags). SendGrid's and Postmark's logs are searched by
+            # their own tag alone: under another one every accepted message would be absent
+            # from them, and `not accepted` sends it again.
+            first = next(((n, s.kind) for n, s in sources if s.provider == p.name), None)
+            if first is not None and first[1] != p.api.kind:
+                raise FieldProblem(
+                    ("providers", i, "api", "kind"),
+                    f"{p.api.kind}, but events source {first[0]} ({first[1]}) reads provider "
+                    f"{p.name}'s webhooks: its messages carry the {first[1]} tag, which the "
+                    f"{p.api.kind} log cannot be searched by",
+                )
         return self
