@@ -70,6 +70,17 @@ def smtputf8_missing(provider: str) -> Attempted:
     )
 
 
+def eightbitmime_missing(provider: str) -> Attempted:
+    """The message has 8-bit data and this provider offers neither 8BITMIME nor SMTPUTF8
+    (RFC 6152 §3). As smtputf8_missing: nothing was sent, so the route may fail over to a
+    provider that offers it; where none does, the event fails with 554 5.6.3."""
+    return Attempted(
+        Outcome(Kind.FAILED, provider, replies.eightbitmime_not_offered(provider), data_sent=False),
+        failover=True,
+        health="ok",
+    )
+
+
 def refused_all(provider: str, rejected: list[tuple[str, Reply]]) -> Attempted:
     temp = next((r for _, r in rejected if r.temporary), None)
     if temp is not None and is_rate_limit(temp.code, temp.enhanced, temp.text):

@@ -27,6 +27,7 @@ from smtpguard.policy.failover import (
     before_dot_reply,
     connections_busy,
     data_reply,
+    eightbitmime_missing,
     lost_at_data,
     rate_limited,
     refused_all,
@@ -324,6 +325,9 @@ class SmtpProvider:
         t = self.cfg.timeouts
         declare = env.smtputf8_wanted and conn.smtputf8
         options, encoding = (b" SMTPUTF8", "utf-8") if declare else (b"", "ascii")
+        if conn.eightbitmime and env.eight_bit:
+            # RFC 6152 §3: an 8-bit message says so; undeclared, the server may take it as 7BIT.
+            options += b" BODY=8BITMIME"
         try:
             # Every line is made before any is written: an address that cannot be written
             # stops the transaction with nothing sent.
@@ -401,6 +405,11 @@ class SmtpProvider:
             # listener answers at MAIL/RCPT once it knows the route. The provider is
             # healthy and the connection clean: it is kept.
             return smtputf8_missing(self.name), True
+        if env.eight_bit and not conn.eightbitmime and not (env.smtputf8_wanted and conn.smtputf8):
+            # RFC 6152 §3: 8-bit data must not reach a server that does not offer 8BITMIME.
+            # Refused on the connection in hand before MAIL, as for SMTPUTF8 above: nothing
+            # sent, the connection clean and kept, and the route may fail over.
+            return eightbitmime_missing(self.name), True
         try:
             block = data_block(self._prepare(env))
         except Exception as e:
