@@ -40,13 +40,6 @@ class Envelope:
         return self.smtputf8 and not self.content.split(b"\r\n\r\n", 1)[0].isascii()
 
     @property
-    def eight_bit(self) -> bool:
-        """The message holds octets above 127: RFC 6152 §3 lets it go only to a provider
-        that offers 8BITMIME (declared BODY=8BITMIME), or under SMTPUTF8 (RFC 6531 §3.1:
-        a server offering SMTPUTF8 takes 8-bit data)."""
-        return not self.content.isascii()
-
-    @property
     def smtputf8_wanted(self) -> bool:
         """Declared to a provider that offers SMTPUTF8: the client declared it, or it is required."""
         return self.smtputf8 or self.smtputf8_required

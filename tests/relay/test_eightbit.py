@@ -12,9 +12,12 @@ from pathlib import Path
 import pytest
 
 from smtpguard.policy.outcome import Kind
+from smtpguard.relay import Envelope
 from tests.relay.test_resilience import routed, smtp_provider
 from tests.relay.test_wire_attacks import Scripted, _env, _provider, _send_all
 from tests.support import FakeClock, running_guard, send
+
+SENDER, CUSTOMER = "billing@acme.example", "customer@example.com"
 
 pytestmark = pytest.mark.usefixtures("no_tracebacks")
 
@@ -112,3 +115,13 @@ async def test_an_8bit_submission_with_no_8bitmime_on_the_route_is_refused_and_s
     assert seven.code == 250, seven
     assert len(primary.messages) == 1 and primary.messages[0].endswith(b"plain")
     assert _mails(primary) == [b"MAIL FROM:<billing@acme.example>"]
+
+
+async def test_the_8bit_test_reads_the_headers_smtpguard_adds(tmp: Path) -> None:
+    # A key may hold non-ASCII letters; stripped from the message (ASCII then), it still
+    # reaches the provider in its idempotency header, and that makes the message 8-bit.
+    env = Envelope("acme", "facture:é", "a-1", SENDER, (CUSTOMER,), b"Subject: s\r\n\r\nplain\r\n")
+    async with Scripted(eightbitmime=False) as up:
+        (result,) = await _send_all(_provider(tmp, up.port, idempotency_header="Resend-Idempotency-Key"), env)
+    assert result.outcome.kind is Kind.FAILED and result.failover, result.outcome
+    assert up.messages == [] and _mails(up) == []
