@@ -249,7 +249,15 @@ class Walk:
             return result.outcome
         if result.outcome.kind is Kind.UNAVAILABLE:
             self.unavailable = True
-        if self.fallback is None or self.fallback.kind is Kind.UNAVAILABLE:
+        if (
+            self.fallback is None
+            or self.fallback.kind is Kind.UNAVAILABLE
+            # A refusal that may fail over is one for what that provider lacks (SMTPUTF8,
+            # 8BITMIME); a later provider's "try later" is the event's answer. Kept as the
+            # first one's 5xx, the event would fail for good though that provider is able
+            # to take it once it can.
+            or (self.fallback.kind is Kind.FAILED and result.outcome.kind is Kind.DEFERRED)
+        ):
             self.fallback = result.outcome
         return None
 

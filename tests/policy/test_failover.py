@@ -19,6 +19,7 @@ from smtpguard.policy.failover import (
     after_retry,
     before_dot_reply,
     connections_busy,
+    eightbitmime_missing,
     health_after,
     rate_limited,
     refused_all,
@@ -322,3 +323,13 @@ def test_a_refusal_for_what_one_provider_lacks_is_retryable_while_another_is_out
 )
 def test_the_upstream_metric_label(outcome: Outcome, label: str) -> None:
     assert reply_class(outcome) == label
+
+
+@pytest.mark.parametrize("first", [NO_UTF8, eightbitmime_missing("a")], ids=["no-smtputf8", "no-8bitmime"])
+def test_a_refusal_for_what_one_provider_lacks_gives_way_to_anothers_try_later(first: Attempted) -> None:
+    # a lacks what the message needs; b could take it and says "later": the event is
+    # deferred with b's reply (its retry reaches b), never failed for good with a's 5xx.
+    b_later = before_dot_reply("b", 451, "4.3.0 try later")
+    w = Walk()
+    assert w.tried(first) is None and w.tried(b_later) is None
+    assert w.end(w.exhausted()) == b_later.outcome

@@ -125,3 +125,25 @@ async def test_the_8bit_test_reads_the_headers_smtpguard_adds(tmp: Path) -> None
         (result,) = await _send_all(_provider(tmp, up.port, idempotency_header="Resend-Idempotency-Key"), env)
     assert result.outcome.kind is Kind.FAILED and result.failover, result.outcome
     assert up.messages == [] and _mails(up) == []
+
+
+async def test_a_standby_that_says_try_later_defers_the_8bit_event_instead_of_failing_it(tmp: Path) -> None:
+    # The primary lacks 8BITMIME; the standby, which has it, answers MAIL with 451 once.
+    # The event is deferred with the standby's reply, and its retry is delivered there.
+    clock = FakeClock()
+    async with (
+        Scripted(eightbitmime=False) as primary,
+        Scripted(mail=[b"451 4.3.0 try again later\r\n"]) as standby,
+    ):
+        cfg = routed(tmp, smtp_provider("primary", primary.port), smtp_provider("standby", standby.port))
+        async with running_guard(cfg, clock=clock) as guard:
+            first = await send(guard.ports[0], _raw(KEY, UTF8))
+            clock.t += 120  # past min_retry_interval
+            retry = await send(guard.ports[0], _raw(KEY, UTF8))
+            assert guard.store is not None
+            record = await guard.store.get("acme", KEY)
+    assert first.code == 451 and first.text.startswith("4.3.0"), first
+    assert retry.code == 250, retry
+    assert record is not None and record.state == "delivered"
+    assert primary.messages == [] and _mails(primary) == []
+    assert len(standby.messages) == 1
