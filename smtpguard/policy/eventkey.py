@@ -19,6 +19,18 @@ MAX_KEY_LENGTH = 200
 _ENCODED_WORD = r"=\?[^?\s]+\?[QqBb]\?[^?\s]*\?="
 _FOLDED_WORDS = re.compile(rf"{_ENCODED_WORD}(?:\s+{_ENCODED_WORD})+")
 _WORD = re.compile(r"=\?([^?\s]+)\?([QqBb])\?([^?\s]*)\?=")
+_KEY_CHARSETS = frozenset(
+    {"utf-8", "ascii", "koi8-r", "koi8-u", "shift_jis", "euc_jp", "iso2022_jp", "euc_kr"}
+    | {"gb2312", "gbk", "gb18030", "big5"}
+    | {f"iso8859-{n}" for n in (*range(1, 11), *range(13, 17))}
+    | {f"cp{n}" for n in range(1250, 1259)}
+)
+"""The charsets (as Python's codec registry names them) a mail library writes a header
+in: UTF-8, ASCII, ISO 8859, the Windows code pages and the common Cyrillic and East Asian
+ones. Not every codec Python has: some
+are no text encoding at all (rot13, base64, zlib) and some are Python's own
+(unicode_escape, punycode), which no mail library writes and whose decoding means nothing
+to anyone reading the header."""
 MissingKeyMode = Literal["reject", "derive", "allow"]
 
 
@@ -96,7 +108,8 @@ def written_key(value: str) -> str | None:
         # RFC 2231 §5: a charset may carry a language (`utf-8*en`); it names no charset.
         charset = charset.partition("*")[0].lower()
         try:
-            codecs.lookup(charset)
+            if codecs.lookup(charset).name not in _KEY_CHARSETS:
+                return None
             if encoding in "Bb":
                 octets = base64.b64decode(text, validate=True)
             else:

@@ -204,6 +204,9 @@ def test_a_key_folded_as_encoded_words_is_the_key_the_application_wrote(key: str
             b"X-Event-Key: =?utf-8*en?q?inv=3A?=\r\n =?utf-8?q?7?=\r\n", "inv:7", id="rfc2231-language"
         ),
         pytest.param(
+            b"X-Event-Key: =?ISO-8859-1?Q?r=E9f=3A?=\r\n =?iso-8859-1?q?7?=\r\n", "réf:7", id="latin1"
+        ),
+        pytest.param(
             # A character split over two words of one charset (é is C3 A9).
             b"X-Event-Key: =?utf-8?q?caf=C3?=\r\n =?utf-8?q?=A9?=\r\n",
             "café",
@@ -227,6 +230,14 @@ def test_encoded_words_decode_only_when_folded(lines: bytes, value: str) -> None
         pytest.param(b"X-Event-Key: =?utf-8?q?a=01?=\r\n =?utf-8?q?c?=\r\n", "control", id="decodes-to-ctl"),
         pytest.param(b"X-Event-Key: =?no-such?q?a?=\r\n =?utf-8?q?c?=\r\n", "decoded", id="unknown-charset"),
         pytest.param(b"X-Event-Key: =?utf-8?b?!!?=\r\n =?utf-8?q?c?=\r\n", "decoded", id="bad-base64"),
+        # Python codecs that are no charset a mail library writes: never a crash, never a key.
+        pytest.param(b"X-Event-Key: =?rot13?q?a?=\r\n =?rot13?q?c?=\r\n", "decoded", id="not-a-text-codec"),
+        pytest.param(b"X-Event-Key: =?zlib?q?a?=\r\n =?zlib?q?c?=\r\n", "decoded", id="binary-codec"),
+        pytest.param(
+            b"X-Event-Key: =?unicode_escape?q?a?=\r\n =?unicode_escape?q?c?=\r\n",
+            "decoded",
+            id="python-codec",
+        ),
         pytest.param(b"X-Event-Key: =?utf-8?q?=FF?=\r\n =?utf-8?q?c?=\r\n", "decoded", id="not-utf8"),
         pytest.param(
             b"X-Event-Key: =?utf-8?q?" + b"k" * 150 + b"?=\r\n =?utf-8?q?" + b"k" * 51 + b"?=\r\n",
