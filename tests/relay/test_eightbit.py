@@ -13,9 +13,11 @@ import pytest
 
 from smtpguard.policy.outcome import Kind
 from smtpguard.relay import Envelope
+from smtpguard.store import CapUsage
 from tests.relay.test_resilience import routed, smtp_provider
 from tests.relay.test_wire_attacks import Scripted, _env, _provider, _send_all
 from tests.support import FakeClock, running_guard, send
+from tests.support.utf8 import cap_usage
 
 SENDER, CUSTOMER = "billing@acme.example", "customer@example.com"
 
@@ -107,12 +109,15 @@ async def test_an_8bit_submission_with_no_8bitmime_on_the_route_is_refused_and_s
             seven = await send(guard.ports[0], _raw("invoice:7bit:1", b"plain\r\n"))
             assert guard.store is not None
             record = await guard.store.get("acme", KEY)
+            usage = await cap_usage(guard)
     assert first.code == 554 and first.text.startswith("5.6.3") and "8BITMIME" in first.text, first
     # The event failed for good (a stored 5xx, until an operator releases it): no retry
     # writes it to the provider either.
     assert again.code == 554 and again.text.startswith("5.6.3"), again
     assert record is not None and record.state == "failed"
     assert seven.code == 250, seven
+    # Refused before MAIL: its cap unit went back; only the 7-bit message spent one.
+    assert usage == CapUsage(1, 1)
     assert len(primary.messages) == 1 and primary.messages[0].endswith(b"plain")
     assert _mails(primary) == [b"MAIL FROM:<billing@acme.example>"]
 
