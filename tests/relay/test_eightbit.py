@@ -16,7 +16,7 @@ from smtpguard.relay import Envelope
 from smtpguard.store import CapUsage
 from tests.relay.test_resilience import routed, smtp_provider
 from tests.relay.test_wire_attacks import Scripted, _env, _provider, _send_all
-from tests.support import FakeClock, running_guard, send
+from tests.support import FakeClock, SmtpSink, running_guard, send
 from tests.support.utf8 import cap_usage
 
 SENDER, CUSTOMER = "billing@acme.example", "customer@example.com"
@@ -152,3 +152,28 @@ async def test_a_standby_that_says_try_later_defers_the_8bit_event_instead_of_fa
     assert record is not None and record.state == "delivered"
     assert primary.messages == [] and _mails(primary) == []
     assert len(standby.messages) == 1
+
+
+async def test_postfix_smtp_sink_without_8bitmime_gets_nothing_and_the_standby_one_copy(tmp: Path) -> None:
+    # The real peer: Postfix's smtp-sink with -8 (no 8BITMIME announced) as the primary,
+    # a plain smtp-sink as the standby. Counted in their dumps.
+    primary, standby = SmtpSink(tmp, "-8"), SmtpSink(tmp)
+    primary.start()
+    standby.start()
+    try:
+        cfg = routed(tmp, smtp_provider("primary", primary.port), smtp_provider("standby", standby.port))
+        async with running_guard(cfg) as guard:
+            eight = await send(guard.ports[0], _raw(KEY, UTF8))
+            again = await send(guard.ports[0], _raw(KEY, UTF8))
+            seven = await send(guard.ports[0], _raw("invoice:7bit:2", b"plain\r\n"))
+    finally:
+        primary.stop()
+        standby.stop()
+    try:
+        assert eight.code == 250 and again.code == 250 and "duplicate" in again.text, (eight, again)
+        assert seven.code == 250, seven
+        assert primary.event_keys() == ["invoice:7bit:2"]
+        assert standby.event_keys() == [KEY]
+    finally:
+        primary.cleanup()
+        standby.cleanup()
