@@ -27,10 +27,9 @@ _KEY_CHARSETS = frozenset(
 )
 """The charsets (as Python's codec registry names them) a mail library writes a header
 in: UTF-8, ASCII, ISO 8859, the Windows code pages and the common Cyrillic and East Asian
-ones. Not every codec Python has: some
-are no text encoding at all (rot13, base64, zlib) and some are Python's own
-(unicode_escape, punycode), which no mail library writes and whose decoding means nothing
-to anyone reading the header."""
+ones. Not every codec Python has: some are no text encoding at all (rot13, base64, zlib)
+and some are Python's own (unicode_escape, punycode), which no mail library writes and
+whose decoding means nothing to anyone reading the header."""
 MissingKeyMode = Literal["reject", "derive", "allow"]
 
 
