@@ -101,4 +101,8 @@ def client_reply(outcome: Outcome, sg_id: str) -> Reply:
     if outcome.kind is Kind.DELIVERED and outcome.rejected:
         refused = ", ".join(f"<{addr}> {rep.code}" for addr, rep in outcome.rejected[:5])
         text = f"{text}; accepted for {len(outcome.accepted)}, refused {refused}"
-    return replies.upstream(r.code, r.enhanced, sg_id, text)
+    # A 421 closes the session it is sent on (RFC 5321 §3.8): the provider's with
+    # smtpguard, not the client's, which goes on. Passed on as 421, the client would drop
+    # a session smtpguard keeps open; 451 says the same of the message (try later).
+    code = 451 if r.code == 421 else r.code
+    return replies.upstream(code, r.enhanced, sg_id, text)
