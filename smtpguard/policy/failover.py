@@ -17,7 +17,7 @@ from typing import Literal
 
 from smtpguard import replies
 from smtpguard.policy.breaker import Breaker
-from smtpguard.policy.outcome import Kind, Outcome, classify_reply, upstream_reply
+from smtpguard.policy.outcome import Kind, Outcome, classify_reply, queue_id, upstream_reply
 from smtpguard.policy.throttle import is_rate_limit
 from smtpguard.replies import Reply
 
@@ -126,8 +126,10 @@ def data_reply(
     # the provider for the messages that follow.
     kind = classify_reply(code)
     health: Health = "ok" if limited else "fail" if code == 421 else "ok"
+    # A 2xx other than 250 took the message too: its queue id finds it as a 250's does.
+    taken = queue_id(text) if kind is Kind.DELIVERED else None
     return Attempted(
-        Outcome(kind, provider, reply, rejected=tuple(rejected), data_sent=True),
+        Outcome(kind, provider, reply, upstream_id=taken, rejected=tuple(rejected), data_sent=True),
         failover=False,
         health=health,
         rate_limited=limited,

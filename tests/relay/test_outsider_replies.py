@@ -125,3 +125,24 @@ async def _submit_on(c: RawClient, key: str) -> SmtpReply:
         r = await c.command(line)
         assert r.code == 250, r
     return await c.data(terminated(message_bytes(key)))
+
+
+@pytest.mark.parametrize("dot", [b"251 2.0.0 Ok: queued as W1\r\n", b"221 2.0.0 Bye, queued as W1\r\n"])
+async def test_a_dot_taken_with_another_2xx_is_delivered_and_the_client_hears_250(
+    tmp: Path, dot: bytes
+) -> None:
+    # RFC 5321 §4.3.2: 250 is the one success reply to the end of data, and clients accept
+    # no other (aiosmtplib and smtplib raise on anything else). The provider took the
+    # message (2xx): delivered, never resent, and the client hears so.
+    async with Scripted(dot=[dot]) as primary:
+        cfg = routed(tmp, smtp_provider("primary", primary.port))
+        async with running_guard(cfg) as guard:
+            first = await send(guard.ports[0], message("other2xx:1"))
+            again = await send(guard.ports[0], message("other2xx:1"))
+            assert guard.store is not None
+            record = await guard.store.get("acme", "other2xx:1")
+    assert first.code == 250 and "[sg:" in first.text, first
+    assert again.code == 250 and "duplicate" in again.text, again
+    assert record is not None and record.state == "delivered"
+    assert record.attempts[-1].upstream_id == "W1", record.attempts
+    assert len(primary.messages) == 1
