@@ -117,10 +117,15 @@ def data_reply(
 ) -> Attempted:
     """A refusal during DATA: to the DATA command itself (no byte of the message written),
     or to the message after its final dot."""
+    if not body_written:
+        # To the DATA command itself: not one byte of the message was written (it goes
+        # only after a 354), so nothing can have been accepted. As a reply to MAIL: a
+        # try-later may fail over (a primary whose queue cannot take a file answers DATA
+        # with 451 to every message), a refusal ends the event, a rate limit throttles.
+        before = before_dot_reply(provider, code, text)
+        return replace(before, outcome=replace(before.outcome, rejected=tuple(rejected)))
     reply = upstream_reply(code, text)
     limited = is_rate_limit(code, reply.enhanced, reply.text)
-    if limited and not body_written:
-        return rate_limited(provider, reply)
     # The provider's answer to the message after its final dot: that reply is the outcome
     # (a 4xx defers, DESIGN.md §4) and it is never failed over; a rate limit still throttles
     # the provider for the messages that follow.
