@@ -120,6 +120,15 @@ def smtputf8_not_offered(provider: str) -> Reply:
     return Reply(553, "5.6.7", f"Upstream {provider} does not offer SMTPUTF8, which this message needs")
 
 
+def eightbitmime_not_offered(provider: str) -> Reply:
+    """The relay's refusal of an 8-bit message to a provider whose EHLO does not offer
+    8BITMIME (RFC 6152 §3: refuse or convert; smtpguard never rewrites a message). X.6.3:
+    conversion required but not supported (RFC 3463)."""
+    return Reply(
+        554, "5.6.3", f"Upstream {provider} does not offer 8BITMIME, and this message has 8-bit data"
+    )
+
+
 def recipient_null_mx(domain: str) -> Reply:
     """RFC 7505 §4.3: the domain publishes a null MX, it accepts no mail (X.1.10)."""
     return Reply(556, "5.1.10", f"Recipient domain {safe(domain)} accepts no mail (null MX)")

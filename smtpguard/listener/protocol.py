@@ -16,7 +16,7 @@ import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, AnyStr, Protocol, cast
 
-from aiosmtpd.smtp import MISSING, Session
+from aiosmtpd.smtp import MISSING, Session, syntax
 
 from smtpguard import replies
 from smtpguard.config import Config
@@ -117,6 +117,25 @@ class GuardSMTP(LimitedSession):
             except asyncio.LimitOverrunError as e:
                 await self._reader.read(e.consumed)
         return b"TOOLONG " + b"x" * self.command_size_limit + b"\r\n"
+
+    @syntax("MAIL FROM: <address>", extended=" [SP <mail-parameters>]")
+    async def smtp_MAIL(self, arg: str | None) -> None:
+        """aiosmtpd's MAIL, but the null reverse-path reaches the handler. `<>` is SMTP
+        syntax (RFC 5321 §4.1.2), which aiosmtpd answers with its 501 "Syntax" itself; it
+        names no sender, so no zone maps it: the handler's sender check refuses it (550
+        5.7.1, DESIGN.md §3) whatever its parameters say."""
+        path = self._strip_command_keyword("FROM:", arg) if arg is not None else None
+        if path is None or not path.startswith("<>"):
+            await super().smtp_MAIL(arg)
+            return
+        if await self.check_helo_needed() or await self.check_auth_needed("MAIL"):
+            return
+        assert self.envelope is not None
+        if self.envelope.mail_from:
+            await self.push("503 Error: nested MAIL command")
+            return
+        status = await self._call_handler_hook("MAIL", "", [])
+        await self.push(str(replies.MAIL_SYNTAX) if status is MISSING else status)
 
     async def smtp_DATA(self, arg: str) -> None:
         """aiosmtpd's DATA command with its checks and replies, but the transfer is read in

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
+import codecs
 import hashlib
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -12,6 +16,20 @@ from smtpguard.policy.message import Message
 from smtpguard.replies import Reply
 
 MAX_KEY_LENGTH = 200
+_ENCODED_WORD = r"=\?[^?\s]+\?[QqBb]\?[^?\s]*\?="
+_FOLDED_WORDS = re.compile(rf"{_ENCODED_WORD}(?:\s+{_ENCODED_WORD})+")
+_WORD = re.compile(r"=\?([^?\s]+)\?([QqBb])\?([^?\s]*)\?=")
+_KEY_CHARSETS = frozenset(
+    {"utf-8", "ascii", "koi8-r", "koi8-u", "shift_jis", "euc_jp", "iso2022_jp", "euc_kr"}
+    | {"gb2312", "gbk", "gb18030", "big5"}
+    | {f"iso8859-{n}" for n in (*range(1, 11), *range(13, 17))}
+    | {f"cp{n}" for n in range(1250, 1259)}
+)
+"""The charsets (as Python's codec registry names them) a mail library writes a header
+in: UTF-8, ASCII, ISO 8859, the Windows code pages and the common Cyrillic and East Asian
+ones. Not every codec Python has: some are no text encoding at all (rot13, base64, zlib)
+and some are Python's own (unicode_escape, punycode), which no mail library writes and
+whose decoding means nothing to anyone reading the header."""
 MissingKeyMode = Literal["reject", "derive", "allow"]
 
 
@@ -48,10 +66,13 @@ def event_key(
         if len(values) > 1:
             return replies.malformed_key(name, "the header appears more than once")
         if values:
-            problem = key_problem(values[0])
+            value = written_key(values[0])
+            if value is None:
+                return replies.malformed_key(name, "its encoded-words cannot be decoded")
+            problem = key_problem(value)
             if problem:
                 return replies.malformed_key(name, problem)
-            found.append((name, values[0]))
+            found.append((name, value))
     if found:
         first_name, first = found[0]
         for other_name, other in found[1:]:
@@ -65,6 +86,44 @@ def event_key(
     if mode == "derive":
         return EventKey("auto:" + fingerprint, derived=True)
     return None
+
+
+def written_key(value: str) -> str | None:
+    """The key an application wrote, from the header value as it arrived; None when it
+    cannot be decoded.
+
+    A mail library writes a key too long for one header line as RFC 2047 encoded-words
+    folded over several lines (Python's email package does so past about 77 characters:
+    `=?utf-8?q?invoice=3A…?=` CRLF SP `=?utf-8?q?…?=`). The whitespace between adjacent
+    encoded-words is not part of the text (RFC 2047 §6.2), so two or more of them, and
+    nothing else, are decoded. Any other value is the key as written, a single
+    encoded-word included: such a value was always taken literally, and a retry sent
+    across an upgrade must keep its key. Read as written, the folded form held whitespace
+    and was refused, so decoding it changes no key that ever had a record."""
+    if _FOLDED_WORDS.fullmatch(value) is None:
+        return value
+    runs: list[tuple[str, bytearray]] = []
+    for charset, encoding, text in _WORD.findall(value):
+        # RFC 2231 §5: a charset may carry a language (`utf-8*en`); it names no charset.
+        charset = charset.partition("*")[0].lower()
+        try:
+            if codecs.lookup(charset).name not in _KEY_CHARSETS:
+                return None
+            if encoding in "Bb":
+                octets = base64.b64decode(text, validate=True)
+            else:
+                octets = binascii.a2b_qp(text.encode("ascii"), header=True)
+        except (LookupError, ValueError, binascii.Error, UnicodeEncodeError):
+            return None
+        # One character may be split over two words of one charset: decoded as one run.
+        if runs and runs[-1][0] == charset:
+            runs[-1][1].extend(octets)
+        else:
+            runs.append((charset, bytearray(octets)))
+    try:
+        return "".join(bytes(octets).decode(charset) for charset, octets in runs)
+    except UnicodeDecodeError:
+        return None
 
 
 def message_id_for(zone: str, key: str, domain: str) -> str:

@@ -17,7 +17,7 @@ from typing import Literal
 
 from smtpguard import replies
 from smtpguard.policy.breaker import Breaker
-from smtpguard.policy.outcome import Kind, Outcome, classify_reply, upstream_reply
+from smtpguard.policy.outcome import Kind, Outcome, classify_reply, queue_id, upstream_reply
 from smtpguard.policy.throttle import is_rate_limit
 from smtpguard.replies import Reply
 
@@ -70,6 +70,17 @@ def smtputf8_missing(provider: str) -> Attempted:
     )
 
 
+def eightbitmime_missing(provider: str) -> Attempted:
+    """The message has 8-bit data and this provider offers neither 8BITMIME nor SMTPUTF8
+    (RFC 6152 §3). As smtputf8_missing: nothing was sent, so the route may fail over to a
+    provider that offers it; where none does, the event fails with 554 5.6.3."""
+    return Attempted(
+        Outcome(Kind.FAILED, provider, replies.eightbitmime_not_offered(provider), data_sent=False),
+        failover=True,
+        health="ok",
+    )
+
+
 def refused_all(provider: str, rejected: list[tuple[str, Reply]]) -> Attempted:
     temp = next((r for _, r in rejected if r.temporary), None)
     if temp is not None and is_rate_limit(temp.code, temp.enhanced, temp.text):
@@ -106,17 +117,24 @@ def data_reply(
 ) -> Attempted:
     """A refusal during DATA: to the DATA command itself (no byte of the message written),
     or to the message after its final dot."""
+    if not body_written:
+        # To the DATA command itself: not one byte of the message was written (it goes
+        # only after a 354), so nothing can have been accepted. As a reply to MAIL: a
+        # try-later may fail over (a primary whose queue cannot take a file answers DATA
+        # with 451 to every message), a refusal ends the event, a rate limit throttles.
+        before = before_dot_reply(provider, code, text)
+        return replace(before, outcome=replace(before.outcome, rejected=tuple(rejected)))
     reply = upstream_reply(code, text)
     limited = is_rate_limit(code, reply.enhanced, reply.text)
-    if limited and not body_written:
-        return rate_limited(provider, reply)
     # The provider's answer to the message after its final dot: that reply is the outcome
     # (a 4xx defers, DESIGN.md §4) and it is never failed over; a rate limit still throttles
     # the provider for the messages that follow.
     kind = classify_reply(code)
     health: Health = "ok" if limited else "fail" if code == 421 else "ok"
+    # A 2xx other than 250 took the message too: its queue id finds it as a 250's does.
+    taken = queue_id(text) if kind is Kind.DELIVERED else None
     return Attempted(
-        Outcome(kind, provider, reply, rejected=tuple(rejected), data_sent=True),
+        Outcome(kind, provider, reply, upstream_id=taken, rejected=tuple(rejected), data_sent=True),
         failover=False,
         health=health,
         rate_limited=limited,
@@ -238,7 +256,15 @@ class Walk:
             return result.outcome
         if result.outcome.kind is Kind.UNAVAILABLE:
             self.unavailable = True
-        if self.fallback is None or self.fallback.kind is Kind.UNAVAILABLE:
+        if (
+            self.fallback is None
+            or self.fallback.kind is Kind.UNAVAILABLE
+            # A refusal that may fail over is one for what that provider lacks (SMTPUTF8,
+            # 8BITMIME); a later provider's "try later" is the event's answer. Kept as the
+            # first one's 5xx, the event would fail for good though that provider is able
+            # to take it once it can.
+            or (self.fallback.kind is Kind.FAILED and result.outcome.kind is Kind.DEFERRED)
+        ):
             self.fallback = result.outcome
         return None
 

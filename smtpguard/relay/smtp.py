@@ -27,6 +27,7 @@ from smtpguard.policy.failover import (
     before_dot_reply,
     connections_busy,
     data_reply,
+    eightbitmime_missing,
     lost_at_data,
     rate_limited,
     refused_all,
@@ -315,7 +316,7 @@ class SmtpProvider:
         return result
 
     async def _mail_rcpt(
-        self, conn: Session, env: Envelope, reused: bool
+        self, conn: Session, env: Envelope, reused: bool, eight_bit: bool
     ) -> tuple[Attempted | None, bool] | _Accepted:
         """MAIL and RCPT: the recipients taken, or the transaction's result if it ends here.
         To a provider offering PIPELINING (RFC 2920) they go out in one write and their
@@ -324,6 +325,9 @@ class SmtpProvider:
         t = self.cfg.timeouts
         declare = env.smtputf8_wanted and conn.smtputf8
         options, encoding = (b" SMTPUTF8", "utf-8") if declare else (b"", "ascii")
+        if conn.eightbitmime and eight_bit:
+            # RFC 6152 §3: an 8-bit message says so; undeclared, the server may take it as 7BIT.
+            options += b" BODY=8BITMIME"
         try:
             # Every line is made before any is written: an address that cannot be written
             # stops the transaction with nothing sent.
@@ -406,6 +410,15 @@ class SmtpProvider:
         except Exception as e:
             log_unexpected(self.name, "preparing the message", e)
             return unavailable(self.name, f"before DATA: {describe(e)}", health="ok"), True
+        # Judged on the bytes as written (with the headers smtpguard adds): octets above 127.
+        eight_bit = not block.isascii()
+        if eight_bit and not conn.eightbitmime and not (env.smtputf8_wanted and conn.smtputf8):
+            # RFC 6152 §3: 8-bit data must not reach a server that offers neither 8BITMIME
+            # nor SMTPUTF8 (RFC 6531 §3.1: that takes 8-bit data), and smtpguard never
+            # rewrites a message to 7 bits. Refused on the connection in hand before MAIL, as
+            # for SMTPUTF8 above: nothing sent, the connection clean and kept, and the route
+            # may fail over to a provider that offers it.
+            return eightbitmime_missing(self.name), True
         # The data_sent mark is written while MAIL and RCPT go out and awaited before DATA:
         # its durable write and the provider's round trips overlap instead of adding up (and
         # the pooled connection is not held idle meanwhile). A crash between the two leaves
@@ -414,7 +427,7 @@ class SmtpProvider:
         # Retrieved even when MAIL/RCPT end the transaction first (no "never retrieved").
         marker.add_done_callback(_retrieve)
         try:
-            envelope = await self._mail_rcpt(conn, env, reused)
+            envelope = await self._mail_rcpt(conn, env, reused, eight_bit)
         except BaseException:
             # Cancelled (shutdown): the mark, if it lands, only makes the event `unknown`.
             marker.cancel()

@@ -68,7 +68,9 @@ class Session(asyncio.Protocol):
     them in the order the commands were written; bytes nobody is waiting for are dropped,
     never kept for the next command (a reply must not be mistaken for a later one's)."""
 
-    def __init__(self, transport: asyncio.Transport, *, pipelining: bool, smtputf8: bool) -> None:
+    def __init__(
+        self, transport: asyncio.Transport, *, pipelining: bool, smtputf8: bool, eightbitmime: bool = False
+    ) -> None:
         self._transport = transport
         self._loop = asyncio.get_running_loop()
         self._buffer = bytearray()
@@ -76,6 +78,8 @@ class Session(asyncio.Protocol):
         self._closed = False
         self.pipelining = pipelining
         self.smtputf8 = smtputf8
+        self.eightbitmime = eightbitmime
+        """The EHLO offered 8BITMIME (RFC 6152): a message with octets above 127 may be sent."""
 
     @classmethod
     def take_over(cls, conn: aiosmtplib.SMTP) -> Session:
@@ -89,6 +93,7 @@ class Session(asyncio.Protocol):
             transport,
             pipelining=conn.supports_extension("pipelining"),
             smtputf8=conn.supports_extension("smtputf8"),
+            eightbitmime=conn.supports_extension("8bitmime"),
         )
         transport.set_protocol(session)
         conn.transport = None

@@ -164,3 +164,92 @@ def test_event_key_never_raises(headers: list[tuple[str, str]], mode: MissingKey
         assert result is None
     if isinstance(result, Reply):
         assert not any(c in result.text for c in "\r\n")
+
+
+# --- a key a mail library folded as RFC 2047 encoded-words -------------------------------------
+FOLDED_BY_PYTHON = [
+    pytest.param("invoice:acme:" + "x" * 120, id="long-ascii"),
+    pytest.param("order-" + "y" * 70 + "-" + "z" * 70, id="long-ascii-two-parts"),
+    pytest.param("facture:société:" + "é" * 60 + "ü" * 30, id="long-utf8-base64"),
+    pytest.param("k_" * 60, id="underscores"),
+]
+
+
+def _as_python_writes(key: str) -> bytes:
+    """The header block Python's email package writes for this key (policy default)."""
+    from email.message import EmailMessage
+
+    m = EmailMessage()
+    m["X-Event-Key"] = key
+    return m.as_bytes().replace(b"\n", b"\r\n")
+
+
+@pytest.mark.parametrize("key", FOLDED_BY_PYTHON)
+def test_a_key_folded_as_encoded_words_is_the_key_the_application_wrote(key: str) -> None:
+    block = _as_python_writes(key)
+    assert b"=?utf-8?" in block and b"\r\n " in block  # folded, as the library writes it
+    assert event_key(msg(block), HEADER, "reject", FP) == EventKey(key, derived=False)
+
+
+@pytest.mark.parametrize(
+    ("lines", "value"),
+    [
+        # One encoded-word alone was always the literal key: a retry across an upgrade
+        # must find the same record.
+        pytest.param(b"X-Event-Key: =?utf-8?q?inv=3A1?=\r\n", "=?utf-8?q?inv=3A1?=", id="one-word-literal"),
+        pytest.param(
+            b"X-Event-Key: =?UTF-8?Q?inv=3A?=\r\n =?utf-8?B?MTA0NA==?=\r\n", "inv:1044", id="mixed-q-b-case"
+        ),
+        pytest.param(
+            b"X-Event-Key: =?utf-8*en?q?inv=3A?=\r\n =?utf-8?q?7?=\r\n", "inv:7", id="rfc2231-language"
+        ),
+        pytest.param(
+            b"X-Event-Key: =?ISO-8859-1?Q?r=E9f=3A?=\r\n =?iso-8859-1?q?7?=\r\n", "réf:7", id="latin1"
+        ),
+        pytest.param(
+            # A character split over two words of one charset (é is C3 A9).
+            b"X-Event-Key: =?utf-8?q?caf=C3?=\r\n =?utf-8?q?=A9?=\r\n",
+            "café",
+            id="split-character",
+        ),
+    ],
+)
+def test_encoded_words_decode_only_when_folded(lines: bytes, value: str) -> None:
+    assert event_key(msg(lines), HEADER, "reject", FP) == EventKey(value, derived=False)
+
+
+@pytest.mark.parametrize(
+    ("lines", "reason"),
+    [
+        pytest.param(
+            b"X-Event-Key: =?utf-8?q?a_b?=\r\n =?utf-8?q?c?=\r\n", "whitespace", id="decodes-to-space"
+        ),
+        pytest.param(
+            b"X-Event-Key: =?utf-8?q?a=0Ab?=\r\n =?utf-8?q?c?=\r\n", "whitespace", id="decodes-to-lf"
+        ),
+        pytest.param(b"X-Event-Key: =?utf-8?q?a=01?=\r\n =?utf-8?q?c?=\r\n", "control", id="decodes-to-ctl"),
+        pytest.param(b"X-Event-Key: =?no-such?q?a?=\r\n =?utf-8?q?c?=\r\n", "decoded", id="unknown-charset"),
+        pytest.param(b"X-Event-Key: =?utf-8?b?!!?=\r\n =?utf-8?q?c?=\r\n", "decoded", id="bad-base64"),
+        # Python codecs that are no charset a mail library writes: never a crash, never a key.
+        pytest.param(b"X-Event-Key: =?rot13?q?a?=\r\n =?rot13?q?c?=\r\n", "decoded", id="not-a-text-codec"),
+        pytest.param(b"X-Event-Key: =?zlib?q?a?=\r\n =?zlib?q?c?=\r\n", "decoded", id="binary-codec"),
+        pytest.param(
+            b"X-Event-Key: =?unicode_escape?q?a?=\r\n =?unicode_escape?q?c?=\r\n",
+            "decoded",
+            id="python-codec",
+        ),
+        pytest.param(b"X-Event-Key: =?utf-8?q?=FF?=\r\n =?utf-8?q?c?=\r\n", "decoded", id="not-utf8"),
+        pytest.param(
+            b"X-Event-Key: =?utf-8?q?" + b"k" * 150 + b"?=\r\n =?utf-8?q?" + b"k" * 51 + b"?=\r\n",
+            "longer than 200",
+            id="decodes-too-long",
+        ),
+        pytest.param(
+            b"X-Event-Key: x =?utf-8?q?a?=\r\n =?utf-8?q?c?=\r\n", "whitespace", id="text-beside-words"
+        ),
+    ],
+)
+def test_folded_encoded_words_that_make_no_key_are_550_560(lines: bytes, reason: str) -> None:
+    result = event_key(msg(lines), HEADER, "reject", FP)
+    assert isinstance(result, Reply), result
+    assert (result.code, result.enhanced) == (550, "5.6.0") and reason in result.text, result

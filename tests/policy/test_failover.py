@@ -19,6 +19,8 @@ from smtpguard.policy.failover import (
     after_retry,
     before_dot_reply,
     connections_busy,
+    data_reply,
+    eightbitmime_missing,
     health_after,
     rate_limited,
     refused_all,
@@ -322,3 +324,26 @@ def test_a_refusal_for_what_one_provider_lacks_is_retryable_while_another_is_out
 )
 def test_the_upstream_metric_label(outcome: Outcome, label: str) -> None:
     assert reply_class(outcome) == label
+
+
+@pytest.mark.parametrize("first", [NO_UTF8, eightbitmime_missing("a")], ids=["no-smtputf8", "no-8bitmime"])
+def test_a_refusal_for_what_one_provider_lacks_gives_way_to_anothers_try_later(first: Attempted) -> None:
+    # a lacks what the message needs; b could take it and says "later": the event is
+    # deferred with b's reply (its retry reaches b), never failed for good with a's 5xx.
+    b_later = before_dot_reply("b", 451, "4.3.0 try later")
+    w = Walk()
+    assert w.tried(first) is None and w.tried(b_later) is None
+    assert w.end(w.exhausted()) == b_later.outcome
+
+
+def test_a_reply_to_the_data_command_itself_is_a_reply_before_the_message() -> None:
+    # No byte of the message was written (it goes only after a 354): nothing accepted.
+    later = data_reply("a", 451, "4.3.0 queue file write error", [], body_written=False)
+    assert later.outcome.kind is Kind.DEFERRED and later.failover and not later.outcome.data_sent
+    refused = data_reply("a", 554, "5.5.1 no valid recipients", [], body_written=False)
+    assert refused.outcome.kind is Kind.FAILED and not refused.failover and not refused.outcome.data_sent
+    limited = data_reply("a", 421, "4.7.0 slow down", [], body_written=False)
+    assert limited.rate_limited and limited.failover and limited.outcome.kind is Kind.UNAVAILABLE
+    # After the message, the same 451 is the message's outcome: never failed over.
+    after = data_reply("a", 451, "4.3.0 try later", [], body_written=True)
+    assert after.outcome.kind is Kind.DEFERRED and not after.failover and after.outcome.data_sent

@@ -144,6 +144,14 @@ OK = Reply(250, "2.0.0", "Ok: queued as Q1")
             "[sg:SG1]",
             id="delivered-empty-text",
         ),
+        pytest.param(
+            # The provider's 421 closed its own session; the client's goes on (RFC 5321 §3.8).
+            Outcome(Kind.DEFERRED, "primary", Reply(421, "4.4.2", "closing connection")),
+            451,
+            "4.4.2",
+            "[sg:SG1] closing connection",
+            id="421-is-451",
+        ),
     ],
 )
 def test_client_reply_passes_upstream_through(outcome: Outcome, code: int, enhanced: str, text: str) -> None:

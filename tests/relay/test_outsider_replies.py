@@ -15,6 +15,7 @@ from smtpguard.policy.outcome import Kind
 from tests.relay.test_resilience import routed, smtp_provider, upstream_on
 from tests.relay.test_wire_attacks import Scripted, _env, _provider, _send_all
 from tests.support import FakeClock, message, running_guard, send
+from tests.support.hostile import RawClient, SmtpReply, message_bytes, session, terminated
 
 pytestmark = pytest.mark.usefixtures("no_tracebacks")
 
@@ -93,3 +94,55 @@ async def test_a_dot_answered_twice_is_one_delivery_and_the_next_message_is_not_
     else:
         assert second.outcome.kind is Kind.UNAVAILABLE and second.failover, second.outcome
         assert copies[1] == 0
+
+
+async def test_a_421_to_the_dot_reaches_the_client_as_451_and_its_session_goes_on(tmp: Path) -> None:
+    # 421 closes the session it is given on (RFC 5321 §3.8): the provider closed its own
+    # session with smtpguard, not the client's. Passed on as 421, the client (aiosmtplib,
+    # smtplib, nodemailer) drops a session smtpguard keeps open; as 451 with the provider's
+    # enhanced code and text, it defers the event and goes on.
+    clock = FakeClock()
+    async with Scripted(dot=[b"421 4.4.2 closing connection\r\n"]) as primary:
+        cfg = routed(tmp, smtp_provider("primary", primary.port))
+        async with running_guard(cfg, clock=clock) as guard, session(guard.ports[0]) as c:
+            first = await _submit_on(c, "closing:1")
+            second = await _submit_on(c, "closing:2")
+            clock.t += 120  # past min_retry_interval: the deferred event is sent again
+            retry = await _submit_on(c, "closing:1")
+            assert guard.store is not None
+            record = await guard.store.get("acme", "closing:1")
+    assert first.code == 451 and first.enhanced == "4.4.2" and "closing connection" in first.text, first
+    # The session goes on. The 421 throttles the provider (DESIGN.md §16): the next event
+    # waits, nothing sent; past the throttle the deferred one is delivered.
+    assert second.code == 451 and second.enhanced == "4.4.1", second
+    assert retry.code == 250, retry
+    assert record is not None and record.state == "delivered"
+    assert len(primary.messages) == 2
+
+
+async def _submit_on(c: RawClient, key: str) -> SmtpReply:
+    for line in ("MAIL FROM:<billing@acme.example>", "RCPT TO:<customer@example.com>"):
+        r = await c.command(line)
+        assert r.code == 250, r
+    return await c.data(terminated(message_bytes(key)))
+
+
+@pytest.mark.parametrize("dot", [b"251 2.0.0 Ok: queued as W1\r\n", b"221 2.0.0 Bye, queued as W1\r\n"])
+async def test_a_dot_taken_with_another_2xx_is_delivered_and_the_client_hears_250(
+    tmp: Path, dot: bytes
+) -> None:
+    # RFC 5321 §4.3.2: 250 is the one success reply to the end of data, and clients accept
+    # no other (aiosmtplib and smtplib raise on anything else). The provider took the
+    # message (2xx): delivered, never resent, and the client hears so.
+    async with Scripted(dot=[dot]) as primary:
+        cfg = routed(tmp, smtp_provider("primary", primary.port))
+        async with running_guard(cfg) as guard:
+            first = await send(guard.ports[0], message("other2xx:1"))
+            again = await send(guard.ports[0], message("other2xx:1"))
+            assert guard.store is not None
+            record = await guard.store.get("acme", "other2xx:1")
+    assert first.code == 250 and "[sg:" in first.text, first
+    assert again.code == 250 and "duplicate" in again.text, again
+    assert record is not None and record.state == "delivered"
+    assert record.attempts[-1].upstream_id == "W1", record.attempts
+    assert len(primary.messages) == 1

@@ -244,6 +244,7 @@ async def test_upstream_535_trips_circuit_and_logs_without_secret(
     [
         (("-r", "MAIL"), 250, "2.0.0", 1, 250),  # 4xx at MAIL: nothing accepted, standby
         (("-Q", "RCPT"), 250, "2.0.0", 1, 250),  # 421 before the dot: standby
+        (("-r", "DATA"), 250, "2.0.0", 1, 250),  # 4xx to DATA, no byte written: standby
         (("-f", "."), 500, "5.3.0", 0, 500),  # 5xx after the dot: failed, never retried
         (("-r", "."), 450, "4.3.0", 0, 451),  # 4xx after the dot: deferred, min interval
         (("-q", "."), 451, "4.3.0", 0, 451),  # hang up after the dot: unknown, held

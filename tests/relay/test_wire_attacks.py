@@ -58,6 +58,7 @@ class Scripted:
         tls: ssl.SSLContext | None = None,
         starttls: ssl.SSLContext | None = None,
         batch: bool = False,
+        eightbitmime: bool = True,
         **replies: list[bytes],
     ) -> None:
         self.port = free_port()
@@ -76,6 +77,8 @@ class Scripted:
         self.starttls = starttls
         self.batch = batch
         """Replies to every line already read go out in one write (a pipelining server)."""
+        self.eightbitmime = eightbitmime
+        """Whether EHLO offers 8BITMIME (RFC 6152)."""
         self._out = bytearray()
         self.replies = {k: list(v) for k, v in replies.items()}
         self.commands: list[bytes] = []
@@ -143,7 +146,8 @@ class Scripted:
                         b"250-scripted\r\n"
                         + (b"250-STARTTLS\r\n" if self.starttls is not None else b"")
                         + (b"250-PIPELINING\r\n" if self.pipelining else b"")
-                        + b"250 8BITMIME\r\n"
+                        + (b"250-8BITMIME\r\n" if self.eightbitmime else b"")
+                        + b"250 HELP\r\n"
                     )
                     await self._write(writer, ehlo + self.after_ehlo)
                     continue

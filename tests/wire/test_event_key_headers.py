@@ -222,3 +222,29 @@ async def test_the_provider_gets_one_idempotency_header_and_it_is_ours(
     ]
     assert fields == [[b"Idempotency-Key: acme:order-8"], [b"Idempotency-Key: acme:order-10"]], fields
     assert b"globex:order-1" not in upstream.received[1].content
+
+
+async def test_a_long_key_folded_by_the_mail_library_is_one_event(tmp: Path, upstream: Upstream) -> None:
+    # Python's email package writes a key too long for a line of its own (past about 77
+    # characters) as folded RFC 2047 encoded-words: the application's key, not one with
+    # whitespace in it.
+    from email.message import EmailMessage
+
+    key = "invoice:acme-corporation-international:2026-12-04:customer-000123456789:line-items-v2"
+    m = EmailMessage()
+    m["From"], m["To"], m["Subject"], m["X-Event-Key"] = "billing@acme.example", "c@example.com", "s", key
+    m.set_content("Your invoice.\n")
+    assert b"=?utf-8?q?" in m.as_bytes()
+    cfg = stripping(base_config(tmp, upstream.port))
+    cfg["providers"][0]["idempotency_header"] = "Resend-Idempotency-Key"
+    async with running_guard(cfg) as guard:
+        first = await send(guard.ports[0], m)
+        again = await send(guard.ports[0], m)
+        assert guard.store is not None
+        record = await guard.store.get("acme", key)
+    assert first.code == 250 and again.code == 250 and "duplicate" in again.text, (first, again)
+    assert record is not None and record.state == "delivered"
+    assert len(upstream.received) == 1
+    # The provider's idempotency header carries the decoded key; the folded header is gone.
+    assert upstream.received[0].header("Resend-Idempotency-Key") == f"acme:{key}"
+    assert b"X-Event-Key" not in heads(upstream.received[0].content)

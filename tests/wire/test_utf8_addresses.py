@@ -115,7 +115,8 @@ async def test_smtputf8_is_relayed_with_smtputf8_when_the_provider_offers_it(
         ("billing@acme.example", [CUSTOMER, "zoë@example.org"]),
     ]
     # Declared on MAIL to the provider both times (for the second, as the client declared it).
-    assert utf8_up.recorder.mail_options == [["SMTPUTF8"], ["SMTPUTF8"]]
+    # The first, whose header block is UTF-8, is 8-bit data too: BODY=8BITMIME (RFC 6152 §3).
+    assert utf8_up.recorder.mail_options == [["SMTPUTF8", "BODY=8BITMIME"], ["SMTPUTF8"]]
     assert b"From: j\xc3\xb6e@notify.acme.example" in utf8_up.received[0].content
     assert usage == CapUsage(2, 2)
 
