@@ -407,7 +407,7 @@ class Submitter:
             # runs out before_data and the next claim expires it.
             self.leases.release(held)
             await self._expire(state["rec"], sub)
-            await self._refund_all(sub, Ending.EXPIRED, state["rec"].unrefunded)
+            await self._refund_all(sub, Ending.EXPIRED)
             return Result(replies.expired(sub.key), Decision.EXPIRED, sub.key, sg_id=sub.attempt_id)
         except (LeaseLost, StoreUnavailable) as e:
             # Stopped before DATA: nothing reached a provider, so the cap unit goes back.

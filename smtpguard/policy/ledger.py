@@ -475,7 +475,8 @@ def _expired(rec: Record, now: float) -> Record:
 def expire(rec: Record, attempt_id: str, now: float) -> Record | None:
     """The owner of a claimed entry stopped before DATA by MaxAgeReached: `expired`, off the
     queue, no attempt recorded (nothing reached a provider). None if it no longer owns it.
-    The caller refunds the attempt's unit and `rec.unrefunded` (a refund is idempotent)."""
+    The caller refunds the attempt's unit; the units of the attempts its claim took over
+    went back when it took them (Deliver.refund)."""
     if not owns(rec, attempt_id):
         return None
     return _expired(rec, now)
