@@ -39,6 +39,7 @@ from smtpguard.store import (
 )
 from smtpguard.store.base import StoredEvent, ZoneAudit
 from smtpguard.store.redis import RedisStore
+from smtpguard.store.sqlite import SQLiteStore
 from tests.support import RedisServer, free_port
 from tests.support.postgres import PostgresServer, reset
 
@@ -698,6 +699,25 @@ async def test_queue_entries_list_every_zone_with_state(store: Store) -> None:
     assert all(e.enqueued_at == t and e.size == len(body(e.key).content) for e in entries)
     assert [e.key for e in await store.queue_entries("globex")] == ["g1"]
     assert await store.queue_entries("initech") == []
+
+
+async def test_queue_entries_read_a_claim_on_the_stores_clock(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host that lists the queue (an operator's CLI, resume's wake of held entries) has
+    a wall clock an hour ahead: an entry is listed as claimed exactly while its claim is
+    live on the store's clock (DESIGN.md §11.5). On a server's clock (Redis, PostgreSQL)
+    the claim is still live; SQLite's clock is the host's (one machine), so it is over."""
+    t = store.now()
+    await put_queued(store, queued("c1", now=t))
+    [claimed] = await store.claim(t, [("transactional", 1)], LEASE)
+    assert claimed.record.key == "c1"
+    wall = time.time
+    monkeypatch.setattr(time, "time", lambda: wall() + HOUR)
+    live = t + LEASE > store.now()
+    assert live is not isinstance(store, SQLiteStore)
+    [entry] = await store.queue_entries("acme")
+    assert entry.claimed is live
 
 
 async def test_an_entry_whose_record_was_purged_is_dropped(store: Store) -> None:
