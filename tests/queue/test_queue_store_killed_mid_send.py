@@ -9,6 +9,8 @@ its duplicates are answered 250 from the ledger; its record ends delivered, or u
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -76,3 +78,59 @@ async def test_redis_killed_between_the_note_and_the_outcome_sends_the_entry_onc
     assert final.state.value == "delivered", final
     assert all(d.code == 250 and "duplicate" in d.text for d in dups), dups
     assert [e.key for e in entries if e.due_at is not None] == []
+
+
+async def test_a_hung_redis_answers_451_at_acceptance_and_sends_nothing_twice(
+    tmp: Path, upstream: Upstream
+) -> None:
+    """redis-server stopped (SIGSTOP: connections accepted, nothing answered) while the
+    upstream holds a queued entry's dot and while a new message is submitted: the new one is
+    answered 451 4.3.0 at the store's deadline (its enqueue may have landed or not), the held
+    one's 250 is recorded once Redis answers again (past the claim's lease), and a retry of
+    each sends nothing twice."""
+    redis = RedisServer(tmp, durable=True)
+    redis.start()
+    held = asyncio.Event()
+    upstream.handler.script.append(Behaviour(hold_after_dot=held))
+    cfg = base_config(
+        tmp,
+        upstream.port,
+        store={"url": redis.url},
+        zones__acme__delivery="queue",
+        zones__acme__hourly_cap=100_000,
+        zones__acme__monthly_cap=1_000_000,
+    )
+    cfg["event_key"].update(lease="1s", inflight_wait="200ms")
+    cfg["queue"] = {"backoff": {"base": "100ms", "max": "500ms"}, "poll_interval": "50ms"}
+    try:
+        async with running_guard(cfg) as guard:
+            store = guard.store
+            assert store is not None and redis.proc is not None
+            port = guard.ports[0]
+            assert (await send(port, message("hung:1"))).code == 250
+            await upstream.wait_received(1)
+            os.kill(redis.proc.pid, signal.SIGSTOP)
+            try:
+                held.set()
+                during = await send(port, message("hung:2"), timeout=30)
+                await asyncio.sleep(1.5)  # past the claim's 1 s lease, on any clock
+            finally:
+                os.kill(redis.proc.pid, signal.SIGCONT)
+            retried = await eventually(
+                lambda: send(port, message("hung:2")), lambda r: r.code == 250, timeout=20, interval=0.2
+            )
+            for key in ("hung:1", "hung:2"):
+                await eventually(
+                    lambda key=key: store.get("acme", key),
+                    lambda r: r is not None and r.state.value == "delivered",
+                    timeout=40,
+                    interval=0.05,
+                )
+            again = [await send(port, message(k)) for k in ("hung:1", "hung:2")]
+    finally:
+        redis.stop()
+    keys = upstream.event_keys()
+    print(f"hung redis: during {during}, retried {retried}, again {[str(a) for a in again]}, upstream {keys}")
+    assert (during.code, during.text.split()[0]) == (451, "4.3.0"), during
+    assert sorted(keys) == ["hung:1", "hung:2"]
+    assert all(a.code == 250 and "duplicate" in a.text for a in again), again
