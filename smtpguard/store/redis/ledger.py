@@ -170,7 +170,8 @@ class Ledger(RedisConnection):
                     break
                 done, kept = await self._purge_batch(zone, cutoff, now, members)
                 deleted += done
-                # Old records still in_flight/queued stay in the index: step over them.
+                # Old records still in_flight, queued or waiting deferred in their lane stay
+                # in the index: step over them.
                 offset += kept
                 if len(members) < _PURGE_BATCH:
                     break
