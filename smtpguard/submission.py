@@ -401,6 +401,14 @@ class Submitter:
         held = self.leases.hold(renew, s.lease)
         try:
             outcome = await self.route.send(env, before_data)
+        except ledger.MaxAgeReached:
+            # Stopped before DATA by the entry's max_age (DESIGN.md §4a: never sent after
+            # it): expired, and its unit back. Unwritten (the store away), the claim's lease
+            # runs out before_data and the next claim expires it.
+            self.leases.release(held)
+            await self._expire(state["rec"], sub)
+            await self._refund_all(sub, Ending.EXPIRED)
+            return Result(replies.expired(sub.key), Decision.EXPIRED, sub.key, sg_id=sub.attempt_id)
         except (LeaseLost, StoreUnavailable) as e:
             # Stopped before DATA: nothing reached a provider, so the cap unit goes back.
             if isinstance(e, LeaseLost):
@@ -495,6 +503,18 @@ class Submitter:
             "could not record outcome; the key will read as unknown after its lease",
             extra={"zone": sub.zone, "event_key": sub.key, "outcome": outcome.kind.value},
         )
+
+    async def _expire(self, rec: Record, sub: Submission) -> None:
+        """Write a claimed entry's expiry; retried briefly, then left to its claim's lease."""
+        for attempt in range(4):
+            gone = ledger.expire(rec, sub.attempt_id, self.clock())
+            if gone is None:
+                return
+            try:
+                await self.store.requeue(gone, rec.version, queue_due(gone))
+                return
+            except StoreUnavailable:
+                await asyncio.sleep(0.05 * 2**attempt)
 
     async def _hold(self, rec: Record, sub: Submission, until: float) -> None:
         """Give a queued entry back unsent until `until`; retried briefly, then left to its

@@ -311,14 +311,23 @@ def owns(rec: Record, attempt_id: str) -> bool:
     return rec.state is State.IN_FLIGHT and rec.sg_id == attempt_id
 
 
+class MaxAgeReached(Exception):
+    """A store-and-forward entry's max_age ran out after its claim, before its DATA (while
+    it waited for a connection of the provider's pool, connected, greeted): it is never
+    sent now (DESIGN.md §4a). Raised instead of writing the data_sent note."""
+
+
 def mark_data_sent(
     rec: Record, attempt_id: str, now: float, s: LedgerSettings, provider: str | None = None
 ) -> Record | None:
     """Persisted before DATA: from here a crash means `unknown`, never a blind retry.
     `provider` is where the DATA goes: its events find the record before the outcome is
-    written, and after a lost lease (DESIGN.md §18)."""
+    written, and after a lost lease (DESIGN.md §18). An entry past its max_age raises
+    MaxAgeReached: the note is the last point before which nothing can have been accepted."""
     if not owns(rec, attempt_id):
         return None
+    if rec.expires_at is not None and now >= rec.expires_at:
+        raise MaxAgeReached(rec.expires_at)
     return _bump(rec, now, phase=Phase.DATA_SENT, lease_until=now + s.lease, via=provider)
 
 
@@ -440,23 +449,37 @@ def on_claim(rec: Record, attempt_id: str, instance: str, now: float, s: LedgerS
         if rec.phase is Phase.DATA_SENT:
             return Finish(_lost_after_dot(rec, now, s), Decision.UNKNOWN_HELD)
     if rec.expires_at is not None and now >= rec.expires_at:
-        gone = _bump(rec, now, state=State.EXPIRED, next_attempt_at=None, **_UNOWNED)
-        gone = _audit(
-            gone,
-            now,
-            "smtpguard",
-            "expired",
-            rec.state,
-            State.EXPIRED,
-            f"older than its class's max_age ({rec.lane})",
-        )
         abandoned = _abandoned(rec) if rec.state is State.IN_FLIGHT else rec.unrefunded
-        return Finish(replace(gone, unrefunded=()), Decision.EXPIRED, refund=abandoned)
+        return Finish(_expired(rec, now), Decision.EXPIRED, refund=abandoned)
     taken = _bump(rec, now, **_leased(instance, now, s), sg_id=attempt_id, next_attempt_at=None)
     # An in_flight record here lost its worker before DATA: its unit goes back.
     if rec.state is State.IN_FLIGHT:
         taken = replace(taken, unrefunded=_abandoned(rec))
     return Deliver(taken, refund=taken.unrefunded)
+
+
+def _expired(rec: Record, now: float) -> Record:
+    gone = _bump(rec, now, state=State.EXPIRED, next_attempt_at=None, **_UNOWNED)
+    gone = _audit(
+        gone,
+        now,
+        "smtpguard",
+        "expired",
+        rec.state,
+        State.EXPIRED,
+        f"older than its class's max_age ({rec.lane})",
+    )
+    return replace(gone, unrefunded=())
+
+
+def expire(rec: Record, attempt_id: str, now: float) -> Record | None:
+    """The owner of a claimed entry stopped before DATA by MaxAgeReached: `expired`, off the
+    queue, no attempt recorded (nothing reached a provider). None if it no longer owns it.
+    The caller refunds the attempt's unit; the units of the attempts its claim took over
+    went back when it took them (Deliver.refund)."""
+    if not owns(rec, attempt_id):
+        return None
+    return _expired(rec, now)
 
 
 def attempts_of_this_event(rec: Record) -> int:

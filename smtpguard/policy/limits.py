@@ -195,6 +195,8 @@ class Ending(Enum):
     """The store failed before DATA (the data_sent note or a renewal)."""
     HELD = "held"
     """Queued mail given back unsent while every provider of the route is throttled."""
+    EXPIRED = "expired"
+    """Queued mail whose class's max_age ran out after its claim, before DATA."""
     RELAYED = "relayed"
     """The route answered with an outcome."""
 
@@ -223,5 +225,5 @@ def unit_fate(
         # Nothing reached a provider's DATA: unavailable, or refused at MAIL or RCPT.
         spent = outcome.kind is not Kind.UNAVAILABLE and outcome.data_sent is not False
         return () if spent else (attempt,)
-    # Lease lost, store lost, held for a throttle: stopped before any DATA.
+    # Lease lost, store lost, held for a throttle, expired: stopped before any DATA.
     return (attempt,)

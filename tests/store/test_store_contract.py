@@ -39,6 +39,7 @@ from smtpguard.store import (
 )
 from smtpguard.store.base import StoredEvent, ZoneAudit
 from smtpguard.store.redis import RedisStore
+from smtpguard.store.sqlite import SQLiteStore
 from tests.support import RedisServer, free_port
 from tests.support.postgres import PostgresServer, reset
 
@@ -700,6 +701,25 @@ async def test_queue_entries_list_every_zone_with_state(store: Store) -> None:
     assert await store.queue_entries("initech") == []
 
 
+async def test_queue_entries_read_a_claim_on_the_stores_clock(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host that lists the queue (an operator's CLI, resume's wake of held entries) has
+    a wall clock an hour ahead: an entry is listed as claimed exactly while its claim is
+    live on the store's clock (DESIGN.md §11.5). On a server's clock (Redis, PostgreSQL)
+    the claim is still live; SQLite's clock is the host's (one machine), so it is over."""
+    t = store.now()
+    await put_queued(store, queued("c1", now=t))
+    [claimed] = await store.claim(t, [("transactional", 1)], LEASE)
+    assert claimed.record.key == "c1"
+    wall = time.time
+    monkeypatch.setattr(time, "time", lambda: wall() + HOUR)
+    live = t + LEASE > store.now()
+    assert live is not isinstance(store, SQLiteStore)
+    [entry] = await store.queue_entries("acme")
+    assert entry.claimed is live
+
+
 async def test_an_entry_whose_record_was_purged_is_dropped(store: Store) -> None:
     rec = replace(queued("q1"), state=State.DEFERRED)
     await put_queued(store, rec, queued("q2"))
@@ -707,6 +727,35 @@ async def test_an_entry_whose_record_was_purged_is_dropped(store: Store) -> None
     assert await store.purge(NOW + RETENTION + 1, RETENTION) == 2
     assert await store.claim(NOW + RETENTION + 1, [("transactional", 5)], LEASE) == []
     assert await store.queue_entries(None) == []
+
+
+async def test_purge_keeps_a_deferred_entry_waiting_in_its_lane_within_its_max_age(store: Store) -> None:
+    """A class kept longer than the retention (max_age 90 days) and a next try further off
+    than the retention (a long backoff, or every instance down for a week): the entry,
+    answered `250 queued` once, waits in its lane, its record untouched since its last
+    try. The purge must not take it (DESIGN.md §11.2), as it does not take a queued one;
+    past its max_age it may go, as before."""
+    later = NOW + RETENTION + 1
+    waiting = replace(
+        queued("waiting"), state=State.DEFERRED, expires_at=NOW + 90 * DAY, next_attempt_at=later + 60
+    )
+    stale = replace(queued("stale"), state=State.DEFERRED, next_attempt_at=later + 60)  # max_age 3 days
+    relay_deferred = settled(fresh("relay-deferred"), NOW, State.DEFERRED)  # no lane: settled
+    await put_queued(store, waiting, stale)
+    assert await store.reserve(fresh("relay-deferred"), None, None, False) == Reserved()
+    assert await store.put(relay_deferred, 1) is None
+
+    assert await store.purge(later, RETENTION) == 2
+    assert await store.get("acme", "waiting") == waiting
+    assert await store.get("acme", "stale") is None
+    assert await store.get("acme", "relay-deferred") is None
+    [claimed] = await store.claim(later + 60, [("transactional", 5)], LEASE)
+    assert claimed.record == waiting and claimed.message == body("waiting")
+    # Once expired by its worker it is settled like any other record.
+    gone = replace(waiting, state=State.EXPIRED, version=waiting.version + 1, updated_at=later + 60)
+    assert await store.requeue(gone, waiting.version, None) is None
+    assert await store.purge(later + 60 + RETENTION + 1, RETENTION) == 1
+    assert await store.get("acme", "waiting") is None
 
 
 async def test_consume_cap_is_exact_under_concurrency(store: Store) -> None:

@@ -178,25 +178,30 @@ class PostgresStore(Probed, Controls, Desk, Fleet, Pool):
 
     async def purge(self, now: float, retention: float) -> int:
         # Not one deadline for the whole purge: each step below has its own.
-        deleted = await self._purge_events(now - retention)
+        deleted = await self._purge_events(now - retention, now)
         await self._purge_windows(now, retention)
         return deleted
 
-    async def _purge_events(self, cutoff: float) -> int:
+    async def _purge_events(self, cutoff: float, now: float) -> int:
         # In batches, each its own transaction and deadline: a busy ledger's first expiry
         # outlasts any one statement's deadline.
         total = 0
-        while (n := await self._purge_batch(cutoff)) > 0:
+        while (n := await self._purge_batch(cutoff, now)) > 0:
             total += n
         return total
 
     @_translated
-    async def _purge_batch(self, cutoff: float) -> int:
+    async def _purge_batch(self, cutoff: float, now: float) -> int:
         async with self._tx() as conn:
+            # A deferred record whose message waits in its lane for a try (a backoff, a
+            # throttle or a downtime longer than `retention`) is a live entry, as a queued
+            # one is: kept until its class's max_age, when a worker expires it.
             cur = await conn.execute(
-                "DELETE FROM events WHERE ctid IN (SELECT ctid FROM events WHERE updated_at < %s "
-                "AND state <> ALL(%s) LIMIT 2000)",
-                (cutoff, list(_SETTLED_EXCLUDED)),
+                "DELETE FROM events WHERE ctid IN (SELECT ctid FROM events e WHERE updated_at < %s "
+                "AND state <> ALL(%s) AND NOT (state = %s "
+                "AND coalesce((data::json->>'expires_at')::float8, 'Infinity') > %s "
+                "AND EXISTS (SELECT 1 FROM queue q WHERE q.zone = e.zone AND q.key = e.key)) LIMIT 2000)",
+                (cutoff, list(_SETTLED_EXCLUDED), State.DEFERRED.value, now),
             )
             n = cur.rowcount
             # Store-and-forward entries kept for an operator (unknown, failed) go with their record.

@@ -20,6 +20,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.maint_notifications import MaintNotificationsConfig
 
 from smtpguard.store.base import StoreUnavailable
+from smtpguard.store.clock import ServerClock
 from smtpguard.store.errors import Probed, translated
 from smtpguard.store.redis.keys import (
     _QUEUED_ZONES,
@@ -70,6 +71,8 @@ class RedisConnection(Probed):
     """What every part of RedisStore stands on; RedisStore.__init__ sets these."""
 
     url: str
+    _clock: ServerClock
+    """The store's clock (OnServerClock): what claims and leases are written on."""
     _password: str | None
     _wait: bytes
     _wait_replicas: int

@@ -4,7 +4,6 @@ the zone's audit log) and of the queue (its lanes, entries and depths)."""
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 from smtpguard.policy.ledger import Record, State
@@ -53,7 +52,7 @@ class Desk(RedisConnection):
             zones = [zone]
         else:
             zones = sorted(set(await self._smembers(_QUEUED_ZONES)) | set(await self._smembers(_ZONES)))
-        now = time.time()
+        now = self._clock.now()  # the clock the claims were written on (DESIGN.md §11.5)
         out: list[tuple[int, float, QueueEntry]] = []
         for z in zones:
             for key, lane, priority, due, enqueued, size, state, until in await self._zone_entries(z):

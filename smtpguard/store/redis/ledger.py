@@ -168,9 +168,10 @@ class Ledger(RedisConnection):
                 members = await self._purge_candidates(zone, cutoff, offset)
                 if not members:
                     break
-                done, kept = await self._purge_batch(zone, cutoff, members)
+                done, kept = await self._purge_batch(zone, cutoff, now, members)
                 deleted += done
-                # Old records still in_flight/queued stay in the index: step over them.
+                # Old records still in_flight, queued or waiting deferred in their lane stay
+                # in the index: step over them.
                 offset += kept
                 if len(members) < _PURGE_BATCH:
                     break
@@ -187,9 +188,10 @@ class Ledger(RedisConnection):
         return [str(m) for m in members]
 
     @_translated
-    async def _purge_batch(self, zone: str, cutoff: float, members: list[str]) -> tuple[int, int]:
+    async def _purge_batch(self, zone: str, cutoff: float, now: float, members: list[str]) -> tuple[int, int]:
         keys = [_index_key(zone), *(_record_key(zone, m) for m in members)]
-        done, kept = await self._eval(self._purge, keys, [cutoff, *_SETTLED_EXCLUDED, *members])
+        args = [cutoff, now, *_SETTLED_EXCLUDED, State.DEFERRED.value, *members]
+        done, kept = await self._eval(self._purge, keys, args)
         return int(done), int(kept)
 
     @_translated

@@ -188,9 +188,14 @@ class SQLiteStore(Probed, Controls, Desk, Fleet, Access):
 
     async def purge(self, now: float, retention: float) -> int:
         def op(c: sqlite3.Connection) -> int:
+            # A deferred record whose message waits in its lane for a try (a backoff, a
+            # throttle or a downtime longer than `retention`) is a live entry, as a queued
+            # one is: kept until its class's max_age, when a worker expires it.
             n = c.execute(
-                "DELETE FROM events WHERE updated_at < ? AND state NOT IN (?, ?)",
-                (now - retention, State.IN_FLIGHT.value, State.QUEUED.value),
+                "DELETE FROM events WHERE updated_at < ? AND state NOT IN (?, ?) AND NOT "
+                "(state = ? AND coalesce(json_extract(data, '$.expires_at'), 1e308) > ? AND EXISTS "
+                "(SELECT 1 FROM queue q WHERE q.zone = events.zone AND q.key = events.key))",
+                (now - retention, State.IN_FLIGHT.value, State.QUEUED.value, State.DEFERRED.value, now),
             ).rowcount
             # Store-and-forward entries kept for an operator (unknown, failed) go with their record.
             c.execute(
