@@ -9,65 +9,69 @@ its duplicates are answered 250 from the ledger; its record ends delivered, or u
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from tests.support import Behaviour, RedisServer, Upstream, base_config, message, running_guard, send
+from smtpguard.store import Store
+from tests.support import Behaviour, RedisServer, Upstream, message, running_guard, send
 from tests.support.eventually import eventually
+from tests.support.queue import killable_queue_config
+
+
+@contextlib.asynccontextmanager
+async def _held_on_redis(
+    tmp: Path, upstream: Upstream
+) -> AsyncIterator[tuple[int, Store, RedisServer, asyncio.Event]]:
+    """A queue-mode guard on a durable redis-server whose upstream holds its answer to the
+    first final dot until the event is set: the guard's port, its store, the server, the
+    event."""
+    redis = RedisServer(tmp, durable=True)
+    redis.start()
+    held = asyncio.Event()
+    upstream.handler.script.append(Behaviour(hold_after_dot=held))
+    cfg = killable_queue_config(tmp, upstream.port, 0, store_url=redis.url, poll_interval="50ms")
+    try:
+        async with running_guard(cfg) as guard:
+            assert guard.store is not None and redis.proc is not None
+            yield guard.ports[0], guard.store, redis, held
+    finally:
+        redis.stop()
 
 
 @pytest.mark.parametrize("down_for", [0.2, 3.0])
 async def test_redis_killed_between_the_note_and_the_outcome_sends_the_entry_once(
     tmp: Path, upstream: Upstream, down_for: float
 ) -> None:
-    redis = RedisServer(tmp, durable=True)
-    redis.start()
-    held = asyncio.Event()
-    upstream.handler.script.append(Behaviour(hold_after_dot=held))
-    cfg = base_config(
-        tmp,
-        upstream.port,
-        store={"url": redis.url},
-        zones__acme__delivery="queue",
-        zones__acme__hourly_cap=100_000,
-        zones__acme__monthly_cap=1_000_000,
-    )
-    cfg["event_key"].update(lease="1s", inflight_wait="200ms")
-    cfg["queue"] = {"backoff": {"base": "100ms", "max": "500ms"}, "poll_interval": "50ms"}
-    try:
-        async with running_guard(cfg) as guard:
-            store = guard.store
-            assert store is not None
-            port = guard.ports[0]
-            accepted = await send(port, message("qmid:1"))
-            assert accepted.code == 250 and "queued as" in accepted.text
-            await upstream.wait_received(1)
-            noted = await store.get("acme", "qmid:1")
-            assert noted is not None and noted.phase is not None and noted.phase.value == "data_sent"
-            assert redis.proc is not None
-            redis.proc.kill()  # kill -9: only what the AOF has survives
-            redis.proc.wait()
-            held.set()  # the upstream answers 250 while the store is away
-            await asyncio.sleep(down_for)
-            await asyncio.to_thread(redis.start)
-            # The owner has the upstream's 250 and keeps writing it until the store answers:
-            # if a claim found the entry in flight after its lease meanwhile (unknown), the
-            # owner's report settles it all the same.
-            rec = await eventually(
-                lambda: store.get("acme", "qmid:1"),
-                lambda r: r is not None and r.state.value == "delivered",
-                timeout=40,
-                interval=0.05,
-            )
-            # However long the worker keeps claiming, the entry is not tried again.
-            dups = [await send(port, message("qmid:1")) for _ in range(3)]
-            entries = await store.queue_entries("acme")
-            final = await store.get("acme", "qmid:1")
-    finally:
-        redis.stop()
+    async with _held_on_redis(tmp, upstream) as (port, store, redis, held):
+        accepted = await send(port, message("qmid:1"))
+        assert accepted.code == 250 and "queued as" in accepted.text
+        await upstream.wait_received(1)
+        noted = await store.get("acme", "qmid:1")
+        assert noted is not None and noted.phase is not None and noted.phase.value == "data_sent"
+        assert redis.proc is not None
+        redis.proc.kill()  # kill -9: only what the AOF has survives
+        redis.proc.wait()
+        held.set()  # the upstream answers 250 while the store is away
+        await asyncio.sleep(down_for)
+        await asyncio.to_thread(redis.start)
+        # The owner has the upstream's 250 and keeps writing it until the store answers:
+        # if a claim found the entry in flight after its lease meanwhile (unknown), the
+        # owner's report settles it all the same.
+        rec = await eventually(
+            lambda: store.get("acme", "qmid:1"),
+            lambda r: r is not None and r.state.value == "delivered",
+            timeout=40,
+            interval=0.05,
+        )
+        # However long the worker keeps claiming, the entry is not tried again.
+        dups = [await send(port, message("qmid:1")) for _ in range(3)]
+        entries = await store.queue_entries("acme")
+        final = await store.get("acme", "qmid:1")
     keys = upstream.event_keys()
     print(
         f"redis down {down_for}s mid-send: upstream {keys}, record {final and final.state.value}, "
@@ -88,47 +92,27 @@ async def test_a_hung_redis_answers_451_at_acceptance_and_sends_nothing_twice(
     answered 451 4.3.0 at the store's deadline (its enqueue may have landed or not), the held
     one's 250 is recorded once Redis answers again (past the claim's lease), and a retry of
     each sends nothing twice."""
-    redis = RedisServer(tmp, durable=True)
-    redis.start()
-    held = asyncio.Event()
-    upstream.handler.script.append(Behaviour(hold_after_dot=held))
-    cfg = base_config(
-        tmp,
-        upstream.port,
-        store={"url": redis.url},
-        zones__acme__delivery="queue",
-        zones__acme__hourly_cap=100_000,
-        zones__acme__monthly_cap=1_000_000,
-    )
-    cfg["event_key"].update(lease="1s", inflight_wait="200ms")
-    cfg["queue"] = {"backoff": {"base": "100ms", "max": "500ms"}, "poll_interval": "50ms"}
-    try:
-        async with running_guard(cfg) as guard:
-            store = guard.store
-            assert store is not None and redis.proc is not None
-            port = guard.ports[0]
-            assert (await send(port, message("hung:1"))).code == 250
-            await upstream.wait_received(1)
-            os.kill(redis.proc.pid, signal.SIGSTOP)
-            try:
-                held.set()
-                during = await send(port, message("hung:2"), timeout=30)
-                await asyncio.sleep(1.5)  # past the claim's 1 s lease, on any clock
-            finally:
-                os.kill(redis.proc.pid, signal.SIGCONT)
-            retried = await eventually(
-                lambda: send(port, message("hung:2")), lambda r: r.code == 250, timeout=20, interval=0.2
+    async with _held_on_redis(tmp, upstream) as (port, store, redis, held):
+        assert (await send(port, message("hung:1"))).code == 250
+        await upstream.wait_received(1)
+        os.kill(redis.proc.pid, signal.SIGSTOP)
+        try:
+            held.set()
+            during = await send(port, message("hung:2"), timeout=30)
+            await asyncio.sleep(1.5)  # past the claim's 1 s lease, on any clock
+        finally:
+            os.kill(redis.proc.pid, signal.SIGCONT)
+        retried = await eventually(
+            lambda: send(port, message("hung:2")), lambda r: r.code == 250, timeout=20, interval=0.2
+        )
+        for key in ("hung:1", "hung:2"):
+            await eventually(
+                lambda key=key: store.get("acme", key),
+                lambda r: r is not None and r.state.value == "delivered",
+                timeout=40,
+                interval=0.05,
             )
-            for key in ("hung:1", "hung:2"):
-                await eventually(
-                    lambda key=key: store.get("acme", key),
-                    lambda r: r is not None and r.state.value == "delivered",
-                    timeout=40,
-                    interval=0.05,
-                )
-            again = [await send(port, message(k)) for k in ("hung:1", "hung:2")]
-    finally:
-        redis.stop()
+        again = [await send(port, message(k)) for k in ("hung:1", "hung:2")]
     keys = upstream.event_keys()
     print(f"hung redis: during {during}, retried {retried}, again {[str(a) for a in again]}, upstream {keys}")
     assert (during.code, during.text.split()[0]) == (451, "4.3.0"), during

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +20,9 @@ from smtpguard.verdicts.postmark import PostmarkLog
 from smtpguard.verdicts.sendgrid import SendgridLog
 from tests.support import FakeClock
 from tests.support.provider_api_fakes import FakeApi, FakeMailgun, FakePostmark, FakeSendgrid
+from tests.verdicts.conftest import KEY
 
 FIXTURES = Path(__file__).parents[1] / "support" / "fixtures" / "provider_api"
-KEY = "key-3ax6xnjp29jd6fds4gc373sgvjxteol0"
 T = 1_700_000_000.0
 
 
@@ -84,27 +83,8 @@ async def clock() -> FakeClock:
 
 
 @pytest.fixture
-async def mailgun(clock: FakeClock) -> AsyncIterator[FakeMailgun]:
-    fake = FakeMailgun(KEY, "mg.acme.example", clock)
-    await fake.start()
-    yield fake
-    await fake.stop()
-
-
-@pytest.fixture
-async def postmark(clock: FakeClock) -> AsyncIterator[FakePostmark]:
-    fake = FakePostmark(KEY, clock)
-    await fake.start()
-    yield fake
-    await fake.stop()
-
-
-@pytest.fixture
-async def sendgrid(clock: FakeClock) -> AsyncIterator[FakeSendgrid]:
-    fake = FakeSendgrid(KEY, clock)
-    await fake.start()
-    yield fake
-    await fake.stop()
+def api_clock(clock: FakeClock) -> FakeClock:
+    return clock
 
 
 MG_AUTH = {"Authorization": "Basic " + base64.b64encode(f"api:{KEY}".encode()).decode()}

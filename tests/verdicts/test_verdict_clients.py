@@ -9,7 +9,6 @@ import base64
 import contextlib
 import logging
 import socket
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,49 +25,10 @@ from smtpguard.verdicts.postmark import PostmarkLog
 from smtpguard.verdicts.sendgrid import SendgridLog
 from tests.support import FakeClock, base_config
 from tests.support.provider_api_fakes import FakeMailgun, FakePostmark, FakeSendgrid
+from tests.verdicts.conftest import KEY, Now
 
-KEY = "key-3ax6xnjp29jd6fds4gc373sgvjxteol0"
 FAST = Retry(attempts=4, backoff=0.02, backoff_max=0.1, retry_after_max=5.0)
 ABSENT, GIVE_UP = 1800.0, 86400.0
-
-
-class Now:
-    """The wall clock every party shares: the fake's visibility, the client, the verdict."""
-
-    def __init__(self) -> None:
-        self.t = time.time()
-
-    def __call__(self) -> float:
-        return self.t
-
-
-@pytest.fixture
-def now() -> Now:
-    return Now()
-
-
-@pytest.fixture
-async def mailgun(now: Now) -> AsyncIterator[FakeMailgun]:
-    fake = FakeMailgun(KEY, "mg.acme.example", now)
-    await fake.start()
-    yield fake
-    await fake.stop()
-
-
-@pytest.fixture
-async def postmark(now: Now) -> AsyncIterator[FakePostmark]:
-    fake = FakePostmark(KEY, now)
-    await fake.start()
-    yield fake
-    await fake.stop()
-
-
-@pytest.fixture
-async def sendgrid(now: Now) -> AsyncIterator[FakeSendgrid]:
-    fake = FakeSendgrid(KEY, now)
-    await fake.start()
-    yield fake
-    await fake.stop()
 
 
 def mg_client(fake: FakeMailgun, now: Now, key: str = KEY, **kw: Any) -> MailgunLog:

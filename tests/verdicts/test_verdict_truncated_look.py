@@ -7,7 +7,6 @@ application reuses, or a SendGrid message to several recipients, came out `not a
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import cast
 
 import pytest
@@ -25,27 +24,6 @@ from tests.verdicts.test_verdict_clients import FAST, KEY, Now, judge
 ABSENT = 1800.0
 RECORD = cast(Record, None)
 """ask() only hands the record back in what it found."""
-
-
-@pytest.fixture
-def now() -> Now:
-    return Now()
-
-
-@pytest.fixture
-async def mailgun(now: Now) -> AsyncIterator[FakeMailgun]:
-    fake = FakeMailgun(KEY, "mg.acme.example", now)
-    await fake.start()
-    yield fake
-    await fake.stop()
-
-
-@pytest.fixture
-async def sendgrid(now: Now) -> AsyncIterator[FakeSendgrid]:
-    fake = FakeSendgrid(KEY, now)
-    await fake.start()
-    yield fake
-    await fake.stop()
 
 
 async def test_mailgun_a_reused_message_id_past_ten_pages_is_no_absence(
