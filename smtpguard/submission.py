@@ -406,7 +406,8 @@ class Submitter:
             # it): expired, and its unit back. Unwritten (the store away), the claim's lease
             # runs out before_data and the next claim expires it.
             self.leases.release(held)
-            await self._expire(state["rec"], sub)
+            claimed = state["rec"]
+            await self._give_back(claimed, lambda now: ledger.expire(claimed, sub.attempt_id, now))
             await self._refund_all(sub, Ending.EXPIRED)
             return Result(replies.expired(sub.key), Decision.EXPIRED, sub.key, sg_id=sub.attempt_id)
         except (LeaseLost, StoreUnavailable) as e:
@@ -442,7 +443,8 @@ class Submitter:
             # Queued mail waits for a throttled provider (DESIGN.md §16): held until the
             # route is usable, with no attempt counted (no backoff step, nothing in the
             # history) and its cap unit back; nothing reached any provider's DATA.
-            await self._hold(state["rec"], sub, outcome.wait_until)
+            claimed, until = state["rec"], outcome.wait_until
+            await self._give_back(claimed, lambda now: ledger.hold(claimed, sub.attempt_id, now, until))
             await self._refund_all(sub, Ending.HELD)
             return Result(
                 replies.no_provider(),
@@ -504,27 +506,16 @@ class Submitter:
             extra={"zone": sub.zone, "event_key": sub.key, "outcome": outcome.kind.value},
         )
 
-    async def _expire(self, rec: Record, sub: Submission) -> None:
-        """Write a claimed entry's expiry; retried briefly, then left to its claim's lease."""
+    async def _give_back(self, rec: Record, change: Callable[[float], Record | None]) -> None:
+        """Give a claimed queue entry back unsent, as `change` (at the time) makes it: held
+        until later, or expired. Retried briefly, then left to its claim's lease like any
+        interrupted delivery."""
         for attempt in range(4):
-            gone = ledger.expire(rec, sub.attempt_id, self.clock())
-            if gone is None:
+            changed = change(self.clock())
+            if changed is None:
                 return
             try:
-                await self.store.requeue(gone, rec.version, queue_due(gone))
-                return
-            except StoreUnavailable:
-                await asyncio.sleep(0.05 * 2**attempt)
-
-    async def _hold(self, rec: Record, sub: Submission, until: float) -> None:
-        """Give a queued entry back unsent until `until`; retried briefly, then left to its
-        claim's lease like any interrupted delivery."""
-        for attempt in range(4):
-            held = ledger.hold(rec, sub.attempt_id, self.clock(), until)
-            if held is None:
-                return
-            try:
-                await self.store.requeue(held, rec.version, queue_due(held))
+                await self.store.requeue(changed, rec.version, queue_due(changed))
                 return
             except StoreUnavailable:
                 await asyncio.sleep(0.05 * 2**attempt)
