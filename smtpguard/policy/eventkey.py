@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
+import encodings
+import encodings.aliases
 import hashlib
 import re
 from collections.abc import Sequence
@@ -30,6 +32,11 @@ in: UTF-8, ASCII, ISO 8859, the Windows code pages and the common Cyrillic and E
 ones. Not every codec Python has: some are no text encoding at all (rot13, base64, zlib)
 and some are Python's own (unicode_escape, punycode), which no mail library writes and
 whose decoding means nothing to anyone reading the header."""
+_CODEC_MODULES = frozenset(encodings.aliases.aliases.values()) | {
+    encodings.normalize_encoding(name) for name in _KEY_CHARSETS
+}
+"""What a charset name can resolve to and be one of _KEY_CHARSETS: the codec modules the
+alias table names, and those charsets' own. A name resolving to none is never looked up."""
 MissingKeyMode = Literal["reject", "derive", "allow"]
 
 
@@ -105,15 +112,16 @@ def written_key(value: str) -> str | None:
     runs: list[tuple[str, bytearray]] = []
     for charset, encoding, text in _WORD.findall(value):
         # RFC 2231 §5: a charset may carry a language (`utf-8*en`); it names no charset.
-        charset = charset.partition("*")[0].lower()
+        codec = _mail_codec(charset.partition("*")[0])
+        if codec is None:
+            return None
+        charset = codec.name
         try:
-            if codecs.lookup(charset).name not in _KEY_CHARSETS:
-                return None
             if encoding in "Bb":
                 octets = base64.b64decode(text, validate=True)
             else:
                 octets = binascii.a2b_qp(text.encode("ascii"), header=True)
-        except (LookupError, ValueError, binascii.Error, UnicodeEncodeError):
+        except (ValueError, binascii.Error, UnicodeEncodeError):
             return None
         # One character may be split over two words of one charset: decoded as one run.
         if runs and runs[-1][0] == charset:
@@ -124,6 +132,26 @@ def written_key(value: str) -> str | None:
         return "".join(bytes(octets).decode(charset) for charset, octets in runs)
     except UnicodeDecodeError:
         return None
+
+
+def _mail_codec(charset: str) -> codecs.CodecInfo | None:
+    """The codec of one of _KEY_CHARSETS that `charset` names (any spelling Python's
+    registry takes), or None. The registry is asked only about a name that resolves to a
+    codec module: it keeps every name it fails to find for the life of the process
+    (encodings._cache), and the names here are the client's, each message's its own."""
+    if not charset.isascii():
+        return None
+    # As codecs.lookup() resolves a name (Python >= 3.9): lowercased, normalised, aliased.
+    norm = encodings.normalize_encoding(charset.lower())
+    aliases = encodings.aliases.aliases
+    module = aliases.get(norm) or aliases.get(norm.replace(".", "_")) or norm
+    if module not in _CODEC_MODULES:
+        return None
+    try:
+        info = codecs.lookup(module)
+    except LookupError:
+        return None  # an alias of a codec this platform lacks (mbcs, oem)
+    return info if info.name in _KEY_CHARSETS else None
 
 
 def message_id_for(zone: str, key: str, domain: str) -> str:

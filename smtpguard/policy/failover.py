@@ -113,7 +113,12 @@ def before_dot_reply(provider: str, code: int, text: str) -> Attempted:
 
 
 def data_reply(
-    provider: str, code: int, text: str, rejected: list[tuple[str, Reply]], body_written: bool
+    provider: str,
+    code: int,
+    text: str,
+    rejected: list[tuple[str, Reply]],
+    body_written: bool,
+    accepted: tuple[str, ...] = (),
 ) -> Attempted:
     """A refusal during DATA: to the DATA command itself (no byte of the message written),
     or to the message after its final dot."""
@@ -134,7 +139,16 @@ def data_reply(
     # A 2xx other than 250 took the message too: its queue id finds it as a 250's does.
     taken = queue_id(text) if kind is Kind.DELIVERED else None
     return Attempted(
-        Outcome(kind, provider, reply, upstream_id=taken, rejected=tuple(rejected), data_sent=True),
+        Outcome(
+            kind,
+            provider,
+            reply,
+            upstream_id=taken,
+            rejected=tuple(rejected),
+            # Taken (a 2xx): for the recipients its RCPTs accepted, as a 250 is.
+            accepted=accepted if kind is Kind.DELIVERED else (),
+            data_sent=True,
+        ),
         failover=False,
         health=health,
         rate_limited=limited,

@@ -7,12 +7,14 @@ The pipeline that answers is the SMTP one (submission.py); this only reads its a
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from enum import StrEnum
 
 from smtpguard import replies
 from smtpguard.policy.decisions import Decision
+from smtpguard.policy.eventkey import written_key
 from smtpguard.policy.fingerprint import fingerprint
 from smtpguard.policy.message import HeaderLimits, parse
 from smtpguard.policy.queue import backoff_delay
@@ -159,11 +161,16 @@ def with_key(message: bytes, header: str, key: str) -> bytes | Reply:
         return replies.malformed_key(
             header, "empty, or whitespace or control characters in the row's event_key"
         )
-    head = message.split(b"\r\n\r\n", 1)[0]
+    lines = message.split(b"\r\n\r\n", 1)[0].split(b"\r\n")
     prefix = header.lower().encode() + b":"
-    for line in head.split(b"\r\n"):
+    for i, line in enumerate(lines):
         if line.lower().startswith(prefix):
-            found = line[len(prefix) :].strip().decode("utf-8", "replace")
+            # The field as the listener reads it: unfolded (its continuation lines too), and
+            # a key folded as encoded-words decoded (policy/eventkey.py). Its first line alone
+            # may be another key than the one the message is recorded under.
+            folded = [line[len(prefix) :]]
+            folded += itertools.takewhile(lambda more: more[:1] in (b" ", b"\t"), lines[i + 1 :])
+            found = written_key(b"".join(folded).strip().decode("utf-8", "replace"))
             if found != key:
                 return replies.malformed_key(header, f"the message's {header} is not the row's event_key")
             return message

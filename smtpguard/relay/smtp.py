@@ -474,7 +474,8 @@ class SmtpProvider:
             return unknown(self.name, describe(e), rejected), False
         if not delivered:
             # To the DATA command itself, or to the message after its final dot.
-            return data_reply(self.name, code, text, rejected, body_written), await _rset(conn)
+            taken = data_reply(self.name, code, text, rejected, body_written, tuple(accepted))
+            return taken, await _rset(conn)
         return Attempted(
             Outcome(
                 Kind.DELIVERED,

@@ -458,3 +458,32 @@ async def test_a_reload_mid_batch_hands_the_rows_not_yet_begun_to_the_new_reader
     assert Counter(r["state"] for r in found.values()) == {"sent": len(keys)}
     assert all(r["attempts"] == 1 for r in found.values()), found
     assert Counter(upstream.event_keys()) == Counter(keys)
+
+
+async def test_a_message_whose_folded_key_header_names_another_rows_key_does_not_take_that_event(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer
+) -> None:
+    # Row 1's column is '=?utf-8?q?order?=', its message's X-Event-Key the same word folded on
+    # to a second, which the listener decodes to 'order:2'. Checked by its first line only,
+    # it was sent and recorded as order:2; row 2, the application's own order:2 with that
+    # message, was then answered `duplicate` and never sent.
+    url = app_database(postgres_server)
+    second = row("order:2", subject="Order 2 shipped")
+    first = row("=?utf-8?q?order?=")
+    first.message = b"X-Event-Key: =?utf-8?q?order?=\n =?utf-8?q?=3A2?=\n" + second.message
+    async with running_guard(outbox_config(tmp, upstream.port, url)):
+        await insert(url, [first])
+        await eventually(
+            lambda: receipts(url),
+            lambda f: f[first.event_key]["state"] != "pending",
+            timeout=10,
+            interval=0.05,
+        )
+        await insert(url, [second])
+        found = await eventually(
+            lambda: receipts(url), lambda f: f["order:2"]["state"] != "pending", timeout=10, interval=0.05
+        )
+    assert found[first.event_key]["state"] == "failed", found
+    assert str(found[first.event_key]["reply"]).startswith("550 5.6.0"), found
+    assert found["order:2"]["state"] == "sent", found
+    assert upstream.event_keys() == ["order:2"]

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import base64
+import codecs
+import encodings
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -253,3 +257,43 @@ def test_folded_encoded_words_that_make_no_key_are_550_560(lines: bytes, reason:
     result = event_key(msg(lines), HEADER, "reject", FP)
     assert isinstance(result, Reply), result
     assert (result.code, result.enhanced) == (550, "5.6.0") and reason in result.text, result
+
+
+def test_charset_names_a_client_makes_up_are_not_kept_by_the_codec_registry() -> None:
+    # Python's codec search caches every name it fails to find, for the life of the process
+    # (encodings._cache). Looked up as written, each message naming a charset of its own
+    # (`=?x1a2…?q?a?=`) left its name there: memory an authenticated client could grow
+    # without bound, one refused message at a time.
+    before = len(encodings._cache)  # type: ignore[attr-defined]
+    for n in range(200):
+        name = f"made-up-{n}-" + "x" * 500
+        lines = f"X-Event-Key: =?{name}?q?a?=\r\n =?{name}?q?c?=\r\n".encode()
+        result = event_key(msg(lines), HEADER, "reject", FP)
+        assert isinstance(result, Reply) and "decoded" in result.text, result
+    assert len(encodings._cache) - before < 10  # type: ignore[attr-defined]
+
+
+SPELLINGS = ["utf-8", "UTF-8", "utf8", "u8", "cp65001", "us-ascii", "ASCII", "latin1", "ISO-8859-1"]
+SPELLINGS += ["iso_8859-15", "l1", "windows-1252", "CP1251", "koi8-r", "KOI8-U", "Shift_JIS", "sjis"]
+SPELLINGS += ["euc-jp", "ISO-2022-JP", "euc-kr", "ks_c_5601-1987", "gb2312", "GBK", "cp936", "GB18030"]
+SPELLINGS += ["big5", "utf-8*en"]
+
+
+@pytest.mark.parametrize("charset", SPELLINGS)
+def test_every_spelling_of_a_mail_charset_still_decodes(charset: str) -> None:
+    codec = codecs.lookup(charset.partition("*")[0]).name
+
+    def word(text: str) -> bytes:
+        return f"=?{charset}?b?{base64.b64encode(text.encode(codec)).decode()}?=".encode()
+
+    found = event_key(
+        msg(b"X-Event-Key: " + word("order:") + b"\r\n " + word("42") + b"\r\n"), HEADER, "reject", FP
+    )
+    assert isinstance(found, EventKey) and found.value == "order:42", found
+
+
+@pytest.mark.parametrize("charset", ["big5-hkscs", "utf-16", "cp037", "-", "utf-8\u00e9", "."])
+def test_a_charset_outside_the_mail_ones_is_no_key_whatever_its_spelling(charset: str) -> None:
+    lines = f"X-Event-Key: =?{charset}?q?a?=\r\n =?{charset}?q?c?=\r\n".encode()
+    found = event_key(msg(lines), HEADER, "reject", FP)
+    assert isinstance(found, Reply) and "decoded" in found.text, found

@@ -117,6 +117,20 @@ def test_the_rows_key_goes_into_the_key_header_and_a_different_one_is_refused() 
     assert isinstance(other, Reply) and other.code == 550 and other.enhanced == "5.6.0"
 
 
+def test_a_key_header_folded_as_encoded_words_is_compared_as_the_key_it_decodes_to() -> None:
+    # The listener reads a folded X-Event-Key as the key its encoded-words decode to
+    # (policy/eventkey.py written_key). Compared by its first line alone, a message whose
+    # header decodes to another row's key ("order:2") passed under the row key "=?utf-8?q?order?="
+    # and was sent, and recorded, as order:2: that row's own event was then a duplicate.
+    folded = b"X-Event-Key: =?utf-8?q?order?=\r\n =?utf-8?q?=3A2?=\r\nSubject: s\r\n\r\nb"
+    other = with_key(folded, "X-Event-Key", "=?utf-8?q?order?=")
+    assert isinstance(other, Reply) and other.code == 550 and other.enhanced == "5.6.0"
+    # The same header names the row whose key it decodes to: that row's message, as written.
+    assert with_key(folded, "X-Event-Key", "order:2") == folded
+    undecodable = b"X-Event-Key: =?x-unknown?q?a?=\r\n =?x-unknown?q?b?=\r\n\r\nb"
+    assert isinstance(with_key(undecodable, "X-Event-Key", "=?x-unknown?q?a?="), Reply)
+
+
 @pytest.mark.parametrize("key", ["", "a b", "a\r\nBcc: x@evil.example", "tab\there", "del\x7f"])
 def test_a_key_that_would_inject_or_is_malformed_is_refused_before_any_header_is_written(key: str) -> None:
     refused = with_key(b"Subject: s\r\n\r\nb", "X-Event-Key", key)

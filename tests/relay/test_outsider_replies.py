@@ -14,7 +14,7 @@ import pytest
 from smtpguard.policy.outcome import Kind
 from tests.relay.test_resilience import routed, smtp_provider, upstream_on
 from tests.relay.test_wire_attacks import Scripted, _env, _provider, _send_all
-from tests.support import FakeClock, message, running_guard, send
+from tests.support import Behaviour, FakeClock, message, running_guard, send
 from tests.support.hostile import RawClient, SmtpReply, message_bytes, session, terminated
 
 pytestmark = pytest.mark.usefixtures("no_tracebacks")
@@ -146,3 +146,24 @@ async def test_a_dot_taken_with_another_2xx_is_delivered_and_the_client_hears_25
     assert record is not None and record.state == "delivered"
     assert record.attempts[-1].upstream_id == "W1", record.attempts
     assert len(primary.messages) == 1
+
+
+async def test_a_dot_taken_with_another_2xx_after_a_refused_recipient_counts_the_ones_it_took(
+    tmp: Path,
+) -> None:
+    # The reply to a message taken for some recipients names how many: a 251 after one
+    # RCPT was refused said "accepted for 0" (only a 250 carried the accepted recipients).
+    async with upstream_on() as primary:
+        primary.handler.default = Behaviour(
+            accept="251 2.0.0 Ok: queued as {queue_id}", rcpt={"gone@example.org": "550 5.1.1 no such user"}
+        )
+        cfg = routed(tmp, smtp_provider("primary", primary.port))
+        async with running_guard(cfg) as guard:
+            reply = await send(
+                guard.ports[0],
+                message("other2xx:some"),
+                recipients=["customer@example.com", "gone@example.org"],
+            )
+    assert reply.code == 250, reply
+    assert "accepted for 1, refused <gone@example.org> 550" in reply.text, reply
+    assert len(primary.received) == 1
