@@ -19,6 +19,7 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any
 
+from smtpguard.policy.events import KEY_FIELD
 from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind, bare_message_id, window
 from smtpguard.verdict_config import MailgunApi
 from smtpguard.verdicts.http import (
@@ -33,7 +34,6 @@ from smtpguard.verdicts.http import (
 )
 from smtpguard.verdicts.model import Reported, ReportedEvent, parse_time
 
-KEY_FIELD = "smtpguard_key"
 PAGE = 300
 MAX_PAGES = 10
 _KINDS = {"accepted": LogKind.ACCEPTED, "rejected": LogKind.REFUSED}

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from smtpguard.policy.events import KEY_FIELD
 from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind, window
 from smtpguard.verdict_config import PostmarkApi
 from smtpguard.verdicts.http import ApiClient, ApiError, api_settings, field, header_auth, need_list, untimed
 from smtpguard.verdicts.model import Reported, ReportedEvent, iso_utc, parse_time
 
-KEY_FIELD = "smtpguard_key"
 PAGE = 500
 MAX_PAGES = 10
 DAY = 86400.0

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from smtpguard.policy.events import KEY_FIELD
 from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind
 from smtpguard.verdict_config import SendgridApi
 from smtpguard.verdicts.http import (
@@ -39,7 +40,6 @@ from smtpguard.verdicts.http import (
 )
 from smtpguard.verdicts.model import Reported, ReportedEvent, iso_utc, parse_time
 
-KEY_FIELD = "smtpguard_key"
 MAX_DETAILS = 3
 LIST_LIMIT = 10
 """Rows of a tag's search asked for: as many as that are taken to mean there may be more."""
