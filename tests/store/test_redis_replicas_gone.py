@@ -48,8 +48,16 @@ async def test_wait_with_its_last_replica_gone_answers_451_to_every_submission(
             assert time.monotonic() < deadline, "the replica never synchronised"
             await asyncio.sleep(0.05)
         link.close()
+        # The replica reads its link up before the master counts it as acknowledging: a WAIT
+        # in between finds no replica (a loaded fresh clone answered the first three 451).
+        # Ready when the master has one replica that acknowledges a write.
+        await _replicas(admin, 1)
+        admin.set("smtpguard-test:replicated", "1")
+        assert admin.wait(1, 10_000) == 1, "the replica never acknowledged a write"
         cfg = base_config(tmp, upstream.port, store__url=master.url)
-        cfg["store"].update(unsafe=True, wait={"replicas": 1, "timeout": "100ms"})
+        # Well inside the store's 2 s deadline; long enough that a loaded machine's replica
+        # acknowledges in time while it is there.
+        cfg["store"].update(unsafe=True, wait={"replicas": 1, "timeout": "500ms"})
         async with running_guard(cfg) as guard:
             port = guard.ports[0]
             before = [await send(port, message(f"rep:{i}")) for i in range(3)]
