@@ -42,7 +42,7 @@ from smtpguard.policy.limits import (
     token_month,
     unit_fate,
 )
-from smtpguard.policy.message import HeaderLimits, Message
+from smtpguard.policy.message import Message
 from smtpguard.policy.outcome import Kind, Outcome, client_reply, is_recipient_unknown
 from smtpguard.policy.queue import queue_due
 from smtpguard.policy.senders import recipient_tag
@@ -223,7 +223,7 @@ class Submitter:
         config = self.config
         if self._rules is None or self._rules[0] is not config:
             q = config.queue
-            limits = HeaderLimits(config.limits.max_header_size, config.limits.max_header_count)
+            limits = config.limits.headers
             max_ages = {name: c.max_age for name, c in q.classes.items()}
             rules = Rules(
                 limits, config.event_key.headers, q.class_header, q.default_class, max_ages, self.hostname

@@ -15,6 +15,7 @@ from smtpguard.config.base import (
     _Strict,
     is_loopback,
 )
+from smtpguard.policy.message import HeaderLimits
 
 
 class ListenerConfig(_Listening):
@@ -61,3 +62,8 @@ class LimitsConfig(_Strict):
     """Cap on one DATA transfer from `354` to the final dot, however steadily a slow client
     trickles bytes; `idle_timeout` alone would let a slowloris hold the connection forever."""
     drain_timeout: Duration = 30.0
+
+    @property
+    def headers(self) -> HeaderLimits:
+        """The header block's limits, as the message parser takes them."""
+        return HeaderLimits(self.max_header_size, self.max_header_count)

@@ -28,7 +28,7 @@ from smtpguard.outbox.rows import Row, Written
 from smtpguard.outbox.submit import submit_row
 from smtpguard.policy import outbox as policy
 from smtpguard.policy.classes import class_names
-from smtpguard.policy.message import HeaderLimits, parse
+from smtpguard.policy.message import parse
 from smtpguard.policy.outbox import Retry, RowState
 from smtpguard.recipient_domains import RecipientDomains
 from smtpguard.replies import Reply
@@ -310,7 +310,7 @@ class OutboxReader:
             return None
         assert record is not None
         if not policy.is_records_message(
-            row.message, row.mail_from, row.rcpt_to, self._header_limits(), record.fingerprint
+            row.message, row.mail_from, row.rcpt_to, self.submitter.config.limits.headers, record.fingerprint
         ):
             return None
         if state is None:
@@ -329,10 +329,6 @@ class OutboxReader:
         follow = config.verdicts.every if config.verdicts is not None else 60.0
         return Retry(b.base, b.max, config.event_key.min_retry_interval, min(follow, 60.0))
 
-    def _header_limits(self) -> HeaderLimits:
-        limits = self.submitter.config.limits
-        return HeaderLimits(limits.max_header_size, limits.max_header_count)
-
     def _max_age(self, row: Row) -> float:
         """The max_age of the row's message class (its class header, else the zone's or the
         queue's default class), as a queued message of that class would have."""
@@ -340,7 +336,7 @@ class OutboxReader:
         q = config.queue
         zone = config.zones.get(self.src.zone)
         default = zone.default_class if zone is not None else None
-        parsed = parse(policy.wire_form(row.message), self._header_limits())
+        parsed = parse(policy.wire_form(row.message), self.submitter.config.limits.headers)
         names = (
             [] if isinstance(parsed, Reply) else class_names(parsed, q.class_header, default, q.default_class)
         )

@@ -53,7 +53,7 @@ async def submit_row(
         too_big = size_refusal(max(len(raw), stored_size), config.limits.max_message_size)
         if too_big is not None:
             return Result(too_big, SIZE, event_key)
-        keyed = with_key(raw, config.event_key.headers[0], event_key)
+        keyed = with_key(raw, config.event_key.headers[0], event_key, config.limits.headers)
         if isinstance(keyed, replies.Reply):
             return Result(keyed, Decision.KEY)
         # The outbox is its own SMTP client: it declares SMTPUTF8 when an address needs it.

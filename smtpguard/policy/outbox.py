@@ -7,7 +7,6 @@ The pipeline that answers is the SMTP one (submission.py); this only reads its a
 
 from __future__ import annotations
 
-import itertools
 import re
 from dataclasses import dataclass
 from enum import StrEnum
@@ -151,30 +150,27 @@ def wire_form(message: bytes) -> bytes:
     return _LINE_ENDS.sub(b"\r\n", message)
 
 
-def with_key(message: bytes, header: str, key: str) -> bytes | Reply:
+def with_key(message: bytes, header: str, key: str, limits: HeaderLimits) -> bytes | Reply:
     """The message carrying the row's event_key in the key header the zone reads.
 
     The row's column is the key (DESIGN.md §20). A message that names a different key in
-    that header is refused rather than sent under either of them."""
+    that header is refused rather than sent under either of them. Its header is read as the
+    listener reads it (unfolded by policy.message.parse, a key folded as encoded-words
+    decoded by eventkey.written_key): its first line alone may name another key than the
+    one the message would be recorded under. A message the parser refuses gets the key and
+    is refused by admission, with the reply the listener gives it."""
     if not key or _UNSAFE_KEY.search(key):
         # Checked before the header is written: a CR or LF in the key would add headers.
         return replies.malformed_key(
             header, "empty, or whitespace or control characters in the row's event_key"
         )
-    lines = message.split(b"\r\n\r\n", 1)[0].split(b"\r\n")
-    prefix = header.lower().encode() + b":"
-    for i, line in enumerate(lines):
-        if line.lower().startswith(prefix):
-            # The field as the listener reads it: unfolded (its continuation lines too), and
-            # a key folded as encoded-words decoded (policy/eventkey.py). Its first line alone
-            # may be another key than the one the message is recorded under.
-            folded = [line[len(prefix) :]]
-            folded += itertools.takewhile(lambda more: more[:1] in (b" ", b"\t"), lines[i + 1 :])
-            found = written_key(b"".join(folded).strip().decode("utf-8", "replace"))
-            if found != key:
-                return replies.malformed_key(header, f"the message's {header} is not the row's event_key")
-            return message
-    return f"{header}: {key}\r\n".encode() + message
+    parsed = parse(message, limits)
+    values = parsed.get_all(header) if not isinstance(parsed, Reply) else []
+    if not values:
+        return f"{header}: {key}\r\n".encode() + message
+    if any(written_key(value) != key for value in values):
+        return replies.malformed_key(header, f"the message's {header} is not the row's event_key")
+    return message
 
 
 def size_refusal(size: int, limit: int) -> Reply | None:

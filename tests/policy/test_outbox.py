@@ -6,6 +6,7 @@ import pytest
 
 from smtpguard import replies
 from smtpguard.policy.decisions import Decision
+from smtpguard.policy.message import HeaderLimits
 from smtpguard.policy.outbox import (
     Retry,
     RowState,
@@ -21,6 +22,7 @@ from smtpguard.replies import Reply
 RETRY = Retry(base=60.0, ceiling=3600.0, min_interval=60.0, follow_every=30.0)
 NOW = 1_000_000.0
 DAY = 86400.0
+LIMITS = HeaderLimits()
 
 CASES = [
     # decision, reply, expected state, done, follow
@@ -108,12 +110,11 @@ def test_wire_form_ends_every_line_with_crlf_and_keeps_a_nul() -> None:
 
 
 def test_the_rows_key_goes_into_the_key_header_and_a_different_one_is_refused() -> None:
-    assert (
-        with_key(b"Subject: s\r\n\r\nb", "X-Event-Key", "k:1") == b"X-Event-Key: k:1\r\nSubject: s\r\n\r\nb"
-    )
+    keyed = with_key(b"Subject: s\r\n\r\nb", "X-Event-Key", "k:1", LIMITS)
+    assert keyed == b"X-Event-Key: k:1\r\nSubject: s\r\n\r\nb"
     same = b"x-event-key: k:1\r\n\r\nb"
-    assert with_key(same, "X-Event-Key", "k:1") == same
-    other = with_key(b"X-Event-Key: k:2\r\n\r\nb", "X-Event-Key", "k:1")
+    assert with_key(same, "X-Event-Key", "k:1", LIMITS) == same
+    other = with_key(b"X-Event-Key: k:2\r\n\r\nb", "X-Event-Key", "k:1", LIMITS)
     assert isinstance(other, Reply) and other.code == 550 and other.enhanced == "5.6.0"
 
 
@@ -123,17 +124,17 @@ def test_a_key_header_folded_as_encoded_words_is_compared_as_the_key_it_decodes_
     # header decodes to another row's key ("order:2") passed under the row key "=?utf-8?q?order?="
     # and was sent, and recorded, as order:2: that row's own event was then a duplicate.
     folded = b"X-Event-Key: =?utf-8?q?order?=\r\n =?utf-8?q?=3A2?=\r\nSubject: s\r\n\r\nb"
-    other = with_key(folded, "X-Event-Key", "=?utf-8?q?order?=")
+    other = with_key(folded, "X-Event-Key", "=?utf-8?q?order?=", LIMITS)
     assert isinstance(other, Reply) and other.code == 550 and other.enhanced == "5.6.0"
     # The same header names the row whose key it decodes to: that row's message, as written.
-    assert with_key(folded, "X-Event-Key", "order:2") == folded
+    assert with_key(folded, "X-Event-Key", "order:2", LIMITS) == folded
     undecodable = b"X-Event-Key: =?x-unknown?q?a?=\r\n =?x-unknown?q?b?=\r\n\r\nb"
-    assert isinstance(with_key(undecodable, "X-Event-Key", "=?x-unknown?q?a?="), Reply)
+    assert isinstance(with_key(undecodable, "X-Event-Key", "=?x-unknown?q?a?=", LIMITS), Reply)
 
 
 @pytest.mark.parametrize("key", ["", "a b", "a\r\nBcc: x@evil.example", "tab\there", "del\x7f"])
 def test_a_key_that_would_inject_or_is_malformed_is_refused_before_any_header_is_written(key: str) -> None:
-    refused = with_key(b"Subject: s\r\n\r\nb", "X-Event-Key", key)
+    refused = with_key(b"Subject: s\r\n\r\nb", "X-Event-Key", key, LIMITS)
     assert isinstance(refused, Reply) and refused.code == 550
 
 
