@@ -387,8 +387,8 @@ class Submitter:
                     raise LeaseLost()
                 state["rec"] = new
 
-        async def before_data(provider: str) -> None:
-            await write(lambda r: ledger.mark_data_sent(r, sub.attempt_id, self.clock(), s, provider))
+        async def before_data(provider: str, tagged: str | None) -> None:
+            await write(lambda r: ledger.mark_data_sent(r, sub.attempt_id, self.clock(), s, provider, tagged))
 
         async def renew() -> None:
             await write(lambda r: ledger.renew_lease(r, sub.attempt_id, self.clock(), s))

@@ -70,6 +70,7 @@ async def _verdict(config: Config, store: Store, zone: str, key: str) -> dict[st
         "verdict": asked.verdict.kind.value,
         "log": [_entry(e) for e in asked.entries],
         "ingested_past": asked.proof,
+        "absence_provable": asked.provable,
         "error": asked.error,
     }
     written: Record | None = None
@@ -110,4 +111,11 @@ def _print(doc: dict[str, Any]) -> None:
         print(f"  log: {e['at']} {e['kind']} {fields}")
     if not doc["log"] and not doc["error"]:
         print("  log: nothing about this message")
+    if not doc["absence_provable"] and doc["verdict"] in ("none_yet", "gave_up"):
+        # A search by a tag the message never carried finds nothing, accepted or not.
+        print(
+            f"  its message is not known to carry the tag {doc['provider']}'s log is searched by "
+            "(sent before the provider's api was configured): no absence can prove it was not "
+            "accepted; an operator decides (resolve)"
+        )
     print(f"  verdict: {doc['verdict'].replace('_', ' ')}; the record is {doc['state']}")

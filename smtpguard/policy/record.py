@@ -98,6 +98,12 @@ class Record:
     via: str | None = None
     """The provider the current attempt's DATA went to (noted with data_sent, before any
     outcome): how its provider's events find a record still in flight or left unknown."""
+    tagged: str | None = None
+    """The kind of tag (policy.tags) that provider wrote into the current attempt's message,
+    noted with `via`; None when it wrote none, or when the note is older than this field. A
+    log searched by its tag alone proves a message absent only when it carried that tag
+    (policy.verdicts.absence_provable): a message sent before the tag was configured is
+    absent from such a search, and `not accepted` would send it again."""
     rcpt_tags: tuple[str, ...] = ()
     """A short hash of each envelope recipient (senders.recipient_tag): a provider event
     suppresses an address only if it was one of them, without the ledger keeping them."""
@@ -139,6 +145,7 @@ class Record:
             "username": self.username,
             "attempts": [_attempt_to_dict(a) for a in self.attempts],
             **({"via": self.via} if self.via is not None else {}),
+            **({"tagged": self.tagged} if self.tagged is not None else {}),
             **({"sender": self.sender} if self.sender is not None else {}),
             "audit": [
                 {
@@ -178,6 +185,7 @@ class Record:
             lost_owner=d.get("lost_owner"),
             lost_until=d.get("lost_until"),
             via=d.get("via"),
+            tagged=d.get("tagged"),
             sender=d.get("sender"),
             rcpt_tags=tuple(d.get("rcpt_tags", ())),
             unrefunded=tuple(d.get("unrefunded", ())),

@@ -16,8 +16,8 @@ from smtpguard.replies import Reply, safe
 def attempt_of(rec: Record, tag: str | None) -> Attempt | None:
     """The attempt whose outcome `rec` (unknown) leaves open, as the log is asked about it:
     the provider its DATA went to, from when until when, and its Message-ID. None when no
-    provider is known (nothing can be asked). `tag` is what the relay wrote for the record
-    (tags.tagged).
+    provider is known (nothing can be asked). `tag` is smtpguard's tag for the record
+    (tags.tagged); whether the relay wrote it is the record's `tagged`.
 
     From the earliest trace of the current attempt (a lost lease's trace keeps when its
     owner last wrote, not when the loss was noticed) to the latest, or to `lost_until`
@@ -29,7 +29,9 @@ def attempt_of(rec: Record, tag: str | None) -> Attempt | None:
     times = [a.at for a in mine] or [rec.updated_at]
     latest = max([*times, rec.lost_until or times[0]])
     message_id = next((a.message_id for a in mine if a.message_id), None) or rec.message_id
-    return Attempt(provider, min(times), tag, message_id, latest if latest > min(times) else None)
+    until = latest if latest > min(times) else None
+    # `tagged` is noted with `via`, for the current attempt: every claim clears both.
+    return Attempt(provider, min(times), tag, message_id, until, rec.tagged)
 
 
 def names_the_message(rec: Record, match: Match) -> bool:

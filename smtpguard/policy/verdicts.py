@@ -19,8 +19,9 @@ The rules, in the order they are tried:
    webhook or reconciliation reports next.
 4. Nothing matching: `not_accepted` only once `absent_after` has passed since the attempt
    *and* the log already shows a later acceptance of another message through the same
-   provider (proof that it has ingested past the attempt; logs are eventually consistent).
-   This is the one verdict that leads to a send, so it needs both.
+   provider (proof that it has ingested past the attempt; logs are eventually consistent)
+   *and* the log was searched by an id the message is known to carry (`absence_provable`).
+   This is the one verdict that leads to a send, so it needs all three.
 5. Otherwise `none_yet`, or `gave_up` once `give_up` has passed: the loop stops and the
    record waits for an operator. Past `give_up` evidence of acceptance or refusal still
    settles (it sends nothing), but absence never does.
@@ -81,10 +82,31 @@ class Attempt:
     """The latest moment the message may have reached the provider, when later than `at`:
     an owner that lost its lease may have been in DATA until then (Record.lost_until).
     Absence is proved, and `absent_after` counted, from here, not from `at`."""
+    tagged: str | None = None
+    """The kind of tag the relay wrote into the message (Record.tagged); None when it is not
+    known to have written one. `tag` is what smtpguard's tag for the record reads either way:
+    an entry carrying it is the record's whatever this says."""
 
     @property
     def latest(self) -> float:
         return self.at if self.until is None else max(self.at, self.until)
+
+
+SEARCHED_BY_TAG = frozenset({"sendgrid", "postmark"})
+"""Logs that find a message by smtpguard's tag alone: neither shows the Message-ID header."""
+
+
+def absence_provable(attempt: Attempt, log: str) -> bool:
+    """Can a look at a log of kind `log` that finds nothing of the attempt prove its message
+    absent (rule 4)? Only when the look searched by an id the message is known to carry.
+    SendGrid's and Postmark's logs are searched by their own tag: a message sent before that
+    tag was written (before the provider's `api:` or webhook source was configured, or by a
+    release that did not note it) is absent from the search whether or not it was accepted,
+    and `not accepted` would send it a second time. Mailgun's log is searched by the
+    Message-ID, which every message smtpguard relays carries, else by its tag."""
+    if log in SEARCHED_BY_TAG:
+        return attempt.tagged == log
+    return attempt.message_id is not None or attempt.tagged == log
 
 
 def window(attempt: Attempt) -> tuple[float, float]:
@@ -155,9 +177,11 @@ def verdict(
     absent_after: float,
     give_up: float,
     proof_of_ingestion: bool,
+    log: str,
 ) -> Verdict:
     """The §19 table for one record. `proof_of_ingestion`: the log already holds an acceptance
-    through the same provider later than the attempt (see `ingested_past`)."""
+    through the same provider later than the attempt (see `ingested_past`); `log`: the kind
+    of log the entries come from (see `absence_provable`)."""
     mine = [e for e in entries if matches(attempt, e)]
     acceptance = _earliest(e for e in mine if e.kind is LogKind.ACCEPTED)
     if acceptance is not None:
@@ -169,7 +193,7 @@ def verdict(
         )
     if now >= attempt.at + give_up:
         return Verdict(VerdictKind.GAVE_UP)
-    if now >= attempt.latest + absent_after and proof_of_ingestion:
+    if now >= attempt.latest + absent_after and proof_of_ingestion and absence_provable(attempt, log):
         return Verdict(VerdictKind.NOT_ACCEPTED)
     return Verdict(VerdictKind.NONE_YET)
 

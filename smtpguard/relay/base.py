@@ -14,8 +14,9 @@ from smtpguard.policy.senders import needs_smtputf8
 log = logging.getLogger("smtpguard.relay")
 
 BeforeData = Callable[[], Awaitable[None]]
-MarkSent = Callable[[str], Awaitable[None]]
-"""The route's data_sent note, told which provider the DATA goes to."""
+MarkSent = Callable[[str, str | None], Awaitable[None]]
+"""The route's data_sent note, told which provider the DATA goes to and the kind of tag that
+provider writes into the message (Provider.event_tag)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,9 @@ class Provider(Protocol):
     smtputf8: bool | None
     """Whether the provider offers SMTPUTF8, as its last EHLO said; None until it has been
     asked. The listener refuses non-ASCII addresses at MAIL/RCPT only on a known False."""
+    event_tag: str | None
+    """The kind of tag (policy.tags) it writes into every message it relays, None for none:
+    noted with data_sent, so a verdict knows whether the message can be found by it."""
 
     async def send(self, env: Envelope, before_data: BeforeData) -> Attempted: ...
 

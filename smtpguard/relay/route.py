@@ -144,7 +144,7 @@ class Route:
                         self.breakers[p.name] = self.breakers[p.name].release_probe()
                         walk.throttled(until)
                         continue
-                result = await self._attempt(p, env, _noting(before_data, p.name))
+                result = await self._attempt(p, env, _noting(before_data, p))
                 if result.rate_limited:
                     if gate is not None:
                         walk.throttled(await gate.throttle(p.name, result.outcome.reply))
@@ -196,8 +196,8 @@ async def _noop() -> None:
     return None
 
 
-def _noting(mark: MarkSent, provider: str) -> BeforeData:
+def _noting(mark: MarkSent, provider: Provider) -> BeforeData:
     async def before_data() -> None:
-        await mark(provider)
+        await mark(provider.name, provider.event_tag)
 
     return before_data

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from smtpguard.heartbeat import Answerer
     from smtpguard.outbox.reader import OutboxReader
     from smtpguard.verdicts.loop import VerdictLoop
+    from smtpguard.verdicts.model import LogApi
     from smtpguard.workers import WorkerRole
 
 
@@ -143,7 +144,7 @@ class Server:
         secrets = provider_secrets(config)
         self.verp = verp_key(config)
         sources = _event_sources(config)
-        verdict_clients = clients_for(config) if self.singleton else {}
+        verdict_clients = clients_for(config, wall=self.clock) if self.singleton else {}
         ssl_ctx = self.ssl_ctx = self.tls_current = tls_context(config)
         if ssl_ctx is not None:
             ssl_ctx.sni_callback = self._select_certificate
@@ -207,11 +208,7 @@ class Server:
             self._start_reconcile(config)
         self._tasks += self.housekeeping.start()
         if verdict_clients:
-            self.verdicts = side_listeners.verdict_loop(
-                lambda: self.config, self.store, verdict_clients, self.metrics, self.clock
-            )
-            self._tasks.append(asyncio.create_task(self.verdicts.run()))
-            log.info("verdict loop started", extra={"apis": sorted(verdict_clients)})
+            self._start_verdicts(verdict_clients)
         if self.role is not None:
             self._tasks.append(asyncio.create_task(self._watch_supervisor()))
         self._start_prober(config, secrets)
@@ -444,6 +441,27 @@ class Server:
         self._stopped.set()
         log.info("smtpguard stopped")
 
+    def _start_verdicts(self, clients: dict[str, LogApi]) -> None:
+        assert self.store is not None
+        self.verdicts = side_listeners.verdict_loop(
+            lambda: self.config, self.store, clients, self.metrics, self.clock
+        )
+        self._tasks.append(asyncio.create_task(self.verdicts.run()))
+        log.info("verdict loop started", extra={"apis": sorted(clients)})
+
+    def _verdicts_added(self, new: Config) -> None:
+        """A reload that gives the first provider an `api` starts the loop (one that changes
+        or removes one is followed by the running loop itself)."""
+        if self.verdicts is not None or not self.singleton:
+            return
+        try:
+            clients = clients_for(new, wall=self.clock)
+        except ConfigError as e:
+            log.warning("verdicts: a reloaded api cannot be used", extra={"error": "; ".join(e.problems)})
+            return
+        if clients:
+            self._start_verdicts(clients)
+
     async def reload(self) -> bool:
         """SIGHUP: swap zones, users, caps, limits and providers without dropping connections,
         and re-read the TLS certificate and key (a renewal needs no restart).
@@ -501,6 +519,7 @@ class Server:
                 # provider not ready.
                 self._start_prober(new, reading.secrets)
         self.console = await reloading.reload_console(self.console, new, self.singleton)
+        self._verdicts_added(new)
         for reader in halted:
             await reader.stop(new.limits.drain_timeout)
         self._ensure_worker()

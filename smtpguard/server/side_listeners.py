@@ -101,7 +101,7 @@ def reconciler(
     from smtpguard.verdicts import clients_for
 
     # Clients of their own (the verdict loop has its own pool per API): each closes its own.
-    apis = clients_for(config)
+    apis = clients_for(config, wall=clock)
     kinds = {p.name: p.api.kind for p in config.providers if isinstance(p, SmtpProviderConfig) and p.api}
     sources = {} if config.events is None else config.events.sources
     names = source_names(kinds, {name: (s.kind, s.provider) for name, s in sources.items()})

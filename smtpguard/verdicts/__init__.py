@@ -46,12 +46,13 @@ def api_key(api: MailgunApi | PostmarkApi | SendgridApi, what: str) -> str:
     return value
 
 
-def clients_for(config: Config) -> dict[str, LogApi]:
+def clients_for(config: Config, **kw: Any) -> dict[str, LogApi]:
     """A log client per provider with an `api`, its key read now (a ConfigError naming the
-    provider's api when the key is missing or empty)."""
+    provider's api when the key is missing or empty). `kw` go to every client (`wall`: the
+    Unix clock its searches end at, the one the verdicts are judged on)."""
     clients: dict[str, LogApi] = {}
     for i, p in enumerate(config.providers):
         api = getattr(p, "api", None)  # a Maildir provider has none
         if api is not None:
-            clients[p.name] = client_for(p.name, api, api_key(api, f"providers[{i}].api"))
+            clients[p.name] = client_for(p.name, api, api_key(api, f"providers[{i}].api"), **kw)
     return clients

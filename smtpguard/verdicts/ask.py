@@ -17,6 +17,7 @@ from smtpguard.policy.verdicts import (
     LogEntry,
     Verdict,
     VerdictKind,
+    absence_provable,
     ingested_past,
     verdict,
 )
@@ -47,6 +48,9 @@ class Asked:
     """The log was found to have ingested past the attempt."""
     error: str | None = None
     """The API failed: its error's text (no key in it); the verdict is then none yet."""
+    provable: bool = True
+    """An absence could prove `not accepted`: the log is searched by an id the message is
+    known to carry (policy.verdicts.absence_provable)."""
 
 
 class Proof:
@@ -81,21 +85,27 @@ async def ask(
     """Ask `client` (the log of the attempt's provider) about the record now; never raises
     for an API failure (that is `none yet`, with `error` set)."""
     proof = proof or Proof(client)
+    provable = absence_provable(attempt, client.kind)
     try:
         entries = tuple(await client.entries(attempt))
-        found = _judge(attempt, entries, settings, now, False)
+        found = _judge(client.kind, attempt, entries, settings, now, False)
         proven = False
-        if found.kind is VerdictKind.NONE_YET and now >= attempt.latest + settings.absent_after:
+        if found.kind is VerdictKind.NONE_YET and now >= attempt.latest + settings.absent_after and provable:
             proven = await proof.proven(attempt)
             if proven:
-                found = _judge(attempt, entries, settings, now, True)
+                found = _judge(client.kind, attempt, entries, settings, now, True)
     except ApiError as e:
-        return Asked(rec, attempt, Verdict(VerdictKind.NONE_YET), error=str(e))
-    return Asked(rec, attempt, found, entries, proven)
+        return Asked(rec, attempt, Verdict(VerdictKind.NONE_YET), error=str(e), provable=provable)
+    return Asked(rec, attempt, found, entries, proven, provable=provable)
 
 
 def _judge(
-    attempt: Attempt, entries: tuple[LogEntry, ...], settings: VerdictsConfig, now: float, proof: bool
+    log: str,
+    attempt: Attempt,
+    entries: tuple[LogEntry, ...],
+    settings: VerdictsConfig,
+    now: float,
+    proof: bool,
 ) -> Verdict:
     return verdict(
         attempt,
@@ -104,4 +114,5 @@ def _judge(
         absent_after=settings.absent_after,
         give_up=settings.give_up,
         proof_of_ingestion=proof,
+        log=log,
     )

@@ -148,13 +148,13 @@ class VerdictLoop:
 
     async def _follow_reload(self, config: Config) -> None:
         """A reload that changed a provider's `api` (or removed it) gets clients of the new
-        settings; a key that cannot be read keeps the old clients, and says so. (Adding the
-        first `api` to a config that had none needs a restart: no loop runs then.)"""
+        settings; a key that cannot be read keeps the old clients, and says so. (A reload
+        that adds the first `api` to a config that had none starts the loop: Server.reload.)"""
         apis = _apis(config)
         if apis == self._apis:
             return
         try:
-            clients = clients_for(config)
+            clients = clients_for(config, wall=self._clock)
         except ConfigError as e:
             self._apis = apis  # said once per reload, not once per round
             why = "; ".join(e.problems)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import base64
 import hashlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from smtpguard.policy.events import KEY_FIELD
 from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind, bare_message_id, window
@@ -46,6 +46,8 @@ def _following(body: Any, _n: int) -> tuple[str, None] | None:
 
 
 class MailgunLog(ApiClient):
+    kind: ClassVar[str] = "mailgun"
+
     def __init__(self, *, provider: str, base_url: str, key: str, domain: str, **kw: Any) -> None:
         basic = "Basic " + base64.b64encode(f"api:{key}".encode()).decode("ascii")
         super().__init__(provider=provider, base_url=base_url, auth=header_auth("Authorization", basic), **kw)

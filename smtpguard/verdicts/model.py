@@ -6,7 +6,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from smtpguard.policy.events import Kind
 from smtpguard.policy.utc import stamp
@@ -37,6 +37,9 @@ class ReportedEvent:
 
 class LogApi(Protocol):
     provider: str
+    kind: ClassVar[str]
+    """The provider kind whose log this is (mailgun, sendgrid, postmark): what it is searched
+    by (policy.verdicts.absence_provable)."""
     errors: Counter[str]
     requests: int
 

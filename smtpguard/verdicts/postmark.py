@@ -18,7 +18,7 @@ It does not show the Message-ID header either, so a record is found by smtpguard
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from smtpguard.policy.events import KEY_FIELD
 from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind, window
@@ -41,6 +41,8 @@ def _day(t: float) -> str:
 
 
 class PostmarkLog(ApiClient):
+    kind: ClassVar[str] = "postmark"
+
     def __init__(self, *, provider: str, base_url: str, key: str, **kw: Any) -> None:
         auth = header_auth("X-Postmark-Server-Token", key)
         super().__init__(provider=provider, base_url=base_url, auth=auth, **kw)

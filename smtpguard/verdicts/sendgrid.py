@@ -22,7 +22,7 @@ time (what the ±10 min window is about), the tag and whether it was `dropped`. 
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, ClassVar
 
 from smtpguard.policy.events import KEY_FIELD
 from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind
@@ -59,6 +59,8 @@ def _quoted(value: str) -> str:
 
 
 class SendgridLog(ApiClient):
+    kind: ClassVar[str] = "sendgrid"
+
     def __init__(self, *, provider: str, base_url: str, key: str, **kw: Any) -> None:
         auth = header_auth("Authorization", "Bearer " + key)
         super().__init__(provider=provider, base_url=base_url, auth=auth, **kw)

@@ -417,6 +417,23 @@ def test_mark_data_sent_sets_phase_and_renews_lease() -> None:
     assert (new.version, new.updated_at) == (2, T0 + 10)
 
 
+def test_the_data_sent_note_says_which_tag_went_and_the_next_attempt_forgets_it() -> None:
+    """Record.tagged: whether a log searched by its tag can prove the message absent."""
+    noted = ledger.mark_data_sent(owned(), "A1", T0 + 10, S, "primary", "sendgrid")
+    assert noted is not None and (noted.via, noted.tagged) == ("primary", "sendgrid")
+    assert Record.from_dict(json.loads(json.dumps(noted.to_dict()))).tagged == "sendgrid"
+    # Noted by the previous release, which writes no such member: not known to be tagged.
+    written_before = {k: v for k, v in noted.to_dict().items() if k != "tagged"}
+    assert Record.from_dict(written_before).tagged is None
+    plain = ledger.mark_data_sent(owned(), "A1", T0 + 10, S, "primary")  # a provider that tags nothing
+    assert plain is not None and "tagged" not in plain.to_dict()
+    unknown = ledger.settle(noted, "A1", "i-1", UNKNOWN, T0 + 11, S)
+    assert (unknown.state, unknown.tagged) == (State.UNKNOWN, "sendgrid")
+    deferred = ledger.settle(noted, "A1", "i-1", DEFERRED, T0 + 11, S)
+    retry = ledger.decide(deferred, sub(attempt_id="A2"), T0 + 80, S)
+    assert isinstance(retry, Proceed) and (retry.record.via, retry.record.tagged) == (None, None)
+
+
 @pytest.mark.parametrize(
     "current",
     [

@@ -71,7 +71,9 @@ def test_a_lost_lease_is_asked_about_until_its_owner_could_have_sent() -> None:
     other_before = LogEntry("primary", LogKind.ACCEPTED, T0 + 1800, tag="acme:other")
     other_after = LogEntry("primary", LogKind.ACCEPTED, T0 + 3601, tag="acme:other")
     assert not ingested_past(a, [other_before]) and ingested_past(a, [other_after])
-    v = verdict(a, [], now=T0 + 3600 + 1799, absent_after=1800, give_up=86400, proof_of_ingestion=True)
+    v = verdict(
+        a, [], now=T0 + 3600 + 1799, absent_after=1800, give_up=86400, proof_of_ingestion=True, log="mailgun"
+    )
     assert v.kind is VerdictKind.NONE_YET  # absent_after counts from lost_until
 
 

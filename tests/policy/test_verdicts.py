@@ -34,7 +34,15 @@ ATTEMPT = Attempt(provider="primary", at=T0, tag="acme:invoice-1044", message_id
 
 
 def judge(entries: list[LogEntry], now: float, proof: bool = False, attempt: Attempt = ATTEMPT) -> Verdict:
-    return verdict(attempt, entries, now=now, absent_after=ABSENT, give_up=GIVE_UP, proof_of_ingestion=proof)
+    return verdict(
+        attempt,
+        entries,
+        now=now,
+        absent_after=ABSENT,
+        give_up=GIVE_UP,
+        proof_of_ingestion=proof,
+        log="mailgun",
+    )
 
 
 def entry(kind: LogKind = LogKind.ACCEPTED, **kw: object) -> LogEntry:
@@ -208,6 +216,7 @@ def test_webhook_events_that_prove_acceptance() -> None:
 # --- property ------------------------------------------------------------------------------
 _TAGS = st.sampled_from([None, "acme:invoice-1044", "acme:invoice-2000", "other:x"])
 _MIDS = st.sampled_from([None, "<m1@acme.example>", "m1@acme.example", "<m2@acme.example>"])
+_KINDS = st.sampled_from([None, "mailgun", "sendgrid", "postmark", "svix"])
 _entries = st.builds(
     LogEntry,
     provider=st.sampled_from(["primary", "standby"]),
@@ -227,12 +236,22 @@ _entries = st.builds(
     proof=st.booleans(),
     tag=_TAGS,
     mid=_MIDS,
+    tagged=_KINDS,
+    log=st.sampled_from(["mailgun", "sendgrid", "postmark"]),
 )
 def test_verdicts_rest_on_evidence(
-    entries: list[LogEntry], now: float, proof: bool, tag: str | None, mid: str | None
+    entries: list[LogEntry],
+    now: float,
+    proof: bool,
+    tag: str | None,
+    mid: str | None,
+    tagged: str | None,
+    log: str,
 ) -> None:
-    attempt = Attempt(provider="primary", at=T0, tag=tag, message_id=mid)
-    v = verdict(attempt, entries, now=now, absent_after=ABSENT, give_up=GIVE_UP, proof_of_ingestion=proof)
+    attempt = Attempt(provider="primary", at=T0, tag=tag, message_id=mid, tagged=tagged)
+    v = verdict(
+        attempt, entries, now=now, absent_after=ABSENT, give_up=GIVE_UP, proof_of_ingestion=proof, log=log
+    )
     mine = [e for e in entries if matches(attempt, e)]
     if v.kind is VerdictKind.ACCEPTED:
         assert v.entry in mine and v.entry is not None and v.entry.kind is LogKind.ACCEPTED
@@ -241,6 +260,8 @@ def test_verdicts_rest_on_evidence(
         assert v.entry in mine and not any(e.kind is LogKind.ACCEPTED for e in mine)
     if v.kind is VerdictKind.NOT_ACCEPTED:
         assert proof and now >= T0 + ABSENT and now < T0 + GIVE_UP and not mine
+        # the log was searched by an id the message carried: its tag, or (Mailgun) its Message-ID
+        assert tagged == log or (log == "mailgun" and mid is not None)
     if mine:
         assert v.kind in (VerdictKind.ACCEPTED, VerdictKind.REFUSED)
     for e in mine:  # what matched is this provider's, in the window, and ours

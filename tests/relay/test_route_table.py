@@ -21,6 +21,7 @@ class Scripted:
     answers: list[Attempted]
     idempotent: bool = False
     smtputf8: bool | None = True
+    event_tag: str | None = None
     sent: int = 0
 
     async def send(self, env: Envelope, before_data: object) -> Attempted:
