@@ -18,7 +18,15 @@ import yaml
 from smtpguard.config import ConfigError, loads
 from smtpguard.policy.verdicts import Attempt, LogKind, VerdictKind, ingested_past, verdict
 from smtpguard.verdicts import api_key, client_for
-from smtpguard.verdicts.http import ApiAuthRefused, ApiError, ApiMalformed, ApiUnavailable, Retry, retry_after
+from smtpguard.verdicts.http import (
+    ApiAuthRefused,
+    ApiClient,
+    ApiError,
+    ApiMalformed,
+    ApiUnavailable,
+    Retry,
+    retry_after,
+)
 from smtpguard.verdicts.mailgun import MailgunLog
 from smtpguard.verdicts.model import LogApi, Reported
 from smtpguard.verdicts.postmark import PostmarkLog
@@ -386,9 +394,16 @@ async def test_clients_are_built_from_config_with_the_key_from_env_or_file(
         assert api is not None
         client = client_for(p.name, api, api_key(api, f"providers[{i}].api"), wall=now)
         kinds.append(type(client).__name__)
-        async with client:  # type: ignore[attr-defined]
+        assert isinstance(client, ApiClient) and client.kind == api.kind
+        assert not _leaks(repr(client) + str(client.__dict__))
+        async with client:
             assert await client.accepted_since(now.t) == []
     assert kinds == ["MailgunLog", "PostmarkLog", "SendgridLog"]
+    mg_api = config.providers[0].api  # type: ignore[union-attr]
+    assert mg_api is not None
+    # A Mailgun key must not go to SendGrid's API (its default base_url) nor the other way.
+    with pytest.raises(ValueError, match="SendgridLog reads a sendgrid log, not mailgun"):
+        SendgridLog.from_config("mg", mg_api, KEY)
     assert all(r.authorised for f in (mailgun, postmark, sendgrid) for r in f.requests)
     assert [len(f.requests) for f in (mailgun, postmark, sendgrid)] == [1, 1, 1]
     monkeypatch.delenv("SENDGRID_API_KEY")
