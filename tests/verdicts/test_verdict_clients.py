@@ -416,6 +416,16 @@ async def test_clients_are_built_from_config_with_the_key_from_env_or_file(
 
 
 # --- timeout and connection limit -----------------------------------------------------------
+def test_a_client_takes_a_key_or_an_auth_not_both_nor_neither() -> None:
+    url = "https://api.sendgrid.com"
+    with pytest.raises(TypeError, match="takes a key or an auth"):
+        SendgridLog(provider="sg", base_url=url)
+    with pytest.raises(TypeError, match="takes a key or an auth"):
+        SendgridLog(provider="sg", base_url=url, key=KEY, auth=dict)
+    with pytest.raises(NotImplementedError):
+        ApiClient(provider="any", base_url=url, key=KEY)  # no header named for a key
+
+
 async def test_a_hung_api_times_out_within_the_bound(mailgun: FakeMailgun, now: Now) -> None:
     mailgun.stall = 5.0
     async with mg_client(mailgun, now, timeout=0.2) as client:
