@@ -71,13 +71,6 @@ class ApiMalformed(ApiError):
     kind = "malformed"
 
 
-def untimed(provider: str) -> ApiMalformed:
-    """An entry that may be the attempt's message, with a time smtpguard cannot read: no
-    verdict rests on the log then, for dropping the entry could leave only another
-    message's later acceptance, the proof that leads to `not accepted` and a second copy."""
-    return ApiMalformed(f"{provider}: a log entry of the message has no time smtpguard can read")
-
-
 class Credential:
     """A secret that never prints itself."""
 
@@ -100,12 +93,6 @@ def header_auth(header: str, value: str) -> Callable[[], Mapping[str, str]]:
     held by a Credential, so nothing the client keeps prints it."""
     secret = Credential(value)
     return lambda: {header: secret.reveal()}
-
-
-def api_settings(api: MailgunApi | PostmarkApi | SendgridApi, kind: str) -> dict[str, Any]:
-    """The ApiClient keywords a provider's `api:` sets, whichever the provider: where its API
-    is (`kind` names the default), the timeout of a request and the connections to it."""
-    return {"base_url": api.url(kind), "timeout": api.timeout, "max_connections": api.max_connections}
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,15 +122,20 @@ def retry_after(value: str | None, now: float) -> float | None:
 
 
 class ApiClient:
-    """One provider API. `headers` hold the credential; `provider` is smtpguard's name for the
-    provider (for logs and counters); `clock` is monotonic, `wall` is Unix time."""
+    """One provider API. `provider` is smtpguard's name for the provider (for logs and
+    counters); the credential is `key`, sent in the header `credential_header` names, or
+    `auth`, the headers that carry it; `clock` is monotonic, `wall` is Unix time."""
+
+    kind: ClassVar[str]
+    """The provider kind whose log the client reads: the `kind` of its `api:`."""
 
     def __init__(
         self,
         *,
         provider: str,
         base_url: str,
-        auth: Callable[[], Mapping[str, str]],
+        key: str | None = None,
+        auth: Callable[[], Mapping[str, str]] | None = None,
         timeout: float = 10.0,
         max_connections: int = 4,
         retry: Retry = Retry(),
@@ -151,6 +143,10 @@ class ApiClient:
         wall: Callable[[], float] = time.time,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
+        if auth is None and key is not None:
+            auth = header_auth(*self.credential_header(key))
+        elif auth is None or key is not None:
+            raise TypeError(f"{type(self).__name__} takes a key or an auth, not both or neither")
         self.provider = provider
         self.base_url = base_url.rstrip("/")
         self._origin = _origin(self.base_url)
@@ -166,6 +162,34 @@ class ApiClient:
         self.errors: Counter[str] = Counter()
         """Per error kind (auth, rate_limited, server, network, malformed, unavailable)."""
         self.requests = 0
+
+    @classmethod
+    def from_config(
+        cls, provider: str, api: MailgunApi | PostmarkApi | SendgridApi, key: str, **kw: Any
+    ) -> Self:
+        """The client a provider's `api:` sets: where its API is (the kind's public API by
+        default), the timeout of a request and the connections to it."""
+        if api.kind != cls.kind:
+            # The key would go to another provider's API (its default base_url).
+            raise ValueError(f"{cls.__name__} reads a {cls.kind} log, not {api.kind}")
+        return cls(
+            provider=provider,
+            key=key,
+            base_url=api.url(cls.kind),
+            timeout=api.timeout,
+            max_connections=api.max_connections,
+            **cls.config_keywords(api),
+            **kw,
+        )
+
+    @classmethod
+    def config_keywords(cls, api: MailgunApi | PostmarkApi | SendgridApi) -> dict[str, Any]:
+        """The keywords of the client's own (beyond ApiClient's) that its `api:` sets."""
+        return {}
+
+    def credential_header(self, key: str) -> tuple[str, str]:
+        """The request header that carries the API key, and its value."""
+        raise NotImplementedError(f"{type(self).__name__} takes an auth, not a key")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(provider={self.provider!r}, base_url={self.base_url!r})"
@@ -290,7 +314,8 @@ class ApiClient:
         )
 
     def _failed(self, error: ApiError) -> ApiError:
-        """The error to raise, counted under its kind: every error the client raises passes here."""
+        """The error to raise, counted under its kind: every error a request or a paging raises
+        passes here (not those need_list, untimed and partial_look find in an answer taken)."""
         if error.kind is not None:
             self.errors[error.kind] += 1
         return error
@@ -318,6 +343,32 @@ class ApiClient:
                 ApiTruncated(f"{self.provider}: more than {max_pages} pages in the range asked for")
             )
 
+    def need_list(self, body: Any, key: str | None) -> list[Any]:
+        """The documented list in a response (body[key], or the body itself), or ApiMalformed."""
+        value = body if key is None else field(body, key)
+        if not isinstance(value, list):
+            where = f"`{key}`" if key else "a list"
+            raise ApiMalformed(f"{self.provider}: the response has no {where}")
+        return value
+
+    def untimed(self) -> ApiMalformed:
+        """An entry that may be the attempt's message, with a time smtpguard cannot read: no
+        verdict rests on the log then, for dropping the entry could leave only another
+        message's later acceptance, the proof that leads to `not accepted` and a second copy."""
+        return ApiMalformed(f"{self.provider}: a log entry of the message has no time smtpguard can read")
+
+    def partial_look(self, attempt: Attempt, entries: list[LogEntry]) -> list[LogEntry]:
+        """The entries of a look that could not read all the search found (pages or details
+        left unread): they settle the record only by an acceptance of its own among them. An
+        entry left unread may be that acceptance, so without one the look proves neither a
+        refusal (a drop of some recipients, the acceptance for another unread: `failed`, and
+        the application sends it another way) nor an absence (`not accepted`, sent again)."""
+        if any(e.kind is LogKind.ACCEPTED and matches(attempt, e) for e in entries):
+            return entries
+        raise ApiTruncated(
+            f"{self.provider}: the log holds more entries that may be the message than one look reads"
+        )
+
 
 def _origin(url: str) -> tuple[str, str, int | None]:
     parts = urlsplit(url)
@@ -334,23 +385,3 @@ def field(obj: Any, *path: str | int) -> Any:
         if obj is None:
             return None
     return obj
-
-
-def partial_look(provider: str, attempt: Attempt, entries: list[LogEntry]) -> list[LogEntry]:
-    """The entries of a look that could not read all the search found (pages or details
-    left unread): they settle the record only by an acceptance of its own among them. An
-    entry left unread may be that acceptance, so without one the look proves neither a
-    refusal (a drop of some recipients, the acceptance for another unread: `failed`, and
-    the application sends it another way) nor an absence (`not accepted`, sent again)."""
-    if any(e.kind is LogKind.ACCEPTED and matches(attempt, e) for e in entries):
-        return entries
-    raise ApiTruncated(f"{provider}: the log holds more entries that may be the message than one look reads")
-
-
-def need_list(body: Any, key: str | None, provider: str) -> list[Any]:
-    """The documented list in a response (body[key], or the body itself), or ApiMalformed."""
-    value = body if key is None else field(body, key)
-    if not isinstance(value, list):
-        where = f"`{key}`" if key else "a list"
-        raise ApiMalformed(f"{provider}: the response has no {where}")
-    return value

@@ -17,21 +17,12 @@ from __future__ import annotations
 import base64
 import hashlib
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 from smtpguard.policy.events import KEY_FIELD
 from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind, bare_message_id, window
-from smtpguard.verdict_config import MailgunApi
-from smtpguard.verdicts.http import (
-    ApiClient,
-    ApiTruncated,
-    api_settings,
-    field,
-    header_auth,
-    need_list,
-    partial_look,
-    untimed,
-)
+from smtpguard.verdict_config import MailgunApi, PostmarkApi, SendgridApi
+from smtpguard.verdicts.http import ApiClient, ApiTruncated, field
 from smtpguard.verdicts.model import Reported, ReportedEvent, parse_time
 
 PAGE = 300
@@ -46,16 +37,19 @@ def _following(body: Any, _n: int) -> tuple[str, None] | None:
 
 
 class MailgunLog(ApiClient):
-    kind: ClassVar[str] = "mailgun"
+    kind = "mailgun"
 
-    def __init__(self, *, provider: str, base_url: str, key: str, domain: str, **kw: Any) -> None:
-        basic = "Basic " + base64.b64encode(f"api:{key}".encode()).decode("ascii")
-        super().__init__(provider=provider, base_url=base_url, auth=header_auth("Authorization", basic), **kw)
+    def __init__(self, *, domain: str, **kw: Any) -> None:
+        super().__init__(**kw)
         self.domain = domain
 
     @classmethod
-    def from_config(cls, provider: str, api: MailgunApi, key: str, **kw: Any) -> MailgunLog:
-        return cls(provider=provider, key=key, domain=api.domain, **api_settings(api, "mailgun"), **kw)
+    def config_keywords(cls, api: MailgunApi | PostmarkApi | SendgridApi) -> dict[str, Any]:
+        assert isinstance(api, MailgunApi)  # from_config took only a mailgun api
+        return {"domain": api.domain}
+
+    def credential_header(self, key: str) -> tuple[str, str]:
+        return "Authorization", "Basic " + base64.b64encode(f"api:{key}".encode()).decode("ascii")
 
     @property
     def _path(self) -> str:
@@ -74,7 +68,7 @@ class MailgunLog(ApiClient):
         out: list[Any] = []
         try:
             async for body in self.pages((self._path, params), _following, max_pages, whole=True):
-                out.extend(need_list(body, "items", self.provider))
+                out.extend(self.need_list(body, "items"))
         except ApiTruncated:
             return out, False
         return out, True
@@ -93,10 +87,10 @@ class MailgunLog(ApiClient):
         if mid is not None:
             params["message-id"] = mid
         # A Message-ID an application writes on every message can fill more pages than one
-        # look reads: what was read is then judged as a part (verdicts.http.partial_look).
+        # look reads: what was read is then judged as a part (ApiClient.partial_look).
         items, whole = await self._read(params)
         entries = [e for e in (self._entry(item, strict=True) for item in items) if e is not None]
-        return entries if whole else partial_look(self.provider, attempt, entries)
+        return entries if whole else self.partial_look(attempt, entries)
 
     async def accepted_since(self, at: float) -> list[LogEntry]:
         # One accepted event per recipient: a page of 100, so a message to many recipients
@@ -117,7 +111,7 @@ class MailgunLog(ApiClient):
         kind = _KINDS.get(str(field(item, "event")))
         at = parse_time(field(item, "timestamp"))
         if kind is not None and at is None and strict:
-            raise untimed(self.provider)
+            raise self.untimed()
         if kind is None or at is None:
             return None
         mid = field(item, "message", "headers", "message-id")

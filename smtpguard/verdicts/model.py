@@ -67,7 +67,7 @@ def parse_time(value: object) -> float | None:
     """Unix seconds from epoch seconds or an ISO 8601 time (a zone-less one read as UTC);
     None for what is no instant. JSON as Python reads it spells NaN, Infinity and integers
     past any float: such a time compares with no window, so its entry would drop out of
-    the look unnoticed instead of making it malformed (verdicts.http.untimed)."""
+    the look unnoticed instead of making it malformed (ApiClient.untimed)."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int | float):

@@ -18,12 +18,11 @@ It does not show the Message-ID header either, so a record is found by smtpguard
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 from smtpguard.policy.events import KEY_FIELD
 from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind, window
-from smtpguard.verdict_config import PostmarkApi
-from smtpguard.verdicts.http import ApiClient, ApiError, api_settings, field, header_auth, need_list, untimed
+from smtpguard.verdicts.http import ApiClient, ApiError, field
 from smtpguard.verdicts.model import Reported, ReportedEvent, iso_utc, parse_time
 
 PAGE = 500
@@ -41,15 +40,10 @@ def _day(t: float) -> str:
 
 
 class PostmarkLog(ApiClient):
-    kind: ClassVar[str] = "postmark"
+    kind = "postmark"
 
-    def __init__(self, *, provider: str, base_url: str, key: str, **kw: Any) -> None:
-        auth = header_auth("X-Postmark-Server-Token", key)
-        super().__init__(provider=provider, base_url=base_url, auth=auth, **kw)
-
-    @classmethod
-    def from_config(cls, provider: str, api: PostmarkApi, key: str, **kw: Any) -> PostmarkLog:
-        return cls(provider=provider, key=key, **api_settings(api, "postmark"), **kw)
+    def credential_header(self, key: str) -> tuple[str, str]:
+        return "X-Postmark-Server-Token", key
 
     async def _list(
         self, path: str, key: str, params: dict[str, str], max_pages: int = MAX_PAGES
@@ -66,7 +60,7 @@ class PostmarkLog(ApiClient):
             return path, {**base, "offset": str(offset)}
 
         async for body in self.pages((path, {**base, "offset": "0"}), following, max_pages):
-            out.extend(need_list(body, key, self.provider))
+            out.extend(self.need_list(body, key))
         return out
 
     async def entries(self, attempt: Attempt) -> list[LogEntry]:
@@ -91,7 +85,7 @@ class PostmarkLog(ApiClient):
         body = await self.get_json(
             "/messages/outbound", {"count": "5", "offset": "0", "fromdate": _day(at - DAY)}
         )
-        entries = (self._entry(m) for m in need_list(body, "Messages", self.provider))
+        entries = (self._entry(m) for m in self.need_list(body, "Messages"))
         return [e for e in entries if e is not None and e.at > at]
 
     async def reported_since(self, since: float, until: float) -> list[ReportedEvent]:
@@ -104,7 +98,7 @@ class PostmarkLog(ApiClient):
         at = parse_time(field(item, "ReceivedAt"))
         mid = field(item, "MessageID")
         if at is None and strict:
-            raise untimed(self.provider)
+            raise self.untimed()
         if at is None or not isinstance(mid, str):
             return None
         tag = field(item, "Metadata", KEY_FIELD)

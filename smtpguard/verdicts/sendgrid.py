@@ -22,22 +22,11 @@ time (what the ±10 min window is about), the tag and whether it was `dropped`. 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, ClassVar
+from typing import Any
 
 from smtpguard.policy.events import KEY_FIELD
 from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind
-from smtpguard.verdict_config import SendgridApi
-from smtpguard.verdicts.http import (
-    ApiClient,
-    ApiMalformed,
-    ApiNotFound,
-    api_settings,
-    field,
-    header_auth,
-    need_list,
-    partial_look,
-    untimed,
-)
+from smtpguard.verdicts.http import ApiClient, ApiMalformed, ApiNotFound, field
 from smtpguard.verdicts.model import Reported, ReportedEvent, iso_utc, parse_time
 
 MAX_DETAILS = 3
@@ -59,22 +48,17 @@ def _quoted(value: str) -> str:
 
 
 class SendgridLog(ApiClient):
-    kind: ClassVar[str] = "sendgrid"
+    kind = "sendgrid"
 
-    def __init__(self, *, provider: str, base_url: str, key: str, **kw: Any) -> None:
-        auth = header_auth("Authorization", "Bearer " + key)
-        super().__init__(provider=provider, base_url=base_url, auth=auth, **kw)
-
-    @classmethod
-    def from_config(cls, provider: str, api: SendgridApi, key: str, **kw: Any) -> SendgridLog:
-        return cls(provider=provider, key=key, **api_settings(api, "sendgrid"), **kw)
+    def credential_header(self, key: str) -> tuple[str, str]:
+        return "Authorization", "Bearer " + key
 
     async def entries(self, attempt: Attempt) -> list[LogEntry]:
         if attempt.tag is None:
             return []  # Email Activity cannot be searched by Message-ID
         query = f"unique_args['{KEY_FIELD}']={_quoted(attempt.tag)}"
         body = await self.get_json("/v3/messages", {"query": query, "limit": str(LIST_LIMIT)})
-        listed = need_list(body, "messages", self.provider)
+        listed = self.need_list(body, "messages")
         out: list[LogEntry] = []
         for msg in listed[:MAX_DETAILS]:
             entry = await self._details(msg, strict=True)
@@ -83,13 +67,13 @@ class SendgridLog(ApiClient):
         # SendGrid lists a message once per recipient: the details left unread (or rows past
         # the list's limit) may hold the acceptance that outweighs the drops read.
         if len(listed) > MAX_DETAILS or len(listed) >= LIST_LIMIT:
-            return partial_look(self.provider, attempt, out)
+            return self.partial_look(attempt, out)
         return out
 
     async def accepted_since(self, at: float) -> list[LogEntry]:
         query = f'last_event_time BETWEEN TIMESTAMP "{iso_utc(at)}" AND TIMESTAMP "{iso_utc(self._wall())}"'
         body = await self.get_json("/v3/messages", {"query": query, "limit": "10"})
-        for msg in need_list(body, "messages", self.provider)[:MAX_DETAILS]:
+        for msg in self.need_list(body, "messages")[:MAX_DETAILS]:
             entry = await self._details(msg)
             if entry is not None and entry.kind is LogKind.ACCEPTED and entry.at > at:
                 return [entry]
@@ -106,12 +90,12 @@ class SendgridLog(ApiClient):
             detail = await self.get_json(f"/v3/messages/{msg_id}")
         except ApiNotFound:
             return None  # listed before its details are: the next look reads them
-        events = need_list(detail, "events", self.provider)
+        events = self.need_list(detail, "events")
         processed = [
             parse_time(field(e, "processed")) for e in events if field(e, "event_name") == "processed"
         ]
         if strict and None in processed:
-            raise untimed(self.provider)
+            raise self.untimed()
         times = [t for t in processed if t is not None]
         dropped = next((e for e in events if field(e, "event_name") == "dropped"), None)
         if not times and dropped is None:
@@ -140,7 +124,7 @@ class SendgridLog(ApiClient):
                 return (path, {**params, "offset": str(n * PAGE)}) if len(body) >= PAGE else None
 
             async for body in self.pages((path, {**params, "offset": "0"}), following, MAX_PAGES, True):
-                for row in need_list(body, None, self.provider):
+                for row in self.need_list(body, None):
                     event = self._reported(row, name, kind)
                     if event is not None:
                         out.append(event)

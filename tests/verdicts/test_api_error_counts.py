@@ -122,6 +122,10 @@ async def test_more_pages_than_one_call_may_read_is_truncated_and_not_counted(ap
     assert client.requests == 4
 
 
-def test_a_malformed_response_found_outside_the_client_is_not_counted() -> None:
-    with pytest.raises(ApiMalformed):
-        http.need_list({"items": None}, "items", "primary")
+def test_a_malformed_response_found_after_the_request_is_not_counted() -> None:
+    client = _client("http://127.0.0.1:9")
+    with pytest.raises(ApiMalformed, match=r"^primary: the response has no `items`$"):
+        client.need_list({"items": None}, "items")
+    assert isinstance(client.untimed(), ApiMalformed)
+    assert dict(client.errors) == {}
+    assert client.requests == 0

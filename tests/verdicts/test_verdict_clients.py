@@ -19,7 +19,15 @@ import yaml
 from smtpguard.config import ConfigError, loads
 from smtpguard.policy.verdicts import Attempt, LogKind, VerdictKind, ingested_past, verdict
 from smtpguard.verdicts import api_key, client_for
-from smtpguard.verdicts.http import ApiAuthRefused, ApiError, ApiMalformed, ApiUnavailable, Retry, retry_after
+from smtpguard.verdicts.http import (
+    ApiAuthRefused,
+    ApiClient,
+    ApiError,
+    ApiMalformed,
+    ApiUnavailable,
+    Retry,
+    retry_after,
+)
 from smtpguard.verdicts.mailgun import MailgunLog
 from smtpguard.verdicts.model import LogApi, Reported
 from smtpguard.verdicts.postmark import PostmarkLog
@@ -404,9 +412,16 @@ async def test_clients_are_built_from_config_with_the_key_from_env_or_file(
         assert api is not None
         client = client_for(p.name, api, api_key(api, f"providers[{i}].api"), wall=now)
         kinds.append(type(client).__name__)
-        async with client:  # type: ignore[attr-defined]
+        assert isinstance(client, ApiClient) and client.kind == api.kind
+        assert not _leaks(repr(client) + str(client.__dict__))
+        async with client:
             assert await client.accepted_since(now.t) == []
     assert kinds == ["MailgunLog", "PostmarkLog", "SendgridLog"]
+    mg_api = config.providers[0].api  # type: ignore[union-attr]
+    assert mg_api is not None
+    # A Mailgun key must not go to SendGrid's API (its default base_url) nor the other way.
+    with pytest.raises(ValueError, match="SendgridLog reads a sendgrid log, not mailgun"):
+        SendgridLog.from_config("mg", mg_api, KEY)
     assert all(r.authorised for f in (mailgun, postmark, sendgrid) for r in f.requests)
     assert [len(f.requests) for f in (mailgun, postmark, sendgrid)] == [1, 1, 1]
     monkeypatch.delenv("SENDGRID_API_KEY")
@@ -419,6 +434,16 @@ async def test_clients_are_built_from_config_with_the_key_from_env_or_file(
 
 
 # --- timeout and connection limit -----------------------------------------------------------
+def test_a_client_takes_a_key_or_an_auth_not_both_nor_neither() -> None:
+    url = "https://api.sendgrid.com"
+    with pytest.raises(TypeError, match="takes a key or an auth"):
+        SendgridLog(provider="sg", base_url=url)
+    with pytest.raises(TypeError, match="takes a key or an auth"):
+        SendgridLog(provider="sg", base_url=url, key=KEY, auth=dict)
+    with pytest.raises(NotImplementedError):
+        ApiClient(provider="any", base_url=url, key=KEY)  # no header named for a key
+
+
 async def test_a_hung_api_times_out_within_the_bound(mailgun: FakeMailgun, now: Now) -> None:
     mailgun.stall = 5.0
     async with mg_client(mailgun, now, timeout=0.2) as client:
