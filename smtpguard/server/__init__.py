@@ -31,7 +31,7 @@ from smtpguard.server.assembly import Assembly, ProviderSecrets, recipient_domai
 from smtpguard.server.event_loop import loop_factory as loop_factory  # re-exported: tests
 from smtpguard.server.housekeeping import Housekeeping, StatsBuffer
 from smtpguard.server.reload import _event_sources as _event_sources  # re-exported: supervisor
-from smtpguard.server.tls import certificate_expiry
+from smtpguard.server.tls import gauge_expiry
 from smtpguard.server.tls import tls_context as tls_context  # re-exported: cli, supervisor
 from smtpguard.store import UNREACHABLE, Store, StoreUnavailable, StoreUnfit, store_from_url
 from smtpguard.submission import Principal, Submitter
@@ -148,7 +148,7 @@ class Server:
         ssl_ctx = self.ssl_ctx = self.tls_current = tls_context(config)
         if ssl_ctx is not None:
             ssl_ctx.sni_callback = self._select_certificate
-        self._cert_gauge(config)
+        gauge_expiry(self.metrics, config)
         password = read_secret(config.store.password_env, config.store.password_file, "store")
         wait = config.store.wait
         self.store = store_from_url(
@@ -207,8 +207,7 @@ class Server:
         if config.reconcile is not None and self.singleton:
             self._start_reconcile(config)
         self._tasks += self.housekeeping.start()
-        if verdict_clients:
-            self._start_verdicts(verdict_clients)
+        self._start_verdicts(verdict_clients)
         if self.role is not None:
             self._tasks.append(asyncio.create_task(self._watch_supervisor()))
         self._start_prober(config, secrets)
@@ -379,10 +378,6 @@ class Server:
         if current is not None and current is not ctx:
             conn.context = current
 
-    def _cert_gauge(self, config: Config) -> None:
-        if (not_after := certificate_expiry(config)) is not None:
-            self.metrics.cert_expiry.set(not_after)
-
     async def stop(self) -> None:
         """Stop accepting, let in-flight submissions finish (bounded), close the store.
         /readyz answers 503 from the first moment, so a load balancer stops sending here."""
@@ -441,26 +436,17 @@ class Server:
         self._stopped.set()
         log.info("smtpguard stopped")
 
-    def _start_verdicts(self, clients: dict[str, LogApi]) -> None:
+    def _start_verdicts(self, clients: Mapping[str, LogApi]) -> None:
+        """§19's loop, once per host: at start, or at the reload that gives the first provider
+        an `api` (a running loop follows later changes of them itself)."""
+        if not clients or self.verdicts is not None or not self.singleton:
+            return
         assert self.store is not None
         self.verdicts = side_listeners.verdict_loop(
             lambda: self.config, self.store, clients, self.metrics, self.clock
         )
         self._tasks.append(asyncio.create_task(self.verdicts.run()))
         log.info("verdict loop started", extra={"apis": sorted(clients)})
-
-    def _verdicts_added(self, new: Config) -> None:
-        """A reload that gives the first provider an `api` starts the loop (one that changes
-        or removes one is followed by the running loop itself)."""
-        if self.verdicts is not None or not self.singleton:
-            return
-        try:
-            clients = clients_for(new, wall=self.clock)
-        except ConfigError as e:
-            log.warning("verdicts: a reloaded api cannot be used", extra={"error": "; ".join(e.problems)})
-            return
-        if clients:
-            self._start_verdicts(clients)
 
     async def reload(self) -> bool:
         """SIGHUP: swap zones, users, caps, limits and providers without dropping connections,
@@ -519,7 +505,8 @@ class Server:
                 # provider not ready.
                 self._start_prober(new, reading.secrets)
         self.console = await reloading.reload_console(self.console, new, self.singleton)
-        self._verdicts_added(new)
+        if self.verdicts is None and self.singleton:
+            self._start_verdicts(side_listeners.reloaded_verdict_clients(new, self.clock))
         for reader in halted:
             await reader.stop(new.limits.drain_timeout)
         self._ensure_worker()
@@ -537,7 +524,7 @@ class Server:
         new = reading.config
         if reading.tls is not None:
             self.tls_current = reading.tls
-            self._cert_gauge(new)
+            gauge_expiry(self.metrics, new)
         if route is self.route:
             # Same providers: the pools and circuits stay, the zones' own routes may not.
             route.set_zone_routes(reloading._zone_routes(new))

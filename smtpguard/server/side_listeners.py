@@ -5,6 +5,7 @@ when configured; the server starts and stops them."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,8 @@ from smtpguard.metrics import Metrics
 from smtpguard.store import Store
 from smtpguard.submission import Submitter
 from smtpguard.verp import VerpKey
+
+log = logging.getLogger("smtpguard.server")
 
 if TYPE_CHECKING:
     from smtpguard.console.app import Console
@@ -120,3 +123,15 @@ def verdict_loop(
     from smtpguard.verdicts.loop import VerdictLoop
 
     return VerdictLoop(config, store, clients, clock, metrics.verdict, metrics.verdict_api_error)
+
+
+def reloaded_verdict_clients(config: Config, clock: Callable[[], float]) -> dict[str, LogApi]:
+    """The log clients of a reloaded config, for a loop that was not running; none when a
+    key cannot be read (logged: the reload itself stands, as the running loop's would)."""
+    from smtpguard.verdicts import clients_for
+
+    try:
+        return clients_for(config, wall=clock)
+    except ConfigError as e:
+        log.warning("verdicts: a reloaded api cannot be used", extra={"error": "; ".join(e.problems)})
+        return {}

@@ -6,6 +6,7 @@ import ssl
 from pathlib import Path
 
 from smtpguard.config import Config, ConfigError, TLSFiles
+from smtpguard.metrics import Metrics
 
 
 def tls_context(config: Config) -> ssl.SSLContext | None:
@@ -32,6 +33,12 @@ def load_certificate(ctx: ssl.SSLContext, files: TLSFiles) -> None:
 def certificate_expiry(config: Config) -> float | None:
     """The served certificate's notAfter, for the expiry gauge; None without TLS."""
     return certificate_not_after(config.tls.cert) if config.tls is not None else None
+
+
+def gauge_expiry(metrics: Metrics, config: Config) -> None:
+    """smtpguard_tls_certificate_expiry_timestamp_seconds: the served certificate's notAfter."""
+    if (not_after := certificate_expiry(config)) is not None:
+        metrics.cert_expiry.set(not_after)
 
 
 def certificate_not_after(path: Path) -> float | None:
