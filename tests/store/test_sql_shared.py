@@ -1,9 +1,9 @@
-"""The SQL written once for SQLite and PostgreSQL (store/sql/): each dialect's rendering,
-and the statements of the fleet (provider health, throttles, connection slots, AUTH
-failures), the zone controls (pauses, counters, suppression) and the desk (provider events,
-the zone audit, queue depths, cap usage, nonces, finding and listing records) rendered for
-PostgreSQL byte for byte, step for step, as its store ran them before they were shared (the
-contract suite runs them on both stores)."""
+"""The SQL written once for SQLite and PostgreSQL (store/sql/): each dialect's rendering
+(the purge's rule among them), and the statements of the fleet (provider health, throttles,
+connection slots, AUTH failures), the zone controls (pauses, counters, suppression) and the
+desk (provider events, the zone audit, queue depths, cap usage, nonces, finding and listing
+records) rendered for PostgreSQL byte for byte, step for step, as its store ran them before
+they were shared (the contract suite runs them on both stores)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from smtpguard.store.base import StoredEvent, ZoneAudit, id_forms
 from smtpguard.store.postgres.desk import ID_COLUMNS, id_lookup
-from smtpguard.store.sql import operations
+from smtpguard.store.sql import operations, purge
 from smtpguard.store.sql.statements import Plan, Result, Script
 
 T = TypeVar("T")
@@ -30,6 +30,49 @@ def test_an_index_hint_is_given_to_sqlite_only_where_the_file_has_the_index() ->
     assert plan.sqlite({"other"}) == ("SELECT a FROM t WHERE x = ?", (1,))
     assert plan.sqlite() == ("SELECT a FROM t WHERE x = ?", (1,))
     assert plan.postgres() == ("SELECT a FROM t WHERE x = %s", (1,))
+
+
+def test_a_number_in_a_json_column_is_read_per_dialect() -> None:
+    plan = Plan("SELECT 1 FROM t o WHERE {number data.expires_at} > ? AND {number o.data.n} IS NULL", (1.5,))
+    assert plan.sqlite() == (
+        "SELECT 1 FROM t o WHERE json_extract(data, '$.expires_at') > ? "
+        "AND json_extract(o.data, '$.n') IS NULL",
+        (1.5,),
+    )
+    assert plan.postgres() == (
+        "SELECT 1 FROM t o WHERE (data::json->>'expires_at')::float8 > %s "
+        "AND (o.data::json->>'n')::float8 IS NULL",
+        (1.5,),
+    )
+
+
+def test_the_purge_renders_per_dialect() -> None:
+    """The rule each store wraps its own way (one statement, or batches by ctid); the rest
+    as PostgreSQL ran it before it was shared (SQLite's differs only in its placeholders)."""
+    where = purge.purgeable(10.0, 20.0)
+    params = (10.0, "in_flight", "queued", "deferred", 20.0)
+    rule = (
+        "updated_at < ? AND state NOT IN (?, ?) AND NOT (state = ? AND ({expires} IS NULL OR {expires} > ?) "
+        "AND EXISTS (SELECT 1 FROM queue q WHERE q.zone = events.zone AND q.key = events.key))"
+    )
+    assert where.sqlite() == (rule.format(expires="json_extract(data, '$.expires_at')"), params)
+    assert where.postgres() == (
+        rule.replace("?", "%s").format(expires="(data::json->>'expires_at')::float8"),
+        params,
+    )
+    orphans = (
+        "DELETE FROM queue WHERE NOT EXISTS "
+        "(SELECT 1 FROM events e WHERE e.zone = queue.zone AND e.key = queue.key)"
+    )
+    assert purge.ORPHANED_ENTRIES.sqlite() == purge.ORPHANED_ENTRIES.postgres() == (orphans, ())
+    assert purge.WINDOW_KEEP == 7200
+    assert [plan.postgres() for plan in purge.aged_out(10_000.0, 1000.0)] == [
+        ("DELETE FROM auth_failures WHERE at < %s", (2800.0,)),
+        ("DELETE FROM user_sends WHERE at < %s", (2800.0,)),
+        ("DELETE FROM provider_events WHERE received_at < %s", (9000.0,)),
+        ("DELETE FROM nonces WHERE until < %s", (10_000.0,)),
+        ("DELETE FROM zone_audit WHERE at < %s", (9000.0,)),
+    ]
 
 
 def test_provider_health_renders_for_postgresql_as_before() -> None:

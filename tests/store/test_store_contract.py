@@ -758,6 +758,56 @@ async def test_purge_keeps_a_deferred_entry_waiting_in_its_lane_within_its_max_a
     assert await store.get("acme", "waiting") is None
 
 
+async def test_purge_takes_exactly_the_settled_records_and_their_entries(store: Store) -> None:
+    """The purge's rule at each of its edges, counted: an old record goes unless it is in
+    flight, queued, or deferred with its message still in its lane before its max_age
+    (`expires_at` later than now; none: never). One updated exactly at the cutoff, or
+    expiring exactly now, is on the near side of each edge. An entry goes with its record."""
+    later = NOW + RETENTION + 1
+    deferred = State.DEFERRED
+    in_lane = {
+        key: replace(queued(key), state=state, expires_at=expires)
+        for key, state, expires in (
+            ("deferred-expiring-later", deferred, later + 1),
+            ("deferred-never-expiring", deferred, None),
+            ("deferred-expiring-now", deferred, later),
+            ("deferred-expired", deferred, later - 1),
+            ("queued-expired", State.QUEUED, later - 1),
+            ("in-flight-claimed", State.IN_FLIGHT, later - 1),
+            ("unknown-held", State.UNKNOWN, None),
+            ("failed-held", State.FAILED, None),
+        )
+    }
+    await put_queued(store, *in_lane.values())
+    no_lane = {
+        "relay-deferred-expiring-later": replace(
+            settled(fresh("relay-deferred-expiring-later"), NOW, State.DEFERRED), expires_at=later + 1
+        ),
+        "relay-deferred-never-expiring": settled(fresh("relay-deferred-never-expiring"), NOW, State.DEFERRED),
+        "delivered": settled(fresh("delivered"), NOW),
+        "unknown-at-the-cutoff": settled(fresh("unknown-at-the-cutoff"), later - RETENTION, State.UNKNOWN),
+        "in-flight": fresh("in-flight"),
+    }
+    for key, rec in no_lane.items():
+        assert await store.reserve(fresh(key), None, None, False) == Reserved()
+        if rec.version > 1:
+            assert await store.put(rec, 1) is None
+    kept = {
+        "deferred-expiring-later",
+        "deferred-never-expiring",
+        "queued-expired",
+        "in-flight-claimed",
+        "unknown-at-the-cutoff",
+        "in-flight",
+    }
+    everything = {**in_lane, **no_lane}
+
+    assert await store.purge(later, RETENTION) == len(everything) - len(kept) == 7
+    assert {key for key in everything if await store.get("acme", key) is not None} == kept
+    assert sorted(e.key for e in await store.queue_entries(None)) == sorted(kept & in_lane.keys())
+    assert await store.purge(later, RETENTION) == 0
+
+
 async def test_consume_cap_is_exact_under_concurrency(store: Store) -> None:
     results = await asyncio.gather(*(store.consume_cap(cap(f"t{i}", NOW + i, hourly=10)) for i in range(30)))
     won = [i for i, res in enumerate(results) if res is None]

@@ -31,8 +31,8 @@ import json
 
 import psycopg
 
-from smtpguard.policy.ledger import Record, State
-from smtpguard.policy.limits import HOUR, CapCheck, CapReached
+from smtpguard.policy.ledger import Record
+from smtpguard.policy.limits import CapCheck, CapReached
 from smtpguard.store.base import (
     Claimed,
     Conflict,
@@ -60,11 +60,12 @@ from smtpguard.store.postgres.rows import (
     _swap,
     _user_args,
 )
+from smtpguard.store.sql.purge import ORPHANED_ENTRIES, WINDOW_KEEP, aged_out, purgeable
+from smtpguard.store.sql.statements import Plan
 
-_WINDOW_KEEP = 2 * HOUR
+_PURGE_BATCH = 2000
 _READ_ONLY_SQL = "SELECT pg_is_in_recovery(), current_setting('transaction_read_only')"
 """/readyz's probe: a standby, or a session that may not write (fencing.py's read_only)."""
-_SETTLED_EXCLUDED = (State.IN_FLIGHT.value, State.QUEUED.value)
 
 _MIGRATIONS = MIGRATIONS  # migrate.py runs them, once, at open
 
@@ -192,23 +193,17 @@ class PostgresStore(Probed, Controls, Desk, Fleet, Pool):
 
     @_translated
     async def _purge_batch(self, cutoff: float, now: float) -> int:
+        # The rule is shared (store/sql/purge.py); here it is taken _PURGE_BATCH rows at a time.
+        where = purgeable(cutoff, now)
+        batch = Plan(
+            "DELETE FROM events WHERE ctid IN "
+            f"(SELECT ctid FROM events WHERE {where.sql} LIMIT {_PURGE_BATCH})",
+            where.params,
+        )
         async with self._tx() as conn:
-            # A deferred record whose message waits in its lane for a try (a backoff, a
-            # throttle or a downtime longer than `retention`) is a live entry, as a queued
-            # one is: kept until its class's max_age, when a worker expires it.
-            cur = await conn.execute(
-                "DELETE FROM events WHERE ctid IN (SELECT ctid FROM events e WHERE updated_at < %s "
-                "AND state <> ALL(%s) AND NOT (state = %s "
-                "AND coalesce((data::json->>'expires_at')::float8, 'Infinity') > %s "
-                "AND EXISTS (SELECT 1 FROM queue q WHERE q.zone = e.zone AND q.key = e.key)) LIMIT 2000)",
-                (cutoff, list(_SETTLED_EXCLUDED), State.DEFERRED.value, now),
-            )
+            cur = await conn.execute(*batch.postgres())
             n = cur.rowcount
-            # Store-and-forward entries kept for an operator (unknown, failed) go with their record.
-            await conn.execute(
-                "DELETE FROM queue q WHERE NOT EXISTS "
-                "(SELECT 1 FROM events e WHERE e.zone = q.zone AND e.key = q.key)"
-            )
+            await conn.execute(*ORPHANED_ENTRIES.postgres())
         return int(n)
 
     @_translated
@@ -221,13 +216,10 @@ class PostgresStore(Probed, Controls, Desk, Fleet, Pool):
                 "per AS (SELECT zone, slot, count(*) AS c FROM gone GROUP BY zone, slot) "
                 "UPDATE cap_slots s SET n = GREATEST(s.n - per.c, 0) FROM per "
                 "WHERE s.zone = per.zone AND s.slot = per.slot",
-                (now - _WINDOW_KEEP,),
+                (now - WINDOW_KEEP,),
             )
-            await conn.execute("DELETE FROM auth_failures WHERE at < %s", (now - _WINDOW_KEEP,))
-            await conn.execute("DELETE FROM user_sends WHERE at < %s", (now - _WINDOW_KEEP,))
-            await conn.execute("DELETE FROM provider_events WHERE received_at < %s", (now - retention,))
-            await conn.execute("DELETE FROM nonces WHERE until < %s", (now,))
-            await conn.execute("DELETE FROM zone_audit WHERE at < %s", (now - retention,))
+            for plan in aged_out(now, retention):
+                await conn.execute(*plan.postgres())
 
     @_translated
     async def consume_cap(self, cap: CapCheck) -> CapReached | None:

@@ -6,7 +6,9 @@ order as SQLite does (byte by byte), whatever the database's default collation, 
 `{indexed NAME}` follows a table SQLite is to read through index NAME: without statistics
 its planner prefers the primary key's zone prefix, a scan of every row of the zone. The
 hint is left out where the file has no such index (a store of an older version, read before
-`serve` upgraded it) and for PostgreSQL, whose planner has statistics.
+`serve` upgraded it) and for PostgreSQL, whose planner has statistics. `{number
+COLUMN.KEY}` reads the number at KEY of the JSON object COLUMN holds as text: NULL where
+the key is absent or null, in both dialects.
 
 An operation of several statements is a Script: a generator that yields each Plan (or a
 Lock) and is sent the Result, deciding the next step from it, and returns the answer. Each
@@ -25,6 +27,7 @@ T = TypeVar("T")
 
 _BYTEWISE = "{bytewise}"
 _INDEXED = re.compile(r"\{indexed ([a-z_]+)\}")
+_NUMBER = re.compile(r"\{number ([a-z_.]+)\.([a-z_]+)\}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,12 +38,14 @@ class Plan:
     def sqlite(self, indexes: Container[str] = frozenset()) -> tuple[str, tuple[Any, ...]]:
         """The statement for SQLite, on a file holding `indexes`."""
         sql = _INDEXED.sub(lambda m: f" INDEXED BY {m[1]}" if m[1] in indexes else "", self.sql)
+        sql = _NUMBER.sub(lambda m: f"json_extract({m[1]}, '$.{m[2]}')", sql)
         return sql.replace(_BYTEWISE, ""), self.params
 
     def postgres(self) -> tuple[str, tuple[Any, ...]]:
         # `%` would be read as a parameter by the driver; no shared statement has one.
         assert "%" not in self.sql, self.sql
         sql = _INDEXED.sub("", self.sql)
+        sql = _NUMBER.sub(lambda m: f"({m[1]}::json->>'{m[2]}')::float8", sql)
         return sql.replace("?", "%s").replace(_BYTEWISE, ' COLLATE "C"'), self.params
 
 

@@ -24,8 +24,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from smtpguard.policy.ledger import Record, State
-from smtpguard.policy.limits import HOUR, CapCheck, CapReached
+from smtpguard.policy.ledger import Record
+from smtpguard.policy.limits import CapCheck, CapReached
 from smtpguard.store.base import (
     Claimed,
     Conflict,
@@ -38,6 +38,8 @@ from smtpguard.store.base import (
     entry_columns,
 )
 from smtpguard.store.errors import Probed
+from smtpguard.store.sql.purge import ORPHANED_ENTRIES, WINDOW_KEEP, aged_out, purgeable
+from smtpguard.store.sql.statements import Plan
 from smtpguard.store.sqlite.access import Access
 from smtpguard.store.sqlite.caps import _consume, _pause_or_cap, _refund_user, _trim
 from smtpguard.store.sqlite.checks import cannot_write
@@ -187,29 +189,17 @@ class SQLiteStore(Probed, Controls, Desk, Fleet, Access):
         await self._write(op)
 
     async def purge(self, now: float, retention: float) -> int:
+        # The rule is shared (store/sql/purge.py); here every record it takes goes in one
+        # statement, the writer's transaction holding the file.
         def op(c: sqlite3.Connection) -> int:
-            # A deferred record whose message waits in its lane for a try (a backoff, a
-            # throttle or a downtime longer than `retention`) is a live entry, as a queued
-            # one is: kept until its class's max_age, when a worker expires it.
-            n = c.execute(
-                "DELETE FROM events WHERE updated_at < ? AND state NOT IN (?, ?) AND NOT "
-                "(state = ? AND coalesce(json_extract(data, '$.expires_at'), 1e308) > ? AND EXISTS "
-                "(SELECT 1 FROM queue q WHERE q.zone = events.zone AND q.key = events.key))",
-                (now - retention, State.IN_FLIGHT.value, State.QUEUED.value, State.DEFERRED.value, now),
-            ).rowcount
-            # Store-and-forward entries kept for an operator (unknown, failed) go with their record.
-            c.execute(
-                "DELETE FROM queue WHERE NOT EXISTS "
-                "(SELECT 1 FROM events e WHERE e.zone = queue.zone AND e.key = queue.key)"
-            )
-            # Window entries older than any window that reads them (1h caps, AUTH lockouts).
+            where = purgeable(now - retention, now)
+            n = c.execute(*Plan(f"DELETE FROM events WHERE {where.sql}", where.params).sqlite()).rowcount
+            c.execute(*ORPHANED_ENTRIES.sqlite())
+            # Each zone's window trimmed with its send_counts, kept equal to its rows (caps.py).
             for (zone,) in c.execute("SELECT DISTINCT zone FROM sends").fetchall():
-                _trim(c, zone, now - 2 * HOUR)
-            c.execute("DELETE FROM auth_failures WHERE at < ?", (now - 2 * HOUR,))
-            c.execute("DELETE FROM user_sends WHERE at < ?", (now - 2 * HOUR,))
-            c.execute("DELETE FROM provider_events WHERE received_at < ?", (now - retention,))
-            c.execute("DELETE FROM nonces WHERE until < ?", (now,))
-            c.execute("DELETE FROM zone_audit WHERE at < ?", (now - retention,))
+                _trim(c, zone, now - WINDOW_KEEP)
+            for plan in aged_out(now, retention):
+                c.execute(*plan.sqlite())
             return n
 
         return await self._write(op, heavy=True)
