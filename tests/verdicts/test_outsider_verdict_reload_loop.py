@@ -1,0 +1,78 @@
+"""The verdict loop a reload starts (DESIGN.md §19: a reload that gives the first provider an
+`api` starts it), attacked from outside: a first `api` whose key is missing starts nothing
+and breaks nothing; the reload that makes the key readable starts one loop, and every
+reload after it keeps that one (never a second loop asking and settling the same records);
+the loop started so settles what was lost meanwhile, and stop closes its clients. A real
+client, listener, upstream sink, store and fake SendGrid log; the clock is injected. The
+upstream is counted."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from smtpguard.policy.ledger import State
+from tests.support import FakeClock, Upstream, message, running_guard, send, write_config
+from tests.support.provider_api_fakes import FakeSendgrid
+from tests.support.verdicts import API_ENV, API_KEY, verdict_config
+from tests.verdicts.test_verdict_loop import MINUTE, Harness
+
+pytestmark = pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+
+
+def _loops_running() -> int:
+    return sum(
+        1
+        for t in asyncio.all_tasks()
+        if not t.done() and getattr(t.get_coro(), "__qualname__", "") == "VerdictLoop.run"
+    )
+
+
+async def test_reloads_start_one_loop_once_its_key_is_readable(
+    tmp: Path, upstream: Upstream, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(API_ENV, raising=False)
+    clock = FakeClock()
+    fake = FakeSendgrid(API_KEY, clock)
+    await fake.start()
+    try:
+        cfg = verdict_config(tmp, upstream.port, store_url, "sendgrid", fake.base_url)
+        api = cfg["providers"][0].pop("api")
+        path = tmp / "c.yaml"
+        async with running_guard(cfg, clock=clock, config_path=path) as guard:
+            assert guard.verdicts is None and _loops_running() == 0
+            cfg["providers"][0]["api"] = api
+            write_config(path, cfg)
+            # The key is not in the environment: the routes take the api's tag, no loop starts.
+            assert await guard.reload()
+            assert guard.verdicts is None and _loops_running() == 0
+
+            h = Harness(guard, clock, fake, upstream, "sendgrid")
+            rec = await h.lose_reply("r1")
+            assert rec.tagged == "sendgrid"
+            h.log(h.last_received(), rec.attempts[-1].at + 1)
+
+            monkeypatch.setenv(API_ENV, API_KEY)
+            assert await guard.reload()
+            loop = guard.verdicts
+            assert loop is not None and _loops_running() == 1
+            for _ in range(3):
+                assert await guard.reload()
+                assert guard.verdicts is loop and _loops_running() == 1
+
+            clock.t += 2 * MINUTE + 1
+            for _ in range(5):
+                await loop.round()
+                if (await h.record("r1")).state is State.DELIVERED:
+                    break
+                clock.t += 5 * MINUTE
+            await h.record("r1", State.DELIVERED)
+            dup = await send(guard.ports[0], message("r1"))
+            assert dup.code == 250 and "duplicate" in dup.text
+        assert _loops_running() == 0
+        assert all(getattr(c, "_session", None) is None for c in loop.clients.values())
+    finally:
+        await fake.stop()
+    assert upstream.event_keys() == ["r1"]
