@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from smtpguard.policy.ledger import State
-from tests.support import FakeClock, Upstream, message, running_guard, send, write_config
+from tests.support import Behaviour, FakeClock, Upstream, message, running_guard, send, write_config
 from tests.support.provider_api_fakes import FakeSendgrid
-from tests.support.verdicts import API_ENV, API_KEY, verdict_config
+from tests.support.verdicts import API_ENV, API_KEY, tag_of, verdict_config
 from tests.verdicts.test_verdict_loop import MINUTE, Harness
 
 pytestmark = pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
@@ -76,3 +76,54 @@ async def test_reloads_start_one_loop_once_its_key_is_readable(
     finally:
         await fake.stop()
     assert upstream.event_keys() == ["r1"]
+
+
+@pytest.mark.parametrize("change", ["added", "kind"])
+async def test_a_reload_mid_send_leaves_the_note_naming_the_tag_the_message_carries(
+    tmp: Path, upstream: Upstream, store_url: str, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    """The reload lands while the provider holds MAIL (the data_sent note is being written,
+    the message already prepared): the send finishes on the provider object it began on, and
+    the note says what that one wrote. `added`: no api before, SendGrid's after — the message
+    went untagged and is never judged absent from a search by tag. `kind`: Postmark's before,
+    SendGrid's after — the message carries Postmark's tag, which SendGrid's log is not
+    searched by."""
+    monkeypatch.setenv(API_ENV, API_KEY)
+    clock = FakeClock()
+    fake = FakeSendgrid(API_KEY, clock)
+    await fake.start()
+    try:
+        cfg = verdict_config(tmp, upstream.port, store_url, "sendgrid", fake.base_url)
+        sendgrid_api = cfg["providers"][0].pop("api")
+        if change == "kind":
+            cfg["providers"][0]["api"] = {**sendgrid_api, "kind": "postmark", "token_env": API_ENV}
+            del cfg["providers"][0]["api"]["key_env"]
+        path = tmp / "c.yaml"
+        async with running_guard(cfg, clock=clock, config_path=path) as guard:
+            h = Harness(guard, clock, fake, upstream, "sendgrid")
+            upstream.handler.script = [Behaviour(hang_at_mail=1.0, drop_after_dot=True)]
+            sending = asyncio.create_task(send(guard.ports[0], message("m1")))
+            await asyncio.sleep(0.3)
+            cfg["providers"][0]["api"] = sendgrid_api
+            write_config(path, cfg)
+            assert await guard.reload()
+            lost = await sending
+            assert lost.code == 451 and "unknown" in lost.text
+            rec = await h.record("m1", State.UNKNOWN)
+            carried = {k: tag_of(h.last_received(), k) for k in ("sendgrid", "postmark")}
+            assert rec.tagged == (None if change == "added" else "postmark")
+            assert carried == {"sendgrid": None, "postmark": None if change == "added" else "acme:m1"}
+
+            h.other_acceptance(rec.attempts[-1].at + 30)  # SendGrid's ingestion proof
+            clock.t += 2 * MINUTE + 1
+            for _ in range(40):  # SendGrid: one record a round, rounds 40 s apart
+                assert guard.verdicts is not None
+                await guard.verdicts.round()
+                clock.t += 2 * MINUTE
+            assert any("acme:m1" in str(r.query) for r in fake.requests)
+            await h.record("m1", State.UNKNOWN)
+            held = await send(guard.ports[0], message("m1"))
+            assert held.code == 451 and "unknown" in held.text
+    finally:
+        await fake.stop()
+    assert upstream.event_keys() == ["m1"]
