@@ -15,8 +15,8 @@ import pytest
 
 from smtpguard.policy.ledger import State
 from tests.support import Behaviour, FakeClock, Upstream, message, running_guard, send, write_config
-from tests.support.provider_api_fakes import FakeSendgrid
-from tests.support.verdicts import API_ENV, API_KEY, tag_of, verdict_config
+from tests.support.provider_api_fakes import FakeMailgun, FakeSendgrid
+from tests.support.verdicts import API_ENV, API_KEY, MAILGUN_DOMAIN, api_section, tag_of, verdict_config
 from tests.verdicts.test_verdict_loop import MINUTE, Harness
 
 pytestmark = pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
@@ -127,3 +127,57 @@ async def test_a_reload_mid_send_leaves_the_note_naming_the_tag_the_message_carr
     finally:
         await fake.stop()
     assert upstream.event_keys() == ["m1"]
+
+
+OTHER_ENV = "SMTPGUARD_TEST_OTHER_LOG_API_KEY"
+
+
+@pytest.mark.parametrize("change", ["api-removed", "domain-changed"])
+async def test_a_reload_whose_other_key_is_unreadable_never_asks_a_log_the_message_did_not_go_to(
+    tmp: Path, upstream: Upstream, store_url: str, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    """One reload moves `primary` off the Mailgun domain its log client reads (its api
+    removed, or another domain) and names a key for another provider's api that cannot be
+    read: the loop keeps its previous clients, and says so. The one it kept for `primary`
+    reads a log the messages `primary` sends from then on never reach; the domain is still
+    in use (its log shows later acceptances of others), so their absence there would read
+    as `not accepted`, and the retry would be the second copy."""
+    monkeypatch.setenv(API_ENV, API_KEY)
+    monkeypatch.setenv(OTHER_ENV, API_KEY)
+    clock = FakeClock()
+    mailgun = FakeMailgun(API_KEY, MAILGUN_DOMAIN, clock)
+    sendgrid = FakeSendgrid(API_KEY, clock)
+    await mailgun.start()
+    await sendgrid.start()
+    try:
+        cfg = verdict_config(tmp, upstream.port, store_url, "mailgun", mailgun.base_url)
+        other = {**cfg["providers"][0], "name": "other", "api": api_section("sendgrid", sendgrid.base_url)}
+        other["api"]["key_env"] = OTHER_ENV
+        cfg["providers"].append(other)
+        path = tmp / "c.yaml"
+        async with running_guard(cfg, clock=clock, config_path=path) as guard:
+            assert guard.verdicts is not None and set(guard.verdicts.clients) == {"primary", "other"}
+            if change == "api-removed":
+                del cfg["providers"][0]["api"]
+            else:
+                cfg["providers"][0]["api"]["domain"] = "mg2.acme.example"
+            cfg["providers"][1]["api"]["key_env"] = "SMTPGUARD_TEST_UNSET_KEY"
+            write_config(path, cfg)
+            assert await guard.reload()
+
+            h = Harness(guard, clock, mailgun, upstream, "mailgun")
+            rec = await h.lose_reply("z1")
+            assert rec.via == "primary"
+            # Another system's message through the old domain, after z1: the proof of ingestion.
+            h.other_acceptance(rec.attempts[-1].at + 30)
+            clock.t += 2 * MINUTE + 1
+            for _ in range(10):
+                await h.loop.round()
+                clock.t += 5 * MINUTE
+            await h.record("z1", State.UNKNOWN)
+            held = await send(guard.ports[0], message("z1"))
+            assert held.code == 451 and "unknown" in held.text
+    finally:
+        await sendgrid.stop()
+        await mailgun.stop()
+    assert upstream.event_keys() == ["z1"]  # the copy primary's new provider took, never a second
