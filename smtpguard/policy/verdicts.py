@@ -29,6 +29,7 @@ The rules, in the order they are tried:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -103,10 +104,29 @@ def absence_provable(attempt: Attempt, log: str) -> bool:
     tag was written (before the provider's `api:` or webhook source was configured, or by a
     release that did not note it) is absent from the search whether or not it was accepted,
     and `not accepted` would send it a second time. Mailgun's log is searched by the
-    Message-ID, which every message smtpguard relays carries, else by its tag."""
+    Message-ID, which every message smtpguard relays carries, when the field is one msg-id
+    the log names the message by (`searchable_message_id`), else by its tag. A message noted
+    with SendGrid's or Postmark's tag went to a provider configured as that one, whose
+    messages another log never holds (a reload has since given its name to another)."""
     if log in SEARCHED_BY_TAG:
         return attempt.tagged == log
-    return attempt.message_id is not None or attempt.tagged == log
+    if attempt.tagged in SEARCHED_BY_TAG:
+        return False
+    return searchable_message_id(attempt.message_id) is not None or attempt.tagged == log
+
+
+_MSG_ID = re.compile(r"<([^<>()\s]+)>|([^<>()\s]+)")
+
+
+def searchable_message_id(value: str | None) -> str | None:
+    """The msg-id of a Message-ID field, without its <>, as a log that parses the field
+    (Mailgun's) names the message, when the field is that one msg-id and nothing more; None
+    otherwise. A field naming no message (`<>`, empty) or holding more than its msg-id (a
+    comment, RFC 5322 CFWS; a second id) is logged under the msg-id alone or under the
+    provider's own, never as smtpguard read it: searched or matched as written, the message
+    is not found whether or not it was taken."""
+    found = None if value is None else _MSG_ID.fullmatch(value.strip())
+    return None if found is None else found.group(1) or found.group(2)
 
 
 def window(attempt: Attempt) -> tuple[float, float]:
@@ -153,7 +173,7 @@ def matches(attempt: Attempt, entry: LogEntry) -> bool:
         return False
     if entry.tag is not None:
         return attempt.tag is not None and entry.tag == attempt.tag
-    ours = bare_message_id(attempt.message_id)
+    ours = searchable_message_id(attempt.message_id)
     return ours is not None and bare_message_id(entry.message_id) == ours
 
 

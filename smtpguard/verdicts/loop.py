@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from smtpguard.config import Config, ConfigError
-from smtpguard.config.verdicts import VerdictsConfig
+from smtpguard.config.verdicts import MailgunApi, PostmarkApi, SendgridApi, VerdictsConfig
 from smtpguard.policy.ledger import Record
 from smtpguard.policy.verdicts import Attempt, VerdictKind, next_look
 from smtpguard.store import Store, StoreUnavailable
@@ -148,8 +148,9 @@ class VerdictLoop:
 
     async def _follow_reload(self, config: Config) -> None:
         """A reload that changed a provider's `api` (or removed it) gets clients of the new
-        settings; a key that cannot be read keeps the old clients, and says so. (A reload
-        that adds the first `api` to a config that had none starts the loop: Server.reload.)"""
+        settings; a key that cannot be read keeps the old clients that still read the log
+        their provider's api names (`_drop_moved`), and says so. (A reload that adds the
+        first `api` to a config that had none starts the loop: Server.reload.)"""
         apis = _apis(config)
         if apis == self._apis:
             return
@@ -161,6 +162,7 @@ class VerdictLoop:
             log.warning(
                 "verdicts: a reloaded api cannot be used; the previous ones stay", extra={"error": why}
             )
+            await self._drop_moved(apis)
             return
         # A provider's round still running uses the old clients: it ends before they close
         # (a hung one would otherwise fail on a closed session, or hold the new settings off).
@@ -171,6 +173,22 @@ class VerdictLoop:
         old, self.clients, self._apis = self.clients, clients, apis
         self._errors_seen = {}
         for client in old.values():
+            with contextlib.suppress(Exception):
+                await client.close()
+
+    async def _drop_moved(self, apis: Mapping[str, object]) -> None:
+        """After a reload whose clients cannot be built: the previous client of a provider
+        whose `api` no longer names the log it reads (removed, another kind, domain or
+        base_url) is closed, not kept. The provider's messages go elsewhere from now on:
+        their absence from the log it reads proves nothing, and `not accepted` would send
+        them again. A client whose log is the same (only its key or limits changed) stays."""
+        moved = [p for p, client in self.clients.items() if not _reads(client, apis.get(p))]
+        busy = [self._busy[p] for p in moved if p in self._busy]
+        for task in busy:
+            task.cancel()
+        await asyncio.gather(*busy, return_exceptions=True)
+        for provider in moved:
+            client = self.clients.pop(provider)
             with contextlib.suppress(Exception):
                 await client.close()
 
@@ -296,6 +314,14 @@ class VerdictLoop:
                 if n > seen[kind]:
                     self._on_api_error(provider, kind, n - seen[kind])
                     seen[kind] = n
+
+
+def _reads(client: LogApi, api: object) -> bool:
+    """Does `client` read the log `api` (a provider's `api:` now, or None) names?"""
+    if not isinstance(api, MailgunApi | PostmarkApi | SendgridApi) or api.kind != client.kind:
+        return False
+    same_url = getattr(client, "base_url", None) == api.url(api.kind).rstrip("/")
+    return same_url and getattr(client, "domain", None) == getattr(api, "domain", None)
 
 
 def _apis(config: Config) -> dict[str, object]:

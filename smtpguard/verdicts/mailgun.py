@@ -20,7 +20,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from smtpguard.policy.events import KEY_FIELD
-from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind, bare_message_id, window
+from smtpguard.policy.verdicts import (
+    Attempt,
+    LogEntry,
+    LogKind,
+    bare_message_id,
+    searchable_message_id,
+    window,
+)
 from smtpguard.verdict_config import MailgunApi, PostmarkApi, SendgridApi
 from smtpguard.verdicts.http import ApiClient, ApiTruncated, field
 from smtpguard.verdicts.model import Reported, ReportedEvent, parse_time
@@ -83,7 +90,9 @@ class MailgunLog(ApiClient):
             "event": "accepted OR rejected",
             "limit": str(PAGE),
         }
-        mid = bare_message_id(attempt.message_id)
+        # A field that is not one plain msg-id is not searched by as written (Mailgun logs
+        # the msg-id alone): the window is read, and the message is found by its tag.
+        mid = searchable_message_id(attempt.message_id)
         if mid is not None:
             params["message-id"] = mid
         # A Message-ID an application writes on every message can fill more pages than one

@@ -23,6 +23,7 @@ from smtpguard.policy.verdicts import (
     matches,
     next_look,
     proves_acceptance,
+    searchable_message_id,
     verdict,
 )
 
@@ -215,7 +216,9 @@ def test_webhook_events_that_prove_acceptance() -> None:
 
 # --- property ------------------------------------------------------------------------------
 _TAGS = st.sampled_from([None, "acme:invoice-1044", "acme:invoice-2000", "other:x"])
-_MIDS = st.sampled_from([None, "<m1@acme.example>", "m1@acme.example", "<m2@acme.example>"])
+_MIDS = st.sampled_from(
+    [None, "<m1@acme.example>", "m1@acme.example", "<m2@acme.example>", "<>", "<m1@acme.example> (c)"]
+)
 _KINDS = st.sampled_from([None, "mailgun", "sendgrid", "postmark", "svix"])
 _entries = st.builds(
     LogEntry,
@@ -260,13 +263,26 @@ def test_verdicts_rest_on_evidence(
         assert v.entry in mine and not any(e.kind is LogKind.ACCEPTED for e in mine)
     if v.kind is VerdictKind.NOT_ACCEPTED:
         assert proof and now >= T0 + ABSENT and now < T0 + GIVE_UP and not mine
-        # the log was searched by an id the message carried: its tag, or (Mailgun) its Message-ID
-        assert tagged == log or (log == "mailgun" and mid is not None)
+        # the log was searched by an id the message carried: its tag, or (Mailgun) its
+        # Message-ID as Mailgun logs it, and never for a message noted with another log's tag
+        searchable = searchable_message_id(mid) is not None
+        assert tagged == log or (log == "mailgun" and tagged not in ("sendgrid", "postmark") and searchable)
     if mine:
         assert v.kind in (VerdictKind.ACCEPTED, VerdictKind.REFUSED)
     for e in mine:  # what matched is this provider's, in the window, and ours
         assert e.provider == "primary" and abs(e.at - T0) <= WINDOW
-        assert (e.tag is not None and e.tag == tag) or (e.tag is None and mid is not None)
+        assert (e.tag is not None and e.tag == tag) or (
+            e.tag is None and searchable_message_id(mid) is not None
+        )
+
+
+def test_a_message_id_field_is_searchable_only_as_one_plain_msg_id() -> None:
+    """What Mailgun's log names the message by: the msg-id alone. A field that names no
+    message, or holds more than its msg-id, is never searched or matched as written."""
+    assert searchable_message_id("<m1@acme.example>") == "m1@acme.example"
+    assert searchable_message_id(" m1@acme.example ") == "m1@acme.example"
+    for field in (None, "", " ", "<>", "<m1@acme.example> (shop)", "<m1@acme.example> <m2@acme.example>"):
+        assert searchable_message_id(field) is None, field
 
 
 def test_the_policy_imports_only_the_standard_library() -> None:
