@@ -47,7 +47,7 @@ from smtpguard.policy.outcome import Kind, Outcome, client_reply, is_recipient_u
 from smtpguard.policy.queue import queue_due
 from smtpguard.policy.senders import recipient_tag
 from smtpguard.policy.strip import without_headers
-from smtpguard.relay import Envelope, Route
+from smtpguard.relay import Envelope, Provider, Route
 from smtpguard.replies import Reply
 from smtpguard.settled import SettledCache as SettledCache
 from smtpguard.store import (
@@ -387,8 +387,12 @@ class Submitter:
                     raise LeaseLost()
                 state["rec"] = new
 
-        async def before_data(provider: str, tagged: str | None) -> None:
-            await write(lambda r: ledger.mark_data_sent(r, sub.attempt_id, self.clock(), s, provider, tagged))
+        async def before_data(p: Provider) -> None:
+            await write(
+                lambda r: ledger.mark_data_sent(
+                    r, sub.attempt_id, self.clock(), s, p.name, p.event_tag, p.log
+                )
+            )
 
         async def renew() -> None:
             await write(lambda r: ledger.renew_lease(r, sub.attempt_id, self.clock(), s))

@@ -112,10 +112,12 @@ def _print(doc: dict[str, Any]) -> None:
     if not doc["log"] and not doc["error"]:
         print("  log: nothing about this message")
     if not doc["absence_provable"] and doc["verdict"] in ("none_yet", "gave_up"):
-        # A search by a tag the message never carried finds nothing, accepted or not.
+        # A log the message never went to, or a search by an id it never carried, finds
+        # nothing whether the provider took it or not.
         print(
-            f"  its message is not known to carry the tag {doc['provider']}'s log is searched by "
-            "(sent before the provider's api was configured): no absence can prove it was not "
-            "accepted; an operator decides (resolve)"
+            f"  absence proves nothing here: the message is not known to have gone to this log of "
+            f"{doc['provider']}, or to carry what it is searched by (sent before the provider's "
+            "api was configured or changed, or noted by an earlier release); an operator decides "
+            "(resolve)"
         )
     print(f"  verdict: {doc['verdict'].replace('_', ' ')}; the record is {doc['state']}")

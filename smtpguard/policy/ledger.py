@@ -288,6 +288,7 @@ def _leased(owner: str, now: float, s: LedgerSettings) -> dict[str, Any]:
         "phase": Phase.BEFORE_DATA,
         "via": None,
         "tagged": None,
+        "log": None,
     }
 
 
@@ -325,17 +326,21 @@ def mark_data_sent(
     s: LedgerSettings,
     provider: str | None = None,
     tagged: str | None = None,
+    log: str | None = None,
 ) -> Record | None:
     """Persisted before DATA: from here a crash means `unknown`, never a blind retry.
     `provider` is where the DATA goes: its events find the record before the outcome is
     written, and after a lost lease (DESIGN.md §18); `tagged`, the kind of tag it writes
-    into the message (Record.tagged). An entry past its max_age raises MaxAgeReached: the
-    note is the last point before which nothing can have been accepted."""
+    into the message, and `log`, the log its `api` names (Record.tagged, Record.log). An
+    entry past its max_age raises MaxAgeReached: the note is the last point before which
+    nothing can have been accepted."""
     if not owns(rec, attempt_id):
         return None
     if rec.expires_at is not None and now >= rec.expires_at:
         raise MaxAgeReached(rec.expires_at)
-    return _bump(rec, now, phase=Phase.DATA_SENT, lease_until=now + s.lease, via=provider, tagged=tagged)
+    return _bump(
+        rec, now, phase=Phase.DATA_SENT, lease_until=now + s.lease, via=provider, tagged=tagged, log=log
+    )
 
 
 def renew_lease(rec: Record, attempt_id: str, now: float, s: LedgerSettings) -> Record | None:

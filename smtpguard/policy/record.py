@@ -104,6 +104,9 @@ class Record:
     log searched by its tag alone proves a message absent only when it carried that tag
     (policy.verdicts.absence_provable): a message sent before the tag was configured is
     absent from such a search, and `not accepted` would send it again."""
+    log: str | None = None
+    """The log that provider's `api` named, noted with `tagged` (policy.verdicts.log_identity);
+    None without one: only that log may prove the message absent."""
     rcpt_tags: tuple[str, ...] = ()
     """A short hash of each envelope recipient (senders.recipient_tag): a provider event
     suppresses an address only if it was one of them, without the ledger keeping them."""
@@ -146,6 +149,7 @@ class Record:
             "attempts": [_attempt_to_dict(a) for a in self.attempts],
             **({"via": self.via} if self.via is not None else {}),
             **({"tagged": self.tagged} if self.tagged is not None else {}),
+            **({"log": self.log} if self.log is not None else {}),
             **({"sender": self.sender} if self.sender is not None else {}),
             "audit": [
                 {
@@ -186,6 +190,7 @@ class Record:
             lost_until=d.get("lost_until"),
             via=d.get("via"),
             tagged=d.get("tagged"),
+            log=d.get("log"),
             sender=d.get("sender"),
             rcpt_tags=tuple(d.get("rcpt_tags", ())),
             unrefunded=tuple(d.get("unrefunded", ())),

@@ -30,8 +30,8 @@ def attempt_of(rec: Record, tag: str | None) -> Attempt | None:
     latest = max([*times, rec.lost_until or times[0]])
     message_id = next((a.message_id for a in mine if a.message_id), None) or rec.message_id
     until = latest if latest > min(times) else None
-    # `tagged` is noted with `via`, for the current attempt: every claim clears both.
-    return Attempt(provider, min(times), tag, message_id, until, rec.tagged)
+    # `tagged` and `log` are noted with `via`, for the current attempt: every claim clears them.
+    return Attempt(provider, min(times), tag, message_id, until, rec.tagged, rec.log)
 
 
 def names_the_message(rec: Record, match: Match) -> bool:

@@ -29,6 +29,7 @@ The rules, in the order they are tried:
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -87,6 +88,9 @@ class Attempt:
     """The kind of tag the relay wrote into the message (Record.tagged); None when it is not
     known to have written one. `tag` is what smtpguard's tag for the record reads either way:
     an entry carrying it is the record's whatever this says."""
+    log: str | None = None
+    """The log the provider's `api` named when the message went (Record.log, `log_identity`);
+    None when it had none, or the note is older than the field."""
 
     @property
     def latest(self) -> float:
@@ -97,9 +101,26 @@ SEARCHED_BY_TAG = frozenset({"sendgrid", "postmark"})
 """Logs that find a message by smtpguard's tag alone: neither shows the Message-ID header."""
 
 
-def absence_provable(attempt: Attempt, log: str) -> bool:
-    """Can a look at a log of kind `log` that finds nothing of the attempt prove its message
-    absent (rule 4)? Only when the look searched by an id the message is known to carry.
+def log_identity(kind: str, base_url: str, domain: str | None, key: str) -> str:
+    """Which log a provider's `api` reads: its kind, where its API is, Mailgun's domain, and
+    the key, whose account (SendGrid) or server (Postmark) the log is. Noted with each
+    attempt and held by each log client: a log proves absent only a message that went while
+    it was the provider's log. `kind:` and a short SHA-256, never the key."""
+    seen = "\0".join((kind, base_url.rstrip("/"), domain or "", key))
+    return f"{kind}:{hashlib.sha256(seen.encode()).hexdigest()[:16]}"
+
+
+def log_kind(log: str) -> str:
+    """The provider kind of a `log_identity`."""
+    return log.partition(":")[0]
+
+
+def absence_provable(attempt: Attempt, log: str | None) -> bool:
+    """Can a look at the log `log` (a `log_identity`) that finds nothing of the attempt prove
+    its message absent (rule 4)? Only when it is the log the provider's `api` named when the
+    message went (`Attempt.log`): another domain, account or server never held it, and a
+    reload may since have pointed the provider's name at one. And only when the look searched
+    by an id the message is known to carry.
     SendGrid's and Postmark's logs are searched by their own tag: a message sent before that
     tag was written (before the provider's `api:` or webhook source was configured, or by a
     release that did not note it) is absent from the search whether or not it was accepted,
@@ -108,11 +129,14 @@ def absence_provable(attempt: Attempt, log: str) -> bool:
     the log names the message by (`searchable_message_id`), else by its tag. A message noted
     with SendGrid's or Postmark's tag went to a provider configured as that one, whose
     messages another log never holds (a reload has since given its name to another)."""
-    if log in SEARCHED_BY_TAG:
-        return attempt.tagged == log
+    if log is None or attempt.log != log:
+        return False
+    kind = log_kind(log)
+    if kind in SEARCHED_BY_TAG:
+        return attempt.tagged == kind
     if attempt.tagged in SEARCHED_BY_TAG:
         return False
-    return searchable_message_id(attempt.message_id) is not None or attempt.tagged == log
+    return searchable_message_id(attempt.message_id) is not None or attempt.tagged == kind
 
 
 _MSG_ID = re.compile(r"<([^<>()\s]+)>|([^<>()\s]+)")
@@ -197,11 +221,11 @@ def verdict(
     absent_after: float,
     give_up: float,
     proof_of_ingestion: bool,
-    log: str,
+    log: str | None,
 ) -> Verdict:
     """The §19 table for one record. `proof_of_ingestion`: the log already holds an acceptance
-    through the same provider later than the attempt (see `ingested_past`); `log`: the kind
-    of log the entries come from (see `absence_provable`)."""
+    through the same provider later than the attempt (see `ingested_past`); `log`: the log
+    the entries come from, a `log_identity` (see `absence_provable`)."""
     mine = [e for e in entries if matches(attempt, e)]
     acceptance = _earliest(e for e in mine if e.kind is LogKind.ACCEPTED)
     if acceptance is not None:

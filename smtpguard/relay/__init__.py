@@ -37,12 +37,17 @@ def build_providers(
     secrets: dict[str, str | None],
     helo: str,
     event_tags: dict[str, str] | None = None,
+    logs: dict[str, str] | None = None,
 ) -> list[Provider]:
+    """`event_tags`, `logs`: by provider name, the kind of tag it writes and the log its api
+    names (server/reload.py _event_tags, _logs)."""
     out: list[Provider] = []
-    tags = event_tags or {}
+    tags, named = event_tags or {}, logs or {}
     for cfg in configs:
         if isinstance(cfg, SmtpProviderConfig):
-            out.append(SmtpProvider(cfg, secrets.get(cfg.name), helo, tags.get(cfg.name)))
+            out.append(
+                SmtpProvider(cfg, secrets.get(cfg.name), helo, tags.get(cfg.name), named.get(cfg.name))
+            )
         else:
             out.append(MaildirProvider(cfg))
     return out

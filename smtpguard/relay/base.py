@@ -14,9 +14,9 @@ from smtpguard.policy.senders import needs_smtputf8
 log = logging.getLogger("smtpguard.relay")
 
 BeforeData = Callable[[], Awaitable[None]]
-MarkSent = Callable[[str, str | None], Awaitable[None]]
-"""The route's data_sent note, told which provider the DATA goes to and the kind of tag that
-provider writes into the message (Provider.event_tag)."""
+MarkSent = Callable[["Provider"], Awaitable[None]]
+"""The route's data_sent note, told which provider the DATA goes to: its name, the kind of
+tag it writes into the message (Provider.event_tag) and the log its api names (log)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +56,9 @@ class Provider(Protocol):
     event_tag: str | None
     """The kind of tag (policy.tags) it writes into every message it relays, None for none:
     noted with data_sent, so a verdict knows whether the message can be found by it."""
+    log: str | None
+    """The log its `api` names (policy.verdicts.log_identity), None without one: noted with
+    data_sent, so only that log may prove the message absent."""
 
     async def send(self, env: Envelope, before_data: BeforeData) -> Attempted: ...
 

@@ -18,6 +18,7 @@ from smtpguard.replies import Reply
 class MaildirProvider:
     idempotent = False
     event_tag: str | None = None
+    log: str | None = None
     smtputf8: bool | None = True
     """A file takes any bytes: UTF-8 addresses and headers are written as they came."""
 

@@ -198,6 +198,6 @@ async def _noop() -> None:
 
 def _noting(mark: MarkSent, provider: Provider) -> BeforeData:
     async def before_data() -> None:
-        await mark(provider.name, provider.event_tag)
+        await mark(provider)
 
     return before_data

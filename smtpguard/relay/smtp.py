@@ -49,12 +49,18 @@ log = logging.getLogger("smtpguard.relay")
 
 class SmtpProvider:
     def __init__(
-        self, cfg: SmtpProviderConfig, password: str | None, helo: str, event_tag: str | None = None
+        self,
+        cfg: SmtpProviderConfig,
+        password: str | None,
+        helo: str,
+        event_tag: str | None = None,
+        log: str | None = None,
     ) -> None:
         self.name = cfg.name
         self.event_tag = event_tag
         """The kind of the event source reading this provider's webhooks: its custom-variable
         header carries the event key back (policy/tags.py)."""
+        self.log = log
         self.cfg = cfg
         self.idempotent = cfg.idempotency_header is not None
         self.smtputf8: bool | None = None

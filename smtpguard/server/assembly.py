@@ -24,7 +24,7 @@ from smtpguard.readiness.dns import DnsClient
 from smtpguard.receivers import Receivers, enabled
 from smtpguard.recipient_domains import RecipientDomains
 from smtpguard.relay import Route, SmtpProvider, build_providers
-from smtpguard.server.reload import _event_tags, _zone_routes
+from smtpguard.server.reload import _event_tags, _logs, _zone_routes
 from smtpguard.store import Store
 from smtpguard.submission import Principal, Result, Submitter
 from smtpguard.verp import VerpKey
@@ -66,7 +66,9 @@ class Assembly:
         for name in limits:
             self.metrics.provider(name)
         self.metrics.configured({p.name for p in config.providers})
-        providers = build_providers(config.providers, secrets, self.hostname, _event_tags(config))
+        providers = build_providers(
+            config.providers, secrets, self.hostname, _event_tags(config), _logs(config)
+        )
         for p in providers:
             if isinstance(p, SmtpProvider) and p.cfg.max_connections is not None:
                 fleet = ConnectionSlots(store, p.name, p.cfg.max_connections, self.instance, self.clock)

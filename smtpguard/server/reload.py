@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from smtpguard.config import Config, ConfigError, load, outbox_secrets, provider_secrets
+from smtpguard.policy.verdicts import log_identity
 from smtpguard.relay import Route, SmtpProvider
 from smtpguard.server.tls import tls_context
 
@@ -126,6 +127,24 @@ def _event_tags(config: Config) -> dict[str, str]:
         if api is not None:
             tags.setdefault(p.name, api.kind)
     return tags
+
+
+def _logs(config: Config) -> dict[str, str]:
+    """Provider name → the log its `api` names (policy.verdicts.log_identity), noted with each
+    attempt's data_sent. A key that cannot be read names none: no absence is proved then."""
+    from smtpguard.verdicts import api_key
+
+    logs: dict[str, str] = {}
+    for i, p in enumerate(config.providers):
+        api = getattr(p, "api", None)  # a Maildir provider has none
+        if api is None:
+            continue
+        try:
+            key = api_key(api, f"providers[{i}].api")
+        except ConfigError:
+            continue
+        logs[p.name] = log_identity(api.kind, api.url(api.kind), getattr(api, "domain", None), key)
+    return logs
 
 
 _LISTENER_LIMITS = ("max_connections", "max_connections_per_ip", "read_timeout", "idle_timeout")

@@ -85,22 +85,22 @@ async def ask(
     """Ask `client` (the log of the attempt's provider) about the record now; never raises
     for an API failure (that is `none yet`, with `error` set)."""
     proof = proof or Proof(client)
-    provable = absence_provable(attempt, client.kind)
+    provable = absence_provable(attempt, client.log)
     try:
         entries = tuple(await client.entries(attempt))
-        found = _judge(client.kind, attempt, entries, settings, now, False)
+        found = _judge(client.log, attempt, entries, settings, now, False)
         proven = False
         if found.kind is VerdictKind.NONE_YET and now >= attempt.latest + settings.absent_after and provable:
             proven = await proof.proven(attempt)
             if proven:
-                found = _judge(client.kind, attempt, entries, settings, now, True)
+                found = _judge(client.log, attempt, entries, settings, now, True)
     except ApiError as e:
         return Asked(rec, attempt, Verdict(VerdictKind.NONE_YET), error=str(e), provable=provable)
     return Asked(rec, attempt, found, entries, proven, provable=provable)
 
 
 def _judge(
-    log: str,
+    log: str | None,
     attempt: Attempt,
     entries: tuple[LogEntry, ...],
     settings: VerdictsConfig,

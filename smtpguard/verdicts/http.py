@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind, matches
+from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind, log_identity, matches
 
 if TYPE_CHECKING:
     from smtpguard.verdict_config import MailgunApi, PostmarkApi, SendgridApi
@@ -149,6 +149,9 @@ class ApiClient:
             raise TypeError(f"{type(self).__name__} takes a key or an auth, not both or neither")
         self.provider = provider
         self.base_url = base_url.rstrip("/")
+        self.log = log_identity(self.kind, self.base_url, self.log_domain(), key) if key is not None else None
+        """The log this client reads (policy.verdicts.log_identity): it proves absent only a
+        message noted as sent while its provider's api named this log. None with an `auth`."""
         self._origin = _origin(self.base_url)
         self._auth = auth
         self._timeout = aiohttp.ClientTimeout(total=timeout)
@@ -186,6 +189,10 @@ class ApiClient:
     def config_keywords(cls, api: MailgunApi | PostmarkApi | SendgridApi) -> dict[str, Any]:
         """The keywords of the client's own (beyond ApiClient's) that its `api:` sets."""
         return {}
+
+    def log_domain(self) -> str | None:
+        """What of the log, beyond its API and key, names it (Mailgun's domain)."""
+        return None
 
     def credential_header(self, key: str) -> tuple[str, str]:
         """The request header that carries the API key, and its value."""

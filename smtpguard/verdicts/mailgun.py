@@ -47,8 +47,11 @@ class MailgunLog(ApiClient):
     kind = "mailgun"
 
     def __init__(self, *, domain: str, **kw: Any) -> None:
+        self.domain = domain  # before the base's __init__, which names the log by it
         super().__init__(**kw)
-        self.domain = domain
+
+    def log_domain(self) -> str | None:
+        return self.domain
 
     @classmethod
     def config_keywords(cls, api: MailgunApi | PostmarkApi | SendgridApi) -> dict[str, Any]:

@@ -38,8 +38,9 @@ class ReportedEvent:
 class LogApi(Protocol):
     provider: str
     kind: ClassVar[str]
-    """The provider kind whose log this is (mailgun, sendgrid, postmark): what it is searched
-    by (policy.verdicts.absence_provable)."""
+    """The provider kind whose log this is (mailgun, sendgrid, postmark)."""
+    log: str | None
+    """Which log it reads (policy.verdicts.log_identity); None: it proves nothing absent."""
     errors: Counter[str]
     requests: int
 

@@ -20,6 +20,7 @@ from smtpguard.policy.verdicts import (
     VerdictKind,
     due,
     ingested_past,
+    log_identity,
     matches,
     next_look,
     proves_acceptance,
@@ -31,7 +32,8 @@ T0 = 1_700_000_000.0
 MIN = 60.0
 ABSENT = 30 * MIN
 GIVE_UP = 24 * 3600.0
-ATTEMPT = Attempt(provider="primary", at=T0, tag="acme:invoice-1044", message_id="<m1@acme.example>")
+LOG = log_identity("mailgun", "https://api.mailgun.net", "mg.acme.example", "key-1")
+ATTEMPT = Attempt(provider="primary", at=T0, tag="acme:invoice-1044", message_id="<m1@acme.example>", log=LOG)
 
 
 def judge(entries: list[LogEntry], now: float, proof: bool = False, attempt: Attempt = ATTEMPT) -> Verdict:
@@ -42,7 +44,7 @@ def judge(entries: list[LogEntry], now: float, proof: bool = False, attempt: Att
         absent_after=ABSENT,
         give_up=GIVE_UP,
         proof_of_ingestion=proof,
-        log="mailgun",
+        log=LOG,
     )
 
 
@@ -241,6 +243,7 @@ _entries = st.builds(
     mid=_MIDS,
     tagged=_KINDS,
     log=st.sampled_from(["mailgun", "sendgrid", "postmark"]),
+    noted=st.sampled_from([None, "this", "another key", "another domain"]),
 )
 def test_verdicts_rest_on_evidence(
     entries: list[LogEntry],
@@ -250,10 +253,18 @@ def test_verdicts_rest_on_evidence(
     mid: str | None,
     tagged: str | None,
     log: str,
+    noted: str | None,
 ) -> None:
-    attempt = Attempt(provider="primary", at=T0, tag=tag, message_id=mid, tagged=tagged)
+    asked = log_identity(log, "https://api.example", "mg.acme.example", "key-1")
+    noted_log = {
+        None: None,
+        "this": asked,
+        "another key": log_identity(log, "https://api.example", "mg.acme.example", "key-2"),
+        "another domain": log_identity(log, "https://api.example", "mg2.acme.example", "key-1"),
+    }[noted]
+    attempt = Attempt(provider="primary", at=T0, tag=tag, message_id=mid, tagged=tagged, log=noted_log)
     v = verdict(
-        attempt, entries, now=now, absent_after=ABSENT, give_up=GIVE_UP, proof_of_ingestion=proof, log=log
+        attempt, entries, now=now, absent_after=ABSENT, give_up=GIVE_UP, proof_of_ingestion=proof, log=asked
     )
     mine = [e for e in entries if matches(attempt, e)]
     if v.kind is VerdictKind.ACCEPTED:
@@ -267,6 +278,7 @@ def test_verdicts_rest_on_evidence(
         # Message-ID as Mailgun logs it, and never for a message noted with another log's tag
         searchable = searchable_message_id(mid) is not None
         assert tagged == log or (log == "mailgun" and tagged not in ("sendgrid", "postmark") and searchable)
+        assert noted == "this"  # and only the log the provider's api named when it went
     if mine:
         assert v.kind in (VerdictKind.ACCEPTED, VerdictKind.REFUSED)
     for e in mine:  # what matched is this provider's, in the window, and ours

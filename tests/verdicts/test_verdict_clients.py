@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from smtpguard.config import ConfigError, loads
-from smtpguard.policy.verdicts import Attempt, LogKind, VerdictKind, ingested_past, verdict
+from smtpguard.policy.verdicts import Attempt, LogKind, VerdictKind, ingested_past, log_identity, verdict
 from smtpguard.verdicts import api_key, client_for
 from smtpguard.verdicts.http import (
     ApiAuthRefused,
@@ -65,7 +65,7 @@ async def judge(client: LogApi, attempt: Attempt, now: float) -> Any:
         absent_after=ABSENT,
         give_up=GIVE_UP,
         proof_of_ingestion=proof,
-        log=client.kind,
+        log=client.log,
     )
 
 
@@ -79,11 +79,16 @@ async def test_mailgun_accepted_refused_not_accepted_and_none_yet(mailgun: FakeM
         assert (v.kind, v.upstream_id) == (VerdictKind.ACCEPTED, "a@acme.example")
         v = await judge(client, Attempt("primary", t, "acme:2", "<b@acme.example>"), t + 120)
         assert (v.kind, v.reason) == (VerdictKind.REFUSED, "Sandbox domain")
-        lost = Attempt("primary", t + 10, "acme:3", "<c@acme.example>")
+        lost = Attempt("primary", t + 10, "acme:3", "<c@acme.example>", log=client.log)
         assert (await judge(client, lost, t + 120)).kind is VerdictKind.NONE_YET  # too early
         assert (await judge(client, lost, t + 10 + ABSENT)).kind is VerdictKind.NONE_YET  # nothing later
         mailgun.add("accepted", t + 300, message_id="<d@acme.example>", tag="acme:4")
         assert (await judge(client, lost, t + 10 + ABSENT)).kind is VerdictKind.NOT_ACCEPTED
+        # Sent while the provider's api named another log (another domain or key): absent
+        # from this one proves nothing.
+        for other in (None, log_identity("mailgun", client.base_url, "mg2.acme.example", KEY)):
+            moved = replace(lost, log=other)
+            assert (await judge(client, moved, t + 10 + ABSENT)).kind is VerdictKind.NONE_YET
     sent = [r.query for r in mailgun.requests if r.path.endswith("/events")]
     assert sent[0]["message-id"] == "a@acme.example" and sent[0]["event"] == "accepted OR rejected"
     assert float(sent[0]["end"]) - float(sent[0]["begin"]) == pytest.approx(1200, abs=1)
@@ -97,7 +102,7 @@ async def test_postmark_accepted_by_tag_and_not_accepted_with_the_proof(
     async with pm_client(postmark, now) as client:
         v = await judge(client, Attempt("primary", t, "acme:1", "<a@acme.example>"), t + 120)
         assert (v.kind, v.upstream_id) == (VerdictKind.ACCEPTED, sent["MessageID"])
-        lost = Attempt("primary", t + 10, "acme:2", "<b@acme.example>", tagged="postmark")
+        lost = Attempt("primary", t + 10, "acme:2", "<b@acme.example>", tagged="postmark", log=client.log)
         assert (await judge(client, lost, t + ABSENT)).kind is VerdictKind.NONE_YET
         postmark.add_message(t + 400, tag="acme:3")
         assert (await judge(client, lost, t + 10 + ABSENT)).kind is VerdictKind.NOT_ACCEPTED
@@ -117,7 +122,9 @@ async def test_postmark_accepted_by_tag_and_not_accepted_with_the_proof(
         assert len(postmark.requests) == before
         assert (
             await judge(
-                client, Attempt("primary", t + 10, long_tag[:80], None, tagged="postmark"), t + 10 + ABSENT
+                client,
+                Attempt("primary", t + 10, long_tag[:80], None, tagged="postmark", log=client.log),
+                t + 10 + ABSENT,
             )
         ).kind is (VerdictKind.NOT_ACCEPTED)  # 80 characters are searched as before
     q = postmark.requests[0].query
@@ -136,12 +143,14 @@ async def test_sendgrid_accepted_dropped_and_a_late_delivery_keeps_the_send_time
         assert (v.kind, v.upstream_id) == (VerdictKind.ACCEPTED, ok["msg_id"])
         v = await judge(client, Attempt("primary", t, "acme:2", None), t + 120)
         assert (v.kind, v.reason) == (VerdictKind.REFUSED, "Bounced Address")
-        lost = Attempt("primary", t + 5, "acme:3", None, tagged="sendgrid")
+        lost = Attempt("primary", t + 5, "acme:3", None, tagged="sendgrid", log=client.log)
         sendgrid.add_message(t + 200, tag="acme:4")
         now.t = t + 5 + ABSENT
         assert (await judge(client, lost, now.t)).kind is VerdictKind.NOT_ACCEPTED
         untagged = replace(lost, tagged=None)
         assert (await judge(client, untagged, now.t)).kind is VerdictKind.NONE_YET
+        another_account = replace(lost, log=log_identity("sendgrid", client.base_url, None, "another-key"))
+        assert (await judge(client, another_account, now.t)).kind is VerdictKind.NONE_YET
     queries = [r.query.get("query", "") for r in sendgrid.requests if r.path == "/v3/messages"]
     assert queries[0] == "unique_args['smtpguard_key']=\"acme:1\""
 
