@@ -116,17 +116,24 @@ async def test_two_migrations_at_once_both_succeed(schema_one: str, tmp: Path) -
 async def test_a_previous_release_starting_meanwhile_does_not_fail_the_build(
     schema_one: str, tmp: Path
 ) -> None:
-    """The previous release's open: BEGIN; SELECT pg_advisory_xact_lock(key) with its 2 s
+    """The previous release's open: BEGIN; SELECT pg_advisory_xact_lock(key) with its
     per-call deadline (here statement_timeout). Its own deadlock check is put off past that
     deadline, so that the cycle is found by the index build's check, which is the side
-    PostgreSQL aborts: the case where the migration, not the old instance, pays."""
+    PostgreSQL aborts: the case where the migration, not the old instance, pays.
+
+    The build starts waiting for the old call's snapshot only after the call began, and checks
+    for the cycle once, deadlock_timeout (1 s) later; it is then built again while the old
+    call still waits, up to BUILD_TRIES times, until that call's deadline ends the wait. The
+    release's 2 s deadline left the check 1 s to come first, which a loaded machine's build
+    missed (a fresh clone's run beside other work): 3.5 s leaves it 2.5 s, and five tries of
+    at least 1 s each still outlast it."""
     path = write_config(tmp / "m.yaml", base_config(tmp, None, store__url=schema_one))
     task = asyncio.create_task(migrate(path))
     await building(schema_one)
     outcome = ""
     async with await psycopg.AsyncConnection.connect(schema_one) as old:
         await old.execute("SET deadlock_timeout = '10s'")
-        await old.execute("SET statement_timeout = '2s'")
+        await old.execute("SET statement_timeout = '3.5s'")
         try:
             await old.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
             outcome = "locked"
