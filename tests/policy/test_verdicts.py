@@ -25,27 +25,18 @@ from smtpguard.policy.verdicts import (
     next_look,
     proves_acceptance,
     searchable_message_id,
-    verdict,
 )
+from tests.support.verdicts import ABSENT_AFTER as ABSENT
+from tests.support.verdicts import GIVE_UP, judged
 
 T0 = 1_700_000_000.0
 MIN = 60.0
-ABSENT = 30 * MIN
-GIVE_UP = 24 * 3600.0
 LOG = log_identity("mailgun", "https://api.mailgun.net", "mg.acme.example", "key-1")
 ATTEMPT = Attempt(provider="primary", at=T0, tag="acme:invoice-1044", message_id="<m1@acme.example>", log=LOG)
 
 
 def judge(entries: list[LogEntry], now: float, proof: bool = False, attempt: Attempt = ATTEMPT) -> Verdict:
-    return verdict(
-        attempt,
-        entries,
-        now=now,
-        absent_after=ABSENT,
-        give_up=GIVE_UP,
-        proof_of_ingestion=proof,
-        log=LOG,
-    )
+    return judged(attempt, entries, now=now, proof=proof, log=LOG)
 
 
 def entry(kind: LogKind = LogKind.ACCEPTED, **kw: object) -> LogEntry:
@@ -263,9 +254,7 @@ def test_verdicts_rest_on_evidence(
         "another domain": log_identity(log, "https://api.example", "mg2.acme.example", "key-1"),
     }[noted]
     attempt = Attempt(provider="primary", at=T0, tag=tag, message_id=mid, tagged=tagged, log=noted_log)
-    v = verdict(
-        attempt, entries, now=now, absent_after=ABSENT, give_up=GIVE_UP, proof_of_ingestion=proof, log=asked
-    )
+    v = judged(attempt, entries, now=now, proof=proof, log=asked)
     mine = [e for e in entries if matches(attempt, e)]
     if v.kind is VerdictKind.ACCEPTED:
         assert v.entry in mine and v.entry is not None and v.entry.kind is LogKind.ACCEPTED

@@ -12,17 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import (
-    GuardProcess,
-    Upstream,
-    base_config,
-    free_port,
-    message,
-    running_guard,
-    send,
-    write_config,
-)
-from tests.support.releases import extract_release
+from tests.support import Upstream, base_config, message, running_guard, send
+from tests.support.releases import extract_release, release_serving
 from tests.wire.test_outsider_session_review_fingerprint import forwarded
 
 BEFORE = "40cb517"
@@ -64,33 +55,25 @@ KEYED_ONLY: dict[str, tuple[Callable[[str | None], EmailMessage], list[str]]] = 
 async def test_a_retry_across_the_two_releases_is_one_delivery(
     tmp: Path, upstream: Upstream, before: Path, derive: bool
 ) -> None:
-    old_port = free_port()
     cfg = base_config(tmp, upstream.port, instance="new")
     if derive:
         cfg["zones"]["acme"]["missing_key"] = "derive"
     old_cfg = base_config(tmp, upstream.port, instance="old")
     old_cfg["zones"] = cfg["zones"]
-    old_cfg["listen"] = [{"address": f"127.0.0.1:{old_port}", "tls": "none"}]
-    old = GuardProcess(write_config(tmp / "old.yaml", old_cfg), tmp / "old.log", src=before)
-    old.start()
-    try:
-        await old.wait_port(old_port, timeout=30)
-        async with running_guard(cfg) as guard:
-            new_port = guard.ports[0]
-            answers: dict[str, list[tuple[int, str]]] = {}
-            events = EVENTS if derive else {**EVENTS, **KEYED_ONLY}
-            for i, (name, (build, rcpts)) in enumerate(sorted(events.items())):
-                key = None if derive else f"two:{name}"
-                # Half start at the old release, half at the new one.
-                # A KEYED_ONLY event starts at the earlier release: the other way, that
-                # release cannot know the fingerprint this one wrote (it answers 550 reused).
-                starts_old = i % 2 == 0 or name in KEYED_ONLY
-                ports = (old_port, new_port) if starts_old else (new_port, old_port)
-                answers[name] = [
-                    ((r := await send(port, build(key), recipients=rcpts)).code, r.text) for port in ports
-                ]
-    finally:
-        await old.astop()
+    async with release_serving(before, old_cfg, tmp) as old_port, running_guard(cfg) as guard:
+        new_port = guard.ports[0]
+        answers: dict[str, list[tuple[int, str]]] = {}
+        events = EVENTS if derive else {**EVENTS, **KEYED_ONLY}
+        for i, (name, (build, rcpts)) in enumerate(sorted(events.items())):
+            key = None if derive else f"two:{name}"
+            # Half start at the old release, half at the new one.
+            # A KEYED_ONLY event starts at the earlier release: the other way, that
+            # release cannot know the fingerprint this one wrote (it answers 550 reused).
+            starts_old = i % 2 == 0 or name in KEYED_ONLY
+            ports = (old_port, new_port) if starts_old else (new_port, old_port)
+            answers[name] = [
+                ((r := await send(port, build(key), recipients=rcpts)).code, r.text) for port in ports
+            ]
     print("across releases:", answers, "upstream:", len(upstream.received))
     for name, (first, retry) in answers.items():
         assert first[0] == 250 and retry[0] == 250 and "duplicate" in retry[1], (name, first, retry)

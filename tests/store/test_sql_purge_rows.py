@@ -21,7 +21,7 @@ from smtpguard.policy.ledger import LedgerSettings, State, Submission
 from smtpguard.store import QueuedMessage, Store, store_from_url
 from smtpguard.store.postgres import PostgresStore
 from smtpguard.store.sqlite import SQLiteStore
-from tests.support.postgres import PostgresServer, reset
+from tests.support.stores import empty_store_url
 
 NOW = 1_790_000_000.0
 DAY = 86400.0
@@ -42,16 +42,7 @@ KEPT = {"absent", "null", "integer-later", "fraction-later"}
 
 @pytest.fixture(params=["sqlite", "postgres"])
 async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'state.db'}"
-    else:
-        pg: PostgresServer = request.getfixturevalue("postgres_server")
-        url = pg.url
-        first = store_from_url(url)
-        await first.open()  # the schema, so that there are tables to empty
-        await first.close()
-        reset(url)
-    s = store_from_url(url)
+    s = store_from_url(await empty_store_url(request, tmp_path))
     await s.open()
     yield s
     await s.close()

@@ -41,7 +41,7 @@ from smtpguard.store.base import StoredEvent, ZoneAudit
 from smtpguard.store.redis import RedisStore
 from smtpguard.store.sqlite import SQLiteStore
 from tests.support import RedisServer, free_port
-from tests.support.postgres import PostgresServer, reset
+from tests.support.stores import empty_store_url
 
 # One key each, one slot: set by a background step at open once older data is upgraded.
 UPGRADE_MARKERS = {"sg:supp-folded", "sg:lanes-listed", "sg:states-listed"}
@@ -53,22 +53,7 @@ RETENTION = 30 * DAY
 
 @pytest.fixture(params=["sqlite", "redis", "postgres"])
 async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'state.db'}"
-    elif request.param == "postgres":
-        pg: PostgresServer = request.getfixturevalue("postgres_server")
-        url = pg.url
-        first = store_from_url(url)
-        await first.open()  # the schema, so that there are tables to empty
-        await first.close()
-        reset(url)
-    else:
-        server: RedisServer = request.getfixturevalue("redis_server")
-        url = server.url
-        plain = aioredis.Redis.from_url(url)
-        await plain.flushall()
-        await plain.aclose()
-    s = store_from_url(url)
+    s = store_from_url(await empty_store_url(request, tmp_path))
     await s.open()
     await s.open()  # idempotent
     yield s

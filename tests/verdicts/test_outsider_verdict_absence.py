@@ -16,26 +16,25 @@ injected. Each test counts what the upstream received."""
 
 from __future__ import annotations
 
-from email.message import EmailMessage
 from pathlib import Path
 
 import pytest
 
-from smtpguard.policy.ledger import Record, State
-from tests.support import Behaviour, FakeClock, Upstream, message, running_guard, send, write_config
+from smtpguard.policy.ledger import State
+from tests.support import FakeClock, Upstream, message, send
 from tests.support.provider_api_fakes import FakeMailgun, FakeSendgrid
-from tests.support.verdicts import API_ENV, API_KEY, MAILGUN_DOMAIN, api_section, tag_of, verdict_config
-from tests.verdicts.test_verdict_loop import MINUTE, Harness
+from tests.support.verdicts import (
+    API_KEY,
+    MAILGUN_DOMAIN,
+    MINUTE,
+    Harness,
+    api_section,
+    serving,
+    tag_of,
+    verdict_harness,
+)
 
 pytestmark = pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
-
-
-async def _lose(h: Harness, raw: bytes | EmailMessage, key: str) -> Record:
-    """Submit `raw`; the upstream takes the dot and drops before its 250: unknown."""
-    h.upstream.handler.script = [Behaviour(drop_after_dot=True)]
-    reply = await send(h.guard.ports[0], raw)
-    assert reply.code == 451 and "unknown" in reply.text
-    return await h.record(key, State.UNKNOWN)
 
 
 def _with_message_id(key: str, value: str) -> bytes:
@@ -45,11 +44,21 @@ def _with_message_id(key: str, value: str) -> bytes:
     return (head + b"\n" + field + b"\n\n" + body).replace(b"\n", b"\r\n")
 
 
+async def _held_or_duplicate(h: Harness, key: str, written: str) -> None:
+    """The record is left unknown (its retry held) or settled delivered (its retry a
+    duplicate): never judged absent, so the retry never sends a second copy."""
+    after = await h.record(key)
+    assert after.state in (State.UNKNOWN, State.DELIVERED), f"{key} is {after.state.value}"
+    retried = await send(h.guard.ports[0], _with_message_id(key, written))
+    if after.state is State.UNKNOWN:
+        assert retried.code == 451 and "unknown" in retried.text
+    else:
+        assert retried.code == 250 and "duplicate" in retried.text
+
+
 async def _look_for_47_minutes(h: Harness) -> None:
     h.clock.t += 2 * MINUTE + 1
-    for _ in range(10):
-        await h.loop.round()  # (serve's own loop, the same object, may take a round too)
-        h.clock.t += 5 * MINUTE
+    await h.rounds(10, 5 * MINUTE)
 
 
 @pytest.mark.parametrize(
@@ -71,37 +80,20 @@ async def test_an_untagged_message_whose_message_id_mailgun_cannot_be_searched_b
     written: str,
     mailgun_logs: str,
 ) -> None:
-    monkeypatch.setenv(API_ENV, API_KEY)
-    clock = FakeClock()
-    fake = FakeMailgun(API_KEY, MAILGUN_DOMAIN, clock)
-    await fake.start()
-    try:
-        cfg = verdict_config(tmp, upstream.port, store_url, "mailgun", fake.base_url)
-        api = cfg["providers"][0].pop("api")
-        path = tmp / "c.yaml"
-        async with running_guard(cfg, clock=clock, config_path=path) as guard:
-            h = Harness(guard, clock, fake, upstream, "mailgun")
-            rec = await _lose(h, _with_message_id("e1", written), "e1")
-            assert rec.tagged is None and tag_of(h.last_received(), "mailgun") is None
-            # Mailgun took it (no tag: it went before the api was configured).
-            at = rec.attempts[-1].at
-            fake.add("accepted", at + 1, message_id=mailgun_logs)
-            fake.add("accepted", at + 30, message_id="<other.1@elsewhere.example>", tag="acme:other")
+    async with verdict_harness(tmp, upstream, store_url, monkeypatch, api=False) as h:
+        rec = await h.lose_reply("e1", _with_message_id("e1", written))
+        assert rec.tagged is None and tag_of(h.last_received(), "mailgun") is None
+        # Mailgun took it (no tag: it went before the api was configured).
+        fake = h.fake
+        assert isinstance(fake, FakeMailgun)
+        at = rec.attempts[-1].at
+        fake.add("accepted", at + 1, message_id=mailgun_logs)
+        fake.add("accepted", at + 30, message_id="<other.1@elsewhere.example>", tag="acme:other")
 
-            cfg["providers"][0]["api"] = api
-            write_config(path, cfg)
-            assert await guard.reload()
-            await _look_for_47_minutes(h)
-
-            after = await h.record("e1")
-            assert after.state in (State.UNKNOWN, State.DELIVERED), f"e1 is {after.state.value}"
-            retried = await send(guard.ports[0], _with_message_id("e1", written))
-            if after.state is State.UNKNOWN:
-                assert retried.code == 451 and "unknown" in retried.text
-            else:
-                assert retried.code == 250 and "duplicate" in retried.text
-    finally:
-        await fake.stop()
+        h.cfg["providers"][0]["api"] = h.api
+        assert await h.reload()
+        await _look_for_47_minutes(h)
+        await _held_or_duplicate(h, "e1", written)
     assert upstream.event_keys() == ["e1"]  # the copy Mailgun took, never a second
 
 
@@ -110,35 +102,28 @@ async def test_a_message_noted_with_sendgrids_tag_is_not_judged_absent_from_mail
 ) -> None:
     """The provider `primary` was SendGrid when the message went; a reload makes it a
     Mailgun provider. Mailgun's log never held the message: its absence there says nothing."""
-    monkeypatch.setenv(API_ENV, API_KEY)
     clock = FakeClock()
-    sendgrid = FakeSendgrid(API_KEY, clock)
-    mailgun = FakeMailgun(API_KEY, MAILGUN_DOMAIN, clock)
-    await sendgrid.start()
-    await mailgun.start()
-    try:
-        cfg = verdict_config(tmp, upstream.port, store_url, "sendgrid", sendgrid.base_url)
-        path = tmp / "c.yaml"
-        async with running_guard(cfg, clock=clock, config_path=path) as guard:
-            h = Harness(guard, clock, mailgun, upstream, "mailgun")
-            rec = await _lose(h, message("s1"), "s1")
-            assert rec.tagged == "sendgrid" and tag_of(h.last_received(), "sendgrid") == "acme:s1"
-            # SendGrid took it (its log would say so, but it is no longer asked).
-            sendgrid.add_message(rec.attempts[-1].at + 1, tag="acme:s1")
+    async with (
+        serving(FakeMailgun(API_KEY, MAILGUN_DOMAIN, clock)) as mailgun,
+        verdict_harness(tmp, upstream, store_url, monkeypatch, "sendgrid", clock=clock) as h,
+    ):
+        sendgrid = h.fake
+        assert isinstance(sendgrid, FakeSendgrid)
+        rec = await h.lose_reply("s1")
+        assert rec.tagged == "sendgrid" and tag_of(h.last_received(), "sendgrid") == "acme:s1"
+        # SendGrid took it (its log would say so, but it is no longer asked).
+        sendgrid.add_message(rec.attempts[-1].at + 1, tag="acme:s1")
 
-            cfg["providers"][0]["api"] = api_section("mailgun", mailgun.base_url)
-            write_config(path, cfg)
-            assert await guard.reload()
-            h.other_acceptance(rec.attempts[-1].at + 30)  # Mailgun's ingestion proof
-            await _look_for_47_minutes(h)
+        h.cfg["providers"][0]["api"] = api_section("mailgun", mailgun.base_url)
+        assert await h.reload()
+        h.fake, h.kind = mailgun, "mailgun"  # the log the loop reads from now on
+        h.other_acceptance(rec.attempts[-1].at + 30)  # Mailgun's ingestion proof
+        await _look_for_47_minutes(h)
 
-            assert mailgun.requests, "the loop asked Mailgun's log"
-            await h.record("s1", State.UNKNOWN)
-            retried = await send(guard.ports[0], message("s1"))
-            assert retried.code == 451 and "unknown" in retried.text
-    finally:
-        await mailgun.stop()
-        await sendgrid.stop()
+        assert mailgun.requests, "the loop asked Mailgun's log"
+        await h.record("s1", State.UNKNOWN)
+        retried = await send(h.guard.ports[0], message("s1"))
+        assert retried.code == 451 and "unknown" in retried.text
     assert upstream.event_keys() == ["s1"]  # the copy SendGrid took, never a second
 
 
@@ -148,29 +133,15 @@ async def test_a_tagged_message_whose_message_id_carries_a_comment_is_found_not_
     """The api was there all along, so the message carries the tag; but the search is
     filtered by the Message-ID as smtpguard reads the field, comment included, and Mailgun
     logs the msg-id alone: the filter hides the acceptance the tag would have matched."""
-    monkeypatch.setenv(API_ENV, API_KEY)
-    clock = FakeClock()
-    fake = FakeMailgun(API_KEY, MAILGUN_DOMAIN, clock)
-    await fake.start()
-    try:
-        cfg = verdict_config(tmp, upstream.port, store_url, "mailgun", fake.base_url)
-        async with running_guard(cfg, clock=clock) as guard:
-            h = Harness(guard, clock, fake, upstream, "mailgun")
-            written = "<inv-2@shop.example> (generated by shop)"
-            rec = await _lose(h, _with_message_id("c1", written), "c1")
-            assert rec.tagged == "mailgun" and tag_of(h.last_received(), "mailgun") == "acme:c1"
-            at = rec.attempts[-1].at
-            fake.add("accepted", at + 1, message_id="<inv-2@shop.example>", tag="acme:c1")
-            h.other_acceptance(at + 30)
-            await _look_for_47_minutes(h)
-
-            after = await h.record("c1")
-            assert after.state in (State.UNKNOWN, State.DELIVERED), f"c1 is {after.state.value}"
-            retried = await send(guard.ports[0], _with_message_id("c1", written))
-            if after.state is State.UNKNOWN:
-                assert retried.code == 451 and "unknown" in retried.text
-            else:
-                assert retried.code == 250 and "duplicate" in retried.text
-    finally:
-        await fake.stop()
+    async with verdict_harness(tmp, upstream, store_url, monkeypatch) as h:
+        written = "<inv-2@shop.example> (generated by shop)"
+        rec = await h.lose_reply("c1", _with_message_id("c1", written))
+        assert rec.tagged == "mailgun" and tag_of(h.last_received(), "mailgun") == "acme:c1"
+        fake = h.fake
+        assert isinstance(fake, FakeMailgun)
+        at = rec.attempts[-1].at
+        fake.add("accepted", at + 1, message_id="<inv-2@shop.example>", tag="acme:c1")
+        h.other_acceptance(at + 30)
+        await _look_for_47_minutes(h)
+        await _held_or_duplicate(h, "c1", written)
     assert upstream.event_keys() == ["c1"]  # the copy Mailgun took, never a second

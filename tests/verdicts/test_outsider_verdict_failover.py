@@ -6,66 +6,65 @@ Each sink is counted."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from smtpguard.policy.ledger import State
 from tests.relay.test_resilience import upstream_on
-from tests.support import Behaviour, FakeClock, Upstream, message, running_guard, send
-from tests.support.provider_api_fakes import FakeSendgrid
-from tests.support.verdicts import API_ENV, API_KEY, tag_of, verdict_config
-from tests.verdicts.test_verdict_loop import MINUTE, Harness
+from tests.support import Behaviour, Upstream, message, send
+from tests.support.verdicts import MINUTE, tag_of, verdict_harness
 
 pytestmark = pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+
+
+def _with_standby(port: int, tagged: str) -> Callable[[dict[str, Any]], None]:
+    """A second provider, `standby`, on `port`; the api on `tagged` of the two alone."""
+
+    def configure(cfg: dict[str, Any]) -> None:
+        second = {**cfg["providers"][0], "name": "standby", "port": port}
+        api = cfg["providers"][0].pop("api")
+        second.pop("api", None)
+        (cfg["providers"][0] if tagged == "primary" else second)["api"] = api
+        cfg["providers"].append(second)
+
+    return configure
 
 
 @pytest.mark.parametrize("tagged", ["primary", "standby"])
 async def test_the_note_names_the_provider_the_data_went_to_and_its_tag(
     tmp: Path, upstream: Upstream, store_url: str, monkeypatch: pytest.MonkeyPatch, tagged: str
 ) -> None:
-    monkeypatch.setenv(API_ENV, API_KEY)
-    clock = FakeClock()
-    fake = FakeSendgrid(API_KEY, clock)
-    await fake.start()
-    try:
-        async with upstream_on() as standby:
-            cfg = verdict_config(tmp, upstream.port, store_url, "sendgrid", fake.base_url)
-            second = {**cfg["providers"][0], "name": "standby", "port": standby.port}
-            api = cfg["providers"][0].pop("api")
-            second.pop("api", None)
-            (cfg["providers"][0] if tagged == "primary" else second)["api"] = api
-            cfg["providers"].append(second)
-            async with running_guard(cfg, clock=clock) as guard:
-                h = Harness(guard, clock, fake, standby, "sendgrid")
-                upstream.handler.script = [Behaviour(mail="451 4.3.0 try later")]
-                standby.handler.script = [Behaviour(drop_after_dot=True)]
-                lost = await send(guard.ports[0], message("k1"))
-                assert lost.code == 451 and "unknown" in lost.text
-                rec = await h.record("k1", State.UNKNOWN)
-                assert rec.via == "standby"
-                assert rec.tagged == (None if tagged == "primary" else "sendgrid")
-                assert tag_of(standby.received[-1], "sendgrid") == (
-                    None if tagged == "primary" else "acme:k1"
-                )
-                if tagged == "standby":
-                    h.log(standby.received[-1], rec.attempts[-1].at + 1)
-                h.other_acceptance(rec.attempts[-1].at + 30)
-                clock.t += 2 * MINUTE + 1
-                for _ in range(40):
-                    await h.loop.round()
-                    clock.t += 2 * MINUTE
-                if tagged == "primary":
-                    # The standby has no api: nobody asks, nothing is judged absent.
-                    assert not any("acme:k1" in str(r.query) for r in fake.requests)
-                    await h.record("k1", State.UNKNOWN)
-                    again = await send(guard.ports[0], message("k1"))
-                    assert again.code == 451 and "unknown" in again.text
-                else:
-                    await h.record("k1", State.DELIVERED)
-                    again = await send(guard.ports[0], message("k1"))
-                    assert again.code == 250 and "duplicate" in again.text
-            assert upstream.received == []  # refused at MAIL: nothing reached the primary
-            assert standby.event_keys() == ["k1"]
-    finally:
-        await fake.stop()
+    async with (
+        upstream_on() as standby,
+        verdict_harness(
+            tmp, upstream, store_url, monkeypatch, "sendgrid", configure=_with_standby(standby.port, tagged)
+        ) as h,
+    ):
+        upstream.handler.script = [Behaviour(mail="451 4.3.0 try later")]
+        standby.handler.script = [Behaviour(drop_after_dot=True)]
+        lost = await send(h.guard.ports[0], message("k1"))
+        assert lost.code == 451 and "unknown" in lost.text
+        rec = await h.record("k1", State.UNKNOWN)
+        assert rec.via == "standby"
+        assert rec.tagged == (None if tagged == "primary" else "sendgrid")
+        assert tag_of(standby.received[-1], "sendgrid") == (None if tagged == "primary" else "acme:k1")
+        if tagged == "standby":
+            h.log(standby.received[-1], rec.attempts[-1].at + 1)
+        h.other_acceptance(rec.attempts[-1].at + 30)
+        h.clock.t += 2 * MINUTE + 1
+        await h.rounds(40, 2 * MINUTE)
+        if tagged == "primary":
+            # The standby has no api: nobody asks, nothing is judged absent.
+            assert not any("acme:k1" in str(r.query) for r in h.fake.requests)
+            await h.record("k1", State.UNKNOWN)
+            again = await send(h.guard.ports[0], message("k1"))
+            assert again.code == 451 and "unknown" in again.text
+        else:
+            await h.record("k1", State.DELIVERED)
+            again = await send(h.guard.ports[0], message("k1"))
+            assert again.code == 250 and "duplicate" in again.text
+    assert upstream.received == []  # refused at MAIL: nothing reached the primary
+    assert standby.event_keys() == ["k1"]

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from smtpguard.config import ConfigError, loads
-from smtpguard.policy.verdicts import Attempt, LogKind, VerdictKind, ingested_past, log_identity, verdict
+from smtpguard.policy.verdicts import Attempt, LogKind, VerdictKind, ingested_past, log_identity
 from smtpguard.verdicts import api_key, client_for
 from smtpguard.verdicts.http import (
     ApiAuthRefused,
@@ -34,10 +34,11 @@ from smtpguard.verdicts.postmark import PostmarkLog
 from smtpguard.verdicts.sendgrid import SendgridLog
 from tests.support import FakeClock, base_config
 from tests.support.provider_api_fakes import FakeMailgun, FakePostmark, FakeSendgrid
+from tests.support.verdicts import ABSENT_AFTER as ABSENT
+from tests.support.verdicts import judged
 from tests.verdicts.conftest import KEY, Now
 
 FAST = Retry(attempts=4, backoff=0.02, backoff_max=0.1, retry_after_max=5.0)
-ABSENT, GIVE_UP = 1800.0, 86400.0
 
 
 def mg_client(fake: FakeMailgun, now: Now, key: str = KEY, **kw: Any) -> MailgunLog:
@@ -58,15 +59,7 @@ async def judge(client: LogApi, attempt: Attempt, now: float) -> Any:
     """What the verdict loop will do at one look: ask, then apply the §19 table."""
     entries = await client.entries(attempt)
     proof = ingested_past(attempt, await client.accepted_since(attempt.at))
-    return verdict(
-        attempt,
-        entries,
-        now=now,
-        absent_after=ABSENT,
-        give_up=GIVE_UP,
-        proof_of_ingestion=proof,
-        log=client.log,
-    )
+    return judged(attempt, entries, now=now, proof=proof, log=client.log)
 
 
 # --- the table, through each API ------------------------------------------------------------

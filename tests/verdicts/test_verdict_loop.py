@@ -8,10 +8,7 @@ Every test counts what the upstream received."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,104 +16,17 @@ import pytest
 from smtpguard import desk
 from smtpguard.policy.ledger import Record, State
 from smtpguard.policy.verdicts import VerdictKind
-from smtpguard.server import Server
-from smtpguard.verdicts.loop import VerdictLoop
-from tests.support import Behaviour, FakeClock, Received, Upstream, message, running_guard, send, write_config
+from tests.support import Behaviour, FakeClock, Upstream, message, running_guard, send
 from tests.support.eventually import eventually
-from tests.support.provider_api_fakes import FakeApi, FakeMailgun, FakePostmark, FakeSendgrid
-from tests.support.verdicts import API_ENV, API_KEY, MAILGUN_DOMAIN, message_id_of, tag_of, verdict_config
+from tests.support.provider_api_fakes import FakeMailgun
+from tests.support.verdicts import API_KEY, MAILGUN_DOMAIN, MINUTE, QUEUED, Harness, make_fake, serving
+from tests.support.verdicts import verdict_harness as harness
 
-MINUTE = 60.0
+__all__ = ["MINUTE", "Harness", "harness", "make_fake"]
+"""What verdict tests written before tests/support/verdicts.py held them import from here."""
+
 SQLITE_ONLY = pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
 """Rows whose store part is the same compare-and-swap the other rows run on both stores."""
-
-
-@dataclass
-class Harness:
-    guard: Server
-    clock: FakeClock
-    fake: FakeApi
-    upstream: Upstream
-    kind: str
-
-    @property
-    def loop(self) -> VerdictLoop:
-        assert self.guard.verdicts is not None, "serve started no verdict loop"
-        return self.guard.verdicts
-
-    async def lose_reply(self, key: str) -> Record:
-        """Submit `key`; the upstream takes the dot and drops before its 250: unknown."""
-        self.upstream.handler.script = [Behaviour(drop_after_dot=True)]
-        reply = await send(self.guard.ports[0], message(key))
-        assert reply.code == 451 and "unknown" in reply.text
-        return await self.record(key, State.UNKNOWN)
-
-    async def record(self, key: str, state: State | None = None) -> Record:
-        assert self.guard.store is not None
-        rec = await self.guard.store.get("acme", key)
-        assert rec is not None
-        if state is not None:
-            assert rec.state is state, f"{key} is {rec.state.value}, not {state.value}"
-        return rec
-
-    async def lost_and_logged(self, key: str, event: str = "accepted", reason: str = "") -> Record:
-        """lose_reply, and the provider's log shows the message a second after the attempt."""
-        rec = await self.lose_reply(key)
-        self.log(self.last_received(), rec.attempts[-1].at + 1, event, reason)
-        return rec
-
-    def last_received(self) -> Received:
-        return self.upstream.received[-1]
-
-    def log(self, received: Received, at: float, event: str = "accepted", reason: str = "") -> None:
-        """The provider's log shows `received` (as its tag and Message-ID say) at `at`."""
-        tag = tag_of(received, self.kind)
-        if isinstance(self.fake, FakeMailgun):
-            self.fake.add(event, at, message_id=message_id_of(received), tag=tag, reason=reason)
-        elif isinstance(self.fake, FakePostmark):
-            assert event == "accepted"
-            self.fake.add_message(at, tag=tag)
-        else:
-            assert isinstance(self.fake, FakeSendgrid)
-            self.fake.add_message(at, tag=tag, dropped=reason if event == "dropped" else None)
-
-    def other_acceptance(self, at: float) -> None:
-        """Another message's acceptance through the same provider: the ingestion proof."""
-        if isinstance(self.fake, FakeMailgun):
-            self.fake.add("accepted", at, message_id="<other.1@elsewhere.example>", tag="acme:other")
-        elif isinstance(self.fake, FakePostmark):
-            self.fake.add_message(at, tag="acme:other")
-        else:
-            assert isinstance(self.fake, FakeSendgrid)
-            self.fake.add_message(at, tag="acme:other")
-
-    async def after(self, seconds: float) -> list[VerdictKind]:
-        self.clock.t += seconds
-        return [a.verdict.kind for a in await self.loop.round()]
-
-
-def make_fake(kind: str, clock: FakeClock) -> FakeApi:
-    if kind == "mailgun":
-        return FakeMailgun(API_KEY, MAILGUN_DOMAIN, clock)
-    if kind == "postmark":
-        return FakePostmark(API_KEY, clock)
-    return FakeSendgrid(API_KEY, clock)
-
-
-@contextlib.asynccontextmanager
-async def harness(
-    tmp: Path, upstream: Upstream, store_url: str, monkeypatch: pytest.MonkeyPatch, kind: str = "mailgun"
-) -> AsyncIterator[Harness]:
-    monkeypatch.setenv(API_ENV, API_KEY)
-    clock = FakeClock()
-    fake = make_fake(kind, clock)
-    await fake.start()
-    try:
-        cfg = verdict_config(tmp, upstream.port, store_url, kind, fake.base_url)
-        async with running_guard(cfg, clock=clock) as guard:
-            yield Harness(guard, clock, fake, upstream, kind)
-    finally:
-        await fake.stop()
 
 
 def delivered(rec: Record) -> bool:
@@ -293,43 +203,30 @@ async def test_a_queued_event_follows_its_record(
 ) -> None:
     """Store-and-forward: a not-accepted verdict re-queues the entry and the worker sends it
     once; an accepted one takes it off the queue."""
-    monkeypatch.setenv(API_ENV, API_KEY)
-    clock = FakeClock()
-    fake = FakeMailgun(API_KEY, MAILGUN_DOMAIN, clock)
-    await fake.start()
-    cfg = verdict_config(tmp, upstream.port, store_url, "mailgun", fake.base_url)
-    cfg["zones"]["acme"]["delivery"] = "queue"
-    cfg["queue"] = {"poll_interval": "100ms", "backoff": {"base": "1s", "max": "2s"}}
-    try:
-        async with running_guard(cfg, clock=clock) as guard:
-            h = Harness(guard, clock, fake, upstream, "mailgun")
-            upstream.handler.script = [Behaviour(drop_after_dot=True), Behaviour(drop_after_dot=True)]
-            for key in ("q1", "q2"):
-                assert (await send(guard.ports[0], message(key))).code == 250
-            store = guard.store
-            assert store is not None
-            await eventually(
-                lambda: store.list_records("acme", "unknown", None, None, 10),
-                lambda recs: len(recs) == 2,
-                timeout=15,
-                interval=0.05,
-            )
-            q1 = next(r for r in upstream.received if r.header("X-Event-Key") == "q1")
-            at = (await h.record("q1")).attempts[-1].at
-            h.log(q1, at + 1)
-            h.other_acceptance(at + 30)
-            assert sorted(await h.after(2 * MINUTE + 1)) == sorted(
-                [VerdictKind.ACCEPTED, VerdictKind.NONE_YET]
-            )
-            await h.record("q1", State.DELIVERED)
-            assert await h.after(30 * MINUTE) == [VerdictKind.NOT_ACCEPTED]
-            clock.t += 2 * MINUTE  # past min_retry_interval: the worker's entry is due
-            await eventually(
-                lambda: h.record("q2"), lambda r: r.state is State.DELIVERED, timeout=15, interval=0.05
-            )
-            assert not [e for e in await store.queue_entries("acme") if e.key == "q1"]
-    finally:
-        await fake.stop()
+    async with harness(tmp, upstream, store_url, monkeypatch, **QUEUED) as h:
+        upstream.handler.script = [Behaviour(drop_after_dot=True), Behaviour(drop_after_dot=True)]
+        for key in ("q1", "q2"):
+            assert (await send(h.guard.ports[0], message(key))).code == 250
+        store = h.guard.store
+        assert store is not None
+        await eventually(
+            lambda: store.list_records("acme", "unknown", None, None, 10),
+            lambda recs: len(recs) == 2,
+            timeout=15,
+            interval=0.05,
+        )
+        q1 = next(r for r in upstream.received if r.header("X-Event-Key") == "q1")
+        at = (await h.record("q1")).attempts[-1].at
+        h.log(q1, at + 1)
+        h.other_acceptance(at + 30)
+        assert sorted(await h.after(2 * MINUTE + 1)) == sorted([VerdictKind.ACCEPTED, VerdictKind.NONE_YET])
+        await h.record("q1", State.DELIVERED)
+        assert await h.after(30 * MINUTE) == [VerdictKind.NOT_ACCEPTED]
+        h.clock.t += 2 * MINUTE  # past min_retry_interval: the worker's entry is due
+        await eventually(
+            lambda: h.record("q2"), lambda r: r.state is State.DELIVERED, timeout=15, interval=0.05
+        )
+        assert not [e for e in await store.queue_entries("acme") if e.key == "q1"]
     assert sorted(k for k in upstream.event_keys() if k) == ["q1", "q2", "q2"]
 
 
@@ -361,26 +258,18 @@ async def test_a_reload_that_moves_the_api_is_followed(
     tmp: Path, upstream: Upstream, store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SIGHUP with another `base_url` (an EU region, say): the next look asks the new one."""
-    monkeypatch.setenv(API_ENV, API_KEY)
     clock = FakeClock()
-    old, new = FakeMailgun(API_KEY, MAILGUN_DOMAIN, clock), FakeMailgun(API_KEY, MAILGUN_DOMAIN, clock)
-    await old.start()
-    await new.start()
-    try:
-        cfg = verdict_config(tmp, upstream.port, store_url, "mailgun", old.base_url)
-        path = tmp / "c.yaml"
-        async with running_guard(cfg, clock=clock, config_path=path) as guard:
-            h = Harness(guard, clock, new, upstream, "mailgun")
-            await h.lost_and_logged("m1")  # only the new API's log has it
-            cfg["providers"][0]["api"]["base_url"] = new.base_url
-            write_config(path, cfg)
-            assert await guard.reload()
-            assert await h.after(2 * MINUTE + 1) == [VerdictKind.ACCEPTED]
-            await h.record("m1", State.DELIVERED)
-        assert old.requests == [] and new.requests
-    finally:
-        await old.stop()
-        await new.stop()
+    async with (
+        serving(FakeMailgun(API_KEY, MAILGUN_DOMAIN, clock)) as new,
+        harness(tmp, upstream, store_url, monkeypatch, clock=clock) as h,
+    ):
+        old, h.fake = h.fake, new
+        await h.lost_and_logged("m1")  # only the new API's log has it
+        h.cfg["providers"][0]["api"]["base_url"] = new.base_url
+        assert await h.reload()
+        assert await h.after(2 * MINUTE + 1) == [VerdictKind.ACCEPTED]
+        await h.record("m1", State.DELIVERED)
+    assert old.requests == [] and new.requests
     assert upstream.event_keys() == ["m1"]
 
 
@@ -399,40 +288,34 @@ async def test_two_instances_looking_at_once_settle_once(
 ) -> None:
     """Every host runs the loop; both ask about the same records in the same instant, and
     the store's compare-and-swap lets one verdict write per record."""
-    monkeypatch.setenv(API_ENV, API_KEY)
-    clock = TickingClock()
-    fake = FakeMailgun(API_KEY, MAILGUN_DOMAIN, clock)
-    await fake.start()
-    try:
-        cfg = verdict_config(tmp, upstream.port, store_url, "mailgun", fake.base_url)
-        cfg["breaker"] = {"failure_threshold": 20}  # six lost replies in a row are the point here
-        async with (
-            running_guard({**cfg, "instance": "a"}, clock=clock) as a,
-            running_guard({**cfg, "instance": "b"}, clock=clock) as b,
-        ):
-            h = Harness(a, clock, fake, upstream, "mailgun")
-            keys = [f"x{i}" for i in range(6)]
-            for i, key in enumerate(keys):
-                if i % 2:
-                    await h.lost_and_logged(key)
-                else:
-                    await h.lose_reply(key)
-            h.other_acceptance(clock.t + 1)
-            assert a.verdicts is not None and b.verdicts is not None
-            clock.t += 31 * MINUTE
-            await asyncio.gather(a.verdicts.round(), b.verdicts.round())
-            for i, key in enumerate(keys):
-                rec = await h.record(key, State.DEFERRED if i % 2 == 0 else State.DELIVERED)
-                assert len(audit_of(rec)) == 1, audit_of(rec)
-            assert a.store is not None
-            zone_audit = [e for e in await a.store.audit_log("acme", 0) if e.actor.startswith("verdict:")]
-            assert len(zone_audit) == len(keys)
-            clock.t += 2 * MINUTE
-            for key in keys:
-                reply = await send(b.ports[0], message(key))
-                assert reply.code == 250
-    finally:
-        await fake.stop()
+    breaker = {"failure_threshold": 20}  # six lost replies in a row are the point here
+    async with (
+        harness(
+            tmp, upstream, store_url, monkeypatch, clock=TickingClock(), instance="a", breaker=breaker
+        ) as h,
+        running_guard({**h.cfg, "instance": "b"}, clock=h.clock) as b,
+    ):
+        a, clock = h.guard, h.clock
+        keys = [f"x{i}" for i in range(6)]
+        for i, key in enumerate(keys):
+            if i % 2:
+                await h.lost_and_logged(key)
+            else:
+                await h.lose_reply(key)
+        h.other_acceptance(clock.t + 1)
+        assert a.verdicts is not None and b.verdicts is not None
+        clock.t += 31 * MINUTE
+        await asyncio.gather(a.verdicts.round(), b.verdicts.round())
+        for i, key in enumerate(keys):
+            rec = await h.record(key, State.DEFERRED if i % 2 == 0 else State.DELIVERED)
+            assert len(audit_of(rec)) == 1, audit_of(rec)
+        assert a.store is not None
+        zone_audit = [e for e in await a.store.audit_log("acme", 0) if e.actor.startswith("verdict:")]
+        assert len(zone_audit) == len(keys)
+        clock.t += 2 * MINUTE
+        for key in keys:
+            reply = await send(b.ports[0], message(key))
+            assert reply.code == 250
     # the not-accepted ones sent once more, the accepted ones never again
     assert sorted(k for k in upstream.event_keys() if k) == sorted(
         keys + [k for i, k in enumerate(keys) if i % 2 == 0]
