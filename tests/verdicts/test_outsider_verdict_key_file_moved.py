@@ -1,0 +1,66 @@
+"""A SendGrid provider whose SMTP password and log `api` key are one file (SendGrid's SMTP
+password is an API key), rewritten in place to move the provider to another account, and a
+SIGHUP. The SMTP side reads the file again on every reload (rotate_passwords): the next
+message authenticates as the new account and goes there. The log side read the key only when
+the route and the loop's clients were built: with the providers' settings unchanged, neither
+is rebuilt, so the data_sent note still names the old account's log and the loop still reads
+it. The message is absent from the old account's log, that account's own traffic is the
+proof of ingestion, and `not accepted` lets the retry send a second copy.
+
+The upstream here is the new account's SMTP endpoint (it takes only the new key after the
+move); the log API is the old account's (it takes only the old key)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from smtpguard.policy.ledger import State
+from tests.support import UPSTREAM_USER, FakeClock, Upstream, message, running_guard, send, write_config
+from tests.support.provider_api_fakes import FakeSendgrid
+from tests.support.verdicts import verdict_config
+from tests.verdicts.test_verdict_loop import MINUTE, Harness
+
+pytestmark = pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+
+OLD_ACCOUNT = "SG.old-account-key-0123456789"
+NEW_ACCOUNT = "SG.new-account-key-9876543210"
+
+
+async def test_a_key_file_moved_to_another_account_never_proves_absence_in_the_old_one(
+    tmp: Path, store_url: str
+) -> None:
+    clock = FakeClock()
+    upstream = Upstream(password=OLD_ACCOUNT)
+    old_log = FakeSendgrid(OLD_ACCOUNT, clock)
+    await upstream.start()
+    await old_log.start()
+    secret = tmp / "sendgrid.key"
+    secret.write_text(OLD_ACCOUNT + "\n")
+    try:
+        cfg = verdict_config(tmp, upstream.port, store_url, "sendgrid", old_log.base_url)
+        cfg["providers"][0].update({"username": UPSTREAM_USER, "password_file": str(secret)})
+        api = cfg["providers"][0]["api"]
+        del api["key_env"]
+        api["key_file"] = str(secret)
+        path = tmp / "c.yaml"
+        async with running_guard(cfg, clock=clock, config_path=path) as guard:
+            h = Harness(guard, clock, old_log, upstream, "sendgrid")
+            # The move: the file names the new account, whose endpoint takes only its key.
+            secret.write_text(NEW_ACCOUNT + "\n")
+            upstream.rotate(NEW_ACCOUNT)
+            write_config(path, cfg)
+            assert await guard.reload()
+            rec = await h.lose_reply("k1")
+            assert upstream.password == NEW_ACCOUNT and upstream.auth_ok >= 1
+            h.other_acceptance(rec.attempts[-1].at + 30)  # the old account's own traffic
+            for _ in range(12):
+                await h.after(5 * MINUTE)
+            retry = await send(guard.ports[0], message("k1"))
+            assert (retry.code, upstream.event_keys()) == (451, ["k1"]), "the retry sent a second copy"
+            await h.record("k1", State.UNKNOWN)
+    finally:
+        await old_log.stop()
+        await upstream.stop()
+    assert upstream.event_keys() == ["k1"]
