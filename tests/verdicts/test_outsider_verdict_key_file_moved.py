@@ -5,7 +5,9 @@ message authenticates as the new account and goes there. The log side read the k
 the route and the loop's clients were built: with the providers' settings unchanged, neither
 is rebuilt, so the data_sent note still names the old account's log and the loop still reads
 it. The message is absent from the old account's log, that account's own traffic is the
-proof of ingestion, and `not accepted` lets the retry send a second copy.
+proof of ingestion, and `not accepted` let the retry send a second copy (upstream k1 twice).
+Now a reload whose key files name other logs rebuilds those providers (their notes name the
+new log) and the loop's clients: the old account's log never judges the message absent.
 
 The upstream here is the new account's SMTP endpoint (it takes only the new key after the
 move); the log API is the old account's (it takes only the old key)."""
