@@ -66,3 +66,41 @@ async def test_a_key_file_moved_to_another_account_never_proves_absence_in_the_o
         await old_log.stop()
         await upstream.stop()
     assert upstream.event_keys() == ["k1"]
+
+
+async def test_a_535_that_reads_the_moved_file_before_any_reload_never_proves_absence_in_the_old_log(
+    tmp: Path, store_url: str
+) -> None:
+    """The file already names the new account (the SIGHUP has not come yet) when the old
+    account's SMTP refuses AUTH (a transient 535, or its sending access withdrawn while its
+    API still reads its log): the one re-read after the 535 authenticates as the new account
+    and the message goes there, noted with the old account's log, which the loop reads."""
+    clock = FakeClock()
+    upstream = Upstream(password=OLD_ACCOUNT)
+    old_log = FakeSendgrid(OLD_ACCOUNT, clock)
+    await upstream.start()
+    await old_log.start()
+    secret = tmp / "sendgrid.key"
+    secret.write_text(OLD_ACCOUNT + "\n")
+    try:
+        cfg = verdict_config(tmp, upstream.port, store_url, "sendgrid", old_log.base_url)
+        cfg["providers"][0].update({"username": UPSTREAM_USER, "password_file": str(secret)})
+        api = cfg["providers"][0]["api"]
+        del api["key_env"]
+        api["key_file"] = str(secret)
+        async with running_guard(cfg, clock=clock) as guard:
+            h = Harness(guard, clock, old_log, upstream, "sendgrid")
+            secret.write_text(NEW_ACCOUNT + "\n")
+            upstream.rotate(NEW_ACCOUNT)
+            rec = await h.lose_reply("k2")
+            assert upstream.auth_refused >= 1 and upstream.auth_ok >= 1  # the 535, then the new key
+            h.other_acceptance(rec.attempts[-1].at + 30)  # the old account's own traffic
+            for _ in range(12):
+                await h.after(5 * MINUTE)
+            retry = await send(guard.ports[0], message("k2"))
+            assert (retry.code, upstream.event_keys()) == (451, ["k2"]), "the retry sent a second copy"
+            await h.record("k2", State.UNKNOWN)
+    finally:
+        await old_log.stop()
+        await upstream.stop()
+    assert upstream.event_keys() == ["k2"]
