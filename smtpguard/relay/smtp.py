@@ -61,6 +61,8 @@ class SmtpProvider:
         """The kind of the event source reading this provider's webhooks: its custom-variable
         header carries the event key back (policy/tags.py)."""
         self.log = log
+        """The log its `api` names, read with its password (at start or a reload); None once
+        a 535 moved it to another secret, which may be another account's (`_another_password`)."""
         self.cfg = cfg
         self.idempotent = cfg.idempotency_header is not None
         self.smtputf8: bool | None = None
@@ -308,6 +310,10 @@ class SmtpProvider:
                 if candidate != self._password:
                     self._previous = self._password
                     self._password = candidate
+                # A secret no reload gave it (SendGrid's and Postmark's are also their api's
+                # key, often from one file): its messages may go to another account than the
+                # log noted so far, so none is noted until a reload reads both again.
+                self.log = None
                 return candidate
         return None
 

@@ -74,7 +74,9 @@ async def test_a_535_that_reads_the_moved_file_before_any_reload_never_proves_ab
     """The file already names the new account (the SIGHUP has not come yet) when the old
     account's SMTP refuses AUTH (a transient 535, or its sending access withdrawn while its
     API still reads its log): the one re-read after the 535 authenticates as the new account
-    and the message goes there, noted with the old account's log, which the loop reads."""
+    and the message goes there, noted with the old account's log, which the loop reads (k2
+    twice upstream). Now a 535 that moves the provider to another secret leaves its notes
+    naming no log until a reload reads the password and the key together."""
     clock = FakeClock()
     upstream = Upstream(password=OLD_ACCOUNT)
     old_log = FakeSendgrid(OLD_ACCOUNT, clock)
