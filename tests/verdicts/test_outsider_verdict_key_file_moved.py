@@ -106,3 +106,51 @@ async def test_a_535_that_reads_the_moved_file_before_any_reload_never_proves_ab
         await old_log.stop()
         await upstream.stop()
     assert upstream.event_keys() == ["k2"]
+
+
+async def test_a_key_rotated_within_one_account_still_settles_both_sides_of_the_reload(
+    tmp: Path, store_url: str
+) -> None:
+    """The same file rewritten with a new key of the same account (the old one revoked at
+    the API and the SMTP endpoint): the record lost before the reload is still settled by
+    its acceptance in the log, and one lost after it (never taken) by its absence, as the
+    notes and the loop's client name the same log again (before the reload read the key, the
+    loop kept asking with the revoked one and settled neither). Only a record noted with the
+    old key is never judged absent (its note names another key)."""
+    clock = FakeClock()
+    upstream = Upstream(password=OLD_ACCOUNT)
+    account = FakeSendgrid(OLD_ACCOUNT, clock)
+    await upstream.start()
+    await account.start()
+    secret = tmp / "sendgrid.key"
+    secret.write_text(OLD_ACCOUNT + "\n")
+    try:
+        cfg = verdict_config(tmp, upstream.port, store_url, "sendgrid", account.base_url)
+        cfg["providers"][0].update({"username": UPSTREAM_USER, "password_file": str(secret)})
+        api = cfg["providers"][0]["api"]
+        del api["key_env"]
+        api["key_file"] = str(secret)
+        path = tmp / "c.yaml"
+        async with running_guard(cfg, clock=clock, config_path=path) as guard:
+            h = Harness(guard, clock, account, upstream, "sendgrid")
+            await h.lost_and_logged("r1")  # taken: its log says so
+            rotated = NEW_ACCOUNT.replace("new-account", "same-account")
+            secret.write_text(rotated + "\n")
+            account.key = rotated
+            upstream.rotate(rotated)
+            assert await guard.reload()
+            after = await h.lose_reply("r2")  # never taken: its log will never show it
+            h.other_acceptance(after.attempts[-1].at + 30)
+            for _ in range(12):
+                await h.after(5 * MINUTE)
+            await h.record("r1", State.DELIVERED)
+            await h.record("r2", State.DEFERRED)
+            dup = await send(guard.ports[0], message("r1"))
+            assert dup.code == 250 and "duplicate" in dup.text
+            again = await send(guard.ports[0], message("r2"))
+            assert again.code == 250 and "duplicate" not in again.text
+    finally:
+        await account.stop()
+        await upstream.stop()
+    # r2's copy the provider never took, and its one resend
+    assert sorted(k or "" for k in upstream.event_keys()) == ["r1", "r2", "r2"]
