@@ -21,7 +21,7 @@ import pytest
 from smtpguard.policy.ledger import State
 from tests.support import UPSTREAM_USER, FakeClock, Upstream, message, running_guard, send, write_config
 from tests.support.provider_api_fakes import FakeSendgrid
-from tests.support.verdicts import verdict_config
+from tests.support.verdicts import API_ENV, API_KEY, verdict_config
 from tests.verdicts.test_verdict_loop import MINUTE, Harness
 
 pytestmark = pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
@@ -154,3 +154,39 @@ async def test_a_key_rotated_within_one_account_still_settles_both_sides_of_the_
         await upstream.stop()
     # r2's copy the provider never took, and its one resend
     assert sorted(k or "" for k in upstream.event_keys()) == ["r1", "r2", "r2"]
+
+
+async def test_a_535_on_an_smtp_password_of_its_own_file_keeps_the_notes_naming_the_log(
+    tmp: Path, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The SMTP password in a file of its own (the api's key elsewhere, unchanged) rotated in
+    place and met by a 535 before any reload: the re-read secret is the same account's as far
+    as smtpguard can tell, the notes keep naming the api's log, and a message never taken is
+    still settled by its absence (its resend is the one other copy)."""
+    monkeypatch.setenv(API_ENV, API_KEY)
+    clock = FakeClock()
+    upstream = Upstream(password="smtp-old")
+    account = FakeSendgrid(API_KEY, clock)
+    await upstream.start()
+    await account.start()
+    secret = tmp / "smtp.pass"
+    secret.write_text("smtp-old\n")
+    try:
+        cfg = verdict_config(tmp, upstream.port, store_url, "sendgrid", account.base_url)
+        cfg["providers"][0].update({"username": UPSTREAM_USER, "password_file": str(secret)})
+        async with running_guard(cfg, clock=clock) as guard:
+            h = Harness(guard, clock, account, upstream, "sendgrid")
+            secret.write_text("smtp-new\n")
+            upstream.rotate("smtp-new")
+            rec = await h.lose_reply("p1")  # never taken: its log will never show it
+            assert upstream.auth_refused >= 1 and upstream.auth_ok >= 1  # the 535, then the new one
+            h.other_acceptance(rec.attempts[-1].at + 30)
+            for _ in range(12):
+                await h.after(5 * MINUTE)
+            await h.record("p1", State.DEFERRED)
+            again = await send(guard.ports[0], message("p1"))
+            assert again.code == 250 and "duplicate" not in again.text
+    finally:
+        await account.stop()
+        await upstream.stop()
+    assert upstream.event_keys() == ["p1", "p1"]
