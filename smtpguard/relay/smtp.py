@@ -43,6 +43,7 @@ from smtpguard.provider_gate import IDLE_HOLD, ConnectionSlots
 from smtpguard.relay.base import BeforeData, Envelope, describe, log_unexpected
 from smtpguard.relay.wire import Answer, Session, command, data_block
 from smtpguard.replies import Reply
+from smtpguard.verdicts import log_of
 
 log = logging.getLogger("smtpguard.relay")
 
@@ -61,6 +62,8 @@ class SmtpProvider:
         """The kind of the event source reading this provider's webhooks: its custom-variable
         header carries the event key back (policy/tags.py)."""
         self.log = log
+        """The log its `api` names, read with its password (at start or a reload); None once
+        a 535 moved it to another secret while its key names another log (`_check_log`)."""
         self.cfg = cfg
         self.idempotent = cfg.idempotency_header is not None
         self.smtputf8: bool | None = None
@@ -308,8 +311,18 @@ class SmtpProvider:
                 if candidate != self._password:
                     self._previous = self._password
                     self._password = candidate
+                self._check_log()
                 return candidate
         return None
+
+    def _check_log(self) -> None:
+        """After a 535 moved it to a secret no reload gave it: SendGrid's and Postmark's SMTP
+        password is also their api's key, often from one file. A key that now names another
+        log (or cannot be read) may be another account's, whose messages the log noted so far
+        never holds: none is noted until a reload reads both again. An unchanged key keeps it."""
+        api = self.cfg.api
+        if self.log is not None and (api is None or log_of(api, f"provider {self.name} api") != self.log):
+            self.log = None
 
     def _auth_failed(self, e: aiosmtplib.SMTPAuthenticationError) -> Attempted:
         result = auth_refused(self.name, e.code, e.message)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import logging
 import ssl
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from smtpguard.config import Config, ConfigError, load, outbox_secrets, provider_secrets
-from smtpguard.policy.verdicts import log_identity
 from smtpguard.relay import Route, SmtpProvider
 from smtpguard.server.tls import tls_context
 
@@ -37,11 +37,17 @@ class Reading:
     """Each outbox source's password as its variable or file holds it now."""
 
 
-def read(path: Path, running: Config, serving_tls: bool) -> Reading:
+def read(path: Path, running: Config, serving_tls: bool, noted: Mapping[str, str] | None = None) -> Reading:
     """Raises ConfigError for a file that does not validate, a missing secret or a
-    certificate that does not load; the running config then keeps serving."""
+    certificate that does not load; the running config then keeps serving. `noted`: the log
+    each running provider's data_sent note names (`noting`)."""
     new = load(path)
     rebuild = new.providers != running.providers or _event_tags(new) != _event_tags(running)
+    # A key file rewritten in place may name another account's (or server's) log, while the
+    # password it often shares goes to that account from now on: the notes must follow. A
+    # key that cannot be read now moves nothing (the loop keeps its client of that log too).
+    moved = noted is not None and any(noted.get(n) != named for n, named in _logs(new).items())
+    rebuild = rebuild or moved
     # Read on every SIGHUP: a password_file rewritten in place is a rotation.
     secrets = provider_secrets(new)
     # Re-read on every SIGHUP: a key file rewritten in place is a rotation too.
@@ -50,6 +56,11 @@ def read(path: Path, running: Config, serving_tls: bool) -> Reading:
     # pair caught mid-renewal (new cert, old key) is refused and the old one serves.
     fresh_tls = tls_context(new) if serving_tls else None
     return Reading(new, secrets, rebuild, sources, fresh_tls, outbox_secrets(new))
+
+
+def noting(route: Route) -> dict[str, str]:
+    """Provider name → the log its data_sent note names now (SmtpProvider.log)."""
+    return {p.name: p.log for p in route.providers if p.log is not None}
 
 
 def restart_warnings(old: Config, reading: Reading) -> list[str]:
@@ -74,13 +85,21 @@ def carry_over(old_route: Route, route: Route, old: Config, new: Config) -> set[
             route.breakers[name] = breaker
     # A provider's readiness survives only when its config did not change: a new
     # host, port or password has not been probed yet, so it is not known to be ready.
-    unchanged = {p.name for p in new.providers if p in old.providers and p.name in route.breakers}
+    # Nor does a provider whose log moved (its key file rewritten): the secret it used before
+    # may be another account's, whose messages the new note's log never holds.
+    moved = {p.name for p in route.providers if p.log != _log_of(old_route, p.name)}
+    kept = {p.name for p in new.providers if p in old.providers and p.name in route.breakers}
+    unchanged = kept - moved
     route.ready.update({n: r for n, r in old_route.ready.items() if n in unchanged})
     for p in route.providers:
         before = next((o for o in old_route.providers if o.name == p.name), None)
         if isinstance(p, SmtpProvider) and isinstance(before, SmtpProvider) and p.name in unchanged:
             p.inherit(before)
     return unchanged
+
+
+def _log_of(route: Route, name: str) -> str | None:
+    return next((p.log for p in route.providers if p.name == name), None)
 
 
 def rotate_passwords(route: Route, secrets: dict[str, str | None]) -> list[str]:
@@ -130,21 +149,11 @@ def _event_tags(config: Config) -> dict[str, str]:
 
 
 def _logs(config: Config) -> dict[str, str]:
-    """Provider name → the log its `api` names (policy.verdicts.log_identity), noted with each
-    attempt's data_sent. A key that cannot be read names none: no absence is proved then."""
-    from smtpguard.verdicts import api_key
+    """Provider name → the log its `api` names (verdicts.logs_of), noted with each attempt's
+    data_sent."""
+    from smtpguard.verdicts import logs_of
 
-    logs: dict[str, str] = {}
-    for i, p in enumerate(config.providers):
-        api = getattr(p, "api", None)  # a Maildir provider has none
-        if api is None:
-            continue
-        try:
-            key = api_key(api, f"providers[{i}].api")
-        except ConfigError:
-            continue
-        logs[p.name] = log_identity(api.kind, api.url(api.kind), getattr(api, "domain", None), key)
-    return logs
+    return logs_of(config)
 
 
 _LISTENER_LIMITS = ("max_connections", "max_connections_per_ip", "read_timeout", "idle_timeout")

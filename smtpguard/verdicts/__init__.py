@@ -56,3 +56,28 @@ def clients_for(config: Config, **kw: Any) -> dict[str, LogApi]:
         if api is not None:
             clients[p.name] = client_for(p.name, api, api_key(api, f"providers[{i}].api"), **kw)
     return clients
+
+
+def logs_of(config: Config) -> dict[str, str]:
+    """Provider name → the log its `api` names (policy.verdicts.log_identity), its key read
+    now: what the relay notes with each attempt's data_sent, and what a client built now
+    reads. A key that cannot be read names none: no absence is proved then."""
+    logs: dict[str, str] = {}
+    for i, p in enumerate(config.providers):
+        api = getattr(p, "api", None)  # a Maildir provider has none
+        named = log_of(api, f"providers[{i}].api") if api is not None else None
+        if named is not None:
+            logs[p.name] = named
+    return logs
+
+
+def log_of(api: MailgunApi | PostmarkApi | SendgridApi, what: str) -> str | None:
+    """The log `api` names with its key as read now; None when the key cannot be read."""
+    from smtpguard.config import ConfigError
+    from smtpguard.policy.verdicts import log_identity
+
+    try:
+        key = api_key(api, what)
+    except ConfigError:
+        return None
+    return log_identity(api.kind, api.url(api.kind), getattr(api, "domain", None), key)

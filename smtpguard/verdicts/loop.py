@@ -31,7 +31,7 @@ from smtpguard.config.verdicts import MailgunApi, PostmarkApi, SendgridApi, Verd
 from smtpguard.policy.ledger import Record
 from smtpguard.policy.verdicts import Attempt, VerdictKind, next_look
 from smtpguard.store import Store, StoreUnavailable
-from smtpguard.verdicts import clients_for
+from smtpguard.verdicts import clients_for, logs_of
 from smtpguard.verdicts.ask import Asked, Proof, ask, record_attempt
 from smtpguard.verdicts.model import LogApi
 from smtpguard.verdicts.settle import settle
@@ -85,6 +85,8 @@ class VerdictLoop:
         self._busy: dict[str, asyncio.Task[list[Asked]]] = {}
         """provider → its round still running (serve's loop)."""
         self._apis = _apis(config())
+        self._read = config()
+        """The config whose api keys the clients were last checked against (`_keys_moved`)."""
 
     async def run(self) -> None:
         while True:
@@ -147,12 +149,14 @@ class VerdictLoop:
             log.error("verdict round failed", extra={"provider": provider}, exc_info=error)
 
     async def _follow_reload(self, config: Config) -> None:
-        """A reload that changed a provider's `api` (or removed it) gets clients of the new
-        settings; a key that cannot be read keeps the old clients that still read the log
-        their provider's api names (`_drop_moved`), and says so. (A reload that adds the
-        first `api` to a config that had none starts the loop: Server.reload.)"""
+        """A reload that changed a provider's `api` (or removed it), or rewrote a key file so
+        that it names another log, gets clients of the new settings; a key that cannot be read
+        keeps the old clients that still read the log their provider's api names
+        (`_drop_moved`), and says so. (A reload that adds the first `api` to a config that
+        had none starts the loop: Server.reload.)"""
         apis = _apis(config)
-        if apis == self._apis:
+        read, self._read = self._read, config
+        if apis == self._apis and (config is read or not self._keys_moved(config)):
             return
         try:
             clients = clients_for(config, wall=self._clock)
@@ -175,6 +179,12 @@ class VerdictLoop:
         for client in old.values():
             with contextlib.suppress(Exception):
                 await client.close()
+
+    def _keys_moved(self, config: Config) -> bool:
+        """A reload with the same `api` settings whose key files now name other logs (a key
+        rewritten in place, perhaps another account's): the relay notes the new ones from now
+        on (server/reload.py), so the clients must read them. Read once per reload."""
+        return logs_of(config) != {p: c.log for p, c in self.clients.items() if c.log is not None}
 
     async def _drop_moved(self, apis: Mapping[str, object]) -> None:
         """After a reload whose clients cannot be built: the previous client of a provider
