@@ -9,6 +9,8 @@ from smtpguard.config.base import ConfigError
 from smtpguard.config.outbox import OutboxSource
 from smtpguard.config.providers import SmtpProviderConfig
 from smtpguard.config.schema import Config
+from smtpguard.config.verdicts import MailgunApi, PostmarkApi, SendgridApi
+from smtpguard.policy.verdicts import log_identity
 
 
 def read_secret(env: str | None, file: Path | None, what: str) -> str | None:
@@ -61,3 +63,35 @@ def provider_secrets(config: Config) -> dict[str, str | None]:
     if problems:
         raise ConfigError(problems)
     return out
+
+
+def api_key(api: MailgunApi | PostmarkApi | SendgridApi, what: str) -> str:
+    """The api's key or token, read now from its environment variable or file."""
+    env = getattr(api, "key_env", None) or getattr(api, "token_env", None)
+    file = getattr(api, "key_file", None) or getattr(api, "token_file", None)
+    value = read_secret(env, file, what)
+    if not value:
+        raise ConfigError([f"{what}: the API key is empty"])
+    return value
+
+
+def logs_of(config: Config) -> dict[str, str]:
+    """Provider name → the log its `api` names (policy.verdicts.log_identity), its key read
+    now: what the relay notes with each attempt's data_sent, and what a client built now
+    reads. A key that cannot be read names none: no absence is proved then."""
+    logs: dict[str, str] = {}
+    for i, p in enumerate(config.providers):
+        api = getattr(p, "api", None)  # a Maildir provider has none
+        named = log_of(api, f"providers[{i}].api") if api is not None else None
+        if named is not None:
+            logs[p.name] = named
+    return logs
+
+
+def log_of(api: MailgunApi | PostmarkApi | SendgridApi, what: str) -> str | None:
+    """The log `api` names with its key as read now; None when the key cannot be read."""
+    try:
+        key = api_key(api, what)
+    except ConfigError:
+        return None
+    return log_identity(api.kind, api.url(api.kind), getattr(api, "domain", None), key)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import aiosmtplib
 
 from smtpguard.config import ConfigError, SmtpProviderConfig, read_secret
+from smtpguard.config.secrets import log_of
 from smtpguard.policy.eventkey import qualified_key
 from smtpguard.policy.failover import (
     Attempted,
@@ -43,7 +44,6 @@ from smtpguard.provider_gate import IDLE_HOLD, ConnectionSlots
 from smtpguard.relay.base import BeforeData, Envelope, describe, log_unexpected
 from smtpguard.relay.wire import Answer, Session, command, data_block
 from smtpguard.replies import Reply
-from smtpguard.verdicts import log_of
 
 log = logging.getLogger("smtpguard.relay")
 

@@ -472,9 +472,7 @@ class Server:
         assert self.config_path is not None and self.handler is not None and self.route is not None
         assert self.store is not None
         try:
-            reading = reloading.read(
-                self.config_path, self.config, self.ssl_ctx is not None, reloading.noting(self.route)
-            )
+            reading = reloading.read(self.config_path, self.config, self.ssl_ctx is not None, self.route)
         except ConfigError as e:
             self.metrics.reloads.labels("refused").inc()
             log.error("reload refused; keeping the running config", extra={"problems": e.problems})

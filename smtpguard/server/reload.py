@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import ssl
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,11 +36,12 @@ class Reading:
     """Each outbox source's password as its variable or file holds it now."""
 
 
-def read(path: Path, running: Config, serving_tls: bool, noted: Mapping[str, str] | None = None) -> Reading:
+def read(path: Path, running: Config, serving_tls: bool, route: Route | None = None) -> Reading:
     """Raises ConfigError for a file that does not validate, a missing secret or a
-    certificate that does not load; the running config then keeps serving. `noted`: the log
-    each running provider's data_sent note names (`noting`)."""
+    certificate that does not load; the running config then keeps serving. `route`: the
+    running one, whose providers' data_sent notes name their logs (`noting`)."""
     new = load(path)
+    noted = noting(route) if route is not None else None
     rebuild = new.providers != running.providers or _event_tags(new) != _event_tags(running)
     # A key file rewritten in place may name another account's (or server's) log, while the
     # password it often shares goes to that account from now on: the notes must follow. A
