@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from smtpguard.config import Config, ConfigError, load, outbox_secrets, provider_secrets
+from smtpguard.config import Config, ConfigError, SmtpProviderConfig, load, outbox_secrets, provider_secrets
+from smtpguard.config.secrets import logs_of
 from smtpguard.relay import Route, SmtpProvider
 from smtpguard.server.tls import tls_context
 
@@ -149,11 +150,27 @@ def _event_tags(config: Config) -> dict[str, str]:
 
 
 def _logs(config: Config) -> dict[str, str]:
-    """Provider name → the log its `api` names (verdicts.logs_of), noted with each attempt's
-    data_sent."""
-    from smtpguard.verdicts import logs_of
-
-    return logs_of(config)
+    """Provider name → the log its `api` names (config.secrets.logs_of), noted with each
+    attempt's data_sent. None for a Mailgun provider whose SMTP login is another domain's:
+    Mailgun's SMTP credentials are a domain's (postmaster@DOMAIN), so its messages go to that
+    domain's log, which the api's never holds, and absence there would send them again."""
+    logs = logs_of(config)
+    for i, p in enumerate(config.providers):
+        if (
+            p.name in logs
+            and isinstance(p, SmtpProviderConfig)
+            and p.api is not None
+            and p.api.kind == "mailgun"
+        ):
+            _, at, login = (p.username or "").rpartition("@")
+            if at and login.lower().rstrip(".") != p.api.domain.lower().rstrip("."):
+                del logs[p.name]
+                log.warning(
+                    "verdicts: no absence is proved for this provider: its SMTP login is of "
+                    "another Mailgun domain than its api",
+                    extra={"provider": p.name, "where": f"providers[{i}]", "api_domain": p.api.domain},
+                )
+    return logs
 
 
 _LISTENER_LIMITS = ("max_connections", "max_connections_per_ip", "read_timeout", "idle_timeout")
