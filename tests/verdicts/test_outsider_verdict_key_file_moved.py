@@ -14,11 +14,15 @@ move); the log API is the old account's (it takes only the old key)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from smtpguard.policy.ledger import State
+from smtpguard.server import Server
 from tests.support import UPSTREAM_USER, FakeClock, Upstream, message, running_guard, send, write_config
 from tests.support.provider_api_fakes import FakeSendgrid
 from tests.support.verdicts import API_ENV, API_KEY, verdict_config
@@ -30,41 +34,65 @@ OLD_ACCOUNT = "SG.old-account-key-0123456789"
 NEW_ACCOUNT = "SG.new-account-key-9876543210"
 
 
+@contextlib.asynccontextmanager
+async def shared_key_guard(
+    tmp: Path,
+    store_url: str,
+    log: FakeSendgrid,
+    upstream: Upstream,
+    clock: FakeClock,
+    *,
+    password: str = OLD_ACCOUNT,
+    key_file: bool = True,
+) -> AsyncIterator[tuple[Server, Harness, dict[str, Any], Path, Path]]:
+    """A guard on `upstream` and the SendGrid `log`, its SMTP password the file `secret`
+    (holding `password`) and, with `key_file`, its api's key that same file. Yields the
+    guard, a Harness, the config, its path (for a reload) and the secret's path."""
+    await upstream.start()
+    await log.start()
+    secret = tmp / "sendgrid.key"
+    secret.write_text(password + "\n")
+    try:
+        cfg = verdict_config(tmp, upstream.port, store_url, "sendgrid", log.base_url)
+        cfg["providers"][0].update({"username": UPSTREAM_USER, "password_file": str(secret)})
+        if key_file:
+            api = cfg["providers"][0]["api"]
+            del api["key_env"]
+            api["key_file"] = str(secret)
+        path = tmp / "c.yaml"
+        async with running_guard(cfg, clock=clock, config_path=path) as guard:
+            yield guard, Harness(guard, clock, log, upstream, "sendgrid"), cfg, path, secret
+    finally:
+        await log.stop()
+        await upstream.stop()
+
+
+async def settle_rounds(h: Harness, lost: str) -> None:
+    """Another message's acceptance after `lost`'s attempt (the ingestion proof), then an
+    hour of the loop's rounds: past absent_after."""
+    rec = await h.record(lost)
+    h.other_acceptance(rec.attempts[-1].at + 30)
+    for _ in range(12):
+        await h.after(5 * MINUTE)
+
+
 async def test_a_key_file_moved_to_another_account_never_proves_absence_in_the_old_one(
     tmp: Path, store_url: str
 ) -> None:
     clock = FakeClock()
-    upstream = Upstream(password=OLD_ACCOUNT)
-    old_log = FakeSendgrid(OLD_ACCOUNT, clock)
-    await upstream.start()
-    await old_log.start()
-    secret = tmp / "sendgrid.key"
-    secret.write_text(OLD_ACCOUNT + "\n")
-    try:
-        cfg = verdict_config(tmp, upstream.port, store_url, "sendgrid", old_log.base_url)
-        cfg["providers"][0].update({"username": UPSTREAM_USER, "password_file": str(secret)})
-        api = cfg["providers"][0]["api"]
-        del api["key_env"]
-        api["key_file"] = str(secret)
-        path = tmp / "c.yaml"
-        async with running_guard(cfg, clock=clock, config_path=path) as guard:
-            h = Harness(guard, clock, old_log, upstream, "sendgrid")
-            # The move: the file names the new account, whose endpoint takes only its key.
-            secret.write_text(NEW_ACCOUNT + "\n")
-            upstream.rotate(NEW_ACCOUNT)
-            write_config(path, cfg)
-            assert await guard.reload()
-            rec = await h.lose_reply("k1")
-            assert upstream.password == NEW_ACCOUNT and upstream.auth_ok >= 1
-            h.other_acceptance(rec.attempts[-1].at + 30)  # the old account's own traffic
-            for _ in range(12):
-                await h.after(5 * MINUTE)
-            retry = await send(guard.ports[0], message("k1"))
-            assert (retry.code, upstream.event_keys()) == (451, ["k1"]), "the retry sent a second copy"
-            await h.record("k1", State.UNKNOWN)
-    finally:
-        await old_log.stop()
-        await upstream.stop()
+    upstream, old_log = Upstream(password=OLD_ACCOUNT), FakeSendgrid(OLD_ACCOUNT, clock)
+    async with shared_key_guard(tmp, store_url, old_log, upstream, clock) as (guard, h, cfg, path, secret):
+        # The move: the file names the new account, whose endpoint takes only its key.
+        secret.write_text(NEW_ACCOUNT + "\n")
+        upstream.rotate(NEW_ACCOUNT)
+        write_config(path, cfg)
+        assert await guard.reload()
+        await h.lose_reply("k1")
+        assert upstream.password == NEW_ACCOUNT and upstream.auth_ok >= 1
+        await settle_rounds(h, "k1")  # the proof: the old account's own traffic
+        retry = await send(guard.ports[0], message("k1"))
+        assert (retry.code, upstream.event_keys()) == (451, ["k1"]), "the retry sent a second copy"
+        await h.record("k1", State.UNKNOWN)
     assert upstream.event_keys() == ["k1"]
 
 
@@ -78,33 +106,16 @@ async def test_a_535_that_reads_the_moved_file_before_any_reload_never_proves_ab
     twice upstream). Now a 535 that moves the provider to another secret leaves its notes
     naming no log until a reload reads the password and the key together."""
     clock = FakeClock()
-    upstream = Upstream(password=OLD_ACCOUNT)
-    old_log = FakeSendgrid(OLD_ACCOUNT, clock)
-    await upstream.start()
-    await old_log.start()
-    secret = tmp / "sendgrid.key"
-    secret.write_text(OLD_ACCOUNT + "\n")
-    try:
-        cfg = verdict_config(tmp, upstream.port, store_url, "sendgrid", old_log.base_url)
-        cfg["providers"][0].update({"username": UPSTREAM_USER, "password_file": str(secret)})
-        api = cfg["providers"][0]["api"]
-        del api["key_env"]
-        api["key_file"] = str(secret)
-        async with running_guard(cfg, clock=clock) as guard:
-            h = Harness(guard, clock, old_log, upstream, "sendgrid")
-            secret.write_text(NEW_ACCOUNT + "\n")
-            upstream.rotate(NEW_ACCOUNT)
-            rec = await h.lose_reply("k2")
-            assert upstream.auth_refused >= 1 and upstream.auth_ok >= 1  # the 535, then the new key
-            h.other_acceptance(rec.attempts[-1].at + 30)  # the old account's own traffic
-            for _ in range(12):
-                await h.after(5 * MINUTE)
-            retry = await send(guard.ports[0], message("k2"))
-            assert (retry.code, upstream.event_keys()) == (451, ["k2"]), "the retry sent a second copy"
-            await h.record("k2", State.UNKNOWN)
-    finally:
-        await old_log.stop()
-        await upstream.stop()
+    upstream, old_log = Upstream(password=OLD_ACCOUNT), FakeSendgrid(OLD_ACCOUNT, clock)
+    async with shared_key_guard(tmp, store_url, old_log, upstream, clock) as (guard, h, _cfg, _path, secret):
+        secret.write_text(NEW_ACCOUNT + "\n")
+        upstream.rotate(NEW_ACCOUNT)
+        await h.lose_reply("k2")
+        assert upstream.auth_refused >= 1 and upstream.auth_ok >= 1  # the 535, then the new key
+        await settle_rounds(h, "k2")  # the proof: the old account's own traffic
+        retry = await send(guard.ports[0], message("k2"))
+        assert (retry.code, upstream.event_keys()) == (451, ["k2"]), "the retry sent a second copy"
+        await h.record("k2", State.UNKNOWN)
     assert upstream.event_keys() == ["k2"]
 
 
@@ -118,40 +129,22 @@ async def test_a_key_rotated_within_one_account_still_settles_both_sides_of_the_
     loop kept asking with the revoked one and settled neither). Only a record noted with the
     old key is never judged absent (its note names another key)."""
     clock = FakeClock()
-    upstream = Upstream(password=OLD_ACCOUNT)
-    account = FakeSendgrid(OLD_ACCOUNT, clock)
-    await upstream.start()
-    await account.start()
-    secret = tmp / "sendgrid.key"
-    secret.write_text(OLD_ACCOUNT + "\n")
-    try:
-        cfg = verdict_config(tmp, upstream.port, store_url, "sendgrid", account.base_url)
-        cfg["providers"][0].update({"username": UPSTREAM_USER, "password_file": str(secret)})
-        api = cfg["providers"][0]["api"]
-        del api["key_env"]
-        api["key_file"] = str(secret)
-        path = tmp / "c.yaml"
-        async with running_guard(cfg, clock=clock, config_path=path) as guard:
-            h = Harness(guard, clock, account, upstream, "sendgrid")
-            await h.lost_and_logged("r1")  # taken: its log says so
-            rotated = NEW_ACCOUNT.replace("new-account", "same-account")
-            secret.write_text(rotated + "\n")
-            account.key = rotated
-            upstream.rotate(rotated)
-            assert await guard.reload()
-            after = await h.lose_reply("r2")  # never taken: its log will never show it
-            h.other_acceptance(after.attempts[-1].at + 30)
-            for _ in range(12):
-                await h.after(5 * MINUTE)
-            await h.record("r1", State.DELIVERED)
-            await h.record("r2", State.DEFERRED)
-            dup = await send(guard.ports[0], message("r1"))
-            assert dup.code == 250 and "duplicate" in dup.text
-            again = await send(guard.ports[0], message("r2"))
-            assert again.code == 250 and "duplicate" not in again.text
-    finally:
-        await account.stop()
-        await upstream.stop()
+    upstream, account = Upstream(password=OLD_ACCOUNT), FakeSendgrid(OLD_ACCOUNT, clock)
+    async with shared_key_guard(tmp, store_url, account, upstream, clock) as (guard, h, _cfg, _path, secret):
+        await h.lost_and_logged("r1")  # taken: its log says so
+        rotated = NEW_ACCOUNT.replace("new-account", "same-account")
+        secret.write_text(rotated + "\n")
+        account.key = rotated
+        upstream.rotate(rotated)
+        assert await guard.reload()
+        await h.lose_reply("r2")  # never taken: its log will never show it
+        await settle_rounds(h, "r2")
+        await h.record("r1", State.DELIVERED)
+        await h.record("r2", State.DEFERRED)
+        dup = await send(guard.ports[0], message("r1"))
+        assert dup.code == 250 and "duplicate" in dup.text
+        again = await send(guard.ports[0], message("r2"))
+        assert again.code == 250 and "duplicate" not in again.text
     # r2's copy the provider never took, and its one resend
     assert sorted(k or "" for k in upstream.event_keys()) == ["r1", "r2", "r2"]
 
@@ -165,28 +158,15 @@ async def test_a_535_on_an_smtp_password_of_its_own_file_keeps_the_notes_naming_
     still settled by its absence (its resend is the one other copy)."""
     monkeypatch.setenv(API_ENV, API_KEY)
     clock = FakeClock()
-    upstream = Upstream(password="smtp-old")
-    account = FakeSendgrid(API_KEY, clock)
-    await upstream.start()
-    await account.start()
-    secret = tmp / "smtp.pass"
-    secret.write_text("smtp-old\n")
-    try:
-        cfg = verdict_config(tmp, upstream.port, store_url, "sendgrid", account.base_url)
-        cfg["providers"][0].update({"username": UPSTREAM_USER, "password_file": str(secret)})
-        async with running_guard(cfg, clock=clock) as guard:
-            h = Harness(guard, clock, account, upstream, "sendgrid")
-            secret.write_text("smtp-new\n")
-            upstream.rotate("smtp-new")
-            rec = await h.lose_reply("p1")  # never taken: its log will never show it
-            assert upstream.auth_refused >= 1 and upstream.auth_ok >= 1  # the 535, then the new one
-            h.other_acceptance(rec.attempts[-1].at + 30)
-            for _ in range(12):
-                await h.after(5 * MINUTE)
-            await h.record("p1", State.DEFERRED)
-            again = await send(guard.ports[0], message("p1"))
-            assert again.code == 250 and "duplicate" not in again.text
-    finally:
-        await account.stop()
-        await upstream.stop()
+    upstream, account = Upstream(password="smtp-old"), FakeSendgrid(API_KEY, clock)
+    guarded = shared_key_guard(tmp, store_url, account, upstream, clock, password="smtp-old", key_file=False)
+    async with guarded as (guard, h, _cfg, _path, secret):
+        secret.write_text("smtp-new\n")
+        upstream.rotate("smtp-new")
+        await h.lose_reply("p1")  # never taken: its log will never show it
+        assert upstream.auth_refused >= 1 and upstream.auth_ok >= 1  # the 535, then the new one
+        await settle_rounds(h, "p1")
+        await h.record("p1", State.DEFERRED)
+        again = await send(guard.ports[0], message("p1"))
+        assert again.code == 250 and "duplicate" not in again.text
     assert upstream.event_keys() == ["p1", "p1"]
