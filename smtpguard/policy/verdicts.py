@@ -110,6 +110,15 @@ def log_identity(kind: str, base_url: str, domain: str | None, key: str) -> str:
     return f"{kind}:{hashlib.sha256(seen.encode()).hexdigest()[:16]}"
 
 
+def login_of_another_domain(username: str | None, domain: str) -> bool:
+    """A Mailgun SMTP login of another domain than the api's (`postmaster@mg2…` under
+    `domain: mg…`): Mailgun's SMTP credentials are a domain's, so the messages go to that
+    domain's log, which the api never reads; such a provider notes no log. A login naming no
+    domain is not judged."""
+    _, at, login = (username or "").rpartition("@")
+    return bool(at) and login.lower().rstrip(".") != domain.lower().rstrip(".")
+
+
 def log_kind(log: str) -> str:
     """The provider kind of a `log_identity`."""
     return log.partition(":")[0]

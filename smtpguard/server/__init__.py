@@ -482,7 +482,7 @@ class Server:
             log.warning(warning)
         old_route = route = self.route
         if reading.rebuild:
-            route = self.assembly.route(self.store, new, reading.secrets)
+            route = self.assembly.route(self.store, new, reading.secrets, reading.logs)
             unchanged = reloading.carry_over(old_route, route, old, new)
             for name in {p.name for p in old.providers} - unchanged:
                 # Gone or changed: no stale 1 in smtpguard_provider_ready until it is probed.

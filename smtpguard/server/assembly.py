@@ -46,7 +46,10 @@ class Assembly:
     """Receiving providers (DESIGN.md §21): kept across reloads (the MX cache and the
     alert windows stay) unless the resolver changed."""
 
-    def route(self, store: Store, config: Config, secrets: dict[str, str | None]) -> Route:
+    def route(
+        self, store: Store, config: Config, secrets: dict[str, str | None], logs: dict[str, str] | None = None
+    ) -> Route:
+        """`logs`: the providers' logs as a reload already read them (else read now)."""
         limits = {
             p.name: ProviderLimits(
                 p.max_rate, getattr(p, "max_connections", None), getattr(p, "throttle_backoff", 60.0)
@@ -66,9 +69,8 @@ class Assembly:
         for name in limits:
             self.metrics.provider(name)
         self.metrics.configured({p.name for p in config.providers})
-        providers = build_providers(
-            config.providers, secrets, self.hostname, _event_tags(config), _logs(config)
-        )
+        logs = _logs(config) if logs is None else logs
+        providers = build_providers(config.providers, secrets, self.hostname, _event_tags(config), logs)
         for p in providers:
             if isinstance(p, SmtpProvider) and p.cfg.max_connections is not None:
                 fleet = ConnectionSlots(store, p.name, p.cfg.max_connections, self.instance, self.clock)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from smtpguard.config import Config, ConfigError, SmtpProviderConfig, load, outbox_secrets, provider_secrets
 from smtpguard.config.secrets import logs_of
+from smtpguard.policy.verdicts import login_of_another_domain
 from smtpguard.relay import Route, SmtpProvider
 from smtpguard.server.tls import tls_context
 
@@ -35,6 +36,9 @@ class Reading:
     """A fresh context of the certificate files, when the listeners serve TLS."""
     outbox_passwords: dict[str, str | None]
     """Each outbox source's password as its variable or file holds it now."""
+    logs: dict[str, str]
+    """The log each provider's api names, its key read once for this SIGHUP (`_logs`): what
+    decided `rebuild`, and what the rebuilt providers note."""
 
 
 def read(path: Path, running: Config, serving_tls: bool, route: Route | None = None) -> Reading:
@@ -43,11 +47,12 @@ def read(path: Path, running: Config, serving_tls: bool, route: Route | None = N
     running one, whose providers' data_sent notes name their logs (`noting`)."""
     new = load(path)
     noted = noting(route) if route is not None else None
+    logs = _logs(new)
     rebuild = new.providers != running.providers or _event_tags(new) != _event_tags(running)
     # A key file rewritten in place may name another account's (or server's) log, while the
     # password it often shares goes to that account from now on: the notes must follow. A
     # key that cannot be read now moves nothing (the loop keeps its client of that log too).
-    moved = noted is not None and any(noted.get(n) != named for n, named in _logs(new).items())
+    moved = noted is not None and any(noted.get(n) != named for n, named in logs.items())
     rebuild = rebuild or moved
     # Read on every SIGHUP: a password_file rewritten in place is a rotation.
     secrets = provider_secrets(new)
@@ -56,7 +61,7 @@ def read(path: Path, running: Config, serving_tls: bool, route: Route | None = N
     # One read of the files into a fresh context; the live one is never touched, so a
     # pair caught mid-renewal (new cert, old key) is refused and the old one serves.
     fresh_tls = tls_context(new) if serving_tls else None
-    return Reading(new, secrets, rebuild, sources, fresh_tls, outbox_secrets(new))
+    return Reading(new, secrets, rebuild, sources, fresh_tls, outbox_secrets(new), logs)
 
 
 def noting(route: Route) -> dict[str, str]:
@@ -161,15 +166,14 @@ def _logs(config: Config) -> dict[str, str]:
             and isinstance(p, SmtpProviderConfig)
             and p.api is not None
             and p.api.kind == "mailgun"
+            and login_of_another_domain(p.username, p.api.domain)
         ):
-            _, at, login = (p.username or "").rpartition("@")
-            if at and login.lower().rstrip(".") != p.api.domain.lower().rstrip("."):
-                del logs[p.name]
-                log.warning(
-                    "verdicts: no absence is proved for this provider: its SMTP login is of "
-                    "another Mailgun domain than its api",
-                    extra={"provider": p.name, "where": f"providers[{i}]", "api_domain": p.api.domain},
-                )
+            del logs[p.name]
+            log.warning(
+                "verdicts: no absence is proved for this provider: its SMTP login is of "
+                "another Mailgun domain than its api",
+                extra={"provider": p.name, "where": f"providers[{i}]", "api_domain": p.api.domain},
+            )
     return logs
 
 

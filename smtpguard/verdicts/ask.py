@@ -49,8 +49,8 @@ class Asked:
     error: str | None = None
     """The API failed: its error's text (no key in it); the verdict is then none yet."""
     provable: bool = True
-    """An absence could prove `not accepted`: the log is searched by an id the message is
-    known to carry (policy.verdicts.absence_provable)."""
+    """An absence could prove `not accepted`: the log is the one the message went to, and is
+    searched by an id the message is known to carry (policy.verdicts.absence_provable)."""
 
 
 class Proof:

@@ -196,7 +196,7 @@ class ApiClient:
 
     def credential_header(self, key: str) -> tuple[str, str]:
         """The request header that carries the API key, and its value."""
-        raise NotImplementedError(f"{type(self).__name__} takes an auth, not a key")
+        raise TypeError(f"{type(self).__name__} takes an auth, not a key")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(provider={self.provider!r}, base_url={self.base_url!r})"
