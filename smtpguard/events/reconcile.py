@@ -20,14 +20,13 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from smtpguard.events.apply import Applied, Applier, log_applied
-from smtpguard.policy.events import Match, ProviderEvent
 from smtpguard.policy.verdicts import WINDOW
 from smtpguard.store import Store, StoreUnavailable
 from smtpguard.verdicts.http import ApiError, ApiTruncated
-from smtpguard.verdicts.model import LogApi, ReportedEvent
+from smtpguard.verdicts.model import LogApi
 
 log = logging.getLogger("smtpguard.events")
 
@@ -45,25 +44,6 @@ Observe = Callable[[str, str, str], None]
 
 def cursor_name(provider: str) -> str:
     return f"reconcile:{provider}"
-
-
-def as_provider_event(reported: ReportedEvent, source: str) -> ProviderEvent:
-    """A reconciled event in the shape a webhook's takes, matched by the same ids (§18:
-    smtpguard's tag, the provider's id from its 250, the Message-ID)."""
-    return ProviderEvent(
-        source=source,
-        kind=reported.kind,
-        provider_type=reported.provider_type,
-        recipient=reported.recipient,
-        status=reported.status,
-        at=reported.at,
-        event_id=reported.id,
-        match=Match(
-            keys=(reported.tag,) if reported.tag else (),
-            message_ids=(reported.message_id,) if reported.message_id else (),
-            upstream_ids=(reported.upstream_id,) if reported.upstream_id else (),
-        ),
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,13 +96,16 @@ class Reconciler:
             except ApiError as e:
                 log.warning("reconciliation not read", extra={"provider": provider, "error": str(e)})
                 return Polled(provider, since, until, {}, False, str(e))
-        source = self.sources.get(provider, f"api:{provider}")
+        # Under the webhook source's name where the provider has one: the webhook bringing
+        # the same event id later is then a duplicate of it.
+        webhook = self.sources.get(provider)
+        events = [replace(e, source=webhook) if webhook else e for e in reported]
         outcomes: Counter[str] = Counter()
-        for event in sorted((as_provider_event(r, source) for r in reported), key=lambda e: e.at):
+        for event in sorted(events, key=lambda e: e.at):
             outcome, record = await self.applier.apply(provider, event)
             outcomes[outcome.value] += 1
-            self.observe(source, event.kind.value, outcome.value)
-            log_applied(source, event, outcome, record)
+            self.observe(event.source, event.kind.value, outcome.value)
+            log_applied(event.source, event, outcome, record)
         advanced = False
         if not outcomes[Applied.RETRY_LATER.value]:
             # Only now: a crash before this line reads the period again, and its applied

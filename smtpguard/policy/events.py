@@ -87,6 +87,12 @@ class Malformed(Exception):
     """The request verified (or needs no signature) but is not what the source sends: 400."""
 
 
+def strs(*values: object) -> tuple[str, ...]:
+    """The values that are non-empty strings: ids as a provider's JSON gives them (a field
+    may be missing, null or of another type), for a Match."""
+    return tuple(v for v in values if isinstance(v, str) and v)
+
+
 @dataclass(frozen=True, slots=True)
 class Match:
     """How to find the ledger record an event is about, tried in this order (§13)."""

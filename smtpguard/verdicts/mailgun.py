@@ -19,7 +19,7 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any
 
-from smtpguard.policy.events import KEY_FIELD
+from smtpguard.policy.events import KEY_FIELD, Match, ProviderEvent, strs
 from smtpguard.policy.verdicts import (
     Attempt,
     LogEntry,
@@ -30,7 +30,7 @@ from smtpguard.policy.verdicts import (
 )
 from smtpguard.verdict_config import MailgunApi, PostmarkApi, SendgridApi
 from smtpguard.verdicts.http import ApiClient, ApiTruncated, field
-from smtpguard.verdicts.model import Reported, ReportedEvent, parse_time
+from smtpguard.verdicts.model import Reported, api_source, parse_time
 
 PAGE = 300
 MAX_PAGES = 10
@@ -110,7 +110,7 @@ class MailgunLog(ApiClient):
         params = {"begin": f"{at:.0f}", "ascending": "yes", "event": "accepted", "limit": "100"}
         return [e for e in map(self._entry, await self._items(params, max_pages=1)) if e is not None]
 
-    async def reported_since(self, since: float, until: float) -> list[ReportedEvent]:
+    async def reported_since(self, since: float, until: float) -> list[ProviderEvent]:
         params = {
             "begin": f"{since:.0f}",
             "end": f"{until:.0f}",
@@ -140,7 +140,7 @@ class MailgunLog(ApiClient):
             reason=reason if isinstance(reason, str) else "",
         )
 
-    def _reported(self, item: Any) -> ReportedEvent | None:
+    def _reported(self, item: Any) -> ProviderEvent | None:
         event = str(field(item, "event"))
         if event == "failed":
             if field(item, "severity") != "permanent":
@@ -163,15 +163,17 @@ class MailgunLog(ApiClient):
         # Spelt as Mailgun's webhook spells the same event (events/sources/mailgun.py), so
         # the history and the suppression reason read the same whichever way it came.
         code = field(item, "delivery-status", "enhanced-code") or field(item, "delivery-status", "code")
-        return ReportedEvent(
-            provider=self.provider,
+        return ProviderEvent(
+            source=api_source(self.provider),
             kind=kind,
-            recipient=recipient,
-            at=at,
-            id=ident,
             provider_type="failed/permanent" if event == "failed" else event,
+            recipient=recipient,
             status=str(code) if code is not None else "",
-            message_id=mid if isinstance(mid, str) else None,
-            upstream_id=bare_message_id(mid) if isinstance(mid, str) else None,
-            tag=tag if isinstance(tag, str) else None,
+            at=at,
+            event_id=ident,
+            match=Match(
+                keys=strs(tag),
+                message_ids=strs(mid),
+                upstream_ids=strs(bare_message_id(mid) if isinstance(mid, str) else None),
+            ),
         )

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import ClassVar, Protocol
 
-from smtpguard.policy.events import Kind
+from smtpguard.policy.events import Kind, ProviderEvent
 from smtpguard.policy.utc import stamp
 from smtpguard.policy.verdicts import Attempt, LogEntry
 
@@ -17,22 +16,10 @@ Reported = Kind
 complaint, unsubscribe): the webhook path's own enum, so that both paths name them alike."""
 
 
-@dataclass(frozen=True, slots=True)
-class ReportedEvent:
-    """A bounce, complaint or unsubscribe read from an API, for the webhook path (§13)."""
-
-    provider: str
-    kind: Reported
-    recipient: str
-    at: float
-    id: str
-    """The provider's id for the event, else one made of its fields: the same event read
-    twice, or also brought by a webhook, is applied once."""
-    provider_type: str
-    status: str = ""
-    message_id: str | None = None
-    upstream_id: str | None = None
-    tag: str | None = None
+def api_source(provider: str) -> str:
+    """The source name of events read from a provider's log API (`api:PROVIDER`), unless
+    reconciliation stores them under the webhook source of the same provider."""
+    return f"api:{provider}"
 
 
 class LogApi(Protocol):
@@ -53,8 +40,11 @@ class LogApi(Protocol):
         """A few acceptances logged after `at`, the earliest the API can give cheaply."""
         ...
 
-    async def reported_since(self, since: float, until: float) -> list[ReportedEvent]:
-        """Bounces, complaints and unsubscribes logged in [since, until)."""
+    async def reported_since(self, since: float, until: float) -> list[ProviderEvent]:
+        """Bounces, complaints and unsubscribes logged in [since, until), as the webhook path
+        takes them (§13), each under `api_source(provider)` and an id of its own (the provider's
+        id for the event, else one made of its fields): the same event read twice, or also
+        brought by a webhook, is applied once."""
         ...
 
     async def close(self) -> None: ...

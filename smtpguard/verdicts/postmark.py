@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from smtpguard.policy.events import KEY_FIELD
+from smtpguard.policy.events import KEY_FIELD, Match, ProviderEvent, strs
 from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind, window
 from smtpguard.verdicts.http import ApiClient, ApiError, field
-from smtpguard.verdicts.model import Reported, ReportedEvent, iso_utc, parse_time
+from smtpguard.verdicts.model import Reported, api_source, iso_utc, parse_time
 
 PAGE = 500
 MAX_PAGES = 10
@@ -88,7 +88,7 @@ class PostmarkLog(ApiClient):
         entries = (self._entry(m) for m in self.need_list(body, "Messages"))
         return [e for e in entries if e is not None and e.at > at]
 
-    async def reported_since(self, since: float, until: float) -> list[ReportedEvent]:
+    async def reported_since(self, since: float, until: float) -> list[ProviderEvent]:
         params = {"fromdate": _day(since - DAY), "todate": _day(until + DAY)}
         items = await self._list("/bounces", "Bounces", params)
         out = [r for r in map(self._reported, items) if r is not None]
@@ -110,7 +110,7 @@ class PostmarkLog(ApiClient):
             upstream_id=mid,
         )
 
-    def _reported(self, item: Any) -> ReportedEvent | None:
+    def _reported(self, item: Any) -> ProviderEvent | None:
         btype = field(item, "Type")
         kind = _BOUNCES.get(btype) if isinstance(btype, str) else None
         email, at, ident = field(item, "Email"), parse_time(field(item, "BouncedAt")), field(item, "ID")
@@ -121,13 +121,13 @@ class PostmarkLog(ApiClient):
         # Type and ID; events/sources/postmark.py), so that the one arriving second is a
         # duplicate of the first, whichever way each came.
         record_type = "SpamComplaint" if kind is Reported.COMPLAINT else "Bounce"
-        return ReportedEvent(
-            provider=self.provider,
+        return ProviderEvent(
+            source=api_source(self.provider),
             kind=kind,
-            recipient=email,
-            at=at,
-            id=f"{record_type}:{ident}",
             provider_type=record_type if record_type == "SpamComplaint" else f"Bounce/{btype}",
+            recipient=email,
             status=str(btype) if record_type == "Bounce" else "",
-            upstream_id=mid if isinstance(mid, str) else None,
+            at=at,
+            event_id=f"{record_type}:{ident}",
+            match=Match(upstream_ids=strs(mid)),
         )

@@ -24,10 +24,10 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from smtpguard.policy.events import KEY_FIELD
+from smtpguard.policy.events import KEY_FIELD, ProviderEvent
 from smtpguard.policy.verdicts import Attempt, LogEntry, LogKind
 from smtpguard.verdicts.http import ApiClient, ApiMalformed, ApiNotFound, field
-from smtpguard.verdicts.model import Reported, ReportedEvent, iso_utc, parse_time
+from smtpguard.verdicts.model import Reported, api_source, iso_utc, parse_time
 
 MAX_DETAILS = 3
 LIST_LIMIT = 10
@@ -114,8 +114,8 @@ class SendgridLog(ApiClient):
             reason=reason if isinstance(reason, str) else "",
         )
 
-    async def reported_since(self, since: float, until: float) -> list[ReportedEvent]:
-        out: list[ReportedEvent] = []
+    async def reported_since(self, since: float, until: float) -> list[ProviderEvent]:
+        out: list[ProviderEvent] = []
         for name, kind in _SUPPRESSIONS.items():
             path = f"/v3/suppression/{name}"
             params = {"start_time": f"{since:.0f}", "end_time": f"{until:.0f}", "limit": str(PAGE)}
@@ -130,19 +130,19 @@ class SendgridLog(ApiClient):
                         out.append(event)
         return out
 
-    def _reported(self, row: Any, name: str, kind: Reported) -> ReportedEvent | None:
+    def _reported(self, row: Any, name: str, kind: Reported) -> ProviderEvent | None:
         email, at = field(row, "email"), parse_time(field(row, "created"))
         if not isinstance(email, str) or at is None:
             return None
         status = field(row, "status")
         # The suppression lists give no event id: one made of the entry names it.
         ident = hashlib.sha256(f"sendgrid|{name}|{email.lower()}|{at:.0f}".encode()).hexdigest()[:32]
-        return ReportedEvent(
-            provider=self.provider,
+        return ProviderEvent(
+            source=api_source(self.provider),
             kind=kind,
-            recipient=email,
-            at=at,
-            id=ident,
             provider_type=name,
+            recipient=email,
             status=status if isinstance(status, str) else "",
+            at=at,
+            event_id=ident,
         )

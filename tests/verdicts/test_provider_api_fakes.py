@@ -290,8 +290,8 @@ def test_the_postmark_client_reads_the_documented_messages_and_bounces() -> None
     reported = client._reported(bounce)
     assert reported is not None
     assert (reported.kind, reported.recipient) == (Reported.BOUNCE, "anything@blackhole.postmarkapp.com")
-    assert reported.id == "Bounce:692560173"
-    assert reported.upstream_id == "2c1b63fe-43f2-4db5-91b0-8bdfa44a9316"
+    assert reported.event_id == "Bounce:692560173"
+    assert reported.match.upstream_ids == ("2c1b63fe-43f2-4db5-91b0-8bdfa44a9316",)
 
 
 def test_the_sendgrid_client_reads_the_documented_suppressions() -> None:
@@ -302,4 +302,5 @@ def test_the_sendgrid_client_reads_the_documented_suppressions() -> None:
         ("bounce2@test.com", "5.1.1", 1443651141.0),
     ]
     again = client._reported(example("sendgrid_bounces.json")[0], "bounces", Reported.BOUNCE)
-    assert again is not None and rows[0] is not None and again.id == rows[0].id  # read twice, one id
+    # read twice, one id
+    assert again is not None and rows[0] is not None and again.event_id == rows[0].event_id

@@ -341,7 +341,7 @@ async def test_each_api_reports_bounces_complaints_and_unsubscribes(
     sendgrid.add_suppression("bounces", email="gone@example.com", created=int(t + 1), status="5.1.1")
     sendgrid.add_suppression("spam_reports", email="angry@example.com", created=int(t + 2))
     sendgrid.add_suppression("unsubscribes", email="bye@example.com", created=int(t + 3))
-    got: dict[str, list[tuple[Reported, str]]] = {}
+    got: dict[str, list[tuple[Reported, str | None]]] = {}
     for name, client in (
         ("mailgun", mg_client(mailgun, now)),
         ("postmark", pm_client(postmark, now)),
@@ -350,7 +350,7 @@ async def test_each_api_reports_bounces_complaints_and_unsubscribes(
         async with client:
             first = await client.reported_since(t - 60, t + 60)
             again = await client.reported_since(t - 60, t + 60)
-        assert [r.id for r in first] == [r.id for r in again]  # the same event has one id
+        assert [r.event_id for r in first] == [r.event_id for r in again]  # the same event has one id
         got[name] = sorted((r.kind, r.recipient) for r in first)
     assert got["mailgun"] == [
         (Reported.BOUNCE, "gone@example.com"),

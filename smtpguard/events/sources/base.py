@@ -106,10 +106,6 @@ def _str(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def _strs(*values: Any) -> tuple[str, ...]:
-    return tuple(v for v in values if isinstance(v, str) and v)
-
-
 def _header(headers: Mapping[str, str], name: str) -> str:
     value = headers.get(name)
     if not value:

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from smtpguard.events import signatures
-from smtpguard.events.sources.base import Nonce, Rejected, Verified, _Base, _json_object, _obj, _str, _strs
+from smtpguard.events.sources.base import Nonce, Rejected, Verified, _Base, _json_object, _obj, _str
 from smtpguard.events.sources.kinds import Kinds, event_kind
 from smtpguard.events.times import event_time
-from smtpguard.policy.events import KEY_FIELD, Kind, Match, ProviderEvent, content_id
+from smtpguard.policy.events import KEY_FIELD, Kind, Match, ProviderEvent, content_id, strs
 
 _MAILGUN_KINDS: Kinds = {
     "complained": Kind.COMPLAINT,
@@ -70,7 +70,5 @@ class Mailgun(_Base):
             status=code,
             at=event_time(data.get("timestamp"), "event-data.timestamp", now),
             event_id=_str(data.get("id")) or content_id(data),
-            match=Match(
-                keys=_strs(variables.get(KEY_FIELD)), message_ids=_strs(msg_headers.get("message-id"))
-            ),
+            match=Match(keys=strs(variables.get(KEY_FIELD)), message_ids=strs(msg_headers.get("message-id"))),
         )

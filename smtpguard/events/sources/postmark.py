@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from smtpguard.events import signatures
-from smtpguard.events.sources.base import Rejected, Verified, _Base, _header, _json_object, _str, _strs
+from smtpguard.events.sources.base import Rejected, Verified, _Base, _header, _json_object, _str
 from smtpguard.events.sources.kinds import Kinds, event_kind
 from smtpguard.events.times import event_time
-from smtpguard.policy.events import KEY_FIELD, Kind, Match, ProviderEvent, content_id
+from smtpguard.policy.events import KEY_FIELD, Kind, Match, ProviderEvent, content_id, strs
 
 _POSTMARK_KINDS: Kinds = {
     "Bounce": lambda p: Kind.BOUNCE if p.get("Type") == "HardBounce" else Kind.SOFT_BOUNCE,
@@ -55,7 +55,7 @@ class Postmark(_Base):
             else content_id(p),
             match=Match(
                 # Only the spelling smtpguard writes: a look-alike is the client's (§18).
-                keys=_strs(metadata.get(KEY_FIELD)),
-                upstream_ids=_strs(p.get("MessageID")),
+                keys=strs(metadata.get(KEY_FIELD)),
+                upstream_ids=strs(p.get("MessageID")),
             ),
         )

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from smtpguard.events import signatures
-from smtpguard.events.sources.base import Rejected, Verified, _Base, _header, _json, _obj, _str, _strs
+from smtpguard.events.sources.base import Rejected, Verified, _Base, _header, _json, _obj, _str
 from smtpguard.events.sources.kinds import Kinds, event_kind
 from smtpguard.events.times import event_time
-from smtpguard.policy.events import KEY_FIELD, Kind, Match, ProviderEvent, content_id
+from smtpguard.policy.events import KEY_FIELD, Kind, Match, ProviderEvent, content_id, strs
 
 _SENDGRID_KINDS: Kinds = {
     "spamreport": Kind.COMPLAINT,
@@ -52,7 +52,7 @@ class Sendgrid(_Base):
         event, kind = event_kind(e, "event", _SENDGRID_KINDS, "an event has no `event`")
         sg_message_id = _str(e.get("sg_message_id"))
         # The SMTP 250 names the X-Message-Id; sg_message_id is that id, a dot, and a suffix.
-        upstream = _strs(sg_message_id, sg_message_id.split(".", 1)[0] if sg_message_id else None)
+        upstream = strs(sg_message_id, sg_message_id.split(".", 1)[0] if sg_message_id else None)
         return ProviderEvent(
             source=self.name,
             kind=kind,
@@ -62,6 +62,6 @@ class Sendgrid(_Base):
             at=event_time(e.get("timestamp"), "timestamp", now),
             event_id=_str(e.get("sg_event_id")) or content_id(e),
             match=Match(
-                keys=_strs(e.get(KEY_FIELD)), message_ids=_strs(e.get("smtp-id")), upstream_ids=upstream
+                keys=strs(e.get(KEY_FIELD)), message_ids=strs(e.get("smtp-id")), upstream_ids=upstream
             ),
         )

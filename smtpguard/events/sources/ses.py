@@ -18,10 +18,9 @@ from smtpguard.events.sources.base import (
     _named_headers,
     _obj,
     _str,
-    _strs,
 )
 from smtpguard.events.times import epoch, event_time
-from smtpguard.policy.events import ID_HEADER, Kind, Malformed, Match, ProviderEvent
+from smtpguard.policy.events import ID_HEADER, Kind, Malformed, Match, ProviderEvent, strs
 
 _SES_SECTIONS = {
     "Bounce": "bounce",
@@ -99,9 +98,9 @@ class Ses(_Base):
         assert isinstance(common, dict)
         headers = _named_headers(mail.get("headers"))
         match = Match(
-            sg_ids=_strs(headers.get(ID_HEADER.lower())),
-            message_ids=_strs(common.get("messageId"), headers.get("message-id")),
-            upstream_ids=_strs(mail.get("messageId")),
+            sg_ids=strs(headers.get(ID_HEADER.lower())),
+            message_ids=strs(common.get("messageId"), headers.get("message-id")),
+            upstream_ids=strs(mail.get("messageId")),
         )
         found: list[tuple[str | None, str]] = []
         kind = Kind.OTHER

@@ -17,11 +17,10 @@ from smtpguard.events.sources.base import (
     _json_object,
     _named_headers,
     _obj,
-    _strs,
 )
 from smtpguard.events.sources.kinds import Kinds, event_kind
 from smtpguard.events.times import event_time
-from smtpguard.policy.events import ID_HEADER, Kind, Match, ProviderEvent
+from smtpguard.policy.events import ID_HEADER, Kind, Match, ProviderEvent, strs
 
 
 def _resend_bounce(payload: dict[str, Any]) -> Kind:
@@ -63,12 +62,12 @@ class Svix(_Base):
         data = _obj(payload.get("data"), "data")
         bounce = data.get("bounce") if isinstance(data.get("bounce"), dict) else {}
         assert isinstance(bounce, dict)
-        status = "/".join(_strs(bounce.get("type"), bounce.get("subType")))
+        status = "/".join(strs(bounce.get("type"), bounce.get("subType")))
         headers = _named_headers(data.get("headers"))
         match = Match(
-            sg_ids=_strs(headers.get(ID_HEADER.lower())),
-            message_ids=_strs(headers.get("message-id")),
-            upstream_ids=_strs(data.get("email_id")),
+            sg_ids=strs(headers.get(ID_HEADER.lower())),
+            message_ids=strs(headers.get("message-id")),
+            upstream_ids=strs(data.get("email_id")),
         )
         to = data.get("to")
         recipients: list[str | None] = [r for r in to if isinstance(r, str)] if isinstance(to, list) else []
