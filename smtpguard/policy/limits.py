@@ -19,6 +19,9 @@ from smtpguard.replies import Reply
 
 PlanName = Literal["free", "solo", "starter", "business", "agency", "unlimited"]
 HOUR = 3600.0
+WINDOW_KEEP = 2 * HOUR
+"""How long every store keeps a window's entries: longer than any window that reads them
+(the hourly caps, AUTH lockouts)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,7 @@ import json
 import psycopg
 
 from smtpguard.policy.ledger import Record
-from smtpguard.policy.limits import CapCheck, CapReached
+from smtpguard.policy.limits import WINDOW_KEEP, CapCheck, CapReached
 from smtpguard.store.base import (
     Claimed,
     Conflict,
@@ -60,7 +60,7 @@ from smtpguard.store.postgres.rows import (
     _swap,
     _user_args,
 )
-from smtpguard.store.sql.purge import ORPHANED_ENTRIES, WINDOW_KEEP, aged_out, purgeable
+from smtpguard.store.sql.purge import ORPHANED_ENTRIES, aged_out, purgeable
 from smtpguard.store.sql.statements import Plan
 
 _PURGE_BATCH = 2000

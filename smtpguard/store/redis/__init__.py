@@ -34,7 +34,7 @@ from redis.exceptions import ResponseError
 
 from smtpguard.policy.events import bare_message_id
 from smtpguard.policy.ledger import Record
-from smtpguard.policy.limits import HOUR
+from smtpguard.policy.limits import HOUR, WINDOW_KEEP
 from smtpguard.policy.senders import suppression_key
 from smtpguard.store.base import (
     CapUsage,
@@ -83,7 +83,7 @@ from smtpguard.store.redis.keys import (
     _user_window_key,
     _zone_key,
 )
-from smtpguard.store.redis.ledger import _WINDOW_KEEP, Ledger, _dump, _load
+from smtpguard.store.redis.ledger import Ledger, _dump, _load
 from smtpguard.store.redis.suppression import Suppressions
 from smtpguard.store.redis.upgrade import Upgrades
 
@@ -457,7 +457,7 @@ class RedisStore(OnServerClock, Ledger, Claims, Desk, Suppressions, Upgrades):
     @_translated
     async def auth_failure(self, ip: str, now: float, window: float) -> int:
         key = _auth_key(ip)
-        keep = max(window, _WINDOW_KEEP)
+        keep = max(window, WINDOW_KEEP)
         async with self._r.pipeline(transaction=True) as pipe:
             pipe.zadd(key, {f"{now!r}:{secrets.token_hex(8)}": now})
             pipe.zremrangebyscore(key, "-inf", f"({now - keep!r}")

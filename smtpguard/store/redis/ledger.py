@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from smtpguard.policy.ledger import Record, State
-from smtpguard.policy.limits import HOUR, CapCheck, CapReached
+from smtpguard.policy.limits import HOUR, WINDOW_KEEP, CapCheck, CapReached
 from smtpguard.store.base import Conflict, Paused, QueuedMessage, Reserved, ReserveResult, entry_columns
 from smtpguard.store.redis.connection import _PURGE_BATCH, RedisConnection, _translated
 from smtpguard.store.redis.keys import (
@@ -32,8 +32,6 @@ from smtpguard.store.redis.keys import (
 )
 
 _MONTH_TTL = 40 * 86400
-# Window entries are kept as long as SQLite keeps them (its purge drops them after 2 h).
-_WINDOW_KEEP = 2 * HOUR
 _SETTLED_EXCLUDED = (State.IN_FLIGHT.value, State.QUEUED.value)
 
 
@@ -120,7 +118,7 @@ class Ledger(RedisConnection):
             cap.hour_start if cap is not None else 0.0,
             cap.token if cap is not None else "",
             cap.now if cap is not None else 0.0,
-            cap.now - _WINDOW_KEEP if cap is not None else 0.0,
+            cap.now - WINDOW_KEEP if cap is not None else 0.0,
             _MONTH_TTL,
             str(record.version),
             record.state.value,
@@ -175,7 +173,7 @@ class Ledger(RedisConnection):
                 offset += kept
                 if len(members) < _PURGE_BATCH:
                     break
-            await self._trim_window(zone, now - _WINDOW_KEEP)
+            await self._trim_window(zone, now - WINDOW_KEEP)
             await self._trim_event_ids(zone, cutoff)
         # AUTH failure keys expire by themselves (see auth_failure).
         return deleted
@@ -223,7 +221,7 @@ class Ledger(RedisConnection):
             cap.hour_start,
             cap.token,
             cap.now,
-            cap.now - _WINDOW_KEEP,
+            cap.now - WINDOW_KEEP,
             _MONTH_TTL,
             *_user_args(cap),
         ]

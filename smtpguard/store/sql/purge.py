@@ -10,11 +10,8 @@ keeps each store's own count of it in step (SQLite's send_counts, PostgreSQL's c
 from __future__ import annotations
 
 from smtpguard.policy.ledger import State
-from smtpguard.policy.limits import HOUR
+from smtpguard.policy.limits import WINDOW_KEEP
 from smtpguard.store.sql.statements import Plan
-
-WINDOW_KEEP = 2 * HOUR
-"""Window entries older than any window that reads them (1h caps, AUTH lockouts)."""
 
 
 def purgeable(cutoff: float, now: float) -> Plan:

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from smtpguard.policy.ledger import Record
-from smtpguard.policy.limits import CapCheck, CapReached
+from smtpguard.policy.limits import WINDOW_KEEP, CapCheck, CapReached
 from smtpguard.store.base import (
     Claimed,
     Conflict,
@@ -38,7 +38,7 @@ from smtpguard.store.base import (
     entry_columns,
 )
 from smtpguard.store.errors import Probed
-from smtpguard.store.sql.purge import ORPHANED_ENTRIES, WINDOW_KEEP, aged_out, purgeable
+from smtpguard.store.sql.purge import ORPHANED_ENTRIES, aged_out, purgeable
 from smtpguard.store.sql.statements import Plan
 from smtpguard.store.sqlite.access import Access
 from smtpguard.store.sqlite.caps import _consume, _pause_or_cap, _refund_user, _trim
