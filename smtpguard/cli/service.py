@@ -17,8 +17,9 @@ from smtpguard.store import StoreUnavailable, store_from_url
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from smtpguard import logs, server
+    from smtpguard import logs
     from smtpguard.config import worker_count
+    from smtpguard.server import process
     from smtpguard.workers import WorkerRole
 
     config = _config(args)
@@ -28,7 +29,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from smtpguard.supervisor import supervise
 
         return supervise(config, Path(_config_path(args)))
-    server.serve(config, Path(_config_path(args)), role)
+    process.serve(config, Path(_config_path(args)), role)
     return 0
 
 

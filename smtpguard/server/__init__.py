@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import socket
 import ssl
 import time
@@ -14,8 +13,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from smtpguard import notify
-from smtpguard.background import keep
 from smtpguard.cap_alerts import CapAlerts
 from smtpguard.config import Config, ConfigError, outbox_secrets, provider_secrets, read_secret
 from smtpguard.delivery import DeliveryWorker
@@ -79,6 +76,10 @@ class Server:
         self._servers: list[asyncio.Server] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
+        self._reloading = asyncio.Lock()
+        """Held by a reload from its read to its last swap, and taken by stop before it tears
+        anything down: a SIGHUP just before SIGTERM never starts an outbox reader, a prober or
+        a console after the drain, and two SIGHUPs apply in the order they were read."""
         self.store: Store | None = None
         self.route: Route | None = None
         self.handler: Handler | None = None
@@ -381,12 +382,30 @@ class Server:
     async def stop(self) -> None:
         """Stop accepting, let in-flight submissions finish (bounded), close the store.
         /readyz answers 503 from the first moment, so a load balancer stops sending here."""
+        if self.draining:
+            await self._stopped.wait()
+            return
         self.draining = True
         self.metrics.draining.set(1)
         if self.handler is not None:
             self.handler.draining = True
         for srv in self._servers:
             srv.close()
+        # A reload under way applies first (its every await is bounded); one wedged past
+        # drain_timeout is not waited for, or a SIGTERM could never stop the process.
+        try:
+            async with asyncio.timeout(self.config.limits.drain_timeout):
+                await self._reloading.acquire()
+        except TimeoutError:
+            log.warning("stopping while a reload is still under way")
+            await self._drain()
+            return
+        try:
+            await self._drain()
+        finally:
+            self._reloading.release()
+
+    async def _drain(self) -> None:
         if self.handler is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.handler.idle.wait(), self.config.limits.drain_timeout)
@@ -458,15 +477,20 @@ class Server:
         """
         if self.config_path is None or self.handler is None or self.route is None:
             return False
-        try:
-            return await self._reload()
-        except Exception as e:
-            # Whatever went wrong, the running config (and certificate) keeps serving.
-            self.metrics.reloads.labels("refused").inc()
-            log.error(
-                "reload refused; keeping the running config", extra={"error": f"{type(e).__name__}: {e}"}
-            )
-            return False
+        async with self._reloading:
+            if self.draining:
+                log.warning("reload refused: stopping")
+                return False
+            try:
+                return await self._reload()
+            except Exception as e:
+                # Whatever went wrong, the running config (and certificate) keeps serving.
+                self.metrics.reloads.labels("refused").inc()
+                log.error(
+                    "reload refused; keeping the running config",
+                    extra={"error": f"{type(e).__name__}: {e}"},
+                )
+                return False
 
     async def _reload(self) -> bool:
         assert self.config_path is not None and self.handler is not None and self.route is not None
@@ -540,61 +564,3 @@ class Server:
             self.events.sources = reading.sources if reading.sources is not None else Sources()
         self.config = new
         return self._swap_outbox(new, reading.outbox_passwords)
-
-
-def serve(config: Config, config_path: Path | None, role: WorkerRole | None = None) -> None:
-    """Run until SIGTERM or SIGINT, on the configured event loop."""
-    new_loop = loop_factory(config.event_loop)
-    with asyncio.Runner(loop_factory=new_loop) as runner:
-        runner.run(run(config, config_path, role))
-
-
-async def run(config: Config, config_path: Path | None, role: WorkerRole | None = None) -> None:
-    server = Server(config, config_path, role=role)
-    await server.start()
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    reloads: set[asyncio.Task[None]] = set()
-
-    async def reload() -> None:
-        notify.reloading()
-        try:
-            await server.reload()
-        finally:
-            notify.ready(f"serving {len(server.config.zones)} zone(s)")
-
-    def on_hup() -> None:
-        keep(reloads, reload())
-
-    if role is None:
-        loop.add_signal_handler(signal.SIGHUP, on_hup)
-    else:
-        # The supervisor checks the file and sends SIGUSR1; a SIGHUP sent to the whole
-        # process group must not make every worker reload (or refuse) on its own too.
-        loop.add_signal_handler(signal.SIGHUP, lambda: None)
-        loop.add_signal_handler(signal.SIGUSR1, on_hup)
-        role.mark_ready()
-    # systemd (Type=notify) starts the units ordered after this one only now: listeners,
-    # store and metrics are up.
-    notify.ready(f"serving {len(config.zones)} zone(s)")
-    waiters = [
-        asyncio.create_task(stop.wait()),
-        asyncio.create_task(server.unfit_event.wait()),
-        asyncio.create_task(server.orphaned.wait()),
-    ]
-    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-    for w in waiters:
-        w.cancel()
-    if role is not None:
-        # A worker hears SIGTERM twice (from the process group, then from its supervisor):
-        # the second must not kill the drain, nor the exit after it.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-            signal.signal(sig, signal.SIG_IGN)
-    notify.stopping()
-    log.info("stopping: no new connections, draining in-flight submissions")
-    await server.stop()
-    if server.unfit:
-        raise ConfigError(server.unfit)
