@@ -477,9 +477,12 @@ class Server:
         """
         if self.config_path is None or self.handler is None or self.route is None:
             return False
+        # Looked at before the lock and after it: stop holds the lock for its whole drain,
+        # and a reload queued behind another may find stop begun meanwhile.
+        if self._stopping():
+            return False
         async with self._reloading:
-            if self.draining:
-                log.warning("reload refused: stopping")
+            if self._stopping():
                 return False
             try:
                 return await self._reload()
@@ -491,6 +494,11 @@ class Server:
                     extra={"error": f"{type(e).__name__}: {e}"},
                 )
                 return False
+
+    def _stopping(self) -> bool:
+        if self.draining:
+            log.warning("reload refused: stopping")
+        return self.draining
 
     async def _reload(self) -> bool:
         assert self.config_path is not None and self.handler is not None and self.route is not None

@@ -38,11 +38,15 @@ async def run(config: Config, config_path: Path | None, role: WorkerRole | None 
     reloads: set[asyncio.Task[None]] = set()
 
     async def reload() -> None:
-        notify.reloading()
+        # Once STOPPING=1 is sent, systemd hears no more of reloads: a READY=1 after it
+        # would tell it the stopping unit is running again.
+        if not server.draining:
+            notify.reloading()
         try:
             await server.reload()
         finally:
-            notify.ready(f"serving {len(server.config.zones)} zone(s)")
+            if not server.draining:
+                notify.ready(f"serving {len(server.config.zones)} zone(s)")
 
     def on_hup() -> None:
         keep(reloads, reload())

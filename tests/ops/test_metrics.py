@@ -308,3 +308,56 @@ async def test_a_refused_reload_still_tells_systemd_ready(
         await proc.astop()
         sock.close()
     assert "Traceback" not in (tmp / "guard.log").read_text()
+
+
+async def test_a_sighup_while_stopping_tells_systemd_nothing_more(
+    tmp: Path, upstream: Upstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    notify_path = tmp / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(notify_path))
+    sock.setblocking(False)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(notify_path))
+    held = asyncio.Event()
+    upstream.handler.default = Behaviour(hold_after_dot=held)
+    cfg = base_config(tmp, upstream.port)
+    cfg["providers"][0]["timeouts"]["data"] = "60s"  # held for as long as the test needs
+    port = free_port()
+    cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
+    proc = GuardProcess(write_config(tmp / "smtpguard.yaml", cfg), tmp / "guard.log")
+    loop = asyncio.get_running_loop()
+
+    async def datagram() -> dict[str, str]:
+        data = await asyncio.wait_for(loop.sock_recv(sock, 4096), 15)
+        return dict(line.split("=", 1) for line in data.decode().splitlines())
+
+    proc.start()
+    try:
+        assert (await datagram())["READY"] == "1"
+        # A submission in flight keeps the drain going while the SIGHUP arrives.
+        pending = asyncio.create_task(send(port, message("n1")))
+        await upstream.wait_received(1)
+        assert proc.proc is not None
+        proc.proc.send_signal(signal.SIGTERM)
+        assert (await datagram())["STOPPING"] == "1"
+        proc.proc.send_signal(signal.SIGHUP)
+        log = tmp / "guard.log"
+        assert await eventually(
+            lambda: "reload refused: stopping" in log.read_text(), timeout=15, interval=0.05
+        )
+        held.set()
+        assert (await pending).code == 250
+        assert await asyncio.to_thread(proc.proc.wait, 15) == 0
+        # Everything the process said is in the socket by the time it has exited.
+        said = []
+        while True:
+            try:
+                said.append(sock.recv(4096).decode())
+            except BlockingIOError:
+                break
+    finally:
+        held.set()
+        await proc.astop()
+        sock.close()
+    assert not [d for d in said if "READY=1" in d or "RELOADING=1" in d], said
+    assert upstream.event_keys() == ["n1"]
