@@ -200,12 +200,14 @@ class OutboxReader:
             self._wake.clear()
 
     async def _pass(self) -> bool:
-        """One claim and its rows; True when the batch was full (more may be due now)."""
+        """One claim and its rows; True when more rows were due than it took (its batch was
+        full, or its octet bound reached): the next pass starts at once."""
         assert self._conn is not None
         now = self.clock()
         until = now + self.submitter.config.event_key.lease
         limit = self.submitter.config.limits.max_message_size
-        claimed = await rows.claim(self._conn, self.src.table, now, until, self.src.batch, limit)
+        claim = await rows.claim(self._conn, self.src.table, now, until, self.src.batch, limit)
+        claimed = claim.rows
         if not claimed:
             return False
         turns = asyncio.Semaphore(CONCURRENCY)
@@ -233,7 +235,7 @@ class OutboxReader:
             # Halted (a reload, a stop): the claims of rows never submitted are given back
             # for the reader that serves now, rather than left to lapse a lease later.
             await rows.release(self._conn, self.src.table, unbegun)
-        return len(claimed) >= self.src.batch
+        return claim.more
 
     async def _flush_unwritten(self) -> None:
         """Write every receipt waiting, in one transaction. Rows that finish while one

@@ -21,6 +21,12 @@ from psycopg.rows import TupleRow
 
 from smtpguard.policy.outbox import RowState
 
+CLAIM_OCTETS = 64 * 1024 * 1024
+"""The most message octets one claim reads (besides its first row, always taken): a batch
+of large messages read whole would hold about three times its size in serve (bytea
+arrives as hex text), 7 GB for 100 rows near the 25 MB default limit, and end serve, SMTP
+included, and again at each restart on the same rows."""
+
 
 def stamp(epoch: float) -> datetime:
     return datetime.fromtimestamp(epoch, UTC)
@@ -59,23 +65,38 @@ class Written:
 
 _CLAIM = """
 WITH due AS (
-    SELECT id FROM {t}
+    SELECT id, next_attempt_at,
+        CASE WHEN octet_length(message) <= %(max_size)s THEN octet_length(message) ELSE 0 END AS size
+    FROM {t}
     WHERE state IN ('pending', 'held')
       AND (next_attempt_at IS NULL OR next_attempt_at <= %(now)s)
       AND (not_before IS NULL OR not_before <= %(now)s)
     ORDER BY next_attempt_at NULLS FIRST, id
     LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED
+), taken AS (
+    SELECT id FROM (
+        SELECT id,
+            sum(size) OVER w AS read,
+            row_number() OVER w AS n
+        FROM due
+        WINDOW w AS (ORDER BY next_attempt_at NULLS FIRST, id)
+    ) AS running
+    WHERE n = 1 OR read <= %(octets)s
 )
 UPDATE {t} AS o
 SET next_attempt_at = %(until)s,
     attempts = o.attempts + CASE WHEN o.sg_id IS NULL AND o.attempts < 2147483647 THEN 1 ELSE 0 END
-FROM due WHERE o.id = due.id
+FROM taken WHERE o.id = taken.id
 RETURNING o.id, o.event_key,
     CASE WHEN octet_length(o.message) <= %(max_size)s THEN o.message END, octet_length(o.message),
     o.mail_from, o.rcpt_to, date_part('epoch', o.created_at),
-    date_part('epoch', o.not_before), o.attempts, o.sg_id, o.state
+    date_part('epoch', o.not_before), o.attempts, o.sg_id, o.state,
+    (SELECT count(*) FROM due)
 """
+"""The rows of `due` past the octet bound stay unclaimed (their lock ends with the claim's
+transaction): the next pass, at once, takes them. The first due row is always taken, so a
+message larger than the bound alone is claimed on its own."""
 
 _RECEIPT = """
 UPDATE {t}
@@ -122,17 +143,38 @@ def _q(template: str, table: str) -> sql.Composed:
     return sql.SQL(template).format(t=sql.Identifier(table))
 
 
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    rows: list[Row]
+    more: bool
+    """More rows were due than this claim took (its batch, or its octet bound): the next
+    pass starts at once rather than at the next poll."""
+
+
 async def claim(
-    conn: AsyncConnection[TupleRow], table: str, now: float, until: float, batch: int, max_size: int
-) -> list[Row]:
-    """Due rows, oldest first, claimed until `until` in one short transaction. A message
-    over `max_size` stays in the database (it is refused by its size alone): a batch of
-    them read whole could take more memory than serve has."""
-    params = {"now": stamp(now), "until": stamp(until), "batch": batch, "max_size": max_size}
+    conn: AsyncConnection[TupleRow],
+    table: str,
+    now: float,
+    until: float,
+    batch: int,
+    max_size: int,
+    octets: int = CLAIM_OCTETS,
+) -> Claimed:
+    """Due rows, oldest first, claimed until `until` in one short transaction: at most
+    `batch` of them, and no more message octets than `octets` past the first row. A message
+    over `max_size` stays in the database (it is refused by its size alone) and counts for
+    nothing: a batch of them read whole could take more memory than serve has."""
+    params = {
+        "now": stamp(now),
+        "until": stamp(until),
+        "batch": batch,
+        "max_size": max_size,
+        "octets": octets,
+    }
     async with conn.transaction():
         cur = await conn.execute(_q(_CLAIM, table), params)
         found = await cur.fetchall()
-    return [
+    taken = [
         Row(
             int(r[0]),
             str(r[1]),
@@ -148,6 +190,8 @@ async def claim(
         )
         for r in found
     ]
+    due = int(found[0][11]) if found else 0
+    return Claimed(taken, due > len(taken) or len(taken) >= batch)
 
 
 async def write(
