@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from urllib.parse import unquote
 
 from pydantic import Field, field_validator
 
@@ -13,6 +14,15 @@ _TABLE = re.compile(r"[a-z_][a-z0-9_]{0,55}")
 PostgreSQL's 63, which would otherwise cut them silently (the index then taking the
 table's own name, and IF NOT EXISTS skipping it)."""
 SOURCE_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
+_SECRET_KEYWORDS = frozenset({"password", "sslpassword"})
+"""libpq keywords whose value is a secret: the role's password, the client TLS key's."""
+
+
+def _query_keywords(url: str) -> set[str]:
+    """The keywords of a libpq URL's query as libpq reads them: percent-decoded, so that
+    `pass%77ord=` is the `password` it is to libpq."""
+    query = url.partition("?")[2]
+    return {unquote(item.partition("=")[0]) for item in query.split("&")}
 
 
 def table_problem(name: str) -> str | None:
@@ -46,7 +56,7 @@ class OutboxSource(_Strict):
         if not v.startswith(("postgresql://", "postgres://")):
             raise ValueError("an outbox url must start with postgresql:// (the outbox is a PostgreSQL table)")
         userinfo = v.split("://", 1)[1].split("/", 1)[0].rpartition("@")[0]
-        if ":" in userinfo or "password=" in v:
+        if ":" in userinfo or _SECRET_KEYWORDS & _query_keywords(v):
             # The config file is read by operators and kept in repositories: no secret in it.
             raise ValueError("no password in the outbox url: use password_env or password_file")
         return v
