@@ -14,8 +14,9 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import psycopg
 from psycopg import AsyncConnection
@@ -36,10 +37,13 @@ from smtpguard.store import StoreUnavailable
 from smtpguard.submission import Principal, Result, Submitter
 
 log = logging.getLogger("smtpguard.outbox")
+T = TypeVar("T")
 
 CONCURRENCY = 16
 """Rows of one batch submitted at once: enough to keep a provider pool busy."""
 RECONNECT_MAX = 5.0
+ANSWER_MIN = 5.0
+"""No statement is given up sooner (see _answered), whatever the lease."""
 COUNT_EVERY = 1.0
 """The rows-per-state gauges are refreshed at most this often (one GROUP BY)."""
 
@@ -112,9 +116,14 @@ class OutboxReader:
 
     # --- connections ---------------------------------------------------------------------
     async def _connect(self) -> None:
-        self._conn = await connect(self.src.url, self.password)
-        listen = await connect(self.src.url, self.password)
-        await listen.execute(schema.listen(self.src.table))
+        self._conn = await self._answered(connect(self.src.url, self.password))
+        listen = await self._answered(connect(self.src.url, self.password))
+        try:
+            await self._answered(listen.execute(schema.listen(self.src.table)))
+        except BaseException:
+            with contextlib.suppress(psycopg.Error, OSError):
+                await listen.close()
+            raise
         self._listener = asyncio.create_task(self._listen(listen))
 
     async def _listen(self, conn: AsyncConnection[TupleRow]) -> None:
@@ -139,6 +148,19 @@ class OutboxReader:
             with contextlib.suppress(psycopg.Error, OSError):
                 await self._conn.close()
             self._conn = None
+
+    async def _answered(self, statement: Awaitable[T]) -> T:
+        """`statement` on the source's database, given up when no answer came within the
+        claim's lease (at least ANSWER_MIN): a backend that stopped answering (a stuck disk,
+        a paused host, a path dropping every packet) keeps a connection open and silent,
+        and the reader would wait on it until the kernel gave up, a quarter of an hour, or
+        for ever. Given up, it is an outage: the connection is dropped and a new one made.
+        A claim whose answer was lost lapses; a receipt not written waits for the next."""
+        bound = max(self.submitter.config.event_key.lease, ANSWER_MIN)
+        try:
+            return await asyncio.wait_for(statement, bound)
+        except TimeoutError:
+            raise psycopg.OperationalError(f"the outbox database did not answer within {bound:g} s") from None
 
     def _connected(self) -> bool:
         return (
@@ -206,7 +228,9 @@ class OutboxReader:
         now = self.clock()
         until = now + self.submitter.config.event_key.lease
         limit = self.submitter.config.limits.max_message_size
-        claim = await rows.claim(self._conn, self.src.table, now, until, self.src.batch, limit)
+        claim = await self._answered(
+            rows.claim(self._conn, self.src.table, now, until, self.src.batch, limit)
+        )
         claimed = claim.rows
         if not claimed:
             return False
@@ -234,7 +258,7 @@ class OutboxReader:
         if unbegun:
             # Halted (a reload, a stop): the claims of rows never submitted are given back
             # for the reader that serves now, rather than left to lapse a lease later.
-            await rows.release(self._conn, self.src.table, unbegun)
+            await self._answered(rows.release(self._conn, self.src.table, unbegun))
         return claim.more
 
     async def _flush_unwritten(self) -> None:
@@ -246,7 +270,7 @@ class OutboxReader:
             if not batch:
                 return
             assert self._conn is not None
-            locked = await rows.write(self._conn, self.src.table, batch, self.clock())
+            locked = await self._answered(rows.write(self._conn, self.src.table, batch, self.clock()))
             for row_id, w in batch.items():
                 if row_id not in locked and self._unwritten.get(row_id) is w:
                     del self._unwritten[row_id]
@@ -256,7 +280,7 @@ class OutboxReader:
         if now - self._counted_at < COUNT_EVERY:
             return
         assert self._conn is not None
-        counts, oldest = await rows.counts(self._conn, self.src.table)
+        counts, oldest = await self._answered(rows.counts(self._conn, self.src.table))
         self._counted_at = now
         self.on_counts(self.name, counts, None if oldest is None else max(now - oldest, 0.0))
 
