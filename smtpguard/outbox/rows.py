@@ -250,13 +250,18 @@ async def release(conn: AsyncConnection[TupleRow], table: str, claimed: Sequence
 
 
 async def counts(conn: AsyncConnection[TupleRow], table: str) -> tuple[dict[str, int], float | None]:
-    """Rows per state (every state named, 0 included) and when the longest-waiting pending
-    row became due: its created_at, or its not_before when that is later (mail scheduled
-    for tomorrow is not late today)."""
+    """Rows per state smtpguard writes (each named, 0 included) and when the longest-waiting
+    pending row became due: its created_at, or its not_before when that is later (mail
+    scheduled for tomorrow is not late today)."""
     cur = await conn.execute(_q(_COUNTS, table))
     out = {s.value: 0 for s in RowState}
     oldest: float | None = None
     for state, n, first in await cur.fetchall():
+        if state not in out:
+            # Not a state smtpguard writes: a table whose CHECK the application dropped to
+            # keep states of its own. Its rows are the application's; as labels they would
+            # be series without bound.
+            continue
         out[str(state)] = int(n)
         if first is not None:
             oldest = float(first)
