@@ -341,7 +341,10 @@ class OutboxReader:
             return None
         if state is None:
             return self._waiting(row)
-        reply = str(record.reply) if record.reply is not None else None
+        by = next((e.actor for e in reversed(record.audit) if e.to_state == "delivered"), "an operator")
+        sg_id = record.sg_id or row.sg_id or ""
+        settled = policy.settled_reply(state, record.reply, sg_id, record.upstream_id, by)
+        reply = str(settled) if settled is not None else None
         return Written(state, reply, row.sg_id, record.upstream_id, None, True, row.event_key)
 
     def _waiting(self, row: Row) -> Written:

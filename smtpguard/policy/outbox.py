@@ -117,6 +117,18 @@ def settled(record_state: str | None) -> RowState | None:
     return None
 
 
+def settled_reply(
+    state: RowState, reply: Reply | None, sg_id: str, upstream_id: str | None, settled_by: str
+) -> Reply | None:
+    """The reply a followed row's receipt takes from its settled record: the record's own,
+    except for a `sent` row whose record holds no 250 (an unknown outcome has no reply, and
+    the operator or verdict that settled it as delivered gave none): then a 250 naming its
+    sg id and who settled it, never the `451 … held` the row read while it waited."""
+    if state is RowState.SENT and (reply is None or not reply.ok):
+        return replies.settled_delivered(sg_id, upstream_id, settled_by)
+    return reply
+
+
 def is_records_message(
     message: bytes,
     mail_from: str,
