@@ -45,7 +45,12 @@ RECONNECT_MAX = 5.0
 ANSWER_MIN = 5.0
 """No statement is given up sooner (see _answered), whatever the lease."""
 COUNT_EVERY = 1.0
-"""The rows-per-state gauges are refreshed at most this often (one GROUP BY)."""
+"""The rows-per-state gauges are refreshed at most this often."""
+WHOLE_EVERY_ROWS = 100_000
+WHOLE_EVERY = 60.0
+"""A table holding WHOLE_EVERY_ROWS rows or more has its final states counted at most this
+often: that count reads every row (a million rows: 868 MB, 300 ms), where the open states
+are read through the partial index at every refresh."""
 
 
 @dataclass(slots=True)
@@ -82,6 +87,9 @@ class OutboxReader:
     _unwritten: dict[int, Written] = field(init=False, default_factory=dict)
     _writing: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)
     _counted_at: float = field(init=False, default=0.0)
+    _whole: dict[str, int] = field(init=False, default_factory=dict)
+    """The last count of every state (the final ones are read from it between two)."""
+    _whole_at: float = field(init=False, default=0.0)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -280,7 +288,14 @@ class OutboxReader:
         if now - self._counted_at < COUNT_EVERY:
             return
         assert self._conn is not None
-        counts, oldest = await self._answered(rows.counts(self._conn, self.src.table))
+        # The final states are counted by reading every row of the table: on a large one,
+        # only now and then; the open ones (and the lag) at every refresh, by the index.
+        whole = sum(self._whole.values()) < WHOLE_EVERY_ROWS or now - self._whole_at >= WHOLE_EVERY
+        counts, oldest = await self._answered(rows.counts(self._conn, self.src.table, whole))
+        if whole:
+            self._whole, self._whole_at = counts, now
+        else:
+            counts = {**self._whole, **counts}
         self._counted_at = now
         self.on_counts(self.name, counts, None if oldest is None else max(now - oldest, 0.0))
 
