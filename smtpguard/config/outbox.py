@@ -8,6 +8,7 @@ from urllib.parse import unquote
 from pydantic import Field, field_validator
 
 from smtpguard.config.base import Duration, FilePath, _Strict
+from smtpguard.config.store import may_land_on_a_standby
 
 _TABLE = re.compile(r"[a-z_][a-z0-9_]{0,55}")
 """56 at most: the index and trigger named after it (`_due`, `_notify`) stay within
@@ -59,6 +60,13 @@ class OutboxSource(_Strict):
         if ":" in userinfo or _SECRET_KEYWORDS & _query_keywords(v):
             # The config file is read by operators and kept in repositories: no secret in it.
             raise ValueError("no password in the outbox url: use password_env or password_file")
+        if may_land_on_a_standby(v):
+            # A standby refuses every claim and receipt: the reader would reconnect to it
+            # for ever, the primary a host away.
+            raise ValueError(
+                "an outbox url naming several PostgreSQL hosts needs target_session_attrs=read-write "
+                "(else the reader may land on a standby, which refuses every claim)"
+            )
         return v
 
     @field_validator("table")
