@@ -75,3 +75,49 @@ async def test_a_message_larger_than_the_claim_bound_is_still_claimed_alone(
     # Both due again, huge:1 first (by id): alone again, small:1 in the claim after it.
     assert [r.event_key for r in third.rows] == ["huge:1"] and third.more
     assert [r.event_key for r in fourth.rows] == ["small:1"] and not fourth.more
+
+
+def _rows_read(plan: dict[str, object]) -> int:
+    """Rows the plan's scans of the table produced, each loop counted."""
+    own = 0
+    if "Scan" in str(plan.get("Node Type", "")) and plan.get("Relation Name") == "smtpguard_outbox":
+        own = int(plan["Actual Rows"]) * int(plan["Actual Loops"])  # type: ignore[call-overload]
+    return own + sum(_rows_read(p) for p in plan.get("Plans", []))  # type: ignore[attr-defined]
+
+
+async def test_a_claim_on_a_backlog_reads_a_batch_not_the_whole_backlog(
+    postgres_server: PostgresServer,
+) -> None:
+    import psycopg
+
+    from smtpguard.outbox import rows
+
+    # 80,000 rows never tried and 20,000 due for a retry (an outage's backlog): a claim of
+    # 100 read and sorted every one of them (250,000 rows: 250 ms a claim, 2,500 claims to
+    # drain them, the backlog's drain quadratic).
+    url = app_database(postgres_server)
+    with psycopg.connect(url, autocommit=True) as app:
+        app.execute(
+            "INSERT INTO smtpguard_outbox (event_key, message, mail_from, rcpt_to, next_attempt_at) "
+            "SELECT 'b:' || i, 'x', 'billing@acme.example', ARRAY['c@example.com'], "
+            "CASE WHEN i % 5 = 0 THEN now() - interval '1 hour' END "
+            "FROM generate_series(1, 100000) AS i"
+        )
+        app.execute("VACUUM ANALYZE smtpguard_outbox")
+        now = time.time()
+        params = {
+            "now": rows.stamp(now),
+            "until": rows.stamp(now + 30),
+            "batch": 100,
+            "max_size": 25_000_000,
+            "octets": rows.CLAIM_OCTETS,
+        }
+        with app.transaction(force_rollback=True):
+            explained = app.execute(
+                rows._q("EXPLAIN (ANALYZE, FORMAT JSON) " + rows._CLAIM, "smtpguard_outbox"), params
+            ).fetchone()
+    assert explained is not None
+    read = _rows_read(explained[0][0]["Plan"])
+    print(f"a claim of 100 on a backlog of 100,000 rows read {read} of them")
+    # The two batches a claim looks at (never tried, retried), and the 100 it updates.
+    assert read <= 400, read
