@@ -1,5 +1,11 @@
 """Every statement on an outbox table: claim due rows, write a receipt, count by state.
 
+Every column the application writes is read as possibly NULL (a table made by its own model
+rather than `outbox schema` may allow it): a NULL key is the empty key, a NULL message an
+empty one, a NULL sender None, each refused on its row alone; a NULL created_at is the
+claim's time, NULL attempts none. One such row once failed the whole claim, and with it
+every row of its batch, for good.
+
 Times are read as epoch seconds (date_part), not as timestamps: a column the application
 wrote as 'infinity' or '-infinity' (PostgreSQL's own "never" and "at once") is a float, where
 loading it as a datetime would fail the whole claim, and with it every row of the batch.
@@ -40,7 +46,7 @@ class Row:
     """Empty when `size` is over the size limit the claim was given: never read into memory."""
     size: int
     """The message's octets as stored."""
-    mail_from: str
+    mail_from: str | None
     rcpt_to: tuple[str | None, ...]
     """An element may be NULL: the column is the application's (refused at submission)."""
     created_at: float
@@ -95,11 +101,13 @@ WITH fresh AS (
 )
 UPDATE {t} AS o
 SET next_attempt_at = %(until)s,
-    attempts = o.attempts + CASE WHEN o.sg_id IS NULL AND o.attempts < 2147483647 THEN 1 ELSE 0 END
+    attempts = coalesce(o.attempts, 0)
+        + CASE WHEN o.sg_id IS NULL AND coalesce(o.attempts, 0) < 2147483647 THEN 1 ELSE 0 END
 FROM taken WHERE o.id = taken.id
-RETURNING o.id, o.event_key,
-    CASE WHEN octet_length(o.message) <= %(max_size)s THEN o.message END, octet_length(o.message),
-    o.mail_from, o.rcpt_to, date_part('epoch', o.created_at),
+RETURNING o.id, coalesce(o.event_key, ''),
+    CASE WHEN octet_length(o.message) <= %(max_size)s THEN o.message END,
+    coalesce(octet_length(o.message), 0),
+    o.mail_from, o.rcpt_to, date_part('epoch', coalesce(o.created_at, %(now)s)),
     date_part('epoch', o.not_before), o.attempts, o.sg_id, o.state,
     (SELECT count(*) FROM due)
 """
@@ -120,7 +128,7 @@ SET state = %(state)s, reply = coalesce(%(reply)s, reply), sg_id = %(sg_id)s,
     next_attempt_at = %(next)s, done_at = CASE WHEN %(done)s THEN %(now)s END
 WHERE id = (
     SELECT id FROM {t}
-    WHERE id = %(id)s AND event_key = %(key)s AND state IN ('pending', 'held')
+    WHERE id = %(id)s AND coalesce(event_key, '') = %(key)s AND state IN ('pending', 'held')
     FOR UPDATE SKIP LOCKED
 )
 RETURNING id
@@ -133,7 +141,9 @@ SET next_attempt_at = NULL,
 WHERE id = ANY(%(ids)s) AND state IN ('pending', 'held')
 """
 
-_STILL_OPEN = "SELECT id, event_key FROM {t} WHERE id = ANY(%(ids)s) AND state IN ('pending', 'held')"
+_STILL_OPEN = """
+SELECT id, coalesce(event_key, '') FROM {t} WHERE id = ANY(%(ids)s) AND state IN ('pending', 'held')
+"""
 """Of the receipts no row took: the rows still open (a plain read, never waits on a lock).
 The others hold a final receipt or were deleted: nothing more to write."""
 
@@ -203,7 +213,7 @@ async def claim(
             str(r[1]),
             b"" if r[2] is None else bytes(r[2]),
             int(r[3]),
-            str(r[4]),
+            None if r[4] is None else str(r[4]),
             tuple(r[5] or ()),
             float(r[6]),
             None if r[7] is None else float(r[7]),

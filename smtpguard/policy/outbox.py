@@ -131,7 +131,7 @@ def settled_reply(
 
 def is_records_message(
     message: bytes,
-    mail_from: str,
+    mail_from: str | None,
     rcpt_to: tuple[str | None, ...],
     limits: HeaderLimits,
     record_fingerprint: str,
@@ -141,8 +141,8 @@ def is_records_message(
     a row that replaced a sent one under the same key, its sg_id copied, would otherwise
     read `sent` for a message that never went. False: submit it, and the ledger answers it
     (a duplicate, or `reused`) as SMTP would."""
-    if None in rcpt_to:
-        # No submission took this envelope (a NULL in rcpt_to is refused 501): submitted,
+    if mail_from is None or None in rcpt_to:
+        # No submission took this envelope (a NULL in either is refused 501): submitted,
         # it is refused as such; never fingerprinted, which cannot read a NULL.
         return False
     parsed = parse(wire_form(message), limits)
