@@ -22,6 +22,7 @@ import psycopg
 from psycopg import AsyncConnection
 from psycopg.rows import TupleRow
 
+from smtpguard import replies
 from smtpguard.config import OutboxSource
 from smtpguard.outbox import rows, schema
 from smtpguard.outbox.connection import connect
@@ -301,6 +302,9 @@ class OutboxReader:
 
     # --- one row -------------------------------------------------------------------------
     async def _handle(self, row: Row) -> Written:
+        if row.problem is not None:
+            reply = replies.malformed_message(f"the row could not be read ({row.problem})")
+            return Written(RowState.FAILED, str(reply), None, None, None, True, row.event_key)
         if row.sg_id is not None:
             followed = await self._follow(row)
             if followed is not None:

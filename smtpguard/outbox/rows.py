@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from psycopg import AsyncConnection, sql
 from psycopg.rows import TupleRow
@@ -54,6 +55,8 @@ class Row:
     attempts: int
     sg_id: str | None
     state: RowState
+    problem: str | None = None
+    """Why the row could not be read (a column of another type than the DDL's): it fails."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,11 +210,22 @@ async def claim(
     async with conn.transaction():
         cur = await conn.execute(_q(_CLAIM, table), params)
         found = await cur.fetchall()
-    taken = [
-        Row(
+    taken = [_row(r, now) for r in found]
+    due = int(found[0][11]) if found else 0
+    return Claimed(taken, due > len(taken) or len(taken) >= batch)
+
+
+def _row(r: Sequence[Any], now: float) -> Row:
+    """One claimed row as read. A column of another type than the DDL's (the application's
+    own model: `message` as text, `rcpt_to` as json) is read where it can be (text is the
+    message's UTF-8); a row that cannot be read at all is claimed with its `problem`, to fail
+    on its own: a whole claim, every row of its batch, once failed on one such row."""
+    try:
+        message = r[2].encode() if isinstance(r[2], str) else b"" if r[2] is None else bytes(r[2])
+        return Row(
             int(r[0]),
             str(r[1]),
-            b"" if r[2] is None else bytes(r[2]),
+            message,
             int(r[3]),
             None if r[4] is None else str(r[4]),
             tuple(r[5] or ()),
@@ -221,10 +235,9 @@ async def claim(
             r[9],
             RowState(r[10]),
         )
-        for r in found
-    ]
-    due = int(found[0][11]) if found else 0
-    return Claimed(taken, due > len(taken) or len(taken) >= batch)
+    except (TypeError, ValueError) as e:
+        problem = f"{type(e).__name__}: {e}"
+        return Row(int(r[0]), str(r[1]), b"", 0, None, (), now, None, 1, None, RowState.PENDING, problem)
 
 
 async def write(

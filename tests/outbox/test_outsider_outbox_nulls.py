@@ -66,3 +66,37 @@ async def test_rows_with_a_null_fail_naming_it_and_the_rows_after_them_are_sent(
     assert states["null:mail_from"][0] == "failed" and "mail_from" in states["null:mail_from"][1], states
     assert states["null:rcpt_to"][0] == "failed" and states["null:rcpt_to"][1].startswith("5"), states
     assert upstream.event_keys() == ["good:1"]
+
+
+async def test_columns_of_the_applications_own_types_are_read_or_fail_their_row_alone(
+    tmp: Path, upstream: Upstream, postgres_server: PostgresServer
+) -> None:
+    # A model of the application's: the message as text (Rails `t.text`), the recipients
+    # as json. Text is the message's UTF-8; a json recipient list that is no list fails its
+    # row. Either once failed every claim, and the outbox sent nothing more.
+    url = app_database(postgres_server)
+    with psycopg.connect(url, autocommit=True) as app:
+        app.execute(
+            "ALTER TABLE smtpguard_outbox "
+            "ALTER COLUMN message TYPE text USING convert_from(message, 'UTF8'), "
+            "ALTER COLUMN rcpt_to TYPE jsonb USING to_jsonb(rcpt_to)"
+        )
+        for key, rcpt in [("json:scalar", "5"), ("text:1", '["customer@example.com"]')]:
+            app.execute(
+                "INSERT INTO smtpguard_outbox (event_key, message, mail_from, rcpt_to) "
+                "VALUES (%s, %s, %s, %s)",
+                (key, row(key, subject="Grüße").message.decode(), "billing@acme.example", rcpt),
+            )
+    async with running_guard(outbox_config(tmp, upstream.port, url)):
+        found = await eventually(
+            lambda: _rows(url),
+            lambda f: all(r["state"] not in ("pending", "held") for r in f.values()),
+            timeout=10,
+            interval=0.05,
+        )
+    states = {k.split(":", 1)[1]: (r["state"], str(r["reply"])) for k, r in found.items()}
+    print(states)
+    assert states["text:1"][0] == "sent", states
+    assert states["json:scalar"][0] == "failed" and "could not be read" in states["json:scalar"][1], states
+    assert upstream.event_keys() == ["text:1"]
+    assert "Grüße".encode() in upstream.received[0].content or b"=?utf-8?" in upstream.received[0].content
