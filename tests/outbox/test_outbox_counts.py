@@ -82,6 +82,7 @@ async def test_a_large_table_is_not_scanned_whole_at_every_refresh_and_its_gauge
     await eventually(lambda: _others_connected(url), lambda n: n == 0, timeout=10, interval=0.05)
     scans = _seq_scans(url) - before
     print(f"{refreshes} refreshes of the counts on {RECEIPTS} rows: {scans} sequential scans")
-    # The first refresh counts the whole table (a parallel scan counts once per worker).
-    assert scans <= 2, scans
+    # The first refresh counts the whole table: one scan, counted once per process of a
+    # parallel plan (a leader and up to two workers); every refresh did as much before.
+    assert scans <= 3, scans
     assert upstream.received == []
