@@ -180,6 +180,13 @@ def duplicate_queued(key: str, sg_id: str) -> Reply:
     return _duplicate(key, sg_id, "queued")
 
 
+def settled_delivered(sg_id: str, upstream_id: str | None, by: str) -> Reply:
+    """An unknown outcome settled as delivered (an operator's resolve, an accepted verdict):
+    the 250 the provider's lost reply would have been, for the outbox row that follows it."""
+    upstream = f", upstream id {safe(upstream_id)}" if upstream_id else ""
+    return Reply(250, "2.0.0", f"[sg:{sg_id}] accepted{upstream}; outcome settled by {safe(by, 64)}")
+
+
 def key_reused(key: str) -> Reply:
     return Reply(550, "5.7.0", f"Event key {safe(key)} reused with a different message; nothing sent")
 

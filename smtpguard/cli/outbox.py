@@ -10,6 +10,10 @@ from smtpguard.config import outbox_password
 from smtpguard.config.outbox import table_problem
 from smtpguard.outbox.schema import DEFAULT_TABLE, ddl
 
+INIT_LOCK_WAIT = 2.0
+"""How long `outbox init` waits for the table's lock: the application's inserts queue behind
+it meanwhile."""
+
 
 class OutboxUnavailable(CLIError):
     code = EXIT_STORE
@@ -50,8 +54,18 @@ async def _init(url: str, password: str | None, table: str) -> None:
 
     try:
         async with await connect(url, password, 10.0) as conn:
+            # Re-made on a live table, the trigger needs the table to itself: waiting for that
+            # behind an open transaction of the application's would queue every other insert
+            # behind this one, stalling the application. Given up instead, nothing changed.
+            await conn.execute(f"SET lock_timeout = '{INIT_LOCK_WAIT * 1000:.0f}ms'")
             # One simple query: its statements commit together or not at all.
             await conn.execute(ddl(table))
+    except psycopg.errors.LockNotAvailable:
+        raise OutboxUnavailable(
+            f"outbox init: table {table} is in use (its lock was not granted within "
+            f"{INIT_LOCK_WAIT:g} s: a transaction of the application's is open on it); "
+            "nothing was changed, run it again"
+        ) from None
     except psycopg.OperationalError as e:
         raise OutboxUnavailable(f"outbox database unavailable: {str(e).strip().splitlines()[0]}") from None
     except psycopg.Error as e:

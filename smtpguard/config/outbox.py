@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import re
+from urllib.parse import unquote
 
 from pydantic import Field, field_validator
 
 from smtpguard.config.base import Duration, FilePath, _Strict
+from smtpguard.config.store import may_land_on_a_standby
 
 _TABLE = re.compile(r"[a-z_][a-z0-9_]{0,55}")
 """56 at most: the index and trigger named after it (`_due`, `_notify`) stay within
 PostgreSQL's 63, which would otherwise cut them silently (the index then taking the
 table's own name, and IF NOT EXISTS skipping it)."""
 SOURCE_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
+_SECRET_KEYWORDS = frozenset({"password", "sslpassword"})
+"""libpq keywords whose value is a secret: the role's password, the client TLS key's."""
+
+
+def _query_keywords(url: str) -> set[str]:
+    """The keywords of a libpq URL's query as libpq reads them: percent-decoded, so that
+    `pass%77ord=` is the `password` it is to libpq."""
+    query = url.partition("?")[2]
+    return {unquote(item.partition("=")[0]) for item in query.split("&")}
 
 
 def table_problem(name: str) -> str | None:
@@ -46,9 +57,16 @@ class OutboxSource(_Strict):
         if not v.startswith(("postgresql://", "postgres://")):
             raise ValueError("an outbox url must start with postgresql:// (the outbox is a PostgreSQL table)")
         userinfo = v.split("://", 1)[1].split("/", 1)[0].rpartition("@")[0]
-        if ":" in userinfo or "password=" in v:
+        if ":" in userinfo or _SECRET_KEYWORDS & _query_keywords(v):
             # The config file is read by operators and kept in repositories: no secret in it.
             raise ValueError("no password in the outbox url: use password_env or password_file")
+        if may_land_on_a_standby(v):
+            # A standby refuses every claim and receipt: the reader would reconnect to it
+            # for ever, the primary a host away.
+            raise ValueError(
+                "an outbox url naming several PostgreSQL hosts needs target_session_attrs=read-write "
+                "(else the reader may land on a standby, which refuses every claim)"
+            )
         return v
 
     @field_validator("table")

@@ -199,7 +199,15 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _outbox_checks(self) -> Config:
+        tables: dict[tuple[str, str], str] = {}
         for name, src in self.outbox.items():
+            first = tables.setdefault((src.url, src.table), name)
+            if first != name:
+                # Each row would go to whichever reader claims it first, as its zone.
+                raise FieldProblem(
+                    ("outbox", name, "table"),
+                    f"table {src.table} of {src.url} is already source {first!r}: one source per table",
+                )
             if not SOURCE_NAME.fullmatch(name):
                 raise FieldProblem(
                     ("outbox", name), f"outbox source name {name!r}: lower-case letters, digits, . _ -"

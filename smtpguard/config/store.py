@@ -19,6 +19,17 @@ class StoreWait(_Strict):
     timeout: Duration = Field(0.2, gt=0)
 
 
+def may_land_on_a_standby(url: str) -> bool:
+    """A libpq URL naming several hosts without asking for the read-write one: a connection
+    takes the first that answers, a standby after a failover. As libpq reads it: hosts in
+    the authority or a `host` parameter, and the last of several target_session_attrs."""
+    hosts = url.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0].rsplit("@", 1)[-1]
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)
+    hosts += ",".join(query.get("host", []))
+    attrs = query.get("target_session_attrs", [""])[-1]
+    return "," in hosts and attrs not in ("read-write", "primary")
+
+
 class StoreConfig(_Strict):
     url: str = "sqlite:///var/smtpguard.db"
     password_env: str | None = None
@@ -40,18 +51,11 @@ class StoreConfig(_Strict):
     def _scheme(cls, v: str) -> str:
         if not v.startswith(STORE_SCHEMES):
             raise ValueError("store url must start with " + ", ".join(STORE_SCHEMES))
-        if v.startswith(("postgresql://", "postgres://")):
-            # As libpq reads it: hosts in the authority or a `host` parameter, and the last
-            # of several target_session_attrs.
-            hosts = v.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0].rsplit("@", 1)[-1]
-            query = urllib.parse.parse_qs(urllib.parse.urlsplit(v).query)
-            hosts += ",".join(query.get("host", []))
-            attrs = query.get("target_session_attrs", [""])[-1]
-            if "," in hosts and attrs not in ("read-write", "primary"):
-                raise ValueError(
-                    "a store url naming several PostgreSQL hosts needs target_session_attrs=read-write "
-                    "(else a connection may land on a standby, which refuses every write)"
-                )
+        if v.startswith(("postgresql://", "postgres://")) and may_land_on_a_standby(v):
+            raise ValueError(
+                "a store url naming several PostgreSQL hosts needs target_session_attrs=read-write "
+                "(else a connection may land on a standby, which refuses every write)"
+            )
         return v
 
     @model_validator(mode="after")

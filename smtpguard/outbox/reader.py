@@ -14,13 +14,15 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import psycopg
 from psycopg import AsyncConnection
 from psycopg.rows import TupleRow
 
+from smtpguard import replies
 from smtpguard.config import OutboxSource
 from smtpguard.outbox import rows, schema
 from smtpguard.outbox.connection import connect
@@ -36,12 +38,20 @@ from smtpguard.store import StoreUnavailable
 from smtpguard.submission import Principal, Result, Submitter
 
 log = logging.getLogger("smtpguard.outbox")
+T = TypeVar("T")
 
 CONCURRENCY = 16
 """Rows of one batch submitted at once: enough to keep a provider pool busy."""
 RECONNECT_MAX = 5.0
+ANSWER_MIN = 5.0
+"""No statement is given up sooner (see _answered), whatever the lease."""
 COUNT_EVERY = 1.0
-"""The rows-per-state gauges are refreshed at most this often (one GROUP BY)."""
+"""The rows-per-state gauges are refreshed at most this often."""
+WHOLE_EVERY_ROWS = 100_000
+WHOLE_EVERY = 60.0
+"""A table holding WHOLE_EVERY_ROWS rows or more has its final states counted at most this
+often: that count reads every row (a million rows: 868 MB, 300 ms), where the open states
+are read through the partial index at every refresh."""
 
 
 @dataclass(slots=True)
@@ -78,6 +88,9 @@ class OutboxReader:
     _unwritten: dict[int, Written] = field(init=False, default_factory=dict)
     _writing: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)
     _counted_at: float = field(init=False, default=0.0)
+    _whole: dict[str, int] = field(init=False, default_factory=dict)
+    """The last count of every state (the final ones are read from it between two)."""
+    _whole_at: float = field(init=False, default=0.0)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -112,9 +125,14 @@ class OutboxReader:
 
     # --- connections ---------------------------------------------------------------------
     async def _connect(self) -> None:
-        self._conn = await connect(self.src.url, self.password)
-        listen = await connect(self.src.url, self.password)
-        await listen.execute(schema.listen(self.src.table))
+        self._conn = await self._answered(connect(self.src.url, self.password))
+        listen = await self._answered(connect(self.src.url, self.password))
+        try:
+            await self._answered(listen.execute(schema.listen(self.src.table)))
+        except BaseException:
+            with contextlib.suppress(psycopg.Error, OSError):
+                await listen.close()
+            raise
         self._listener = asyncio.create_task(self._listen(listen))
 
     async def _listen(self, conn: AsyncConnection[TupleRow]) -> None:
@@ -139,6 +157,19 @@ class OutboxReader:
             with contextlib.suppress(psycopg.Error, OSError):
                 await self._conn.close()
             self._conn = None
+
+    async def _answered(self, statement: Awaitable[T]) -> T:
+        """`statement` on the source's database, given up when no answer came within the
+        claim's lease (at least ANSWER_MIN): a backend that stopped answering (a stuck disk,
+        a paused host, a path dropping every packet) keeps a connection open and silent,
+        and the reader would wait on it until the kernel gave up, a quarter of an hour, or
+        for ever. Given up, it is an outage: the connection is dropped and a new one made.
+        A claim whose answer was lost lapses; a receipt not written waits for the next."""
+        bound = max(self.submitter.config.event_key.lease, ANSWER_MIN)
+        try:
+            return await asyncio.wait_for(statement, bound)
+        except TimeoutError:
+            raise psycopg.OperationalError(f"the outbox database did not answer within {bound:g} s") from None
 
     def _connected(self) -> bool:
         return (
@@ -200,12 +231,16 @@ class OutboxReader:
             self._wake.clear()
 
     async def _pass(self) -> bool:
-        """One claim and its rows; True when the batch was full (more may be due now)."""
+        """One claim and its rows; True when more rows were due than it took (its batch was
+        full, or its octet bound reached): the next pass starts at once."""
         assert self._conn is not None
         now = self.clock()
         until = now + self.submitter.config.event_key.lease
         limit = self.submitter.config.limits.max_message_size
-        claimed = await rows.claim(self._conn, self.src.table, now, until, self.src.batch, limit)
+        claim = await self._answered(
+            rows.claim(self._conn, self.src.table, now, until, self.src.batch, limit)
+        )
+        claimed = claim.rows
         if not claimed:
             return False
         turns = asyncio.Semaphore(CONCURRENCY)
@@ -232,8 +267,8 @@ class OutboxReader:
         if unbegun:
             # Halted (a reload, a stop): the claims of rows never submitted are given back
             # for the reader that serves now, rather than left to lapse a lease later.
-            await rows.release(self._conn, self.src.table, unbegun)
-        return len(claimed) >= self.src.batch
+            await self._answered(rows.release(self._conn, self.src.table, unbegun))
+        return claim.more
 
     async def _flush_unwritten(self) -> None:
         """Write every receipt waiting, in one transaction. Rows that finish while one
@@ -244,7 +279,7 @@ class OutboxReader:
             if not batch:
                 return
             assert self._conn is not None
-            locked = await rows.write(self._conn, self.src.table, batch, self.clock())
+            locked = await self._answered(rows.write(self._conn, self.src.table, batch, self.clock()))
             for row_id, w in batch.items():
                 if row_id not in locked and self._unwritten.get(row_id) is w:
                     del self._unwritten[row_id]
@@ -254,12 +289,22 @@ class OutboxReader:
         if now - self._counted_at < COUNT_EVERY:
             return
         assert self._conn is not None
-        counts, oldest = await rows.counts(self._conn, self.src.table)
+        # The final states are counted by reading every row of the table: on a large one,
+        # only now and then; the open ones (and the lag) at every refresh, by the index.
+        whole = sum(self._whole.values()) < WHOLE_EVERY_ROWS or now - self._whole_at >= WHOLE_EVERY
+        counts, oldest = await self._answered(rows.counts(self._conn, self.src.table, whole))
+        if whole:
+            self._whole, self._whole_at = counts, now
+        else:
+            counts = {**self._whole, **counts}
         self._counted_at = now
         self.on_counts(self.name, counts, None if oldest is None else max(now - oldest, 0.0))
 
     # --- one row -------------------------------------------------------------------------
     async def _handle(self, row: Row) -> Written:
+        if row.problem is not None:
+            reply = replies.malformed_message(f"the row could not be read ({row.problem})")
+            return Written(RowState.FAILED, str(reply), None, None, None, True, row.event_key)
         if row.sg_id is not None:
             followed = await self._follow(row)
             if followed is not None:
@@ -315,7 +360,10 @@ class OutboxReader:
             return None
         if state is None:
             return self._waiting(row)
-        reply = str(record.reply) if record.reply is not None else None
+        by = next((e.actor for e in reversed(record.audit) if e.to_state == "delivered"), "an operator")
+        sg_id = record.sg_id or row.sg_id or ""
+        settled = policy.settled_reply(state, record.reply, sg_id, record.upstream_id, by)
+        reply = str(settled) if settled is not None else None
         return Written(state, reply, row.sg_id, record.upstream_id, None, True, row.event_key)
 
     def _waiting(self, row: Row) -> Written:

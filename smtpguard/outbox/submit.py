@@ -35,7 +35,7 @@ async def submit_row(
     event_key: str,
     message: bytes,
     stored_size: int,
-    mail_from: str,
+    mail_from: str | None,
     rcpt_to: tuple[str | None, ...],
     domains: RecipientDomains | None = None,
 ) -> tuple[Principal, Result]:
@@ -59,6 +59,8 @@ async def submit_row(
         # The outbox is its own SMTP client: it declares SMTPUTF8 when an address needs it.
         smtputf8 = not all(a is not None and a.isascii() for a in (mail_from, *rcpt_to))
         route = route_offers_smtputf8(p.smtputf8 for p in submitter.route.providers_for(src.zone))
+        if mail_from is None:
+            return Result(replies.bad_address("sender", "NULL in mail_from"), Decision.ENVELOPE, event_key)
         refusal = sender_refusal(mail_from, src.zone, plan_send_as(zone), zone.senders, smtputf8, route)
         if refusal is not None:
             return Result(refusal.reply, Decision.ENVELOPE, event_key)

@@ -117,9 +117,21 @@ def settled(record_state: str | None) -> RowState | None:
     return None
 
 
+def settled_reply(
+    state: RowState, reply: Reply | None, sg_id: str, upstream_id: str | None, settled_by: str
+) -> Reply | None:
+    """The reply a followed row's receipt takes from its settled record: the record's own,
+    except for a `sent` row whose record holds no 250 (an unknown outcome has no reply, and
+    the operator or verdict that settled it as delivered gave none): then a 250 naming its
+    sg id and who settled it, never the `451 … held` the row read while it waited."""
+    if state is RowState.SENT and (reply is None or not reply.ok):
+        return replies.settled_delivered(sg_id, upstream_id, settled_by)
+    return reply
+
+
 def is_records_message(
     message: bytes,
-    mail_from: str,
+    mail_from: str | None,
     rcpt_to: tuple[str | None, ...],
     limits: HeaderLimits,
     record_fingerprint: str,
@@ -129,8 +141,8 @@ def is_records_message(
     a row that replaced a sent one under the same key, its sg_id copied, would otherwise
     read `sent` for a message that never went. False: submit it, and the ledger answers it
     (a duplicate, or `reused`) as SMTP would."""
-    if None in rcpt_to:
-        # No submission took this envelope (a NULL in rcpt_to is refused 501): submitted,
+    if mail_from is None or None in rcpt_to:
+        # No submission took this envelope (a NULL in either is refused 501): submitted,
         # it is refused as such; never fingerprinted, which cannot read a NULL.
         return False
     parsed = parse(wire_form(message), limits)

@@ -403,7 +403,7 @@ async def test_a_claim_leaves_a_message_over_the_size_limit_in_the_database(
         now = time.time()
         # Claimed until now: the rows are due again at once, for serve below.
         claimed = {
-            r.event_key: r for r in await rows.claim(conn, "smtpguard_outbox", now, now, 10, 1_000_000)
+            r.event_key: r for r in (await rows.claim(conn, "smtpguard_outbox", now, now, 10, 1_000_000)).rows
         }
     assert claimed["big:1"].message == b"" and claimed["big:1"].size == len(big)
     assert claimed["small:1"].message == row("small:1").message
