@@ -188,15 +188,28 @@ async def test_a_send_slower_than_the_claim_is_reclaimed_by_the_other_instance_a
 
     url = app_database(postgres_server)
     store = new_database(postgres_server, "store")
-    # The provider takes the message, then answers its final dot only after the row's claim
-    # (the 1 s lease) has lapsed, within its 3 s data timeout: the other instance claims the
-    # row meanwhile.
-    upstream.handler.script = [Behaviour(hang_after_dot=2.5)]
+    # The provider takes the message and answers its final dot only once the other instance
+    # has claimed the row (its 1 s claim lapsed) and been told the event is in flight: held
+    # by an event, not for a guessed time, within a data timeout longer than the test.
+    held = asyncio.Event()
+    upstream.handler.script = [Behaviour(hold_after_dot=held)]
     configs = pair_configs(tmp, upstream.port, url, store)
     for cfg in configs:
         cfg["event_key"].update({"lease": "1s", "inflight_wait": "0.5s"})
+        cfg["providers"][0]["timeouts"]["data"] = "60s"
     async with running_guard(configs[0]) as a, running_guard(configs[1]) as b:
         await insert(url, [row("slow:1")])
+        await upstream.wait_received(1)
+        # A reader counts a row once its claim's rows are handled: the sender's is not while
+        # its final dot is held, so the first count is the other instance's claim.
+        other = await eventually(
+            lambda: a.outbox[0].counters.rows + b.outbox[0].counters.rows,
+            lambda n: n >= 1,
+            timeout=30,
+            interval=0.05,
+        )
+        assert other >= 1, "the other instance never claimed the row while it was being sent"
+        held.set()
         found = await eventually(
             lambda: receipts(url), lambda f: f["slow:1"]["state"] == "sent", timeout=20, interval=0.1
         )
