@@ -208,7 +208,7 @@ class SmtpProvider:
                 result, keep = await self._guarded(conn, env, before_data, reused=True)
                 if result is not None:
                     return self._finish(conn, keep, result)
-                # The cached connection had gone away before MAIL was answered: safe to redo.
+                # The cached connection had gone away before DATA: safe to redo, once.
                 # Closed here, so the max_connections slot it held is free for the new one.
                 self._discard(conn)
             holder: str | None = None
@@ -362,12 +362,7 @@ class SmtpProvider:
                     raise _out_of_step(conn, code, text)
                 return code, text
 
-            try:
-                code, text = await answer(0)
-            except aiosmtplib.SMTPServerDisconnected:
-                if reused:
-                    return None, False
-                raise
+            code, text = await answer(0)
             if code != 250:
                 if code == 421:
                     # The provider ends the session (RFC 5321 §3.8): no RSET on it.
@@ -389,9 +384,13 @@ class SmtpProvider:
                 if code in (250, 251):
                     accepted.append(rcpt)
                     continue
-                rejected.append((rcpt, upstream_reply(code, text)))
                 if code == 421:
                     conn.close()
+                    if reused:
+                        # The pooled session ended under this transaction (RFC 5321 §3.8),
+                        # as a 421 to its MAIL would have: a fresh connection asks again.
+                        return None, False
+                rejected.append((rcpt, upstream_reply(code, text)))
             if not accepted or any(r.temporary for _, r in rejected):
                 # A recipient refused for now would silently miss the message if the rest
                 # went ahead: the 250 would close the event. Only permanent refusals may
@@ -399,6 +398,14 @@ class SmtpProvider:
                 # (nothing has been accepted yet, so another provider may take it).
                 return refused_all(self.name, rejected), await _rset(conn)
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as e:
+            if reused and isinstance(e, ConnectionError):
+                # A pooled connection gone before DATA (the provider's idle timer, a load
+                # balancer, a restart), at MAIL or at any RCPT: nothing of the message was
+                # sent, and a lost session says nothing of this message or of the provider.
+                # Asked again once, on a fresh connection (send); a fresh one that drops
+                # is the provider's answer, below.
+                conn.close()
+                return None, False
             # A reply that is not SMTP (malformed, too long, out of step) is no refusal of the
             # message, and the session is closed: unavailable, as a lost connection (§11.6).
             return unavailable(self.name, f"before DATA: {describe(e)}"), False
