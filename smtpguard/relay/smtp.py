@@ -22,6 +22,7 @@ import aiosmtplib
 from smtpguard.config import ConfigError, SmtpProviderConfig, read_secret
 from smtpguard.config.secrets import log_of
 from smtpguard.policy.eventkey import qualified_key
+from smtpguard.policy.events import tag_value
 from smtpguard.policy.failover import (
     Attempted,
     auth_refused,
@@ -131,7 +132,12 @@ class SmtpProvider:
             content = without_headers(content, (self.cfg.idempotency_header,))
         content = tagged(self.event_tag, qualified, env.attempt_id, content)
         if self.cfg.idempotency_header and qualified is not None:
-            return f"{self.cfg.idempotency_header}: {qualified}\r\n".encode() + content
+            # Written as every tag is (tag_value): the key itself, or encoded when ASCII
+            # cannot carry it. Raw UTF-8 in a header needs SMTPUTF8 (RFC 6532), which this
+            # provider may not offer, and would make a 7-bit message 8-bit; and the value
+            # the provider dedupes on must not depend on what a connection offered.
+            field = f"{self.cfg.idempotency_header}: {tag_value(qualified)}\r\n"
+            return field.encode("ascii") + content
         return content
 
     async def _open(self) -> Session | Attempted:
