@@ -493,6 +493,11 @@ class SmtpProvider:
                 raise _out_of_step(conn, code, text)
             delivered = code == 250
         except (aiosmtplib.SMTPServerDisconnected, aiosmtplib.SMTPTimeoutError, OSError, TimeoutError) as e:
+            if reused and not body_written and isinstance(e, ConnectionError):
+                # A pooled connection gone while DATA waited for its 354: not one byte of
+                # the message was written, so as at RCPT (_mail_rcpt), a fresh one asks again.
+                conn.close()
+                return None, False
             return lost_at_data(self.name, describe(e), rejected, body_written), False
         except aiosmtplib.SMTPResponseException as e:
             # Not an SMTP reply (malformed, too long, out of step): the session was closed.
@@ -505,6 +510,10 @@ class SmtpProvider:
             log_unexpected(self.name, "after DATA", e)
             return unknown(self.name, describe(e), rejected), False
         if not delivered:
+            if reused and not body_written and code == 421:
+                # The pooled session ended at the DATA command, before the message: as above.
+                conn.close()
+                return None, False
             # To the DATA command itself, or to the message after its final dot.
             taken = data_reply(self.name, code, text, rejected, body_written, tuple(accepted))
             return taken, await _rset(conn)

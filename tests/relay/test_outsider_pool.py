@@ -15,7 +15,7 @@ import pytest
 
 from smtpguard.policy.outcome import Kind
 from tests.relay.test_resilience import routed, smtp_provider
-from tests.relay.test_wire_attacks import CLOSE, OTHER, Scripted, _env, _provider, _send_all
+from tests.relay.test_wire_attacks import CLOSE, HALF, OTHER, Scripted, _env, _provider, _send_all
 from tests.support import message as email
 from tests.support import running_guard, send
 
@@ -69,3 +69,26 @@ async def test_the_retry_is_once_a_fresh_connection_that_drops_too_is_unavailabl
     assert second.outcome.kind is Kind.UNAVAILABLE and second.failover, second.outcome
     assert not second.outcome.data_sent
     assert up.connections == 2 and len(up.messages) == 1
+
+
+@pytest.mark.parametrize("fault", [CLOSE, b"421 4.4.2 idle timeout exceeded\r\n"], ids=["closed", "421"])
+async def test_a_pooled_connection_lost_at_the_data_command_is_retried_before_the_message(
+    tmp: Path, fault: bytes
+) -> None:
+    # DATA is answered by a close (or 421) instead of 354: the message was never written.
+    async with Scripted(data=[b"354 go ahead\r\n", fault]) as up:
+        first, second = await _send_all(_provider(tmp, up.port), _env("p1"), _env("p2"))
+    assert first.outcome.kind is Kind.DELIVERED
+    assert second.outcome.kind is Kind.DELIVERED, second.outcome
+    assert up.connections == 2 and len(up.messages) == 2
+    assert sum(m.count(b"X-Event-Key: p2") for m in up.messages) == 1
+
+
+async def test_a_pooled_connection_lost_after_the_354_is_never_asked_again(tmp: Path) -> None:
+    # Once the message is being written the outcome is the provider's: unknown, one copy
+    # at most, no second connection.
+    async with Scripted(data=[b"354 go ahead\r\n", HALF]) as up:
+        first, second = await _send_all(_provider(tmp, up.port), _env("p1"), _env("p2"))
+    assert first.outcome.kind is Kind.DELIVERED
+    assert second.outcome.kind is Kind.UNKNOWN and not second.failover, second.outcome
+    assert up.connections == 1 and len(up.messages) == 1
