@@ -14,7 +14,7 @@ import logging
 import re
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, AnyStr, Protocol, cast
+from typing import Any, AnyStr, NoReturn, Protocol, cast
 
 from aiosmtpd.smtp import MISSING, Session, syntax
 
@@ -92,9 +92,14 @@ class GuardSMTP(LimitedSession):
         # command injection rely on servers that accept bare LF here).
         while True:
             try:
-                line = await read(b"\n")
-            except asyncio.LimitOverrunError as e:
-                return await self._discard_long_line(read, e.consumed)
+                try:
+                    line = await read(b"\n")
+                except asyncio.LimitOverrunError as e:
+                    return await self._discard_long_line(read, e.consumed)
+            except asyncio.IncompleteReadError:
+                # The client's half-close (eof_received), with every whole command before
+                # it answered: the session ends here; a command cut short is not run.
+                await self._end_at_eof()
             if _clean_command(line):
                 return line
             self._bogus += 1
@@ -104,6 +109,14 @@ class GuardSMTP(LimitedSession):
                 self.hang_up(replies.BARE_NEWLINE_COMMAND)
                 await self._until_cancelled()
             self._writer.write(f"{replies.BARE_NEWLINE_COMMAND}\r\n".encode())
+
+    async def _end_at_eof(self) -> NoReturn:
+        """Close after the client's EOF, once the replies written so far have gone out, and
+        wait for connection_lost to cancel this session's task."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+        await self._until_cancelled()
+        raise AssertionError("not reached: connection_lost cancels the session")
 
     async def _discard_long_line(self, read: _READ, consumed: int) -> bytes:
         """Drop an over-long command line as it arrives; return a stand-in that aiosmtpd
@@ -159,6 +172,10 @@ class GuardSMTP(LimitedSession):
             log.info("connection lost during DATA", extra=self._where())
             self._writer.close()
             raise
+        except asyncio.IncompleteReadError:
+            # Half-closed before the end of data: the message is not whole; nothing taken.
+            log.info("connection lost during DATA", extra=self._where())
+            await self._end_at_eof()
         finally:
             self._stop_data_timer()
         if isinstance(received, Reply):
@@ -315,6 +332,14 @@ class GuardSMTP(LimitedSession):
     def eof_received(self) -> bool | None:
         if self._refused:
             return None
+        if self.session is not None and self.session.ssl is None and not self._over_tls():
+            # A half-close (FIN) over plain TCP: "nothing more from me", not "forget what I
+            # sent". Commands already received are read and answered as Postfix does (a
+            # pipelined transaction sent by `printf … | nc -N` gets its replies), and
+            # the reader's EOF then ends the session (_end_at_eof). aiosmtpd's own answer,
+            # cancelling the session at once, would drop them unanswered. TLS has no
+            # half-close: there the connection ends now, as before.
+            return asyncio.StreamReaderProtocol.eof_received(self)
         result: bool | None = super().eof_received()
         # aiosmtpd's answer to EOF is to cancel the session task, whose cancellation path
         # closes the transport. A peer that closes at once (a TCP health check) can have its
@@ -325,6 +350,9 @@ class GuardSMTP(LimitedSession):
         if task is not None:
             task.add_done_callback(self._close_after_eof)
         return result
+
+    def _over_tls(self) -> bool:
+        return self.transport is not None and self.transport.get_extra_info("sslcontext") is not None
 
     def _close_after_eof(self, _task: asyncio.Task[None]) -> None:
         if self.transport is not None and not self.transport.is_closing():
