@@ -133,10 +133,12 @@ class GuardSMTP(LimitedSession):
 
     @syntax("MAIL FROM: <address>", extended=" [SP <mail-parameters>]")
     async def smtp_MAIL(self, arg: str | None) -> None:
-        """aiosmtpd's MAIL, but the null reverse-path reaches the handler. `<>` is SMTP
+        """aiosmtpd's MAIL, but the null reverse-path reaches the handler, and RFC 4954's
+        AUTH parameter is taken and ignored (_without_auth_parameter). `<>` is SMTP
         syntax (RFC 5321 §4.1.2), which aiosmtpd answers with its 501 "Syntax" itself; it
         names no sender, so no zone maps it: the handler's sender check refuses it (550
         5.7.1, DESIGN.md §3) whatever its parameters say."""
+        arg = _without_auth_parameter(arg)
         path = self._strip_command_keyword("FROM:", arg) if arg is not None else None
         if path is None or not path.startswith("<>"):
             await super().smtp_MAIL(arg)
@@ -364,6 +366,23 @@ class GuardSMTP(LimitedSession):
         if rewrite is None:
             rewrite = next((r for p, r in replies.AIOSMTPD_PREFIX_REWRITES if text.startswith(p)), None)
         await super().push(str(rewrite) if rewrite else text)
+
+
+def _without_auth_parameter(arg: str | None) -> str | None:
+    """MAIL's argument without its `AUTH=<mailbox>` parameter (RFC 4954 §5), which an MTA
+    such as sendmail sends to a smarthost that offers AUTH. It is part of the extension the
+    EHLO advertises, so not "unrecognized" (aiosmtpd's 555); smtpguard does not trust the
+    identity it names, which §5 has a server treat as `AUTH=<>`: it changes nothing, and it
+    is dropped here. An empty `AUTH=` is left for aiosmtpd to refuse as bad syntax."""
+    if arg is None or "AUTH=" not in arg.upper() or arg[:5].upper() != "FROM:":
+        return arg
+    path, rest = _raw_path(arg[5:])
+    tokens = rest.split()
+    kept = [t for t in tokens if not (t[:5].upper() == "AUTH=" and len(t) > 5)]
+    if len(kept) == len(tokens):
+        return arg
+    head = f"<{path}>" if arg[5:].lstrip().startswith("<") else path
+    return " ".join([f"FROM:{head}", *kept])
 
 
 def _raw_path(arg: str) -> tuple[str, str]:
