@@ -195,12 +195,16 @@ class GuardSMTP(LimitedSession):
         The end is exactly CRLF "." CRLF (or "." CRLF first): a bare LF or CR around the dot
         is data, which smuggling_check then refuses. Past max_message_size the data is
         dropped as it arrives, keeping only the bytes the end test needs; the reply waits
-        for the end of the transfer (RFC 5321 4.2.5)."""
+        for the end of the transfer (RFC 5321 4.2.5). The size is the message's, without
+        the dots of dot-stuffing (RFC 1870 §4): a message that fits its declared SIZE=
+        is not refused for the dots its transfer adds."""
         self._data_timer = self.loop.call_later(self._data_timeout, self._data_timed_out)
         read = self._read_raw
         size_limit = self.data_size_limit
         line_limit = self.line_length_limit
         stream = bytearray()
+        stuffed = 0
+        """Lines of `stream` that open with a dot: each carries one the message has not."""
         refusal: Reply | None = None
         while True:
             try:
@@ -216,15 +220,19 @@ class GuardSMTP(LimitedSession):
                 # Refused already: drop the data as it arrives, keep what the end test needs.
                 del stream[:-4]
                 continue
+            # A dot opening a line after CRLF, counted once: a match that starts before
+            # `before - 2` was whole, and counted, in the stream before this chunk.
+            stuffed += stream.count(b"\r\n.", max(0, before - 2))
             # Only the line still open at `before` and the new ones can have grown too long.
             line_start = stream.rfind(b"\n", max(0, before - line_limit), before) + 1
             if self._long_line.search(stream, line_start or max(0, before - line_limit)):
                 refusal = replies.LINE_TOO_LONG
-            elif size_limit and len(stream) > size_limit:
+            elif size_limit and len(stream) - stuffed - stream.startswith(b".") > size_limit:
                 refusal = replies.SIZE_EXCEEDED
         if refusal is None:
             del stream[-3:]
-            if size_limit and len(stream) > size_limit:
+            size = len(stream) - stream.count(b"\r\n.") - stream.startswith(b".")
+            if size_limit and size > size_limit:
                 refusal = replies.SIZE_EXCEEDED
             elif self._long_line.search(stream, max(0, before - line_limit)):
                 refusal = replies.LINE_TOO_LONG
