@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import ssl
 import time
@@ -47,6 +48,9 @@ from smtpguard.relay.wire import Answer, Session, command, data_block
 from smtpguard.replies import Reply
 
 log = logging.getLogger("smtpguard.relay")
+_MAX_FIELD_LINE = 998
+"""RFC 5322 §2.1.1: a line of a message holds at most 998 octets before its CRLF."""
+_DIGEST_TAG = "~sha256:"
 
 
 class SmtpProvider:
@@ -132,12 +136,7 @@ class SmtpProvider:
             content = without_headers(content, (self.cfg.idempotency_header,))
         content = tagged(self.event_tag, qualified, env.attempt_id, content)
         if self.cfg.idempotency_header and qualified is not None:
-            # Written as every tag is (tag_value): the key itself, or encoded when ASCII
-            # cannot carry it. Raw UTF-8 in a header needs SMTPUTF8 (RFC 6532), which this
-            # provider may not offer, and would make a 7-bit message 8-bit; and the value
-            # the provider dedupes on must not depend on what a connection offered.
-            field = f"{self.cfg.idempotency_header}: {tag_value(qualified)}\r\n"
-            return field.encode("ascii") + content
+            return _idempotency_field(self.cfg.idempotency_header, qualified) + content
         return content
 
     async def _open(self) -> Session | Attempted:
@@ -530,6 +529,20 @@ class SmtpProvider:
             failover=False,
             health="ok",
         ), True
+
+
+def _idempotency_field(name: str, qualified: str) -> bytes:
+    """The provider's idempotency header for a zone-qualified key, always ASCII and within
+    one RFC 5322 line (998 octets). Written as every tag is (tag_value): the key itself, or
+    encoded when ASCII cannot carry it. Raw UTF-8 in a header needs SMTPUTF8 (RFC 6532),
+    which the provider may not offer, and would make a 7-bit message 8-bit. A key whose
+    encoding would not fit the line (up to 200 characters of four UTF-8 octets each) is
+    written as its SHA-256 instead. Either way the value depends on the key alone, never on
+    what a connection offered: the provider dedupes on equal values."""
+    value = tag_value(qualified)
+    if len(name) + 2 + len(value) > _MAX_FIELD_LINE:
+        value = _DIGEST_TAG + hashlib.sha256(qualified.encode("utf-8", "surrogateescape")).hexdigest()
+    return f"{name}: {value}\r\n".encode("ascii")
 
 
 def _retrieve(task: asyncio.Future[None]) -> None:

@@ -11,6 +11,7 @@ scripted one without 8BITMIME, whose MAIL lines are read as written."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,29 @@ async def test_an_ascii_message_with_a_non_ascii_key_is_sent_to_a_provider_witho
     assert len(up.messages) == 1 and up.messages[0].isascii()
     mails = [c for c in up.commands if c.upper().startswith(b"MAIL")]
     assert mails == [b"MAIL FROM:<billing@acme.example>"]
+
+
+async def test_a_key_too_long_to_encode_on_one_line_is_written_as_its_digest(
+    tmp: Path, upstream: Upstream
+) -> None:
+    # 200 characters of four UTF-8 octets each: a valid key, whose base64 would make a
+    # header line over RFC 5322's 998 octets (a provider may refuse such a message).
+    key = "\U0001f389" * 200
+    cfg = base_config(tmp, upstream.port)
+    cfg["event_key"].pop("strip")
+    cfg["providers"][0]["idempotency_header"] = HEADER
+    clock = FakeClock()
+    async with running_guard(cfg, clock=clock) as guard:
+        first = await send(guard.ports[0], _raw(key))
+        clock.t += 120
+        again = await send(guard.ports[0], _raw(key))
+    assert first.code == 250, first
+    assert again.code == 250 and "duplicate" in again.text, again
+    (received,) = upstream.received
+    assert all(len(line) <= 998 for line in received.content.split(b"\r\n"))
+    (field,) = _idempotency_fields(received.content)
+    digest = hashlib.sha256(f"acme:{key}".encode()).hexdigest()
+    assert field == f"{HEADER}: ~sha256:{digest}".encode()
 
 
 async def test_an_ascii_key_is_written_as_it_was(tmp: Path, upstream: Upstream) -> None:
