@@ -24,6 +24,8 @@ BOTH_LOOPS = frozenset(
         "test_pipelining.py",
         "test_wire_attacks.py",
         "test_side_listener_attacks.py",
+        "test_outsider_half_close.py",
+        "test_outsider_pool.py",
     }
 )
 

@@ -14,7 +14,7 @@ import logging
 import re
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, AnyStr, Protocol, cast
+from typing import Any, AnyStr, NoReturn, Protocol, cast
 
 from aiosmtpd.smtp import MISSING, Session, syntax
 
@@ -92,9 +92,14 @@ class GuardSMTP(LimitedSession):
         # command injection rely on servers that accept bare LF here).
         while True:
             try:
-                line = await read(b"\n")
-            except asyncio.LimitOverrunError as e:
-                return await self._discard_long_line(read, e.consumed)
+                try:
+                    line = await read(b"\n")
+                except asyncio.LimitOverrunError as e:
+                    return await self._discard_long_line(read, e.consumed)
+            except asyncio.IncompleteReadError:
+                # The client's half-close (eof_received), with every whole command before
+                # it answered: the session ends here; a command cut short is not run.
+                await self._end_at_eof()
             if _clean_command(line):
                 return line
             self._bogus += 1
@@ -104,6 +109,14 @@ class GuardSMTP(LimitedSession):
                 self.hang_up(replies.BARE_NEWLINE_COMMAND)
                 await self._until_cancelled()
             self._writer.write(f"{replies.BARE_NEWLINE_COMMAND}\r\n".encode())
+
+    async def _end_at_eof(self) -> NoReturn:
+        """Close after the client's EOF, once the replies written so far have gone out, and
+        wait for connection_lost to cancel this session's task."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+        await self._until_cancelled()
+        raise AssertionError("not reached: connection_lost cancels the session")
 
     async def _discard_long_line(self, read: _READ, consumed: int) -> bytes:
         """Drop an over-long command line as it arrives; return a stand-in that aiosmtpd
@@ -120,10 +133,12 @@ class GuardSMTP(LimitedSession):
 
     @syntax("MAIL FROM: <address>", extended=" [SP <mail-parameters>]")
     async def smtp_MAIL(self, arg: str | None) -> None:
-        """aiosmtpd's MAIL, but the null reverse-path reaches the handler. `<>` is SMTP
+        """aiosmtpd's MAIL, but the null reverse-path reaches the handler, and RFC 4954's
+        AUTH parameter is taken and ignored (_without_auth_parameter). `<>` is SMTP
         syntax (RFC 5321 §4.1.2), which aiosmtpd answers with its 501 "Syntax" itself; it
         names no sender, so no zone maps it: the handler's sender check refuses it (550
         5.7.1, DESIGN.md §3) whatever its parameters say."""
+        arg = _without_auth_parameter(arg)
         path = self._strip_command_keyword("FROM:", arg) if arg is not None else None
         if path is None or not path.startswith("<>"):
             await super().smtp_MAIL(arg)
@@ -159,6 +174,10 @@ class GuardSMTP(LimitedSession):
             log.info("connection lost during DATA", extra=self._where())
             self._writer.close()
             raise
+        except asyncio.IncompleteReadError:
+            # Half-closed before the end of data: the message is not whole; nothing taken.
+            log.info("connection lost during DATA", extra=self._where())
+            await self._end_at_eof()
         finally:
             self._stop_data_timer()
         if isinstance(received, Reply):
@@ -176,12 +195,16 @@ class GuardSMTP(LimitedSession):
         The end is exactly CRLF "." CRLF (or "." CRLF first): a bare LF or CR around the dot
         is data, which smuggling_check then refuses. Past max_message_size the data is
         dropped as it arrives, keeping only the bytes the end test needs; the reply waits
-        for the end of the transfer (RFC 5321 4.2.5)."""
+        for the end of the transfer (RFC 5321 4.2.5). The size is the message's, without
+        the dots of dot-stuffing (RFC 1870 §4): a message that fits its declared SIZE=
+        is not refused for the dots its transfer adds."""
         self._data_timer = self.loop.call_later(self._data_timeout, self._data_timed_out)
         read = self._read_raw
         size_limit = self.data_size_limit
         line_limit = self.line_length_limit
         stream = bytearray()
+        stuffed = 0
+        """Lines of `stream` that open with a dot: each carries one the message has not."""
         refusal: Reply | None = None
         while True:
             try:
@@ -197,15 +220,19 @@ class GuardSMTP(LimitedSession):
                 # Refused already: drop the data as it arrives, keep what the end test needs.
                 del stream[:-4]
                 continue
+            # A dot opening a line after CRLF, counted once: a match that starts before
+            # `before - 2` was whole, and counted, in the stream before this chunk.
+            stuffed += stream.count(b"\r\n.", max(0, before - 2))
             # Only the line still open at `before` and the new ones can have grown too long.
             line_start = stream.rfind(b"\n", max(0, before - line_limit), before) + 1
             if self._long_line.search(stream, line_start or max(0, before - line_limit)):
                 refusal = replies.LINE_TOO_LONG
-            elif size_limit and len(stream) > size_limit:
+            elif size_limit and len(stream) - stuffed - stream.startswith(b".") > size_limit:
                 refusal = replies.SIZE_EXCEEDED
         if refusal is None:
             del stream[-3:]
-            if size_limit and len(stream) > size_limit:
+            size = len(stream) - stream.count(b"\r\n.") - stream.startswith(b".")
+            if size_limit and size > size_limit:
                 refusal = replies.SIZE_EXCEEDED
             elif self._long_line.search(stream, max(0, before - line_limit)):
                 refusal = replies.LINE_TOO_LONG
@@ -315,6 +342,14 @@ class GuardSMTP(LimitedSession):
     def eof_received(self) -> bool | None:
         if self._refused:
             return None
+        if self.session is not None and self.session.ssl is None and not self._over_tls():
+            # A half-close (FIN) over plain TCP: "nothing more from me", not "forget what I
+            # sent". Commands already received are read and answered as Postfix does (a
+            # pipelined transaction sent by `printf … | nc -N` gets its replies), and
+            # the reader's EOF then ends the session (_end_at_eof). aiosmtpd's own answer,
+            # cancelling the session at once, would drop them unanswered. TLS has no
+            # half-close: there the connection ends now, as before.
+            return asyncio.StreamReaderProtocol.eof_received(self)
         result: bool | None = super().eof_received()
         # aiosmtpd's answer to EOF is to cancel the session task, whose cancellation path
         # closes the transport. A peer that closes at once (a TCP health check) can have its
@@ -326,6 +361,9 @@ class GuardSMTP(LimitedSession):
             task.add_done_callback(self._close_after_eof)
         return result
 
+    def _over_tls(self) -> bool:
+        return self.transport is not None and self.transport.get_extra_info("sslcontext") is not None
+
     def _close_after_eof(self, _task: asyncio.Task[None]) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
@@ -336,6 +374,23 @@ class GuardSMTP(LimitedSession):
         if rewrite is None:
             rewrite = next((r for p, r in replies.AIOSMTPD_PREFIX_REWRITES if text.startswith(p)), None)
         await super().push(str(rewrite) if rewrite else text)
+
+
+def _without_auth_parameter(arg: str | None) -> str | None:
+    """MAIL's argument without its `AUTH=<mailbox>` parameter (RFC 4954 §5), which an MTA
+    such as sendmail sends to a smarthost that offers AUTH. It is part of the extension the
+    EHLO advertises, so not "unrecognized" (aiosmtpd's 555); smtpguard does not trust the
+    identity it names, which §5 has a server treat as `AUTH=<>`: it changes nothing, and it
+    is dropped here. An empty `AUTH=` is left for aiosmtpd to refuse as bad syntax."""
+    if arg is None or "AUTH=" not in arg.upper() or arg[:5].upper() != "FROM:":
+        return arg
+    path, rest = _raw_path(arg[5:])
+    tokens = rest.split()
+    kept = [t for t in tokens if not (t[:5].upper() == "AUTH=" and len(t) > 5)]
+    if len(kept) == len(tokens):
+        return arg
+    head = f"<{path}>" if arg[5:].lstrip().startswith("<") else path
+    return " ".join([f"FROM:{head}", *kept])
 
 
 def _raw_path(arg: str) -> tuple[str, str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import ssl
 import time
@@ -22,6 +23,7 @@ import aiosmtplib
 from smtpguard.config import ConfigError, SmtpProviderConfig, read_secret
 from smtpguard.config.secrets import log_of
 from smtpguard.policy.eventkey import qualified_key
+from smtpguard.policy.events import tag_value
 from smtpguard.policy.failover import (
     Attempted,
     auth_refused,
@@ -46,6 +48,9 @@ from smtpguard.relay.wire import Answer, Session, command, data_block
 from smtpguard.replies import Reply
 
 log = logging.getLogger("smtpguard.relay")
+_MAX_FIELD_LINE = 998
+"""RFC 5322 §2.1.1: a line of a message holds at most 998 octets before its CRLF."""
+_DIGEST_TAG = "~sha256:"
 
 
 class SmtpProvider:
@@ -131,7 +136,7 @@ class SmtpProvider:
             content = without_headers(content, (self.cfg.idempotency_header,))
         content = tagged(self.event_tag, qualified, env.attempt_id, content)
         if self.cfg.idempotency_header and qualified is not None:
-            return f"{self.cfg.idempotency_header}: {qualified}\r\n".encode() + content
+            return _idempotency_field(self.cfg.idempotency_header, qualified) + content
         return content
 
     async def _open(self) -> Session | Attempted:
@@ -208,7 +213,7 @@ class SmtpProvider:
                 result, keep = await self._guarded(conn, env, before_data, reused=True)
                 if result is not None:
                     return self._finish(conn, keep, result)
-                # The cached connection had gone away before MAIL was answered: safe to redo.
+                # The cached connection had gone away before DATA: safe to redo, once.
                 # Closed here, so the max_connections slot it held is free for the new one.
                 self._discard(conn)
             holder: str | None = None
@@ -362,12 +367,7 @@ class SmtpProvider:
                     raise _out_of_step(conn, code, text)
                 return code, text
 
-            try:
-                code, text = await answer(0)
-            except aiosmtplib.SMTPServerDisconnected:
-                if reused:
-                    return None, False
-                raise
+            code, text = await answer(0)
             if code != 250:
                 if code == 421:
                     # The provider ends the session (RFC 5321 §3.8): no RSET on it.
@@ -389,9 +389,13 @@ class SmtpProvider:
                 if code in (250, 251):
                     accepted.append(rcpt)
                     continue
-                rejected.append((rcpt, upstream_reply(code, text)))
                 if code == 421:
                     conn.close()
+                    if reused:
+                        # The pooled session ended under this transaction (RFC 5321 §3.8),
+                        # as a 421 to its MAIL would have: a fresh connection asks again.
+                        return None, False
+                rejected.append((rcpt, upstream_reply(code, text)))
             if not accepted or any(r.temporary for _, r in rejected):
                 # A recipient refused for now would silently miss the message if the rest
                 # went ahead: the 250 would close the event. Only permanent refusals may
@@ -399,6 +403,14 @@ class SmtpProvider:
                 # (nothing has been accepted yet, so another provider may take it).
                 return refused_all(self.name, rejected), await _rset(conn)
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as e:
+            if reused and isinstance(e, ConnectionError):
+                # A pooled connection gone before DATA (the provider's idle timer, a load
+                # balancer, a restart), at MAIL or at any RCPT: nothing of the message was
+                # sent, and a lost session says nothing of this message or of the provider.
+                # Asked again once, on a fresh connection (send); a fresh one that drops
+                # is the provider's answer, below.
+                conn.close()
+                return None, False
             # A reply that is not SMTP (malformed, too long, out of step) is no refusal of the
             # message, and the session is closed: unavailable, as a lost connection (§11.6).
             return unavailable(self.name, f"before DATA: {describe(e)}"), False
@@ -480,6 +492,11 @@ class SmtpProvider:
                 raise _out_of_step(conn, code, text)
             delivered = code == 250
         except (aiosmtplib.SMTPServerDisconnected, aiosmtplib.SMTPTimeoutError, OSError, TimeoutError) as e:
+            if reused and not body_written and isinstance(e, ConnectionError):
+                # A pooled connection gone while DATA waited for its 354: not one byte of
+                # the message was written, so as at RCPT (_mail_rcpt), a fresh one asks again.
+                conn.close()
+                return None, False
             return lost_at_data(self.name, describe(e), rejected, body_written), False
         except aiosmtplib.SMTPResponseException as e:
             # Not an SMTP reply (malformed, too long, out of step): the session was closed.
@@ -492,6 +509,10 @@ class SmtpProvider:
             log_unexpected(self.name, "after DATA", e)
             return unknown(self.name, describe(e), rejected), False
         if not delivered:
+            if reused and not body_written and code == 421:
+                # The pooled session ended at the DATA command, before the message: as above.
+                conn.close()
+                return None, False
             # To the DATA command itself, or to the message after its final dot.
             taken = data_reply(self.name, code, text, rejected, body_written, tuple(accepted))
             return taken, await _rset(conn)
@@ -508,6 +529,20 @@ class SmtpProvider:
             failover=False,
             health="ok",
         ), True
+
+
+def _idempotency_field(name: str, qualified: str) -> bytes:
+    """The provider's idempotency header for a zone-qualified key, always ASCII and within
+    one RFC 5322 line (998 octets). Written as every tag is (tag_value): the key itself, or
+    encoded when ASCII cannot carry it. Raw UTF-8 in a header needs SMTPUTF8 (RFC 6532),
+    which the provider may not offer, and would make a 7-bit message 8-bit. A key whose
+    encoding would not fit the line (up to 200 characters of four UTF-8 octets each) is
+    written as its SHA-256 instead. Either way the value depends on the key alone, never on
+    what a connection offered: the provider dedupes on equal values."""
+    value = tag_value(qualified)
+    if len(name) + 2 + len(value) > _MAX_FIELD_LINE:
+        value = _DIGEST_TAG + hashlib.sha256(qualified.encode("utf-8", "surrogateescape")).hexdigest()
+    return f"{name}: {value}\r\n".encode("ascii")
 
 
 def _retrieve(task: asyncio.Future[None]) -> None:

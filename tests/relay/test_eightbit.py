@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from smtpguard.policy.events import tag_value
 from smtpguard.policy.outcome import Kind
 from smtpguard.relay import Envelope
 from smtpguard.store import CapUsage
@@ -122,14 +123,17 @@ async def test_an_8bit_submission_with_no_8bitmime_on_the_route_is_refused_and_s
     assert _mails(primary) == [b"MAIL FROM:<billing@acme.example>"]
 
 
-async def test_the_8bit_test_reads_the_headers_smtpguard_adds(tmp: Path) -> None:
+async def test_the_headers_smtpguard_adds_never_make_a_message_8bit(tmp: Path) -> None:
     # A key may hold non-ASCII letters; stripped from the message (ASCII then), it still
-    # reaches the provider in its idempotency header, and that makes the message 8-bit.
+    # reaches the provider in its idempotency header, encoded (policy.events.tag_value):
+    # the 7-bit message stays 7-bit and goes to a provider without 8BITMIME.
     env = Envelope("acme", "facture:é", "a-1", SENDER, (CUSTOMER,), b"Subject: s\r\n\r\nplain\r\n")
     async with Scripted(eightbitmime=False) as up:
         (result,) = await _send_all(_provider(tmp, up.port, idempotency_header="Resend-Idempotency-Key"), env)
-    assert result.outcome.kind is Kind.FAILED and result.failover, result.outcome
-    assert up.messages == [] and _mails(up) == []
+    assert result.outcome.kind is Kind.DELIVERED, result.outcome
+    assert len(up.messages) == 1 and up.messages[0].isascii()
+    assert up.messages[0].startswith(f"Resend-Idempotency-Key: {tag_value('acme:facture:é')}\r\n".encode())
+    assert _mails(up) == [b"MAIL FROM:<billing@acme.example>"]
 
 
 async def test_a_standby_that_says_try_later_defers_the_8bit_event_instead_of_failing_it(tmp: Path) -> None:
