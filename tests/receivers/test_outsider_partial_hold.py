@@ -1,0 +1,59 @@
+"""One recipient of an event held at RCPT by its receiver (DESIGN.md §21) while the
+transaction's others go: the client's queue retries the held one later with the same
+message and key, as it would after a greylisting (docs/receivers.md). A real DNS server
+(NSD), a real listener and a recording upstream: the held recipient must reach the upstream
+once, the others never twice."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from smtpguard import desk
+from tests.support import Upstream, base_config, message, running_guard, send
+from tests.support.dns import NsdServer, nsd
+
+RECORDS = [
+    "gm IN MX 5 aspmx.l.google.com.",
+    "yh IN MX 1 mta5.am0.yahoodns.net.",
+]
+
+
+@pytest.fixture(scope="module")
+def dns_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NsdServer]:
+    with nsd(tmp_path_factory.mktemp("dns"), "test", RECORDS, ttl=300, negative=60) as server:
+        yield server
+
+
+async def test_the_held_recipient_of_an_event_is_sent_when_the_client_retries_it(
+    tmp: Path, upstream: Upstream, dns_server: NsdServer
+) -> None:
+    cfg = base_config(tmp, upstream.port)
+    cfg["dns"] = {"nameservers": [dns_server.nameserver], "timeout": "2s"}
+    cfg["receivers"] = {}
+    async with running_guard(cfg) as guard:
+        assert guard.store is not None and guard.assembly.receivers is not None
+        await desk.set_receiver_paused(guard.store, "acme", "yahoo", True, "cli:test")
+        await guard.assembly.receivers.gate.pauses.paused()  # the copy RCPT reads, fresh
+        port = guard.ports[0]
+        first = await send(port, message("k1"), recipients=["y@yh.test", "g@gm.test"])
+        assert first.code == 451 and first.text.startswith("4.7.1"), first
+        await upstream.wait_received(1)
+        assert [r.rcpt_tos for r in upstream.received] == [["g@gm.test"]]
+        await desk.set_receiver_paused(guard.store, "acme", "yahoo", False, "cli:test")
+        await guard.assembly.receivers.gate.pauses.paused()
+        # The client's queue retries the held recipient alone: the same message, key and all.
+        retry = await send(port, message("k1"), recipients=["y@yh.test"])
+        replies = [(first.code, first.text), (retry.code, retry.text)]
+        print("replies:", replies, "upstream:", [r.rcpt_tos for r in upstream.received])
+        assert retry.code == 250 and "duplicate" not in retry.text, retry
+        await upstream.wait_received(2)
+        # Retried again (its 250 lost on the way back), and the whole message again: nothing
+        # more is sent to anyone.
+        again = await send(port, message("k1"), recipients=["y@yh.test"])
+        whole = await send(port, message("k1"), recipients=["y@yh.test", "g@gm.test"])
+        assert again.code == 250 and "duplicate" in again.text, again
+        assert whole.code == 250 and "duplicate" in whole.text, whole
+        assert [r.rcpt_tos for r in upstream.received] == [["g@gm.test"], ["y@yh.test"]]
