@@ -143,8 +143,12 @@ def _clamp(ttl: float) -> float:
 def match(hosts: Iterable[str], receivers: Mapping[str, Sequence[str]]) -> str:
     """The receiver whose suffix the most preferred matching host ends with, else `other`.
     A suffix matches a whole label run: `google.com` matches `aspmx.l.google.com` and
-    `google.com`, never `notgoogle.com`."""
+    `google.com`, never `notgoogle.com`. A name with an escaped character (dnspython writes a
+    label's own dot as a backslash and a dot: `mx.evil` + that + `google.com` is the label
+    `evil.google` under `com`) is no host name and matches nothing."""
     for host in hosts:
+        if "\\" in host:
+            continue
         for name, suffixes in receivers.items():
             for suffix in suffixes:
                 if host == suffix or host.endswith("." + suffix):
