@@ -46,6 +46,13 @@ class ReceiverLookup:
             return OTHER
         return receivers.shaped_receiver(await self._hosts.get(domain), self.table)
 
+    async def shaped_all(self, addresses: Sequence[str]) -> list[str | None]:
+        """shaped() of each address, their domains looked up together: a recipient list of
+        many domains waits one dns.timeout at most, not one per domain."""
+        for address in addresses:
+            self.start(address)
+        return [await self.shaped(a) for a in addresses]
+
     def start(self, address: str) -> None:
         """Begin the recipient's lookup without waiting for it (receiver() joins it)."""
         domain = receivers.domain_of(address)
