@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from smtpguard import desk
-from tests.support import Upstream, base_config, message, running_guard, send
+from tests.support import Behaviour, Reply, Upstream, base_config, message, running_guard, send
 from tests.support.dns import NsdServer, nsd
+from tests.support.eventually import eventually
 
 RECORDS = [
     "gm IN MX 5 aspmx.l.google.com.",
@@ -56,4 +57,37 @@ async def test_the_held_recipient_of_an_event_is_sent_when_the_client_retries_it
         whole = await send(port, message("k1"), recipients=["y@yh.test", "g@gm.test"])
         assert again.code == 250 and "duplicate" in again.text, again
         assert whole.code == 250 and "duplicate" in whole.text, whole
+        assert [r.rcpt_tos for r in upstream.received] == [["g@gm.test"], ["y@yh.test"]]
+
+
+async def test_a_deferred_event_retried_while_a_receiver_is_paused_goes_to_the_others(
+    tmp: Path, upstream: Upstream, dns_server: NsdServer
+) -> None:
+    """The upstream defers an event to two recipients; before the client's retry, one's
+    receiver is paused. The retry names both (what the client's queue holds) and one is held
+    at RCPT: it is still this event (its fingerprint covers both), sent to the other, and
+    the held one goes when the client retries it."""
+    cfg = base_config(tmp, upstream.port, event_key__min_retry_interval="1s")
+    cfg["dns"] = {"nameservers": [dns_server.nameserver], "timeout": "2s"}
+    cfg["receivers"] = {}
+    upstream.handler.script.append(Behaviour(data="451 4.3.0 try later"))
+    both = ["y@yh.test", "g@gm.test"]
+    async with running_guard(cfg) as guard:
+        assert guard.store is not None and guard.assembly.receivers is not None
+        port = guard.ports[0]
+        first = await send(port, message("k1"), recipients=both)
+        assert first.code == 451 and first.text.startswith("4.3.0"), first
+        await desk.set_receiver_paused(guard.store, "acme", "yahoo", True, "cli:test")
+        await guard.assembly.receivers.gate.pauses.paused()
+
+        async def retry() -> Reply:
+            return await send(port, message("k1"), recipients=both)
+
+        held = await eventually(retry, lambda r: "Event k1" not in r.text, timeout=10, interval=0.3)
+        assert held.code == 451 and "yahoo" in held.text, held  # RCPT y; g's DATA went
+        await upstream.wait_received(1)
+        await desk.set_receiver_paused(guard.store, "acme", "yahoo", False, "cli:test")
+        await guard.assembly.receivers.gate.pauses.paused()
+        rest = await send(port, message("k1"), recipients=["y@yh.test"])
+        assert rest.code == 250 and "duplicate" not in rest.text, rest
         assert [r.rcpt_tos for r in upstream.received] == [["g@gm.test"], ["y@yh.test"]]
