@@ -46,6 +46,11 @@ CONTROL_PREFIX = "receiver:"
 """A receiver's pause is kept beside the message-class pauses in the store's zone controls
 (DESIGN.md §16), under this prefix, which no class name can take (config refuses it)."""
 
+MIN_SENDS = 100
+"""`alert.min_sends` unless set: sends to a receiver in a window before its shares are judged.
+At 1,000 sends an hour, a steady 2% of bounces arriving a minute after their sends read as
+6% one minute into each window (17 sends, one bounce): a 5% rule warned in 23 windows of 24."""
+
 RCPT_BURST = 1.0
 """Seconds of `max_rate` a receiver's recipients may arrive early at RCPT (the GCRA's
 tolerance): a transaction with a few recipients of one receiver is not split by a rate
@@ -183,6 +188,8 @@ class AlertRule:
     rates: Mapping[str, float]
     """kind (`complaint_rate`, `bounce_rate`, `deferral_rate`) → the share of sends that
     crosses it."""
+    min_sends: int = 1
+    """Sends in the window before a share is judged (`alert.min_sends`)."""
 
 
 ALERT_KINDS: Mapping[str, str] = {
@@ -250,8 +257,11 @@ class AlertWindows:
             w.last = dict(totals)
         self.windows[(zone, receiver)] = w
         sends = w.last.get("sent", 0) - w.base.get("sent", 0)
-        if sends <= 0:
-            return []  # no share of nothing: events before any send wait for one
+        if sends < max(rule.min_sends, 1):
+            # No share of too few: events count from where the window began, so early in a
+            # window those of the last one's sends (a bounce comes a minute after its send)
+            # weigh against a handful of sends and a steady 2% reads as 6%.
+            return []
         fresh = []
         for kind, threshold in rule.rates.items():
             if kind not in w.warned and self._count(w, kind) / sends >= threshold:
