@@ -96,6 +96,8 @@ class Result:
     """smtpguard's history id (`[sg:…]` in replies, `history`): the event's record's when one
     answered (a duplicate), else this attempt's."""
     message_id: str | None = None
+    refused: tuple[str, ...] = ()
+    """Recipients the provider refused while it took the message for the others."""
 
 
 @dataclass(eq=False, repr=False)
@@ -477,6 +479,7 @@ class Submitter:
             outcome.upstream_id,
             sg_id=sub.attempt_id,
             message_id=sub.message_id,
+            refused=tuple(address for address, _ in outcome.rejected),
         )
 
     async def _settle(

@@ -382,7 +382,7 @@ class Handler:
                 self.idle.set()
         self.on_result(principal, result, time.perf_counter() - started)
         if self.receivers is not None and result.decision == Decision.RELAYED:
-            self.receivers.sent(principal.zone, rcpt_tos)
+            self.receivers.sent(principal.zone, [r for r in rcpt_tos if r not in result.refused])
         return str(result.reply)
 
 

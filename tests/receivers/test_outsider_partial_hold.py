@@ -91,3 +91,34 @@ async def test_a_deferred_event_retried_while_a_receiver_is_paused_goes_to_the_o
         rest = await send(port, message("k1"), recipients=["y@yh.test"])
         assert rest.code == 250 and "duplicate" not in rest.text, rest
         assert [r.rcpt_tos for r in upstream.received] == [["g@gm.test"], ["y@yh.test"]]
+
+
+@pytest.mark.parametrize("queued", [False, True], ids=["relay", "queue"])
+async def test_a_recipient_the_provider_refused_is_not_counted_as_sent(
+    tmp: Path, upstream: Upstream, dns_server: NsdServer, queued: bool
+) -> None:
+    """`smtpguard_receiver_sends_total` counts recipients relayed (docs/receivers.md): one
+    the provider refused at its RCPT, while it took the message for the others, was not."""
+    cfg = base_config(tmp, upstream.port)
+    if queued:
+        cfg["zones"]["acme"]["delivery"] = "queue"
+    cfg["dns"] = {"nameservers": [dns_server.nameserver], "timeout": "2s"}
+    cfg["receivers"] = {}
+    upstream.handler.script.append(Behaviour(rcpt={"y@yh.test": "550 5.1.1 no such user"}))
+    async with running_guard(cfg) as guard:
+        reply = await send(guard.ports[0], message("k1"), recipients=["y@yh.test", "g@gm.test"])
+        assert reply.code == 250, reply
+        await upstream.wait_received(1)
+        assert [r.rcpt_tos for r in upstream.received] == [["g@gm.test"]]
+        sends = guard.metrics.receiver_sends
+        gmail = sends.labels("acme", "gmail")
+        await eventually(lambda: gmail._value.get(), lambda v: v == 1, timeout=5, interval=0.05)
+        assert sends.labels("acme", "yahoo")._value.get() == 0
+        assert guard.store is not None
+        counted = await eventually(
+            lambda: guard.store.counts("acme") if guard.store else None,
+            lambda c: c is not None and c.get("receiver:gmail:sent") == 1,
+            timeout=10,
+            interval=0.1,
+        )
+        assert counted is not None and "receiver:yahoo:sent" not in counted
