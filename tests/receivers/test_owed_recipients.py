@@ -10,8 +10,10 @@ from dataclasses import replace
 
 from smtpguard.policy import ledger
 from smtpguard.policy.decisions import Decision
+from smtpguard.policy.events import Match
 from smtpguard.policy.ledger import Answer, LedgerSettings, Proceed, Record, State, Submission
 from smtpguard.policy.outcome import Kind, Outcome
+from smtpguard.policy.verdict_records import attempt_of, names_the_message
 from smtpguard.replies import Reply
 
 S = LedgerSettings(min_retry_interval=60.0, lease=30.0)
@@ -20,6 +22,7 @@ WHOLE, REST, ELSE = "a" * 64, "b" * 64, "c" * 64
 DELIVERED = Outcome(Kind.DELIVERED, "primary", Reply(250, "2.0.0", "ok"), upstream_id="Q1")
 DEFERRED = Outcome(Kind.DEFERRED, "primary", Reply(451, "4.3.0", "later"))
 FAILED = Outcome(Kind.FAILED, "primary", Reply(550, "5.7.1", "no"))
+UNKNOWN = Outcome(Kind.UNKNOWN, "primary", None, detail="timeout after the dot", data_sent=True)
 
 
 def sub(fingerprint: str, attempt: str, owed: str | None = None, tags: tuple[str, ...] = ()) -> Submission:
@@ -96,3 +99,20 @@ def test_an_event_none_of_whose_recipients_was_held_owes_nothing() -> None:
     # Kept by every store as the dict round trip.
     kept = replace(done, owed=REST, parts=(WHOLE,))
     assert Record.from_dict(kept.to_dict()) == kept
+
+
+def test_the_rest_of_an_event_is_not_settled_by_the_acceptance_of_its_first_part() -> None:
+    """The rest's outcome lost after its dot (unknown): the provider's log and its webhooks
+    hold the first transaction's acceptance under the same tag and Message-ID, which would
+    settle the rest `delivered` though its recipients may never have had it."""
+    done = first_delivered()
+    verdict = ledger.decide(done, sub(REST, "A2"), T0 + 300, S)
+    assert isinstance(verdict, Proceed)
+    lost = ledger.settle(verdict.record, "A2", "i-1", UNKNOWN, T0 + 301, S)
+    assert lost.state is State.UNKNOWN and lost.parts == (WHOLE,)
+    assert attempt_of(lost, "acme:k1") is None  # nothing the log says can be told apart
+    first_part = Match(keys=("acme:k1",), message_ids=("<m@app>",), upstream_ids=("Q1",), sg_ids=("A1",))
+    assert not names_the_message(lost, first_part)
+    assert names_the_message(lost, Match(sg_ids=("A2",)))  # the rest's own attempt id
+    # An event with no parts is matched as before.
+    assert attempt_of(done, "acme:k1") is not None
