@@ -146,7 +146,8 @@ def _clamp(ttl: float) -> float:
 
 
 def match(hosts: Iterable[str], receivers: Mapping[str, Sequence[str]]) -> str:
-    """The receiver whose suffix the most preferred matching host ends with, else `other`.
+    """The receiver whose suffix the most preferred matching host ends with (the longest such
+    suffix), else `other`.
     A suffix matches a whole label run: `google.com` matches `aspmx.l.google.com` and
     `google.com`, never `notgoogle.com`. A name with an escaped character (dnspython writes a
     label's own dot as a backslash and a dot: `mx.evil` + that + `google.com` is the label
@@ -154,10 +155,16 @@ def match(hosts: Iterable[str], receivers: Mapping[str, Sequence[str]]) -> str:
     for host in hosts:
         if "\\" in host:
             continue
+        # The longest suffix that matches: a receiver the config adds under a built-in's
+        # (`eu.outlook.com` under `outlook.com`) is its hosts' receiver, whatever the order.
+        best: tuple[int, str] | None = None
         for name, suffixes in receivers.items():
             for suffix in suffixes:
-                if host == suffix or host.endswith("." + suffix):
-                    return name
+                under = host == suffix or host.endswith("." + suffix)
+                if under and (best is None or len(suffix) > best[0]):
+                    best = (len(suffix), name)
+        if best is not None:
+            return best[1]
     return OTHER
 
 

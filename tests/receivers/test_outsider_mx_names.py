@@ -27,6 +27,8 @@ RECORDS = [
     # The escaped host is not a receiver; the next preferred one still decides.
     "mixed IN MX 1 mx.evil\\.google.com.",
     "mixed IN MX 9 ms-test.mail.protection.outlook.com.",
+    "eu IN MX 5 acme-eu.mail.eu.outlook.com.",
+    "ms IN MX 5 acme.mail.protection.outlook.com.",
     "cn IN CNAME gm",
     "cn2 IN CNAME cn",
     "loop1 IN CNAME loop2",
@@ -82,3 +84,16 @@ async def test_only_labels_under_a_suffix_are_its_receiver(dns_server: NsdServer
     now[0] += MAX_TTL
     await lookup.receiver("a@ttlbig.test")
     assert lookup.lookups == lookups + 2
+
+
+async def test_the_most_specific_suffix_decides(dns_server: NsdServer) -> None:
+    """A receiver the config adds under a built-in's suffix (`eu.outlook.com` under
+    microsoft's `outlook.com`) is the receiver of hosts under it, whatever the table's
+    order: else its max_rate and pause would never apply to anyone."""
+    table = {**DEFAULT_RECEIVERS, "ms-eu": ("eu.outlook.com",), "wide": ("com",)}
+    dns = DnsClient(DnsConfig(nameservers=[dns_server.nameserver], timeout=2.0))
+    lookup = ReceiverLookup(dns, table)
+    assert await lookup.receiver("a@eu.test") == "ms-eu"
+    assert await lookup.receiver("a@ms.test") == "microsoft"
+    assert await lookup.receiver("a@gm.test") == "gmail"
+    assert await lookup.receiver("a@glued.test") == "wide"  # only `com` is under evilgoogle.com
