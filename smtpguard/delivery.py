@@ -218,7 +218,7 @@ class DeliveryWorker:
             result = await self.submitter.relay(taken, env, sub, settings, retry_delay=delay)
             self.on_result(rec.zone, result)
             if self.receivers is not None and result.decision == Decision.RELAYED:
-                self.receivers.sent(rec.zone, msg.recipients)
+                self.receivers.sent(rec.zone, [r for r in msg.recipients if r not in result.refused])
         except StoreUnavailable as e:
             # The claim expires and the entry returns; the ledger decides what happens then.
             log.warning(

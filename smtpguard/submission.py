@@ -96,6 +96,8 @@ class Result:
     """smtpguard's history id (`[sg:…]` in replies, `history`): the event's record's when one
     answered (a duplicate), else this attempt's."""
     message_id: str | None = None
+    refused: tuple[str, ...] = ()
+    """Recipients the provider refused while it took the message for the others."""
 
 
 @dataclass(eq=False, repr=False)
@@ -121,8 +123,15 @@ class Submitter:
         self.class_pauses = ClassPauses(self.store)
 
     async def submit(
-        self, principal: Principal, mail_from: str, rcpt_tos: list[str], raw: bytes, smtputf8: bool = False
+        self,
+        principal: Principal,
+        mail_from: str,
+        rcpt_tos: list[str],
+        raw: bytes,
+        smtputf8: bool = False,
+        held: Sequence[str] = (),
     ) -> Result:
+        """`held`: recipients a receiver held at RCPT (DESIGN.md §21), owed by the event."""
         zone = self.config.zones.get(principal.zone)
         if zone is None:
             # The zone was removed by a reload while this session was open.
@@ -138,6 +147,7 @@ class Submitter:
             zone,
             self._admission_rules(),
             attempt_id,
+            distinct_recipients([h for h in held if h not in rcpt_tos]),
         )
         if isinstance(admitted, Refused):
             if admitted.key is None:
@@ -175,6 +185,7 @@ class Submitter:
             # Kept where VERP replaces it on the wire (DESIGN.md §18).
             sender=mail_from if self.verp is not None else None,
             earlier_fingerprint=admitted.earlier_fingerprint,
+            owed=admitted.owed,
         )
         settings = self.settings(zone)
         try:
@@ -468,6 +479,7 @@ class Submitter:
             outcome.upstream_id,
             sg_id=sub.attempt_id,
             message_id=sub.message_id,
+            refused=tuple(address for address, _ in outcome.rejected),
         )
 
     async def _settle(

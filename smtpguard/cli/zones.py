@@ -31,7 +31,7 @@ def cmd_pause(args: argparse.Namespace, paused: bool = True) -> int:
     if message_class is not None:
         part = ("class", _class(config, message_class))
     elif receiver is not None:
-        part = ("receiver", _receiver(config, receiver))
+        part = ("receiver", _receiver(config, receiver, paused))
 
     def change(store: Store) -> Awaitable[None]:
         if part is None:
@@ -59,9 +59,17 @@ def _class(config: Config, name: str) -> str:
     raise UsageError(f"unknown message class {name!r} (configured: {known})")
 
 
-def _receiver(config: Config, name: str) -> str:
+def _receiver(config: Config, name: str, paused: bool) -> str:
     wanted = name.strip().lower()
     known = {*config.receiver_table(), receivers.OTHER}
+    if paused and config.receivers is None and not any(z.receivers for z in config.zones.values()):
+        # Off, serve looks no recipient's MX up: the pause would be stored, said to be done,
+        # and hold nothing. (resume is let through: it only lets go of a pause stored before.)
+        raise UsageError(
+            "receivers are off in this config (no top-level `receivers:` and no zone has one), "
+            "so no recipient is matched to a receiver and a pause would hold nothing: "
+            "add `receivers: {}` and reload first"
+        )
     if wanted in known:
         return wanted
     raise UsageError(f"unknown receiver {name!r} (configured: {', '.join(sorted(known))})")

@@ -11,7 +11,7 @@ from typing import Annotated
 from pydantic import BeforeValidator, Field, model_validator
 
 from smtpguard.config.base import Duration, FieldProblem, Rate, _Strict
-from smtpguard.policy.receivers import NAME, OTHER, AlertRule, Shaping, normal_host
+from smtpguard.policy.receivers import MIN_SENDS, NAME, OTHER, AlertRule, Shaping, normal_host
 
 _SUFFIX = re.compile(r"^[a-z0-9_-]{1,63}(\.[a-z0-9_-]{1,63})+$")
 _SHARE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
@@ -41,6 +41,9 @@ class ReceiverAlert(_Strict):
     deferral_rate: Share | None = None
     window: Duration = Field(3600.0, ge=60.0)
     """Rates are counted over consecutive windows of this length; one warning per window."""
+    min_sends: int = Field(MIN_SENDS, ge=1)
+    """A window's shares are judged once it has this many sends to the receiver: a share of
+    a few is noise, and early in a window the events of the last one's sends outnumber it."""
 
     @model_validator(mode="after")
     def _some_rate(self) -> ReceiverAlert:
@@ -77,7 +80,7 @@ class ReceiverShaping(_Strict):
     def shaping(self) -> Shaping:
         rule = None
         if self.alert is not None:
-            rule = AlertRule(self.alert.window, self.alert.rates())
+            rule = AlertRule(self.alert.window, self.alert.rates(), self.alert.min_sends)
         return Shaping(self.max_rate, self.paused, rule, self.on_alert)
 
 

@@ -10,6 +10,7 @@ import base64
 import binascii
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Concatenate, ParamSpec
 
@@ -96,6 +97,9 @@ class Handler:
         self.idle.set()
         self.draining = False
         self._submissions: set[asyncio.Task[str]] = set()
+        self._held: weakref.WeakKeyDictionary[Envelope, list[str]] = weakref.WeakKeyDictionary()
+        """The recipients of each open transaction a receiver held at RCPT (DESIGN.md §21):
+        owed by its event, whose retry of them alone the ledger knows (policy/ledger.py)."""
         self._auth_turns = Turns()
         self._unrecorded = UnrecordedFailures()
         self._credentials_of: tuple[Config, dict[str, tuple[str, frozenset[str]]]] | None = None
@@ -310,6 +314,7 @@ class Handler:
         if zone is not None and self.receivers is not None:
             held = await self.receivers.rcpt_refusal(principal.zone, address, zone.delivery == "queue")
             if held is not None:
+                self._held.setdefault(envelope, []).append(normalize_address(address))
                 return str(held)  # a hold, not a refusal of the address: not counted as one
         envelope.rcpt_tos.append(normalize_address(address))
         envelope.rcpt_options.extend(rcpt_options)
@@ -341,6 +346,7 @@ class Handler:
                 list(envelope.rcpt_tos),
                 envelope.original_content or b"",
                 bool(envelope.smtp_utf8),
+                self._held.pop(envelope, []),
             ),
         )
         # A client that hangs up after its final dot must not abandon a relay half done: the
@@ -349,11 +355,17 @@ class Handler:
         return reply
 
     async def _submit(
-        self, principal: Principal, mail_from: str, rcpt_tos: list[str], raw: bytes, smtputf8: bool
+        self,
+        principal: Principal,
+        mail_from: str,
+        rcpt_tos: list[str],
+        raw: bytes,
+        smtputf8: bool,
+        held: list[str],
     ) -> str:
         started = time.perf_counter()
         try:
-            result = await self.submitter.submit(principal, mail_from, rcpt_tos, raw, smtputf8)
+            result = await self.submitter.submit(principal, mail_from, rcpt_tos, raw, smtputf8, held)
         except Exception:
             log.exception(
                 "internal error while handling a submission",
@@ -370,7 +382,7 @@ class Handler:
                 self.idle.set()
         self.on_result(principal, result, time.perf_counter() - started)
         if self.receivers is not None and result.decision == Decision.RELAYED:
-            self.receivers.sent(principal.zone, rcpt_tos)
+            self.receivers.sent(principal.zone, [r for r in rcpt_tos if r not in result.refused])
         return str(result.reply)
 
 

@@ -27,12 +27,11 @@ from smtpguard.config import OutboxSource
 from smtpguard.outbox import rows, schema
 from smtpguard.outbox.connection import connect
 from smtpguard.outbox.rows import Row, Written
-from smtpguard.outbox.submit import submit_row
+from smtpguard.outbox.submit import EnvelopeChecks, submit_row
 from smtpguard.policy import outbox as policy
 from smtpguard.policy.classes import class_names
 from smtpguard.policy.message import parse
 from smtpguard.policy.outbox import Retry, RowState
-from smtpguard.recipient_domains import RecipientDomains
 from smtpguard.replies import Reply
 from smtpguard.store import StoreUnavailable
 from smtpguard.submission import Principal, Result, Submitter
@@ -77,7 +76,8 @@ class OutboxReader:
     clock: Callable[[], float]
     on_result: Callable[[Principal, Result], None] = lambda p, r: None
     on_counts: Callable[[str, dict[str, int], float | None], None] = lambda s, c, o: None
-    domains: Callable[[], RecipientDomains | None] = lambda: None
+    checks: Callable[[], EnvelopeChecks | None] = lambda: None
+    """The listener's RCPT checks (its Handler: recipient domains, receivers), read per row."""
     rng: random.Random = field(default_factory=random.Random)
     counters: Counters = field(init=False, default_factory=Counters)
     _wake: asyncio.Event = field(init=False, default_factory=asyncio.Event)
@@ -318,7 +318,7 @@ class OutboxReader:
             row.size,
             row.mail_from,
             row.rcpt_to,
-            self.domains(),
+            self.checks(),
         )
         self.on_result(principal, result)
         now = self.clock()

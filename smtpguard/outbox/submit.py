@@ -12,6 +12,7 @@ others: its receipt is one reply, so the first refused recipient answers for the
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 from smtpguard import replies
 from smtpguard.config import OutboxSource, plan_send_as
@@ -19,6 +20,7 @@ from smtpguard.policy.decisions import Decision
 from smtpguard.policy.envelope import recipient_refusal, sender_refusal
 from smtpguard.policy.outbox import size_refusal, wire_form, with_key
 from smtpguard.policy.senders import normalize_address, route_offers_smtputf8
+from smtpguard.receivers import Receivers
 from smtpguard.recipient_domains import RecipientDomains
 from smtpguard.store import StoreUnavailable
 from smtpguard.submission import Principal, Result, Submitter
@@ -26,6 +28,14 @@ from smtpguard.submission import Principal, Result, Submitter
 log = logging.getLogger("smtpguard.outbox")
 
 SIZE = "rejected:size"
+
+
+class EnvelopeChecks(Protocol):
+    """The listener's RCPT checks beyond the envelope rules (its Handler has both): the
+    recipient-domain check (§12) and the receiving providers' holds (§21)."""
+
+    recipient_domains: RecipientDomains | None
+    receivers: Receivers | None
 
 
 async def submit_row(
@@ -37,11 +47,13 @@ async def submit_row(
     stored_size: int,
     mail_from: str | None,
     rcpt_to: tuple[str | None, ...],
-    domains: RecipientDomains | None = None,
+    checks: EnvelopeChecks | None = None,
 ) -> tuple[Principal, Result]:
     """`stored_size`: the message's octets in its row; the claim leaves a message over the
     size limit unread, `message` is then empty and this alone refuses it."""
     principal = Principal(src.zone, src.user, session=f"outbox:{source}")
+    domains = checks.recipient_domains if checks is not None else None
+    receivers = checks.receivers if checks is not None else None
 
     async def envelope_then_data() -> Result:
         config = submitter.config
@@ -83,8 +95,17 @@ async def submit_row(
                 reply = await domains.refusal(address)
             if reply is not None:
                 return Result(reply, Decision.ENVELOPE, event_key)
+            if receivers is not None:
+                # Its receiver paused or over max_rate (relay mode): the row waits, as RCPT
+                # holds the recipient; a hold by a control, not a refusal of the address.
+                held = await receivers.rcpt_refusal(src.zone, address, zone.delivery == "queue")
+                if held is not None:
+                    return Result(held, Decision.PAUSED, event_key)
             accepted.append(normalize_address(address))
-        return await submitter.submit(principal, mail_from, accepted, keyed, smtputf8)
+        result = await submitter.submit(principal, mail_from, accepted, keyed, smtputf8)
+        if receivers is not None and result.decision == Decision.RELAYED:
+            receivers.sent(src.zone, [r for r in accepted if r not in result.refused])
+        return result
 
     try:
         return principal, await envelope_then_data()

@@ -76,6 +76,8 @@ class Admitted:
     """The caps a reservation counts: the zone's, and the SMTP user's own inside them."""
     earlier_fingerprint: str | None = None
     """Where the earlier rule hashed this message otherwise (policy/fingerprint.py)."""
+    owed: str | None = None
+    """The fingerprint of the recipients held at RCPT by their receiver (DESIGN.md §21)."""
 
 
 def admit(
@@ -87,8 +89,11 @@ def admit(
     zone: ZoneRules,
     rules: Rules,
     attempt_id: str,
+    held: Sequence[str] = (),
 ) -> Admitted | Refused:
-    """Each step refuses before any later one is looked at (DESIGN.md §3 order)."""
+    """Each step refuses before any later one is looked at (DESIGN.md §3 order). `held`: the
+    recipients a receiver held at RCPT (DESIGN.md §21), which the client retries alone: the
+    fingerprint covers every recipient named, and `owed` the held ones."""
     bad = smuggling_check(raw)
     if bad:
         return Refused(bad, Decision.BARE_NEWLINE)
@@ -99,7 +104,8 @@ def admit(
     if refused:
         return Refused(refused.reply, refused.decision)
 
-    fp = fingerprint(mail_from, rcpt_tos, parsed)
+    named = [*rcpt_tos, *held]
+    fp = fingerprint(mail_from, named, parsed)
     found = event_key(parsed, rules.key_headers, zone.missing_key, fp)
     if isinstance(found, Reply):
         return Refused(found, Decision.KEY)
@@ -135,5 +141,6 @@ def admit(
         max_age,
         caps,
         user_caps_of(zone.users, username, caps),
-        earlier_fingerprint(mail_from, rcpt_tos, parsed),
+        earlier_fingerprint(mail_from, named, parsed),
+        fingerprint(mail_from, held, parsed) if held else None,
     )

@@ -82,6 +82,9 @@ class Submission:
     earlier_fingerprint: str | None = None
     """The message's fingerprint under the earlier boundary rule, where it differs: a record
     written by that rule is this message's too."""
+    owed: str | None = None
+    """The fingerprint of the recipients a receiver held at RCPT in this transaction (its
+    `fingerprint` covers them too: all the client named), or None when none was held."""
 
 
 # --- verdicts --------------------------------------------------------------------------------
@@ -145,7 +148,7 @@ def decide(existing: Record | None, sub: Submission, now: float, s: LedgerSettin
             _audit(fresh, now, "smtpguard", "new_event", existing.state, fresh.state, note), existing.version
         )
     if existing.fingerprint not in (sub.fingerprint, sub.earlier_fingerprint):
-        return Answer(replies.key_reused(sub.key), Decision.REUSED)
+        return _rest_of_event(existing, sub, now, s) or Answer(replies.key_reused(sub.key), Decision.REUSED)
 
     state = existing.state
     if _in_lane(existing):
@@ -177,6 +180,35 @@ def decide(existing: Record | None, sub: Submission, now: float, s: LedgerSettin
     if state is State.UNKNOWN:
         return Answer(replies.outcome_unknown(sub.key), Decision.UNKNOWN_HELD)
     return Answer(replies.expired(sub.key), Decision.EXPIRED)
+
+
+def _rest_of_event(existing: Record, sub: Submission, now: float, s: LedgerSettings) -> Verdict | None:
+    """A submission of the key with another fingerprint that is still this event's: the
+    client's retry of the recipients a receiver held at RCPT (DESIGN.md §21; `owed`), or a
+    resubmission of a transaction of the event sent before (`parts`). None: a reused key."""
+    if sub.fingerprint in existing.parts:
+        return Answer(replies.duplicate(sub.key, existing.sg_id, existing.upstream_id), Decision.DUPLICATE)
+    if existing.owed is None or existing.owed != sub.fingerprint or existing.lane is not None:
+        return None
+    if existing.state is State.DELIVERED:
+        rest = _retry(existing, sub, now, s)
+        rest = evolve(
+            rest,
+            fingerprint=sub.fingerprint,
+            parts=(*existing.parts, existing.fingerprint)[-KEPT_HISTORY:],
+            rcpt_tags=tuple(sorted({*existing.rcpt_tags, *sub.rcpt_tags})),
+        )
+        note = "the recipients held at RCPT by their receiver, retried"
+        rest = _audit(rest, now, "smtpguard", "rest", State.DELIVERED, rest.state, note)
+        return Proceed(rest, existing.version)
+    if existing.state is State.FAILED:
+        return Answer(existing.reply or replies.malformed_message("failed"), Decision.FAILED_HELD)
+    if existing.state is State.UNKNOWN:
+        return Answer(replies.outcome_unknown(sub.key), Decision.UNKNOWN_HELD)
+    # The accepted recipients' own send is on its way or to be retried: the held ones wait
+    # for its outcome (sent now, a retry of that send would leave them out).
+    later = max(now + s.min_retry_interval, existing.next_attempt_at or 0.0)
+    return Answer(replies.retry_too_soon(sub.key, later), Decision.TOO_SOON)
 
 
 KEPT_UNREFUNDED = 8
@@ -261,6 +293,7 @@ def _fresh(sub: Submission, now: float, s: LedgerSettings) -> Record:
         "valid_until": now + s.derive_window if sub.derived else None,
         "username": sub.username,
         "sender": sub.sender,
+        "owed": sub.owed,
     }
     if sub.lane is not None:
         return Record(**common, **_queued(sub, now))
@@ -299,6 +332,7 @@ def _retry(existing: Record, sub: Submission, now: float, s: LedgerSettings) -> 
         "rcpt_tags": existing.rcpt_tags or sub.rcpt_tags,
         "username": sub.username or existing.username,
         "sender": sub.sender or existing.sender,
+        "owed": sub.owed,
     }
     if sub.lane is not None:
         # The zone delivers by queue now (it was in relay mode when this record was

@@ -117,6 +117,13 @@ class Record:
     """Cap tokens of attempts abandoned before DATA that this record's attempt took over:
     refunded after each takeover (idempotent), carried forward so that a takeover that
     dies before its refunds lands leaves them to the next one; cleared once settled."""
+    owed: str | None = None
+    """The fingerprint of the recipients a receiver held at RCPT (DESIGN.md §21) in the
+    transaction of the current attempt: the client's retry of them alone, with this key, is
+    the rest of the event and is sent to them."""
+    parts: tuple[str, ...] = ()
+    """The fingerprints of the event's transactions before the current one (each sent to its
+    accepted recipients, the rest owed): a resubmission of one of them is a duplicate."""
     attempts: tuple[Attempt, ...] = field(default=())
     audit: tuple[AuditEntry, ...] = field(default=())
 
@@ -151,6 +158,8 @@ class Record:
             **({"tagged": self.tagged} if self.tagged is not None else {}),
             **({"log": self.log} if self.log is not None else {}),
             **({"sender": self.sender} if self.sender is not None else {}),
+            **({"owed": self.owed} if self.owed is not None else {}),
+            **({"parts": list(self.parts)} if self.parts else {}),
             "audit": [
                 {
                     "at": e.at,
@@ -195,6 +204,8 @@ class Record:
             rcpt_tags=tuple(d.get("rcpt_tags", ())),
             unrefunded=tuple(d.get("unrefunded", ())),
             username=d.get("username"),
+            owed=d.get("owed"),
+            parts=tuple(d.get("parts", ())),
             attempts=tuple(_attempt_from_dict(a) for a in d.get("attempts", ())),
             audit=tuple(AuditEntry(**e) for e in d.get("audit", ())),
         )

@@ -21,7 +21,14 @@ def attempt_of(rec: Record, tag: str | None) -> Attempt | None:
 
     From the earliest trace of the current attempt (a lost lease's trace keeps when its
     owner last wrote, not when the loss was noticed) to the latest, or to `lost_until`
-    while an owner that lost its lease may still have been sending."""
+    while an owner that lost its lease may still have been sending.
+
+    None too for the rest of an event (`parts`: recipients held at RCPT by their receiver,
+    DESIGN.md §21, sent after the others): its tag and Message-ID name the transaction
+    accepted before it as well, whose acceptance the log holds, and would settle it
+    `delivered` unsent. It waits for an operator, as an unknown without an api does."""
+    if rec.parts:
+        return None
     mine = [a for a in rec.attempts if a.attempt_id in (rec.sg_id, lost_trace_id(rec.sg_id))]
     provider = rec.via or next((a.provider for a in mine if a.provider is not None), None)
     if provider is None:
@@ -41,6 +48,10 @@ def names_the_message(rec: Record, match: Match) -> bool:
     Message-ID smtpguard derived from the record's zone and key. A Message-ID the
     application chose is not enough: it may reuse it under a new key, and the first
     message's acceptance would settle the second `delivered` unsent, which loses it."""
+    if rec.parts:
+        # The rest of an event (attempt_of): only the current attempt's own id is its own;
+        # the tag, the Message-ID and the earlier 250s' ids name the parts sent before.
+        return rec.sg_id in match.sg_ids
     tags = {key_of_tag(tag) for tag in match.keys} - {None}
     if tags:  # smtpguard's tag decides, whatever else the event names (rule 1, §18)
         return qualified_key(rec.zone, rec.key) in tags

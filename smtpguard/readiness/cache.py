@@ -41,6 +41,12 @@ class SharedLookups(Generic[V]):
         known = self._known.get(name)
         return known[0] if known is not None and known[1] > self.clock() else None
 
+    def kept(self, name: str) -> V | None:
+        """The answer kept for `name`, expired or not (None: none kept): what a caller whose
+        lookup failed may fall back on (RFC 8767's stale answer)."""
+        known = self._known.get(name)
+        return known[0] if known is not None else None
+
     async def get(self, name: str) -> V:
         known = self._known.get(name)
         if known is not None and known[1] > self.clock():

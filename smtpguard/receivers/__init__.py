@@ -78,16 +78,19 @@ class Receivers:
     # --- the wire ----------------------------------------------------------------------------
     async def rcpt_refusal(self, zone: str, address: str, queued: bool) -> Reply | None:
         """RCPT: `451 4.7.1` for a recipient whose receiver is paused or over max_rate in
-        relay mode; in queue mode the entry waits at delivery instead (hold_until)."""
+        relay mode; in queue mode the entry waits at delivery instead (hold_until), and RCPT
+        waits for no lookup (it is begun, for the worker and the count)."""
+        if queued:
+            self.lookup.start(address)
+            return None
         receiver = await self.lookup.shaped(address)
-        if queued or receiver is None:
+        if receiver is None:
             return None
         return await self.gate.rcpt_refusal(zone, receiver)
 
     async def hold_until(self, zone: str, entry: str, recipients: Sequence[str]) -> float | None:
         tally: dict[str, int] = {}
-        for address in recipients:
-            r = await self.lookup.shaped(address)
+        for r in await self.lookup.shaped_all(recipients):
             if r is not None:
                 tally[r] = tally.get(r, 0) + 1
         return await self.gate.hold_until(zone, entry, tally)
@@ -115,8 +118,8 @@ class Receivers:
         self._spawn(self._event_later(zone, recipient, kind))
 
     async def _sent_later(self, zone: str, addresses: list[str]) -> None:
-        found = [await self.lookup.receiver(a) for a in addresses]
-        self.watch.sent(zone, found)
+        found = await self.lookup.shaped_all(addresses)
+        self.watch.sent(zone, [r or policy.OTHER for r in found])
 
     async def _event_later(self, zone: str, recipient: str, kind: str) -> None:
         receiver = await self.lookup.receiver(recipient)

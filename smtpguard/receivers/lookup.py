@@ -2,8 +2,10 @@
 
 The MX query goes through the resolver every lookup uses (readiness/dns.py, `dns:`), and the
 answer is kept for its TTL (readiness/cache.py). One deadline, `dns.timeout`, bounds the
-lookup: past it, or on any DNS error, the recipient is `other` for that message and the
-answer is kept for TROUBLE_TTL only — receiver shaping never holds mail up on DNS trouble.
+lookup: past it, or on any DNS error, the MX hosts an earlier lookup found for the domain
+stand in (expired, for TROUBLE_TTL), so an outage does not release a paused receiver's mail;
+a domain never looked up is `other` for that message — receiver shaping never holds mail up
+on DNS trouble alone.
 """
 
 from __future__ import annotations
@@ -46,6 +48,13 @@ class ReceiverLookup:
             return OTHER
         return receivers.shaped_receiver(await self._hosts.get(domain), self.table)
 
+    async def shaped_all(self, addresses: Sequence[str]) -> list[str | None]:
+        """shaped() of each address, their domains looked up together: a recipient list of
+        many domains waits one dns.timeout at most, not one per domain."""
+        for address in addresses:
+            self.start(address)
+        return [await self.shaped(a) for a in addresses]
+
     def start(self, address: str) -> None:
         """Begin the recipient's lookup without waiting for it (receiver() joins it)."""
         domain = receivers.domain_of(address)
@@ -71,10 +80,15 @@ class ReceiverLookup:
             async with asyncio.timeout(self.dns.timeout):
                 mx = await self.dns.lookup("MX", domain)
         except TimeoutError:
-            self.troubles += 1
-            return (), TROUBLE_TTL
+            return self._trouble(domain)
         found = receivers.mx_hosts(domain, mx)
         if found is None:
-            self.troubles += 1
-            return (), TROUBLE_TTL
+            return self._trouble(domain)
         return found
+
+    def _trouble(self, domain: str) -> tuple[tuple[str, ...], float]:
+        """No answer: the hosts an earlier lookup found, however long expired (RFC 8767), so
+        that an outage does not release a paused receiver's mail; else none (never held),
+        for TROUBLE_TTL."""
+        self.troubles += 1
+        return self._hosts.kept(domain) or (), TROUBLE_TTL

@@ -343,7 +343,7 @@ class Server:
             self.clock,
             lambda p, result: self.housekeeping.on_result(p, result, 0.0),
             self.metrics.outbox,
-            lambda: self.handler.recipient_domains if self.handler is not None else None,
+            lambda: self.handler,  # its recipient-domain check and receivers, per row
         )
         self.outbox, halted = outboxes.replace_readers(self.outbox, config.outbox, passwords, make)
         return halted

@@ -12,7 +12,7 @@ from smtpguard.config import OutboxSource
 
 if TYPE_CHECKING:
     from smtpguard.outbox.reader import OutboxReader
-    from smtpguard.recipient_domains import RecipientDomains
+    from smtpguard.outbox.submit import EnvelopeChecks
     from smtpguard.submission import Principal, Result, Submitter
 
 Make = Callable[[str, OutboxSource, str | None], "OutboxReader"]
@@ -23,14 +23,14 @@ def maker(
     clock: Callable[[], float],
     on_result: Callable[[Principal, Result], None],
     on_counts: Callable[[str, dict[str, int], float | None], None],
-    domains: Callable[[], RecipientDomains | None],
+    checks: Callable[[], EnvelopeChecks | None],
 ) -> Make:
     """How this serve builds the reader of one source (name, source, password)."""
 
     def make(name: str, src: OutboxSource, password: str | None) -> OutboxReader:
         from smtpguard.outbox.reader import OutboxReader  # psycopg: only with an outbox
 
-        return OutboxReader(name, src, password, submitter, clock, on_result, on_counts, domains)
+        return OutboxReader(name, src, password, submitter, clock, on_result, on_counts, checks)
 
     return make
 

@@ -116,7 +116,9 @@ ALLOWED: Mapping[str, frozenset[str]] = {
             "store", "submission",
         }
     ),
-    "outbox": frozenset({"config", "policy", "recipient_domains", "replies", "store", "submission"}),
+    "outbox": frozenset(
+        {"config", "policy", "receivers", "recipient_domains", "replies", "store", "submission"}
+    ),
     "listener": frozenset(
         {
             "background", "config", "connection_table", "passwords", "policy", "receivers",

@@ -95,7 +95,7 @@ zones:
   acme:
     senders: ["@acme.test"]
     receivers:
-      microsoft: {max_rate: 1/s, on_alert: slow, alert: {complaint_rate: 50%, window: 1h}}
+      microsoft: {max_rate: 1/s, on_alert: slow, alert: {complaint_rate: 50%, window: 1h, min_sends: 1}}
 """
 
 
