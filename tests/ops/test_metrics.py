@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import ssl
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiosmtplib
@@ -219,40 +220,59 @@ async def test_sighup_rereads_the_tls_certificate(tmp: Path, upstream: Upstream)
     assert sample(body, "smtpguard_config_reloads_total", result="refused") == 1
 
 
+class NotifySocket:
+    """systemd's end of NOTIFY_SOCKET (Type=notify): what a serve process tells it."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.setblocking(False)
+
+    async def next(self) -> dict[str, str]:
+        data = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(self.sock, 4096), 15)
+        return dict(line.split("=", 1) for line in data.decode().splitlines())
+
+    def rest(self) -> list[str]:
+        """What it was told and nobody read yet, without waiting."""
+        said = []
+        while True:
+            try:
+                said.append(self.sock.recv(4096).decode())
+            except BlockingIOError:
+                return said
+
+
+@pytest.fixture
+def systemd(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[NotifySocket]:
+    path = tmp / "notify.sock"
+    listener = NotifySocket(path)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(path))
+    yield listener
+    listener.sock.close()
+
+
 async def test_systemd_notify_ready_reloading_stopping(
-    tmp: Path, upstream: Upstream, monkeypatch: pytest.MonkeyPatch
+    tmp: Path, upstream: Upstream, systemd: NotifySocket
 ) -> None:
-    notify_path = tmp / "notify.sock"
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(str(notify_path))
-    sock.setblocking(False)
-    monkeypatch.setenv("NOTIFY_SOCKET", str(notify_path))
     cfg = base_config(tmp, upstream.port)
     port = free_port()
     cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
     proc = GuardProcess(write_config(tmp / "smtpguard.yaml", cfg), tmp / "guard.log")
-    loop = asyncio.get_running_loop()
-
-    async def datagram() -> dict[str, str]:
-        data = await asyncio.wait_for(loop.sock_recv(sock, 4096), 15)
-        return dict(line.split("=", 1) for line in data.decode().splitlines())
-
     proc.start()
     try:
-        ready = await datagram()
+        ready = await systemd.next()
         assert ready["READY"] == "1" and "zone" in ready["STATUS"]
         assert proc.proc is not None and ready["MAINPID"] == str(proc.proc.pid)
         # READY comes once the listener accepts.
         assert (await send(port, message("n1"))).code == 250
         proc.proc.send_signal(signal.SIGHUP)
-        assert (await datagram())["RELOADING"] == "1"
-        assert (await datagram())["READY"] == "1"
+        assert (await systemd.next())["RELOADING"] == "1"
+        assert (await systemd.next())["READY"] == "1"
         proc.proc.send_signal(signal.SIGTERM)
-        assert (await datagram())["STOPPING"] == "1"
+        assert (await systemd.next())["STOPPING"] == "1"
         assert await asyncio.to_thread(proc.proc.wait, 10) == 0
     finally:
         await proc.astop()
-        sock.close()
 
 
 async def test_store_errors_are_counted_where_they_happen(tmp: Path, upstream: Upstream) -> None:
@@ -275,49 +295,32 @@ async def test_store_errors_are_counted_where_they_happen(tmp: Path, upstream: U
 
 
 async def test_a_refused_reload_still_tells_systemd_ready(
-    tmp: Path, upstream: Upstream, monkeypatch: pytest.MonkeyPatch
+    tmp: Path, upstream: Upstream, systemd: NotifySocket
 ) -> None:
-    notify_path = tmp / "notify.sock"
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(str(notify_path))
-    sock.setblocking(False)
-    monkeypatch.setenv("NOTIFY_SOCKET", str(notify_path))
     cfg = base_config(tmp, upstream.port)
     port = free_port()
     cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
     path = write_config(tmp / "smtpguard.yaml", cfg)
     proc = GuardProcess(path, tmp / "guard.log")
-    loop = asyncio.get_running_loop()
-
-    async def datagram() -> dict[str, str]:
-        data = await asyncio.wait_for(loop.sock_recv(sock, 4096), 15)
-        return dict(line.split("=", 1) for line in data.decode().splitlines())
-
     proc.start()
     try:
-        assert (await datagram())["READY"] == "1"
+        assert (await systemd.next())["READY"] == "1"
         assert proc.proc is not None
         # A file the reload cannot use (here nested far too deep): refused, and systemd is
         # told READY again, or `systemctl reload` would wait for it until its timeout.
         path.write_text(path.read_text() + "x-deep: " + "[" * 998 + "]" * 998 + "\n")
         proc.proc.send_signal(signal.SIGHUP)
-        assert (await datagram())["RELOADING"] == "1"
-        assert (await datagram())["READY"] == "1"
+        assert (await systemd.next())["RELOADING"] == "1"
+        assert (await systemd.next())["READY"] == "1"
         assert (await send(port, message("n1"))).code == 250
     finally:
         await proc.astop()
-        sock.close()
     assert "Traceback" not in (tmp / "guard.log").read_text()
 
 
 async def test_a_sighup_while_stopping_tells_systemd_nothing_more(
-    tmp: Path, upstream: Upstream, monkeypatch: pytest.MonkeyPatch
+    tmp: Path, upstream: Upstream, systemd: NotifySocket
 ) -> None:
-    notify_path = tmp / "notify.sock"
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(str(notify_path))
-    sock.setblocking(False)
-    monkeypatch.setenv("NOTIFY_SOCKET", str(notify_path))
     held = asyncio.Event()
     upstream.handler.default = Behaviour(hold_after_dot=held)
     cfg = base_config(tmp, upstream.port)
@@ -325,21 +328,15 @@ async def test_a_sighup_while_stopping_tells_systemd_nothing_more(
     port = free_port()
     cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": "none"}]
     proc = GuardProcess(write_config(tmp / "smtpguard.yaml", cfg), tmp / "guard.log")
-    loop = asyncio.get_running_loop()
-
-    async def datagram() -> dict[str, str]:
-        data = await asyncio.wait_for(loop.sock_recv(sock, 4096), 15)
-        return dict(line.split("=", 1) for line in data.decode().splitlines())
-
     proc.start()
     try:
-        assert (await datagram())["READY"] == "1"
+        assert (await systemd.next())["READY"] == "1"
         # A submission in flight keeps the drain going while the SIGHUP arrives.
         pending = asyncio.create_task(send(port, message("n1")))
         await upstream.wait_received(1)
         assert proc.proc is not None
         proc.proc.send_signal(signal.SIGTERM)
-        assert (await datagram())["STOPPING"] == "1"
+        assert (await systemd.next())["STOPPING"] == "1"
         proc.proc.send_signal(signal.SIGHUP)
         log = tmp / "guard.log"
         assert await eventually(
@@ -349,15 +346,9 @@ async def test_a_sighup_while_stopping_tells_systemd_nothing_more(
         assert (await pending).code == 250
         assert await asyncio.to_thread(proc.proc.wait, 15) == 0
         # Everything the process said is in the socket by the time it has exited.
-        said = []
-        while True:
-            try:
-                said.append(sock.recv(4096).decode())
-            except BlockingIOError:
-                break
+        said = systemd.rest()
     finally:
         held.set()
         await proc.astop()
-        sock.close()
     assert not [d for d in said if "READY=1" in d or "RELOADING=1" in d], said
     assert upstream.event_keys() == ["n1"]

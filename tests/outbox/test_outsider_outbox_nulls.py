@@ -34,6 +34,17 @@ async def _rows(url: str) -> dict[str, dict[str, Any]]:
         return {f"{i}:{k}": {"state": s, "reply": r} for i, k, s, r in await cur.fetchall()}
 
 
+async def _settled(tmp: Path, upstream: Upstream, url: str) -> dict[str, dict[str, Any]]:
+    """The table's rows once smtpguard has served it until none is pending or held."""
+    async with running_guard(outbox_config(tmp, upstream.port, url)):
+        return await eventually(
+            lambda: _rows(url),
+            lambda f: all(r["state"] not in ("pending", "held") for r in f.values()),
+            timeout=10,
+            interval=0.05,
+        )
+
+
 async def test_rows_with_a_null_fail_naming_it_and_the_rows_after_them_are_sent(
     tmp: Path, upstream: Upstream, postgres_server: PostgresServer
 ) -> None:
@@ -51,14 +62,7 @@ async def test_rows_with_a_null_fail_naming_it_and_the_rows_after_them_are_sent(
         ]:
             app.execute(_INSERT, values)
         app.execute("UPDATE smtpguard_outbox SET created_at = NULL WHERE event_key = 'good:1'")
-    async with running_guard(outbox_config(tmp, upstream.port, url)):
-        found = await eventually(
-            lambda: _rows(url),
-            lambda f: all(r["state"] not in ("pending", "held") for r in f.values()),
-            timeout=10,
-            interval=0.05,
-        )
-    print({k: (r["state"], r["reply"]) for k, r in found.items()})
+    found = await _settled(tmp, upstream, url)
     states = {k.split(":", 1)[1]: (r["state"], str(r["reply"])) for k, r in found.items()}
     assert states["good:1"][0] == "sent"
     assert states["None"][0] == "failed" and states["None"][1].startswith("550 5.6.0"), states
@@ -87,13 +91,7 @@ async def test_columns_of_the_applications_own_types_are_read_or_fail_their_row_
                 "VALUES (%s, %s, %s, %s)",
                 (key, row(key, subject="Grüße").message.decode(), "billing@acme.example", rcpt),
             )
-    async with running_guard(outbox_config(tmp, upstream.port, url)):
-        found = await eventually(
-            lambda: _rows(url),
-            lambda f: all(r["state"] not in ("pending", "held") for r in f.values()),
-            timeout=10,
-            interval=0.05,
-        )
+    found = await _settled(tmp, upstream, url)
     states = {k.split(":", 1)[1]: (r["state"], str(r["reply"])) for k, r in found.items()}
     print(states)
     assert states["text:1"][0] == "sent", states

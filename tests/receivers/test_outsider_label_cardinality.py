@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 from tests.support import Upstream, base_config, message, running_guard, send
-from tests.support.dns import NsdServer, nsd
+from tests.support.dns import NsdServer
 from tests.support.eventually import eventually
 
 RECORDS = [
@@ -23,12 +20,6 @@ RECORDS = [
 ]
 DOMAINS = 1000
 PER_MESSAGE = 100
-
-
-@pytest.fixture(scope="module")
-def dns_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NsdServer]:
-    with nsd(tmp_path_factory.mktemp("dns"), "test", RECORDS, ttl=300, negative=60) as server:
-        yield server
 
 
 async def test_a_thousand_random_domains_make_no_new_series(

@@ -6,15 +6,12 @@ that receiver; CNAME chains are followed; loops, null MX and extreme TTLs are bo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-
-import pytest
 
 from smtpguard.config import DnsConfig
 from smtpguard.policy.receivers import DEFAULT_RECEIVERS, MAX_TTL, MIN_TTL
 from smtpguard.readiness.dns import DnsClient
 from smtpguard.receivers.lookup import ReceiverLookup
-from tests.support.dns import NsdServer, nsd
+from tests.support.dns import NsdServer
 
 RECORDS = [
     "gm IN MX 5 aspmx.l.google.com.",
@@ -52,12 +49,6 @@ EXPECTED = {
     "ttl0.test": "gmail",
     "ttlbig.test": "gmail",
 }
-
-
-@pytest.fixture(scope="module")
-def dns_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NsdServer]:
-    with nsd(tmp_path_factory.mktemp("dns"), "test", RECORDS, ttl=300, negative=60) as server:
-        yield server
 
 
 async def test_only_labels_under_a_suffix_are_its_receiver(dns_server: NsdServer) -> None:

@@ -6,14 +6,11 @@ application's table, a real DNS server (NSD), a recording upstream."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from smtpguard import desk
 from tests.support import Upstream, eventually, running_guard
-from tests.support.dns import NsdServer, nsd
+from tests.support.dns import NsdServer
 from tests.support.outbox import app_database, insert, outbox_config, receipts, row
 from tests.support.postgres import PostgresServer
 
@@ -21,12 +18,6 @@ RECORDS = [
     "gm IN MX 5 aspmx.l.google.com.",
     "yh IN MX 1 mta5.am0.yahoodns.net.",
 ]
-
-
-@pytest.fixture(scope="module")
-def dns_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NsdServer]:
-    with nsd(tmp_path_factory.mktemp("dns"), "test", RECORDS, ttl=300, negative=60) as server:
-        yield server
 
 
 async def test_an_outbox_row_to_a_paused_receiver_waits(

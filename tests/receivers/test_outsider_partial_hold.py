@@ -6,26 +6,19 @@ once, the others never twice."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from smtpguard import desk
 from tests.support import Behaviour, Reply, Upstream, base_config, message, running_guard, send
-from tests.support.dns import NsdServer, nsd
+from tests.support.dns import NsdServer
 from tests.support.eventually import eventually
 
 RECORDS = [
     "gm IN MX 5 aspmx.l.google.com.",
     "yh IN MX 1 mta5.am0.yahoodns.net.",
 ]
-
-
-@pytest.fixture(scope="module")
-def dns_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NsdServer]:
-    with nsd(tmp_path_factory.mktemp("dns"), "test", RECORDS, ttl=300, negative=60) as server:
-        yield server
 
 
 async def test_the_held_recipient_of_an_event_is_sent_when_the_client_retries_it(

@@ -7,22 +7,15 @@ that it would have claimed to hold is not silently let through under a "paused".
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from smtpguard.cli import main
 from tests.support import Upstream, base_config, message, running_guard, send
-from tests.support.dns import NsdServer, nsd
+from tests.support.dns import NsdServer
 
 RECORDS = ["gm IN MX 5 aspmx.l.google.com."]
-
-
-@pytest.fixture(scope="module")
-def dns_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NsdServer]:
-    with nsd(tmp_path_factory.mktemp("dns"), "test", RECORDS, ttl=300, negative=60) as server:
-        yield server
 
 
 async def test_a_receiver_pause_with_receivers_off_is_refused(

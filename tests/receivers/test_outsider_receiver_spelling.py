@@ -8,13 +8,13 @@ upstream."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from tests.support import base_config, running_guard
-from tests.support.dns import NsdServer, nsd
+from tests.support.dns import NsdServer
 from tests.support.utf8 import Utf8Upstream, raw_message, transact, utf8_upstream
 
 RECORDS = [
@@ -36,12 +36,6 @@ SPELLINGS = [
     "a@BÜCHER.test",
     "a@bücher.test.",
 ]
-
-
-@pytest.fixture(scope="module")
-def dns_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NsdServer]:
-    with nsd(tmp_path_factory.mktemp("dns"), "test", RECORDS, ttl=300, negative=60) as server:
-        yield server
 
 
 @pytest.fixture

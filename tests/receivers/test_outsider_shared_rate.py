@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from tests.support import RedisServer, Upstream, base_config, message, running_guard, send
-from tests.support.dns import NsdServer, nsd
+from tests.support.dns import NsdServer
 from tests.support.postgres import PostgresServer, reset
 
 RECORDS = [
@@ -23,12 +23,6 @@ RECORDS = [
     "ms IN MX 10 ms-test.mail.protection.outlook.com.",
 ]
 N = 16
-
-
-@pytest.fixture(scope="module")
-def dns_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NsdServer]:
-    with nsd(tmp_path_factory.mktemp("dns"), "test", RECORDS, ttl=300, negative=60) as server:
-        yield server
 
 
 def _instance(tmp: Path, upstream: Upstream, nameserver: str, url: str, name: str) -> dict[str, Any]:
