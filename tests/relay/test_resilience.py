@@ -386,7 +386,9 @@ async def test_a_relay_longer_than_its_lease_keeps_it(tmp: Path, upstream: Upstr
         while not first.done():
             await asyncio.sleep(0.3)
             reply = await send(port, message("slow1"))
-            if not first.done():
+            # A `250 duplicate` means the first send had ended by then, whatever its client
+            # task knows yet; the upstream count below says nothing went twice.
+            if not first.done() and not (reply.code == 250 and "duplicate" in reply.text):
                 duplicates.append(reply)
         assert (await first).code == 250
         assert guard.store is not None
