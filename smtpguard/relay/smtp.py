@@ -199,6 +199,10 @@ class SmtpProvider:
             raise
 
     async def send(self, env: Envelope, before_data: BeforeData) -> Attempted:
+        # A pooled connection gone before the message is asked again on a fresh one: the
+        # attempt's data_sent mark, written once, covers both (a second write of it is a
+        # second ledger transition for one attempt, and a failed one abandons the first).
+        before_data = _once(before_data)
         await self._slots.acquire()
         try:
             conn: Session | None = None
@@ -569,3 +573,16 @@ async def _rset(conn: Session) -> bool:
     except Exception:
         return False
     return code == 250
+
+
+def _once(before_data: BeforeData) -> BeforeData:
+    """`before_data` run on the first call; later calls wait for that one's result."""
+    first: asyncio.Task[None] | None = None
+
+    async def once() -> None:
+        nonlocal first
+        if first is None:
+            first = asyncio.ensure_future(before_data())
+        await first
+
+    return once

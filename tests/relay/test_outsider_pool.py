@@ -92,3 +92,20 @@ async def test_a_pooled_connection_lost_after_the_354_is_never_asked_again(tmp: 
     assert first.outcome.kind is Kind.DELIVERED
     assert second.outcome.kind is Kind.UNKNOWN and not second.failover, second.outcome
     assert up.connections == 1 and len(up.messages) == 1
+
+
+async def test_a_retry_lost_at_the_data_command_again_leaves_the_event_not_sent(tmp: Path) -> None:
+    # The pooled connection and the fresh one both close at DATA, before any 354: nothing
+    # of the message went out, so the event is not `unknown` (§11.6) but may be retried.
+    # The data_sent mark is written once for the attempt, whichever connection carried it.
+    async with Scripted(data=[b"354 go ahead\r\n", CLOSE, CLOSE]) as up:
+        cfg = routed(tmp, smtp_provider("primary", up.port))
+        async with running_guard(cfg) as guard:
+            first = await send(guard.ports[0], email("pool:1"))
+            second = await send(guard.ports[0], email("pool:2"))
+            assert guard.store is not None
+            record = await guard.store.get("acme", "pool:2")
+    assert first.code == 250, first
+    assert second.code // 100 == 4 and "unknown" not in second.text, second
+    assert record is not None and record.state == "deferred", record
+    assert up.connections == 2 and len(up.messages) == 1
