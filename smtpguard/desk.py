@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from smtpguard import class_pauses
@@ -52,29 +51,23 @@ class Refused(DeskError):
     status = 409
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
-    actor: str
-    action: str
-    at: float
-
-    def describe(self) -> str:
-        when = iso_z(self.at)
-        return f"{self.actor} at {when}"
+def decided_by(decision: AuditEntry) -> str:
+    """Who took a decision and when, as a refusal and the console name them."""
+    return f"{decision.actor} at {iso_z(decision.at)}"
 
 
 class AlreadyDecided(Refused):
-    def __init__(self, decision: Decision) -> None:
+    def __init__(self, decision: AuditEntry) -> None:
         self.decision = decision
         verb = "released" if decision.action == "release" else "resolved"
-        super().__init__(f"already {verb} by {decision.describe()}")
+        super().__init__(f"already {verb} by {decided_by(decision)}")
 
 
-def last_decision(rec: Record) -> Decision | None:
-    """The latest operator decision in the record's audit, if any."""
+def last_decision(rec: Record) -> AuditEntry | None:
+    """The latest operator decision in the record's audit (the entry that noted it), if any."""
     for entry in reversed(rec.audit):
         if _is_decision(entry):
-            return Decision(entry.actor, entry.action, entry.at)
+            return entry
     return None
 
 

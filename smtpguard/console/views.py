@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from smtpguard.config import Config
-from smtpguard.desk import Decision, cap_use, last_decision, paused_receivers, split_controls, zone_paused
-from smtpguard.policy.ledger import Record, State
+from smtpguard.desk import cap_use, decided_by, last_decision, paused_receivers, split_controls, zone_paused
+from smtpguard.policy.ledger import AuditEntry, Record, State
 from smtpguard.policy.receivers import receiver_counts
 from smtpguard.policy.utc import iso_z
 from smtpguard.store import Store
@@ -81,7 +81,7 @@ async def zones(config: Config, store: Store) -> list[ZoneRow]:
 @dataclass
 class HeldRow:
     record: Record
-    decision: Decision | None
+    decision: AuditEntry | None
     """The latest decision on it; when the record is no longer held, the one that closed it."""
 
     @property
@@ -224,4 +224,4 @@ def age(now: float, at: float | None) -> str:
 
 
 def template_globals() -> dict[str, Any]:
-    return {"iso": iso, "age": age, "decision": last_decision}
+    return {"iso": iso, "age": age, "decision": last_decision, "decided_by": decided_by}

@@ -52,10 +52,18 @@ def lost_trace_id(sg_id: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class AuditEntry:
+class Audited:
+    """Who did what, and when: how every audit line starts, a record's own (AuditEntry) and
+    a zone's (store.base.ZoneAudit)."""
+
     at: float
     actor: str
+    """`cli:USER@HOST`, `console:USERNAME`, `verdict:…` or `smtpguard` itself."""
     action: str
+
+
+@dataclass(frozen=True, slots=True)
+class AuditEntry(Audited):
     from_state: str
     to_state: str
     note: str = ""

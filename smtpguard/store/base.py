@@ -35,6 +35,7 @@ from smtpguard.policy.events import bare_message_id
 from smtpguard.policy.ledger import Record
 from smtpguard.policy.limits import CapCheck, CapReached
 from smtpguard.policy.queue import HELD as HELD  # re-exported: stores write it as a due time
+from smtpguard.policy.record import Audited
 from smtpguard.policy.throttle import Slot as Slot  # re-exported for the backends
 
 
@@ -158,14 +159,10 @@ class CapUsage:
 
 
 @dataclass(frozen=True, slots=True)
-class ZoneAudit:
+class ZoneAudit(Audited):
     """An operator's action on a zone (DESIGN.md §14): pause, resume, suppress, queue drop,
     and each decision on a held record (which its record's own audit holds too)."""
 
-    at: float
-    actor: str
-    """`cli:USER@HOST` or `console:USERNAME`."""
-    action: str
     key: str = ""
     """The record's key, or the address for a suppression change; '' for the zone itself."""
     note: str = ""
