@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from smtpguard import replies
+from smtpguard.policy.decisions import Decision
 from smtpguard.replies import Reply
 
 _DOMAIN = re.compile(
@@ -214,8 +215,8 @@ def header_from_address(value: str) -> str | None:
 @dataclass(frozen=True, slots=True)
 class FromRefused:
     reply: Reply
-    decision: str
-    """`rejected:from` (a valid address not mapped to the zone) or `rejected:malformed`."""
+    decision: Decision
+    """FROM (a valid address not mapped to the zone) or MALFORMED."""
 
 
 def check_header_from(values: list[str], zone: str, aliases: Iterable[str]) -> FromRefused | None:
@@ -231,12 +232,12 @@ def check_header_from(values: list[str], zone: str, aliases: Iterable[str]) -> F
     if address is None:
         return _malformed_from("From: header must name exactly one valid mailbox")
     if not sender_allowed(address, aliases):
-        return FromRefused(replies.from_not_allowed(address, zone), "rejected:from")
+        return FromRefused(replies.from_not_allowed(address, zone), Decision.FROM)
     return None
 
 
 def _malformed_from(problem: str) -> FromRefused:
-    return FromRefused(replies.malformed_message(problem), "rejected:malformed")
+    return FromRefused(replies.malformed_message(problem), Decision.MALFORMED)
 
 
 def recipient_tag(address: str) -> str:
