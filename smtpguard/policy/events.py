@@ -11,7 +11,7 @@ import binascii
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -137,17 +137,8 @@ class StoredEvent:
     received_at: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "at": self.at,
-            "source": self.source,
-            "type": self.type,
-            "provider_type": self.provider_type,
-            "recipient": self.recipient,
-            "status": self.status,
-            "id": self.id,
-            "effect": self.effect,
-            "received_at": self.received_at,
-        }
+        # Every field is a plain value: the stored form is the fields, in their order.
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StoredEvent:
