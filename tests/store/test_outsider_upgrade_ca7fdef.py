@@ -1,0 +1,208 @@
+"""A rolling upgrade from ca7fdef, the release before the rest of an event (docs/receivers.md
+"Shaping"): that release serves from its own `git archive` tree on the store this one
+serves from too, both behind one NSD that gives yahoo and gmail recipients their receivers.
+A receiver paused holds its recipient at RCPT (451 4.7.1) while the transaction's others are
+relayed; the client's queue retries what it was told to retry, at whichever instance the
+load balancer gives it. What the recording upstream received is counted per recipient:
+nothing may be sent twice, and no recipient may be lost beyond what the document admits
+(a held recipient's retry answered 550 reused by the old instance)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiosmtplib
+import pytest
+import redis
+
+from smtpguard import desk
+from smtpguard.server import Server
+from tests.support import PASSWORD, RedisServer, Upstream, base_config, message, running_guard
+from tests.support.dns import NsdServer, nsd
+from tests.support.eventually import eventually
+from tests.support.releases import extract_release, release_serving
+
+BEFORE = "ca7fdef"
+RECORDS = [
+    "gm IN MX 5 aspmx.l.google.com.",
+    "yh IN MX 1 mta5.am0.yahoodns.net.",
+    "ms IN MX 5 ms-test.mail.protection.outlook.com.",
+]
+Y, G, M = "y@yh.test", "g@gm.test", "m@ms.test"
+BOTH = [Y, G]
+
+
+@pytest.fixture(scope="module")
+def before(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return extract_release(BEFORE, tmp_path_factory.mktemp("release"))
+
+
+@pytest.fixture(scope="module")
+def dns_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NsdServer]:
+    with nsd(tmp_path_factory.mktemp("dns"), "test", RECORDS, ttl=300, negative=60) as server:
+        yield server
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def store_url(request: pytest.FixtureRequest, tmp: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp / 'state.db'}"
+    server: RedisServer = request.getfixturevalue("redis_server")
+    redis.Redis(port=server.port).flushall()
+    return server.url
+
+
+@dataclass
+class Txn:
+    """One transaction's replies: each RCPT's code, then DATA's (None: never reached)."""
+
+    rcpt: dict[str, int]
+    data: tuple[int, str] | None
+
+    def __str__(self) -> str:
+        return f"rcpt={self.rcpt} data={self.data}"
+
+
+async def transaction(port: int, key: str | None, rcpts: list[str], *, data: bool = True) -> Txn:
+    """The client's side of one transaction, every reply kept (a held RCPT does not end it):
+    the same message whichever of the event's recipients it names, as a client's queue keeps it."""
+    client = aiosmtplib.SMTP(hostname="127.0.0.1", port=port, start_tls=False, timeout=20)
+    await client.connect()
+    try:
+        await client.login("acme-app", PASSWORD)
+        await client.mail("billing@acme.example")
+        codes: dict[str, int] = {}
+        for r in rcpts:
+            try:
+                codes[r] = (await client.rcpt(r)).code
+            except aiosmtplib.SMTPRecipientRefused as e:
+                codes[r] = e.code
+        if not data or not any(c == 250 for c in codes.values()):
+            await client.rset()
+            return Txn(codes, None)
+        raw = message(key, to=", ".join(BOTH), subject="Order shipped").as_bytes()
+        raw = raw.replace(b"\r\n", b"\n").replace(b"\n", b"\r\n")
+        try:
+            resp = await client.data(raw)
+            return Txn(codes, (resp.code, resp.message))
+        except aiosmtplib.SMTPResponseException as e:
+            return Txn(codes, (e.code, e.message))
+    finally:
+        with contextlib.suppress(Exception):
+            await client.quit()
+        client.close()
+
+
+@dataclass
+class Fleet:
+    old: int
+    new: int
+    guard: Server
+
+    async def pause_yahoo(self, paused: bool) -> None:
+        await self.pause("yahoo", paused)
+
+    async def pause(self, receiver: str, paused: bool) -> None:
+        """Pause or resume a receiver for zone acme (the CLI's store write), and wait until both
+        instances' copies have it (the old one's read at RCPT with no DATA: nothing sent)."""
+        assert self.guard.store is not None and self.guard.assembly.receivers is not None
+        await desk.set_receiver_paused(self.guard.store, "acme", receiver, paused, "cli:test")
+        await self.guard.assembly.receivers.gate.pauses.paused()
+        want, who = 451 if paused else 250, {"yahoo": Y, "microsoft": M}[receiver]
+        for port in (self.old, self.new):
+            probe = await eventually(
+                lambda p=port: transaction(p, None, [who], data=False),  # type: ignore[misc]
+                lambda t: t.rcpt[who] == want,
+                timeout=10,
+                interval=0.2,
+            )
+            assert probe.rcpt[who] == want, (port, probe)
+
+
+@contextlib.asynccontextmanager
+async def fleet(
+    tmp: Path,
+    before: Path | None,
+    upstream: Upstream,
+    dns: NsdServer,
+    store_url: str,
+    **overrides: Any,
+) -> AsyncIterator[Fleet]:
+    """The old release (at `before`; None: this one again, in this process) and this one."""
+    cfgs = []
+    for instance in ("old", "new"):
+        cfg = base_config(
+            tmp,
+            upstream.port,
+            instance=instance,
+            store__url=store_url,
+            event_key__min_retry_interval="1s",
+            **overrides,
+        )
+        if store_url.startswith("redis"):
+            cfg["store"]["unsafe"] = True
+        cfg["dns"] = {"nameservers": [dns.nameserver], "timeout": "2s"}
+        cfg["receivers"] = {}
+        cfgs.append(cfg)
+    if before is None:
+        async with running_guard(cfgs[0]) as other, running_guard(cfgs[1]) as guard:
+            yield Fleet(other.ports[0], guard.ports[0], guard)
+        return
+    async with release_serving(before, cfgs[0], tmp) as old_port, running_guard(cfgs[1]) as guard:
+        yield Fleet(old_port, guard.ports[0], guard)
+
+
+def per_recipient(upstream: Upstream) -> Counter[str]:
+    return Counter(r for m in upstream.received for r in m.rcpt_tos)
+
+
+async def test_the_rest_bounced_between_the_releases_is_sent_once(
+    tmp: Path, before: Path, upstream: Upstream, dns_server: NsdServer, store_url: str
+) -> None:
+    """The event starts at this release with yahoo paused (g sent, y held and owed). The
+    rest goes to the old instance first (550 reused, as documented), then here (sent), and
+    every transaction of the event is then resubmitted at both instances."""
+    async with fleet(tmp, before, upstream, dns_server, store_url) as f:
+        await f.pause_yahoo(True)
+        first = await transaction(f.new, "ship:1", BOTH)
+        assert first.rcpt == {Y: 451, G: 250} and first.data and first.data[0] == 250, first
+        await upstream.wait_received(1)
+        await f.pause_yahoo(False)
+        at_old = await transaction(f.old, "ship:1", [Y])
+        at_new = await transaction(f.new, "ship:1", [Y])
+        again = [await transaction(port, "ship:1", rcpts) for port in (f.old, f.new) for rcpts in ([Y], BOTH)]
+    print("rest at old:", at_old, "at new:", at_new, "again:", [str(t) for t in again])
+    print("upstream:", per_recipient(upstream))
+    assert at_old.data and at_old.data[0] == 550 and "reused" in at_old.data[1], at_old
+    assert at_new.data and at_new.data[0] == 250 and "duplicate" not in at_new.data[1], at_new
+    assert all(t.data and t.data[0] in (250, 550) for t in again), [str(t) for t in again]
+    assert per_recipient(upstream) == {Y: 1, G: 1}
+
+
+async def test_a_rest_held_again_in_part_is_sent_by_an_instance_that_saw_the_first_part(
+    tmp: Path, upstream: Upstream, dns_server: NsdServer
+) -> None:
+    """Two instances of this release. The first part is sent at one (y and m held), which
+    keeps it in its cache of delivered events; the rest goes to the other with m held again
+    (y sent, m owed). The client's retry of m comes back to the first instance: it is the
+    rest of the rest, owed by the record in the store, whatever the cache kept."""
+    url = f"sqlite:///{tmp / 'state.db'}"
+    async with fleet(tmp, None, upstream, dns_server, url) as f:
+        one, two = f.old, f.new  # both this release
+        await f.pause("yahoo", True)
+        await f.pause("microsoft", True)
+        first = await transaction(one, "ship:3", [Y, M, G])
+        assert first.rcpt == {Y: 451, M: 451, G: 250} and first.data and first.data[0] == 250, first
+        await f.pause("yahoo", False)
+        rest = await transaction(two, "ship:3", [Y, M])
+        assert rest.rcpt == {Y: 250, M: 451} and rest.data and rest.data[0] == 250, rest
+        await f.pause("microsoft", False)
+        last = await transaction(one, "ship:3", [M])
+    print("first:", first, "rest:", rest, "last:", last, "upstream:", per_recipient(upstream))
+    assert last.data and last.data[0] == 250 and "duplicate" not in last.data[1], last
+    assert per_recipient(upstream) == {Y: 1, M: 1, G: 1}
