@@ -186,6 +186,7 @@ class Submitter:
             sender=mail_from if self.verp is not None else None,
             earlier_fingerprint=admitted.earlier_fingerprint,
             owed=admitted.owed,
+            accepted_fingerprint=admitted.accepted_fingerprint,
         )
         settings = self.settings(zone)
         try:
