@@ -27,7 +27,16 @@ from smtpguard.policy.ledger import Answer, LedgerSettings, Proceed, Submission
 from smtpguard.policy.outcome import Kind, Outcome
 from smtpguard.replies import Reply
 from smtpguard.server import Server
-from tests.support import PASSWORD, Behaviour, RedisServer, Upstream, base_config, message, running_guard
+from tests.support import (
+    PASSWORD,
+    Behaviour,
+    RedisServer,
+    Upstream,
+    base_config,
+    message,
+    running_guard,
+    send,
+)
 from tests.support.dns import NsdServer, nsd
 from tests.support.eventually import eventually
 from tests.support.releases import extract_release, release_serving
@@ -318,3 +327,65 @@ def test_only_a_record_of_the_release_before_owed_is_matched_by_the_accepted_rec
     owing = ledger.evolve(owing, owed="d" * 64)
     reused = ledger.decide(owing, retry, t0 + 120, s)
     assert isinstance(reused, Answer) and reused.decision is Decision.REUSED, reused
+
+
+async def test_the_whole_event_sent_by_the_old_release_owes_nothing_after(
+    tmp: Path, before: Path, upstream: Upstream, dns_server: NsdServer, store_url: str
+) -> None:
+    """The event starts here, yahoo paused: y is held (owed), the upstream defers g. The
+    client's queue retries both at the old instance, yahoo resumed: both are sent there, and
+    the old release's rewrite of the record drops `owed`. A client that also retries y alone
+    (a queue kept per recipient) at this release must not send y again."""
+    upstream.handler.script.append(Behaviour(data="451 4.3.0 try later"))
+    async with fleet(tmp, before, upstream, dns_server, store_url) as f:
+        await f.pause_yahoo(True)
+        first = await transaction(f.new, "ship:5", BOTH)
+        assert first.rcpt == {Y: 451, G: 250} and first.data and first.data[0] == 451, first
+        await f.pause_yahoo(False)
+        whole = await eventually(
+            lambda: transaction(f.old, "ship:5", BOTH),
+            lambda t: t.data is None or "retry" not in t.data[1],
+            timeout=10,
+            interval=0.3,
+        )
+        alone = [await transaction(port, "ship:5", [Y]) for port in (f.new, f.old)]
+    print("whole at old:", whole, "y alone:", [str(t) for t in alone], "upstream:", per_recipient(upstream))
+    assert whole.data and whole.data[0] == 250 and "duplicate" not in whole.data[1], whole
+    assert all(t.data and t.data[0] in (250, 550) for t in alone), [str(t) for t in alone]
+    assert per_recipient(upstream) == {G: 1, Y: 1}
+
+
+IDEM = "Resend-Idempotency-Key"
+
+
+def _raw(key: str, n: int) -> bytes:
+    return (
+        f"From: billing@acme.example\r\nTo: customer@example.com\r\nSubject: s{n}\r\n"
+        f"X-Event-Key: {key}\r\n\r\nplain text\r\n"
+    ).encode()
+
+
+async def test_a_key_ascii_cannot_carry_is_one_event_across_the_releases(
+    tmp: Path, before: Path, upstream: Upstream
+) -> None:
+    """Keys with non-ASCII letters (the old release wrote them raw in the provider's
+    idempotency header, this one as `~b64:`; the ledger's key is the client's either way),
+    each sent at one release and retried at the other: one message upstream per key."""
+    url = f"sqlite:///{tmp / 'state.db'}"
+    keys = ["facture:é", "注文:2026:1", "k" * 150 + "ü"]
+    cfgs = []
+    for instance in ("old", "new"):
+        cfg = base_config(tmp, upstream.port, instance=instance, store__url=url)
+        cfg["event_key"].pop("strip")
+        cfg["providers"][0]["idempotency_header"] = IDEM
+        cfgs.append(cfg)
+    replies: dict[str, list[str]] = {}
+    async with release_serving(before, cfgs[0], tmp) as old, running_guard(cfgs[1]) as guard:
+        for i, key in enumerate(keys):
+            ports = (old, guard.ports[0]) if i % 2 == 0 else (guard.ports[0], old)
+            replies[key] = [str(await send(port, _raw(key, i))) for port in ports]
+    fields = [r.header(IDEM) for r in upstream.received]
+    print("replies:", replies, "upstream:", len(upstream.received), "idempotency:", fields)
+    for key, (first, again) in replies.items():
+        assert first.startswith("250") and again.startswith("250 ") and "duplicate" in again, (key, again)
+    assert len(upstream.received) == len(keys)
