@@ -389,3 +389,34 @@ async def test_a_key_ascii_cannot_carry_is_one_event_across_the_releases(
     for key, (first, again) in replies.items():
         assert first.startswith("250") and again.startswith("250 ") and "duplicate" in again, (key, again)
     assert len(upstream.received) == len(keys)
+
+
+async def test_a_pooled_connection_ended_at_rcpt_on_either_release_sends_each_event_once(
+    tmp: Path, before: Path, upstream: Upstream, dns_server: NsdServer
+) -> None:
+    """The provider ends a pooled session with 421 at RCPT (RFC 5321 §3.8). The old release
+    defers the event (451), and its client's retry comes here; this release asks again on a
+    fresh connection (51dc2f1). Every event is then resubmitted at both: one message each."""
+    url = f"sqlite:///{tmp / 'state.db'}"
+    ended = Behaviour(rcpt={G: "421 4.4.2 closing connection"})
+    async with fleet(tmp, before, upstream, dns_server, url) as f:
+        warm = await transaction(f.old, "pool:1", [G])
+        upstream.handler.script.append(ended)
+        at_old = await transaction(f.old, "pool:2", [G])
+        retried = await eventually(
+            lambda: transaction(f.new, "pool:2", [G]),
+            lambda t: t.data is None or "retry" not in t.data[1],
+            timeout=10,
+            interval=0.3,
+        )
+        upstream.handler.script.append(ended)
+        at_new = await transaction(f.new, "pool:3", [G])
+        again = [await transaction(port, f"pool:{n}", [G]) for n in (1, 2, 3) for port in (f.old, f.new)]
+    keys = Counter(r.header("X-Event-Key") for r in upstream.received)
+    print("warm:", warm, "old:", at_old, "retried:", retried, "new:", at_new, "upstream:", keys)
+    assert warm.data and warm.data[0] == 250, warm
+    assert at_old.data and at_old.data[0] == 451, at_old
+    assert retried.data and retried.data[0] == 250 and "duplicate" not in retried.data[1], retried
+    assert at_new.data and at_new.data[0] == 250, at_new
+    assert all(t.data and t.data[0] == 250 and "duplicate" in t.data[1] for t in again), [*map(str, again)]
+    assert keys == {"pool:1": 1, "pool:2": 1, "pool:3": 1}
