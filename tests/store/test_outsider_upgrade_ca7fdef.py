@@ -233,15 +233,14 @@ DERIVED_TWICE = pytest.mark.xfail(
 
 @pytest.mark.parametrize("first_at", ["old", pytest.param("new", marks=DERIVED_TWICE)])
 async def test_a_derived_event_with_a_held_recipient_resubmitted_at_the_other_release(
-    tmp: Path, before: Path, upstream: Upstream, dns_server: NsdServer, first_at: str
+    tmp: Path, before: Path, upstream: Upstream, dns_server: NsdServer, store_url: str, first_at: str
 ) -> None:
     """missing_key: derive (the key is the fingerprint). yahoo paused on both instances: y is
     held, g sent. The client did not see the 250 (lost on the way back) and resubmits the
     same transaction at the other release, y held again there: a duplicate for g. Here the
     old release's record is found under the key it derived (Submitter._as_recorded_before_owed);
     y's own retry, yahoo resumed, is sent once."""
-    url = f"sqlite:///{tmp / 'state.db'}"
-    async with fleet(tmp, before, upstream, dns_server, url, zones__acme__missing_key="derive") as f:
+    async with fleet(tmp, before, upstream, dns_server, store_url, zones__acme__missing_key="derive") as f:
         ports = (f.old, f.new) if first_at == "old" else (f.new, f.old)
         await f.pause_yahoo(True)
         first = await transaction(ports[0], None, BOTH)
@@ -282,16 +281,21 @@ OLD_REUSED = pytest.mark.xfail(
     ],
 )
 async def test_a_deferred_event_with_a_held_recipient_retried_at_the_other_release(
-    tmp: Path, before: Path, upstream: Upstream, dns_server: NsdServer, first_at: str, derive: bool
+    tmp: Path,
+    before: Path,
+    upstream: Upstream,
+    dns_server: NsdServer,
+    store_url: str,
+    first_at: str,
+    derive: bool,
 ) -> None:
     """yahoo paused on both instances: y is held at RCPT, and the upstream defers g's send
     (451 at the dot). The client's queue retries both at the other release, y held again:
     g, never sent, is owed the message. Here, a record of the old release's (of g alone) is
     this event's (Submission.accepted_fingerprint); there, this release's is not."""
     upstream.handler.script.append(Behaviour(data="451 4.3.0 try later"))
-    url = f"sqlite:///{tmp / 'state.db'}"
     key, mode = (None, "derive") if derive else ("ship:4", "reject")
-    async with fleet(tmp, before, upstream, dns_server, url, zones__acme__missing_key=mode) as f:
+    async with fleet(tmp, before, upstream, dns_server, store_url, zones__acme__missing_key=mode) as f:
         ports = (f.old, f.new) if first_at == "old" else (f.new, f.old)
         await f.pause_yahoo(True)
         first = await transaction(ports[0], key, BOTH)
