@@ -157,8 +157,10 @@ def decide(existing: Record | None, sub: Submission, now: float, s: LedgerSettin
                 replies.key_reused(sub.key), Decision.REUSED
             )
         # Read as this release writes it, should it be written: the fingerprint of all the
-        # client named, the earlier one a part (a resubmission of either is this event's).
-        existing = evolve(existing, fingerprint=sub.fingerprint, parts=(existing.fingerprint,))
+        # client named. Not a part: that transaction is this one, and nothing of it was
+        # sent unless this record says so (a part answers duplicate; a verdict would not
+        # settle the record by its own acceptance).
+        existing = evolve(existing, fingerprint=sub.fingerprint)
 
     state = existing.state
     if _in_lane(existing):
