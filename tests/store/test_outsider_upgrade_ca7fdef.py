@@ -389,6 +389,36 @@ async def test_the_whole_event_sent_by_the_old_release_owes_nothing_after(
     assert per_recipient(upstream) == {G: 1, Y: 1}
 
 
+async def test_a_rest_deferred_here_and_sent_by_the_old_release_is_sent_once(
+    tmp: Path, before: Path, upstream: Upstream, dns_server: NsdServer, store_url: str
+) -> None:
+    """The rest of an event (y, held at RCPT while g was sent) is deferred by the upstream
+    here; the client's retry of it goes to the old release, whose fingerprint of y alone is
+    the record's: sent there, and the old release's rewrite drops `parts`. Every
+    transaction of the event resubmitted at either release afterwards sends nothing."""
+    async with fleet(tmp, before, upstream, dns_server, store_url) as f:
+        await f.pause_yahoo(True)
+        first = await transaction(f.new, "ship:6", BOTH)
+        assert first.rcpt == {Y: 451, G: 250} and first.data and first.data[0] == 250, first
+        await f.pause_yahoo(False)
+        upstream.handler.script.append(Behaviour(data="451 4.3.0 try later"))
+        deferred = await transaction(f.new, "ship:6", [Y])
+        assert deferred.data and deferred.data[0] == 451, deferred
+        at_old = await eventually(
+            lambda: transaction(f.old, "ship:6", [Y]),
+            lambda t: t.data is None or "retry" not in t.data[1],
+            timeout=10,
+            interval=0.3,
+        )
+        after = [await transaction(port, "ship:6", rcpts) for port in (f.new, f.old) for rcpts in ([Y], BOTH)]
+        await f.pause_yahoo(True)
+        after += [await transaction(port, "ship:6", BOTH) for port in (f.new, f.old)]
+    print("rest at old:", at_old, "after:", [str(t) for t in after], "upstream:", per_recipient(upstream))
+    assert at_old.data and at_old.data[0] == 250 and "duplicate" not in at_old.data[1], at_old
+    assert all(t.data and t.data[0] in (250, 550) for t in after), [str(t) for t in after]
+    assert per_recipient(upstream) == {G: 1, Y: 1}
+
+
 IDEM = "Resend-Idempotency-Key"
 
 
