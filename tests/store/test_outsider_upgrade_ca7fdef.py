@@ -27,6 +27,7 @@ from smtpguard.policy.ledger import Answer, LedgerSettings, Proceed, Submission
 from smtpguard.policy.outcome import Kind, Outcome
 from smtpguard.replies import Reply
 from smtpguard.server import Server
+from smtpguard.settled import SettledCache
 from tests.support import (
     PASSWORD,
     Behaviour,
@@ -484,3 +485,19 @@ async def test_a_pooled_connection_ended_at_rcpt_on_either_release_sends_each_ev
     assert at_new.data and at_new.data[0] == 250, at_new
     assert all(t.data and t.data[0] == 250 and "duplicate" in t.data[1] for t in again), [*map(str, again)]
     assert keys == {"pool:1": 1, "pool:2": 1, "pool:3": 1}
+
+
+def test_the_cache_of_delivered_events_keeps_none_that_owes_the_rest_of_its_event() -> None:
+    """Pure: SettledCache holds delivered records only while nothing can take them out of
+    `delivered`; the rest's send (owed) does, on any instance."""
+    s, t0 = LedgerSettings(min_retry_interval=60.0, lease=30.0), 1_700_000_000.0
+    delivered = Outcome(Kind.DELIVERED, "primary", Reply(250, "2.0.0", "ok"), upstream_id="Q1")
+    cache = SettledCache()
+    for owed in ("c" * 64, None):
+        sub = Submission("acme", f"k-{owed is None}", "a" * 64, "A1", "i-1", None, owed=owed)
+        verdict = ledger.decide(None, sub, t0, s)
+        assert isinstance(verdict, Proceed)
+        done = ledger.settle(verdict.record, "A1", "i-1", delivered, t0 + 1, s)
+        cache.remember(done)
+        kept = cache.get("acme", sub.key, t0 + 2, retention=86400)
+        assert (kept is None) == (owed is not None), (owed, kept)
