@@ -23,11 +23,13 @@ import redis
 from smtpguard import desk
 from smtpguard.policy import ledger
 from smtpguard.policy.decisions import Decision
+from smtpguard.policy.events import tag_value
 from smtpguard.policy.ledger import Answer, LedgerSettings, Proceed, Submission
 from smtpguard.policy.outcome import Kind, Outcome
 from smtpguard.replies import Reply
 from smtpguard.server import Server
 from smtpguard.settled import SettledCache
+from tests.events.test_events import RCPT, events_config, events_port, suppressed
 from tests.support import (
     PASSWORD,
     Behaviour,
@@ -38,6 +40,7 @@ from tests.support import (
     running_guard,
     send,
 )
+from tests.support import events as ev
 from tests.support.dns import NsdServer, nsd
 from tests.support.eventually import eventually
 from tests.support.releases import extract_release, release_serving
@@ -501,3 +504,41 @@ def test_the_cache_of_delivered_events_keeps_none_that_owes_the_rest_of_its_even
         cache.remember(done)
         kept = cache.get("acme", sub.key, t0 + 2, retention=86400)
         assert (kept is None) == (owed is not None), (owed, kept)
+
+
+def _postmark_metadata(content: bytes) -> dict[str, str]:
+    """What Postmark turns the relayed message's X-PM-Metadata-* fields into."""
+    out: dict[str, str] = {}
+    for line in content.split(b"\r\n\r\n", 1)[0].decode("utf-8", "replace").split("\r\n"):
+        name, _, value = line.partition(":")
+        if name.lower().startswith("x-pm-metadata-"):
+            out.setdefault(name[len("x-pm-metadata-") :], value.strip())
+    return out
+
+
+@pytest.mark.parametrize("key", ["invoice:9", "facture:é"], ids=["ascii", "not-ascii"])
+async def test_a_provider_event_for_a_message_the_old_release_sent_finds_its_record_here(
+    tmp: Path, before: Path, upstream: Upstream, keys: ev.Keys, key: str
+) -> None:
+    """The old release relays through a Postmark-tagged provider; the bounce Postmark posts
+    for it (its Metadata as the relayed message carried it) reaches this release's webhook
+    listener: applied to the event's record, the address suppressed for the zone."""
+    store = {"store__url": f"sqlite:///{tmp / 'state.db'}"}
+    cfgs = [
+        events_config(tmp, upstream, keys, store, only="postmark", instance=instance)
+        for instance in ("old", "new")
+    ]
+    async with release_serving(before, cfgs[0], tmp) as old, running_guard(cfgs[1]) as guard:
+        reply = await send(
+            old, _raw(key, 9).replace(b"customer@example.com", RCPT.encode()), recipients=[RCPT]
+        )
+        assert reply.code == 250, reply
+        (relayed,) = upstream.received
+        bounce = ev.postmark_bounce(RCPT, "pm-unknown-id")
+        bounce["Metadata"] = _postmark_metadata(relayed.content)
+        status, doc = await ev.post(events_port(guard), "postmark", ev.postmark(keys, bounce))
+        gone = await suppressed(guard, "acme")
+    print("metadata:", bounce["Metadata"], "webhook:", status, doc, "suppressed:", gone)
+    assert bounce["Metadata"] == {"smtpguard_key": tag_value(f"acme:{key}")}
+    assert (status, doc["applied"]) == (200, 1), doc
+    assert set(gone) == {RCPT}
