@@ -5,7 +5,10 @@ A receiver paused holds its recipient at RCPT (451 4.7.1) while the transaction'
 relayed; the client's queue retries what it was told to retry, at whichever instance the
 load balancer gives it. What the recording upstream received is counted per recipient:
 nothing may be sent twice, and no recipient may be lost beyond what the document admits
-(a held recipient's retry answered 550 reused by the old instance)."""
+(a held recipient's retry answered 550 reused by the old instance). Also: keys ASCII cannot
+carry and provider events across the two releases, a pooled connection the provider ends at
+RCPT on either, and the rest of an event on two instances of this release (the cache of
+delivered events)."""
 
 from __future__ import annotations
 
