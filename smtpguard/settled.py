@@ -12,7 +12,10 @@ class SettledCache:
     """Delivered events this process has seen, so a duplicate is answered with no store
     round trip. Sound because `delivered` is terminal: no transition leaves it, on any
     instance, until the record is purged after `retention` — which the cache honours too.
-    Entries are slim copies (no attempt history) and the cache is bounded (LRU)."""
+    One delivered record is not: one that owes the rest of its event (`owed`, recipients
+    held at RCPT, DESIGN.md §21), which the rest's send, on any instance, takes out of
+    `delivered` with another fingerprint and owed; it is never kept. Entries are slim
+    copies (no attempt history) and the cache is bounded (LRU)."""
 
     def __init__(self, max_entries: int = 20_000) -> None:
         self._max = max_entries
@@ -29,7 +32,7 @@ class SettledCache:
         return rec
 
     def remember(self, rec: Record | None) -> None:
-        if rec is None or rec.state is not State.DELIVERED:
+        if rec is None or rec.state is not State.DELIVERED or rec.owed is not None:
             return
         if self._entries.get((rec.zone, rec.key)) is rec:
             return  # a hit: get() has refreshed it already

@@ -31,6 +31,7 @@ from smtpguard.policy.admission import Refused, Rules, admit
 from smtpguard.policy.classes import class_names
 from smtpguard.policy.decisions import Decision, relayed_as
 from smtpguard.policy.envelope import distinct_recipients
+from smtpguard.policy.eventkey import derived_key
 from smtpguard.policy.ledger import LedgerSettings, Phase, Record, Submission
 from smtpguard.policy.limits import (
     CapReached,
@@ -186,9 +187,12 @@ class Submitter:
             sender=mail_from if self.verp is not None else None,
             earlier_fingerprint=admitted.earlier_fingerprint,
             owed=admitted.owed,
+            accepted_fingerprint=admitted.accepted_fingerprint,
         )
         settings = self.settings(zone)
         try:
+            sub = await self._as_recorded_before_owed(sub)
+            key = sub.key
             if lane is not None:
                 queued = QueuedMessage(
                     mail_from,
@@ -215,6 +219,23 @@ class Submitter:
                 extra={"zone": principal.zone, "event_key": key, "error": str(e)},
             )
             return ids(Result(replies.STORE_UNAVAILABLE, Decision.STORE_UNAVAILABLE, key))
+
+    async def _as_recorded_before_owed(self, sub: Submission) -> Submission:
+        """A derived key is the fingerprint, which a release before `owed` took of the
+        recipients accepted at RCPT alone: its record of this transaction (a receiver held
+        the same recipients) is under that key, and this submission is that event's
+        (docs/receivers.md, a rolling upgrade). One read, only for a derived key with
+        recipients held."""
+        accepted = sub.accepted_fingerprint
+        if not sub.derived or accepted is None:
+            return sub
+        earlier = derived_key(accepted)
+        rec = await self.store.get(sub.zone, earlier)
+        if rec is None:
+            return sub
+        if rec.fingerprint in (sub.fingerprint, accepted) or sub.fingerprint in rec.parts:
+            return replace(sub, key=earlier)
+        return sub
 
     async def _paused_class(self, zone_name: str, parsed: Message, zone: ZoneConfig) -> str | None:
         """Relay mode: the message's class when `pause ZONE --class` holds it (DESIGN.md

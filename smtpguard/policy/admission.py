@@ -78,6 +78,8 @@ class Admitted:
     """Where the earlier rule hashed this message otherwise (policy/fingerprint.py)."""
     owed: str | None = None
     """The fingerprint of the recipients held at RCPT by their receiver (DESIGN.md §21)."""
+    accepted_fingerprint: str | None = None
+    """With recipients held: the accepted ones' alone, as a release before `owed` hashed it."""
 
 
 def admit(
@@ -143,4 +145,5 @@ def admit(
         user_caps_of(zone.users, username, caps),
         earlier_fingerprint(mail_from, named, parsed),
         fingerprint(mail_from, held, parsed) if held else None,
+        fingerprint(mail_from, rcpt_tos, parsed) if held else None,
     )

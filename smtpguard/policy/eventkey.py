@@ -91,8 +91,13 @@ def event_key(
     if mode == "reject":
         return replies.missing_key(" or ".join(names))
     if mode == "derive":
-        return EventKey("auto:" + fingerprint, derived=True)
+        return EventKey(derived_key(fingerprint), derived=True)
     return None
+
+
+def derived_key(fingerprint: str) -> str:
+    """The key `missing_key: derive` gives a message of this fingerprint."""
+    return "auto:" + fingerprint
 
 
 def written_key(value: str) -> str | None:

@@ -85,6 +85,10 @@ class Submission:
     owed: str | None = None
     """The fingerprint of the recipients a receiver held at RCPT in this transaction (its
     `fingerprint` covers them too: all the client named), or None when none was held."""
+    accepted_fingerprint: str | None = None
+    """Where a receiver held recipients at RCPT: the fingerprint of the recipients accepted
+    alone, as a release before `owed` hashed this transaction. A record of that release (no
+    `owed`, no `parts`) with it is this event's (a rolling upgrade, docs/receivers.md)."""
 
 
 # --- verdicts --------------------------------------------------------------------------------
@@ -148,7 +152,15 @@ def decide(existing: Record | None, sub: Submission, now: float, s: LedgerSettin
             _audit(fresh, now, "smtpguard", "new_event", existing.state, fresh.state, note), existing.version
         )
     if existing.fingerprint not in (sub.fingerprint, sub.earlier_fingerprint):
-        return _rest_of_event(existing, sub, now, s) or Answer(replies.key_reused(sub.key), Decision.REUSED)
+        if not _held_before_owed(existing, sub):
+            return _rest_of_event(existing, sub, now, s) or Answer(
+                replies.key_reused(sub.key), Decision.REUSED
+            )
+        # Read as this release writes it, should it be written: the fingerprint of all the
+        # client named. Not a part: that transaction is this one, and nothing of it was
+        # sent unless this record says so (a part answers duplicate; a verdict would not
+        # settle the record by its own acceptance).
+        existing = evolve(existing, fingerprint=sub.fingerprint)
 
     state = existing.state
     if _in_lane(existing):
@@ -180,6 +192,18 @@ def decide(existing: Record | None, sub: Submission, now: float, s: LedgerSettin
     if state is State.UNKNOWN:
         return Answer(replies.outcome_unknown(sub.key), Decision.UNKNOWN_HELD)
     return Answer(replies.expired(sub.key), Decision.EXPIRED)
+
+
+def _held_before_owed(existing: Record, sub: Submission) -> bool:
+    """Is `existing` a record a release before `owed` wrote of this transaction? That release
+    hashed the recipients accepted at RCPT alone: its deferred send's retry here, a receiver
+    holding the same recipients again, is the same event (550 reused lost the accepted ones)."""
+    return (
+        sub.accepted_fingerprint is not None
+        and existing.fingerprint == sub.accepted_fingerprint
+        and existing.owed is None
+        and not existing.parts
+    )
 
 
 def _rest_of_event(existing: Record, sub: Submission, now: float, s: LedgerSettings) -> Verdict | None:
