@@ -45,6 +45,7 @@ from tests.support import (
     send,
     write_config,
 )
+from tests.support.eventually import eventually
 from tests.support.postgres import PostgresServer
 from tests.wire.test_hostile_auth import attempt, plain
 
@@ -252,8 +253,18 @@ async def test_two_workers_share_the_traffic_send_each_key_once_and_report_one_s
         distinct = await asyncio.gather(*(send(p.port, message(f"w:{i}")) for i in range(40)))
         # The duplicate storm: one key from 20 clients at once, over both workers.
         storm = await asyncio.gather(*(send(p.port, message("w:storm")) for _ in range(20)))
-        await asyncio.sleep(1.5)  # each worker flushes its counters to its metrics file at once
-        scraped = p.scrape()
+        # Each worker flushes its counters to its metrics file on its own: the sum is read
+        # once all 60 decisions are in it, not after a guessed time.
+        relayed_or_duplicate = (
+            'smtpguard_submissions_total{decision="relayed",zone="acme"}',
+            'smtpguard_submissions_total{decision="duplicate",zone="acme"}',
+        )
+        scraped = await eventually(
+            lambda: asyncio.to_thread(p.scrape),
+            lambda m: sum(m.get(name, 0) for name in relayed_or_duplicate) >= 60,
+            timeout=15,
+            interval=0.1,
+        )
         health = [p.status(path) for path in ("/healthz", "/readyz") for _ in range(4)]
         decisions = p.decisions()
     by_worker = Counter(d["worker"] for d in decisions)
