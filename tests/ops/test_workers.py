@@ -425,6 +425,18 @@ async def _greeting(port: int, source: str) -> str:
 _open: list[asyncio.StreamWriter] = []
 
 
+async def no_connections_open(p: Pool) -> None:
+    """Until the workers' shared connection table counts no connection open: every worker
+    has seen its clients' hang-ups (each releases its own on the close it reads)."""
+    workers = p.worker_pids()
+    table = ConnectionTable.attach(_run_dir(workers[0]) / "connections", len(workers))
+    try:
+        left = await eventually(table.open_connections, lambda n: n == 0, timeout=10, interval=0.05)
+    finally:
+        table.close()
+    assert left == 0, f"{left} connections still counted open"
+
+
 @pytest.mark.slow
 async def test_connection_limits_and_auth_lockout_are_global_across_workers(
     tmp: Path, upstream: Upstream
@@ -435,7 +447,7 @@ async def test_connection_limits_and_auth_lockout_are_global_across_workers(
         limits={"max_connections": 5, "max_connections_per_ip": 3, "auth_failures": 3},
     ) as p:
         # The start-up probe's connection (GuardProcess.wait_port) is released at its EOF.
-        await asyncio.sleep(0.5)
+        await no_connections_open(p)
         try:
             from_one = [await _greeting(p.port, "127.0.0.1") for _ in range(4)]
             from_two = [await _greeting(p.port, "127.0.0.2") for _ in range(4)]
@@ -443,12 +455,12 @@ async def test_connection_limits_and_auth_lockout_are_global_across_workers(
             for w in _open:
                 w.close()
             _open.clear()
-        await asyncio.sleep(0.5)  # the workers see the hang-ups
+        await no_connections_open(p)  # the workers have seen the hang-ups
         again = [await _greeting(p.port, "127.0.0.3") for _ in range(3)]
         for w in _open:
             w.close()
         _open.clear()
-        await asyncio.sleep(0.5)
+        await no_connections_open(p)
         # AUTH: 3 failures from one address, whichever worker saw them, lock it out.
         wrong = [(await attempt(p.port, plain("acme-app", "wrong")))[0] for _ in range(10)]
         right, hung_up = await attempt(p.port, plain("acme-app", PASSWORD))
