@@ -157,10 +157,11 @@ async def test_a_subscription_confirmation_is_logged_with_its_url_and_never_fetc
     guard: Server, keys: ev.Keys, caplog: pytest.LogCaptureFixture
 ) -> None:
     # The SubscribeURL points at a listener of the test's: a fetch would reach it.
-    reached: list[bool] = []
+    reached: list[int] = []
+    """The client port of each connection, in the order the listener accepted them."""
 
     async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        reached.append(True)
+        reached.append(writer.get_extra_info("peername")[1])
         writer.close()
 
     trap = await asyncio.start_server(record, "127.0.0.1", 0)
@@ -170,9 +171,15 @@ async def test_a_subscription_confirmation_is_logged_with_its_url_and_never_fetc
     status, body = await ev.post(events_port(guard), "ses", signed)
     assert status == 200 and body["applied"] == 0
     assert any(url in r.getMessage() for r in caplog.records)
-    await asyncio.sleep(0.5)
-    assert reached == []
+    # A connection of the test's own, made after the reply, accepted: a fetch begun while
+    # the confirmation was handled would have been accepted before it.
+    _, probe = await asyncio.open_connection("127.0.0.1", trap.sockets[0].getsockname()[1])
+    mine = probe.get_extra_info("sockname")[1]
+    order = await eventually(lambda: list(reached), lambda r: mine in r, timeout=5, interval=0.02)
+    probe.close()
+    await probe.wait_closed()
     trap.close()
+    assert order == [mine]
 
 
 # --- malformed, unknown, too large ------------------------------------------------------------

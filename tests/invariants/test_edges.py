@@ -275,7 +275,8 @@ async def test_a_lost_reservation_reply_refunds_and_the_takeover_sends_once(
     cfg = config(tmp, upstream, lossy_redis.url)
     cfg["event_key"]["lease"] = "1s"
     cfg["event_key"]["inflight_wait"] = "100ms"
-    async with running_guard(cfg) as guard:
+    clock = FakeClock()
+    async with running_guard(cfg, clock=clock) as guard:
         assert guard.store is not None
         # The reservation runs in Redis, its reply and its retry's reply are lost: the client
         # hears 451 4.3.0 and the record stays reserved by an attempt that will never send.
@@ -284,7 +285,7 @@ async def test_a_lost_reservation_reply_refunds_and_the_takeover_sends_once(
         now = guard.clock()
         after_loss = await guard.store.cap_usage("acme", now, month_of(now))
         rec = await record(guard, "inv:r")
-        await asyncio.sleep(1.1)  # its lease runs out
+        clock.t += 1.1  # its lease runs out
         retry = await send(guard.ports[0], message("inv:r"))
         now = guard.clock()
         usage = await guard.store.cap_usage("acme", now, month_of(now))

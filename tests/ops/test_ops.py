@@ -133,7 +133,15 @@ async def test_sighup_reloads_users_and_refuses_a_bad_file(tmp: Path, upstream: 
         # A broken file is refused; the running config (with globex) stays.
         path.write_text("zones: [this is not valid\n")
         proc.proc.send_signal(signal.SIGHUP)
-        await asyncio.sleep(0.5)
+        # Only once serve has read it and said so can "still served" show anything.
+        log = proc.log_path
+        logged = await eventually(
+            lambda: log.read_text(errors="replace"),
+            lambda text: "reload refused; keeping the running config" in text,
+            timeout=10,
+            interval=0.05,
+        )
+        assert "reload refused; keeping the running config" in logged, logged[-2000:]
         still = await send(
             port,
             message("g2", sender="news@globex.example"),

@@ -45,6 +45,7 @@ from tests.support import (
     send,
     write_config,
 )
+from tests.support.eventually import eventually
 from tests.support.postgres import PostgresServer
 from tests.wire.test_hostile_auth import attempt, plain
 
@@ -252,8 +253,18 @@ async def test_two_workers_share_the_traffic_send_each_key_once_and_report_one_s
         distinct = await asyncio.gather(*(send(p.port, message(f"w:{i}")) for i in range(40)))
         # The duplicate storm: one key from 20 clients at once, over both workers.
         storm = await asyncio.gather(*(send(p.port, message("w:storm")) for _ in range(20)))
-        await asyncio.sleep(1.5)  # each worker flushes its counters to its metrics file at once
-        scraped = p.scrape()
+        # Each worker flushes its counters to its metrics file on its own: the sum is read
+        # once all 60 decisions are in it, not after a guessed time.
+        relayed_or_duplicate = (
+            'smtpguard_submissions_total{decision="relayed",zone="acme"}',
+            'smtpguard_submissions_total{decision="duplicate",zone="acme"}',
+        )
+        scraped = await eventually(
+            lambda: asyncio.to_thread(p.scrape),
+            lambda m: sum(m.get(name, 0) for name in relayed_or_duplicate) >= 60,
+            timeout=15,
+            interval=0.1,
+        )
         health = [p.status(path) for path in ("/healthz", "/readyz") for _ in range(4)]
         decisions = p.decisions()
     by_worker = Counter(d["worker"] for d in decisions)
@@ -414,6 +425,18 @@ async def _greeting(port: int, source: str) -> str:
 _open: list[asyncio.StreamWriter] = []
 
 
+async def no_connections_open(p: Pool) -> None:
+    """Until the workers' shared connection table counts no connection open: every worker
+    has seen its clients' hang-ups (each releases its own on the close it reads)."""
+    workers = p.worker_pids()
+    table = ConnectionTable.attach(_run_dir(workers[0]) / "connections", len(workers))
+    try:
+        left = await eventually(table.open_connections, lambda n: n == 0, timeout=10, interval=0.05)
+    finally:
+        table.close()
+    assert left == 0, f"{left} connections still counted open"
+
+
 @pytest.mark.slow
 async def test_connection_limits_and_auth_lockout_are_global_across_workers(
     tmp: Path, upstream: Upstream
@@ -424,7 +447,7 @@ async def test_connection_limits_and_auth_lockout_are_global_across_workers(
         limits={"max_connections": 5, "max_connections_per_ip": 3, "auth_failures": 3},
     ) as p:
         # The start-up probe's connection (GuardProcess.wait_port) is released at its EOF.
-        await asyncio.sleep(0.5)
+        await no_connections_open(p)
         try:
             from_one = [await _greeting(p.port, "127.0.0.1") for _ in range(4)]
             from_two = [await _greeting(p.port, "127.0.0.2") for _ in range(4)]
@@ -432,12 +455,12 @@ async def test_connection_limits_and_auth_lockout_are_global_across_workers(
             for w in _open:
                 w.close()
             _open.clear()
-        await asyncio.sleep(0.5)  # the workers see the hang-ups
+        await no_connections_open(p)  # the workers have seen the hang-ups
         again = [await _greeting(p.port, "127.0.0.3") for _ in range(3)]
         for w in _open:
             w.close()
         _open.clear()
-        await asyncio.sleep(0.5)
+        await no_connections_open(p)
         # AUTH: 3 failures from one address, whichever worker saw them, lock it out.
         wrong = [(await attempt(p.port, plain("acme-app", "wrong")))[0] for _ in range(10)]
         right, hung_up = await attempt(p.port, plain("acme-app", PASSWORD))

@@ -7,7 +7,6 @@ the upstream received."""
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -31,24 +30,24 @@ from smtpguard.store import QueueEntry
 from smtpguard.store.base import Store
 from tests.queue.test_queue import queue_config
 from tests.support import FakeClock, Upstream, message, running_guard, send
+from tests.support.eventually import eventually
 
 HOUR = 3600.0
 
 
 async def _held(store: Store, key: str, accepted_at: float) -> QueueEntry:
     """The entry once the worker has given it back (its due time moved past acceptance)."""
-    for _ in range(100):  # 100 polls of 30 ms: the worker claims within its 100 ms poll
-        entries = {e.key: e for e in await store.queue_entries("acme")}
-        entry = entries.get(key)
-        if (
-            entry is not None
-            and not entry.claimed
-            and entry.due_at is not None
-            and entry.due_at > accepted_at
-        ):
-            return entry
-        await asyncio.sleep(0.03)
-    raise AssertionError(f"{key} was never held: {entries.get(key)}")
+
+    async def entry() -> QueueEntry | None:
+        return {e.key: e for e in await store.queue_entries("acme")}.get(key)
+
+    def held(e: QueueEntry | None) -> bool:
+        return e is not None and not e.claimed and e.due_at is not None and e.due_at > accepted_at
+
+    # The worker claims within its 100 ms poll.
+    found = await eventually(entry, held, timeout=3, interval=0.03)
+    assert found is not None and held(found), f"{key} was never held: {found}"
+    return found
 
 
 CASES: dict[str, tuple[dict[str, Any], str, float]] = {
@@ -95,10 +94,19 @@ async def test_the_first_rung_that_applies_holds_the_entry_for_its_time(
 async def test_an_entry_no_rung_holds_is_delivered_once(tmp: Path, upstream: Upstream) -> None:
     cfg = queue_config(tmp, upstream.port)
     async with running_guard(cfg, clock=FakeClock()) as guard:
+        store = guard.store
+        assert store is not None
         assert (await send(guard.ports[0], message("gate:go"))).code == 250
         await upstream.wait_received(1)
-        await asyncio.sleep(0.3)  # a second delivery would come within three worker polls
-    assert upstream.event_keys() == ["gate:go"]
+        # Settled and out of the queue: nothing is left that a worker could claim again.
+        left = await eventually(
+            lambda: store.queue_entries("acme"), lambda es: es == [], timeout=3, interval=0.02
+        )
+        assert left == []
+        # A message accepted after it is delivered: the worker has claimed again since.
+        assert (await send(guard.ports[0], message("gate:after"))).code == 250
+        await upstream.wait_received(2)
+    assert upstream.event_keys() == ["gate:go", "gate:after"]
 
 
 # --- the pure gate (policy/queue.py) -----------------------------------------------------------

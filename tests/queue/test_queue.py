@@ -62,10 +62,14 @@ async def test_accepted_while_upstream_down_then_delivered_once(tmp: Path) -> No
         try:
             await up.wait_received(200, timeout=60)
             more = await send(guard.ports[0], message("q7"))
-            await asyncio.sleep(0.5)
+            # Accepted after the duplicate and delivered: the worker has claimed since.
+            assert (await send(guard.ports[0], message("q200"))).code == 250
+            await up.wait_received(201)
         finally:
             await up.stop()
     keys = up.event_keys()
+    assert keys[-1] == "q200"
+    keys = keys[:-1]
     assert len(keys) == 200 and len(set(keys)) == 200
     assert more.code == 250 and "duplicate" in more.text
     print(f"queue: accepted=200 delivered={len(keys)} duplicates=0 lost={200 - len(set(keys))}")

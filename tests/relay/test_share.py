@@ -31,6 +31,7 @@ from tests.support import (
     send,
     write_config,
 )
+from tests.support.eventually import eventually
 
 
 # --- the pure choice -------------------------------------------------------------------------
@@ -166,7 +167,13 @@ async def test_an_unready_standby_takes_no_share_and_is_logged(
             assert 'smtpguard_provider_ready{provider="standby"} 0.0' in guard.metrics.render().decode()
             for k in keys:
                 assert (await send(guard.ports[0], message(k))).code == 250
-            await asyncio.sleep(0.2)  # the probe result is published to the store in the background
+            # The probe result is published to the store in the background: `stats` reads it there.
+            store = guard.store
+            assert store is not None
+            published = await eventually(
+                store.probes, lambda ps: any(p.provider == "standby" for p in ps), timeout=5, interval=0.05
+            )
+            assert [(p.provider, p.ready) for p in published] == [("standby", False)], published
             stats = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
@@ -265,7 +272,12 @@ async def test_a_new_failure_reason_is_published(tmp: Path) -> None:
             changed.clear()
             await up.stop()  # now refused at connect
             await changed.wait()
-        await asyncio.sleep(0.5)  # several more probes with the same reason
+            # Several more probes with the same reason (counted), each a chance to report it again.
+            seen = prober.probes
+            probes = await eventually(
+                lambda: prober.probes, lambda n: n >= seen + 3, timeout=10, interval=0.05
+            )
+            assert probes >= seen + 3, probes
     finally:
         await prober.stop()
         await up.stop()

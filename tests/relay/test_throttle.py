@@ -27,6 +27,7 @@ from smtpguard.cli import main
 from smtpguard.policy.breaker import Circuit
 from tests.support import (
     Behaviour,
+    FakeClock,
     GuardProcess,
     RateLimit,
     RedisServer,
@@ -152,14 +153,15 @@ async def test_relay_mode_without_a_standby_answers_451_441_then_a_retry_after_t
     upstream.handler.script = [Behaviour(mail="451 4.7.0 Too many messages, slow down")]
     cfg = base_config(tmp, None)
     cfg["providers"] = [provider("primary", upstream.port, throttle_backoff="1s")]
-    async with running_guard(cfg) as guard:
+    clock = FakeClock()
+    async with running_guard(cfg, clock=clock) as guard:
         port = guard.ports[0]
         first = await send(port, message("once"))
         assert (first.code, first.text[:5]) == (451, "4.4.1")
         again = await send(port, message("once"))  # during the backoff: not even tried
         assert (again.code, again.text[:5]) == (451, "4.4.1")
         assert upstream.handler.transactions == 1
-        await asyncio.sleep(1.1)
+        clock.t += 1.1  # past the backoff
         assert (await send(port, message("once"))).code == 250
         dup = await send(port, message("once"))
         assert dup.code == 250 and "duplicate" in dup.text
@@ -340,13 +342,22 @@ async def test_a_pooled_connection_lost_before_mail_gives_its_max_connections_sl
         assert (await send(port, message("slot1"))).code == 250
         reply = await send(port, message("slot2"))
         assert reply.code == 250, reply
-        await asyncio.sleep(1.6)  # the idle connection closes and gives its slot back
+        # The idle connection closes (IDLE_HOLD, on the pool's own timer) and gives its slot back.
+        open_now = await eventually(
+            lambda: upstream.handler.open_sessions, lambda n: n == 0, timeout=10, interval=0.05
+        )
+        assert open_now == 0
         reply = await send(port, message("slot3"))
         assert reply.code == 250, reply
-        assert guard.store is not None
-        await asyncio.sleep(1.6)
-        # Nothing open any more: no slot left held in the store.
-        assert await guard.store.hold_connection("primary", "probe", 1, guard.clock() + 5, guard.clock())
+        store = guard.store
+        assert store is not None
+        # Once nothing is open any more, no slot is left held in the store.
+        taken = await eventually(
+            lambda: store.hold_connection("primary", "probe", 1, guard.clock() + 5, guard.clock()),
+            timeout=10,
+            interval=0.1,
+        )
+        assert taken
     assert upstream.event_keys() == ["slot1", "slot2", "slot3"]
     assert upstream.handler.max_sessions == 1
 
@@ -414,9 +425,13 @@ async def test_a_send_cancelled_during_data_gives_its_connection_slot_back(
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.3)
-        now = time.time()
-        assert await store.hold_connection("primary", "someone-else", 1, now + 5, now)
+        # The cancelled send's slot comes back: another holder can take it.
+        taken = await eventually(
+            lambda: store.hold_connection("primary", "someone-else", 1, time.time() + 5, time.time()),
+            timeout=5,
+            interval=0.05,
+        )
+        assert taken
     finally:
         await p.close()
         await store.close()
@@ -446,14 +461,15 @@ async def test_a_421_to_ehlo_throttles_the_provider_and_is_not_a_helo_fallback(t
         cfg = base_config(tmp, None)
         cfg["providers"] = [provider("primary", up.port, throttle_backoff="1s")]
         cfg["breaker"] = {"failure_threshold": 1, "cooldown": "60s"}
-        async with running_guard(cfg) as guard:
+        clock = FakeClock()
+        async with running_guard(cfg, clock=clock) as guard:
             port = guard.ports[0]
             first = await send(port, message("e1"))
             assert (first.code, first.text[:5]) == (451, "4.4.1"), first
             assert guard.route is not None
             circuit = guard.route.circuits()["primary"]
             metrics = guard.metrics.render().decode()
-            await asyncio.sleep(1.1)
+            clock.t += 1.1  # past the backoff
             assert (await send(port, message("e1"))).code == 250
     assert circuit is Circuit.CLOSED
     assert 'smtpguard_provider_rate_limited_total{provider="primary"} 1.0' in metrics

@@ -22,6 +22,7 @@ from smtpguard.policy.failover import Attempted
 from smtpguard.policy.outcome import Kind
 from smtpguard.relay import Envelope, SmtpProvider
 from tests.support import SmtpSink, Upstream, base_config, free_port, message, running_guard, send
+from tests.support.eventually import eventually
 from tests.support.hostile import make_cert
 
 CUSTOMER, OTHER = "customer@example.com", "other@example.com"
@@ -191,6 +192,7 @@ class Scripted:
                     if self.after_dot:
                         await asyncio.sleep(0.05)
                         await self._write(writer, self.after_dot)
+                        self.at("after_dot").set()
                     continue
                 name = {b"MAIL": "mail", b"RCPT": "rcpt", b"RSET": "rset"}.get(verb, "other")
                 self.at(name).set()
@@ -338,7 +340,8 @@ async def test_bytes_nobody_asked_for_are_not_taken_as_a_reply(tmp: Path) -> Non
         provider = _provider(tmp, up.port)
         try:
             first = await provider.send(_env("u1"), _marked)
-            await asyncio.sleep(0.2)
+            # The junk is written while the session is idle in the pool, before the next send.
+            await asyncio.wait_for(up.at("after_dot").wait(), 5)
             second = await provider.send(_env("u2"), _marked)
         finally:
             await provider.close()
@@ -632,10 +635,10 @@ async def test_cancelled_at_each_wait_the_session_is_closed_never_reused(tmp: Pa
             after = await provider.send(_env("z2"), _marked)
         finally:
             await provider.close()
-        await asyncio.sleep(0.1)
+        closed = await eventually(lambda: up.closed_by_client, lambda n: n >= 1, timeout=5, interval=0.02)
     assert after.outcome.kind is Kind.DELIVERED
     # The cancelled session was closed (the server read its EOF), the next had its own.
-    assert up.connections == 2 and up.closed_by_client >= 1
+    assert up.connections == 2 and closed >= 1
     assert len(up.messages) == (2 if point == "dot" else 1)
 
 

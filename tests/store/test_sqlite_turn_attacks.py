@@ -28,6 +28,7 @@ from smtpguard.store.sqlite import SQLiteStore
 from smtpguard.store.sqlite import writer as sqlite_writer
 from tests.store.test_sqlite_group_commit import fresh
 from tests.support import base_config, write_config
+from tests.support.eventually import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 BOUND = 0.5
@@ -260,6 +261,16 @@ def is_stopped(pid: int) -> bool:
     return False
 
 
+def queued_on_flock(pid: int) -> bool:
+    """Whether a thread of `pid` waits for a flock another holds: a `->` line of /proc/locks
+    ("1: -> FLOCK  ADVISORY  WRITE PID ...")."""
+    for line in Path("/proc/locks").read_text().splitlines():
+        parts = line.split()
+        if len(parts) > 5 and parts[1] == "->" and parts[2] == "FLOCK" and parts[5] == str(pid):
+            return True
+    return False
+
+
 async def timed_put(store: SQLiteStore, key: str) -> tuple[object, float]:
     started = time.monotonic()
     try:
@@ -374,7 +385,10 @@ async def test_a_holder_killed_in_its_batch_lets_the_others_in_at_once(
     try:
         with holder(_HOLDER, str(path), str(ROOT), "sleep") as proc:
             waiting = [asyncio.ensure_future(timed_put(store, f"k{i}")) for i in range(20)]
-            await asyncio.sleep(0.5)
+            # The writes have reached the turn and wait in the kernel for the holder's flock:
+            # only then does "none done" say they are held, not merely not started.
+            queued = await eventually(lambda: queued_on_flock(os.getpid()), timeout=5, interval=0.02)
+            assert queued, "no write of this process waits for the holder's flock"
             assert not any(w.done() for w in waiting)
             killed = time.monotonic()
             proc.kill()

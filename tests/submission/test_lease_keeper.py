@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from smtpguard.submission import LeaseKeeper, LeaseLost
+from tests.support.eventually import eventually
 
 
 async def test_a_stuck_renewal_delays_no_other_relay() -> None:
@@ -23,9 +24,9 @@ async def test_a_stuck_renewal_delays_no_other_relay() -> None:
 
     a = keeper.hold(never_returns, 0.3)  # renewed every 0.1 s, looked at every 0.05 s
     b = keeper.hold(quick, 0.3)
-    await asyncio.sleep(0.65)
+    # The other relay is renewed again and again while the stuck renewal never returns.
+    assert await eventually(lambda: renewed, lambda n: n >= 4, timeout=5, interval=0.02) >= 4, renewed
     assert stuck.is_set()
-    assert renewed >= 4, renewed
     keeper.release(a)
     keeper.release(b)
     await asyncio.wait_for(keeper.close(), 1)
@@ -44,7 +45,10 @@ async def test_a_shorter_lease_is_looked_at_sooner() -> None:
         renewed.set()
 
     long = keeper.hold(nothing, 30)
-    await asyncio.sleep(0.05)
+    # The keeper is in the wait computed for the long lease (a sixth of it) before the short
+    # one comes: else the short one's schedule would be the first one computed.
+    tick = await eventually(lambda: keeper._tick, lambda t: t == 5.0, timeout=5, interval=0.01)
+    assert tick == 5.0
     short = keeper.hold(mark, 0.3)
     await asyncio.wait_for(renewed.wait(), 1)
     keeper.release(long)
@@ -71,11 +75,20 @@ async def test_lease_lost_ends_the_renewals_and_release_cancels_one_in_progress(
             cancelled.set()
             raise
 
+    others = 0
+
+    async def other() -> None:
+        nonlocal others
+        others += 1
+
     keeper.hold(lost, 0.3)
     handle = keeper.hold(slow, 0.3)
     await asyncio.wait_for(started.wait(), 1)
     keeper.release(handle)
     await asyncio.wait_for(cancelled.wait(), 1)
-    await asyncio.sleep(0.4)
+    # A relay held with the same lease after them is renewed three times: the keeper has
+    # looked at every lease since, when the lost one would have been renewed again.
+    keeper.hold(other, 0.3)
+    assert await eventually(lambda: others, lambda n: n >= 3, timeout=5, interval=0.02) >= 3
     assert calls == 1
     await keeper.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 from smtpguard.cli import main
 from smtpguard.config import ConfigError, loads
 from smtpguard.policy.limits import CapReached, Caps, cap_check, cap_reply, user_caps_for
+from smtpguard.store import QueueEntry
 from tests.invariants.test_multi_instance import is_451, two_instances
 from tests.queue.test_queue import queue_config
 from tests.support import (
@@ -29,6 +31,7 @@ from tests.support import (
     send,
     write_config,
 )
+from tests.support.eventually import eventually
 
 SERVICE_PASSWORD = "svc-test-pass"
 
@@ -122,9 +125,19 @@ async def test_queue_mode_counts_the_submitting_users_cap_at_delivery(tmp: Path,
         svc = [await as_svc(guard.ports[0], f"q:{i}") for i in range(5)]
         app = [await send(guard.ports[0], message(f"qa:{i}")) for i in range(3)]
         await upstream.wait_received(5)
-        await asyncio.sleep(1.5)  # worker passes: the held entries stay held
-        assert guard.store is not None
-        waiting = sorted(e.key for e in await guard.store.queue_entries("acme"))
+        store = guard.store
+        assert store is not None
+
+        # Each of the rest claimed and given back for the user's hour (due again far on):
+        # only then does "nothing more sent" below mean anything.
+        def held_for_the_hour(es: list[QueueEntry]) -> bool:
+            return len(es) == 3 and all(not e.claimed and (e.due_at or 0) > time.time() + 600 for e in es)
+
+        entries = await eventually(
+            lambda: store.queue_entries("acme"), held_for_the_hour, timeout=10, interval=0.05
+        )
+        assert held_for_the_hour(entries), entries
+        waiting = sorted(e.key for e in entries)
         held = await guard.store.get("acme", waiting[0]) if waiting else None
     # Accepted with a durable 250 each; the user's cap holds its lane, not the zone's.
     assert all(r.code == 250 and "queued as" in r.text for r in svc + app)

@@ -104,6 +104,9 @@ class Behaviour:
     """Record the message, then close the connection without replying (RFC 1047 window)."""
     hang_at_mail: float = 0.0
     """Seconds to wait before answering MAIL (a slow provider before anything is sent)."""
+    hold_at_mail: asyncio.Event | None = None
+    """Wait for this event before answering MAIL (counted in `transactions` first): a
+    transaction held before anything is sent exactly as long as the test needs."""
     idle_421: bool = False
     """After accepting the message, let the session time out as if idle: the next MAIL on it
     gets `421 4.4.2 … timeout exceeded` and the connection closes (the race of a pooled
@@ -179,6 +182,8 @@ class RecordingHandler:
         b = self._current(envelope)
         if b.hang_at_mail:
             await asyncio.sleep(b.hang_at_mail)
+        if b.hold_at_mail is not None:
+            await b.hold_at_mail.wait()
         if b.mail:
             envelope._behaviour = None  # type: ignore[attr-defined]
             return b.mail

@@ -17,6 +17,7 @@ import pytest
 
 from smtpguard.policy.ledger import State
 from tests.support import Behaviour, FakeClock, Upstream, message, send
+from tests.support.eventually import eventually
 from tests.support.provider_api_fakes import FakeSendgrid
 from tests.support.verdicts import API_ENV, API_KEY, MINUTE, api_section, serving, tag_of, verdict_harness
 
@@ -97,11 +98,19 @@ async def test_a_reload_mid_send_leaves_the_note_naming_the_tag_the_message_carr
         api=postmark_first,
         configure=_postmark_instead if postmark_first else None,
     ) as h:
-        upstream.handler.script = [Behaviour(hang_at_mail=1.0, drop_after_dot=True)]
+        at_mail = asyncio.Event()
+        upstream.handler.script = [Behaviour(hold_at_mail=at_mail, drop_after_dot=True)]
         sending = asyncio.create_task(send(h.guard.ports[0], message("m1")))
-        await asyncio.sleep(0.3)
-        h.cfg["providers"][0]["api"] = h.api  # SendGrid's
-        assert await h.reload()
+        try:
+            # The provider has MAIL and holds its answer until the reload is in.
+            mails = await eventually(
+                lambda: upstream.handler.transactions, lambda n: n >= 1, timeout=10, interval=0.01
+            )
+            assert mails == 1
+            h.cfg["providers"][0]["api"] = h.api  # SendGrid's
+            assert await h.reload()
+        finally:
+            at_mail.set()
         lost = await sending
         assert lost.code == 451 and "unknown" in lost.text
         rec = await h.record("m1", State.UNKNOWN)

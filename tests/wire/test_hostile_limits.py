@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import Behaviour, Upstream, base_config, running_guard
+from tests.support.eventually import eventually
 from tests.support.hostile import (
     RawClient,
     all_released,
@@ -313,12 +314,14 @@ async def test_client_hanging_up_after_the_dot_does_not_abandon_the_relay(
             assert (await c.command("DATA")).code == 354
             c.write(terminated(message_bytes("hangup:1")))
             await c.writer.drain()
-        assert guard.store is not None
-        deadline = time.monotonic() + 10
-        record = await guard.store.get("acme", "hangup:1")
-        while (record is None or record.state == "in_flight") and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-            record = await guard.store.get("acme", "hangup:1")
+        store = guard.store
+        assert store is not None
+        record = await eventually(
+            lambda: store.get("acme", "hangup:1"),
+            lambda r: r is not None and r.state != "in_flight",
+            timeout=10,
+            interval=0.05,
+        )
         assert record is not None and record.state == "delivered", record
         # A retry by the client is a duplicate, never a second send.
         retry = await submit(guard.ports[0], message_bytes("hangup:1"))

@@ -24,6 +24,7 @@ from smtpguard.readiness.dns import DnsClient
 from smtpguard.recipient_domains import RecipientDomains
 from tests.support import PASSWORD, FakeClock, Upstream, base_config, message, running_guard, send
 from tests.support.dns import NsdServer, bad_resolver, nsd, slow_resolver, txt
+from tests.support.eventually import eventually
 
 RECORDS = [
     "good IN MX 10 mx1.good.test.",
@@ -185,9 +186,12 @@ async def test_a_cancelled_first_waiter_leaves_the_others_their_verdict(dns_serv
             DnsClient(DnsConfig(nameservers=[resolver.nameserver], timeout=3)), FakeClock()
         )
         first = asyncio.create_task(checker.refusal("a@nullmx.test"))
-        await asyncio.sleep(0.05)
+        # The first one's lookup is under way (the resolver holds it 0.5 s) ...
+        started = await eventually(lambda: checker.lookups, lambda n: n == 1, timeout=5, interval=0.01)
+        assert started == 1
         others = [asyncio.create_task(checker.refusal(f"u{i}@nullmx.test")) for i in range(3)]
-        await asyncio.sleep(0.05)
+        # ... and the others join it at their first step (nothing before it awaits).
+        await asyncio.sleep(0)
         first.cancel()
         replies = await asyncio.gather(*others)
         assert all(r is not None and r.code == 556 for r in replies), replies
@@ -206,10 +210,23 @@ async def test_a_client_hanging_up_mid_rcpt_leaves_the_other_sessions_connected(
             await quitter.connect()
             await quitter.login("acme-app", PASSWORD)
             await quitter.mail("billing@acme.example")
+            assert guard.handler is not None and guard.handler.recipient_domains is not None
+            domains = guard.handler.recipient_domains
+            # Each RCPT's check counted as it begins (the real one runs): both sessions must be
+            # waiting on the one lookup when the quitter goes, not one of them on the cache.
+            checks: list[str] = []
+            check = domains.refusal
+
+            async def counted(address: str) -> Any:
+                checks.append(address)
+                return await check(address)
+
+            domains.refusal = counted  # type: ignore[method-assign]
             rcpt = asyncio.create_task(quitter.rcpt("a@nullmx.test"))
-            await asyncio.sleep(0.1)
             other = asyncio.create_task(send(guard.ports[0], message(), recipients=["b@nullmx.test"]))
-            await asyncio.sleep(0.5)  # the other session is at RCPT, waiting on the same lookup
+            both = await eventually(lambda: len(checks), lambda n: n == 2, timeout=5, interval=0.01)
+            # The quitter's RCPT still waits: the lookup was under way when the other's began.
+            assert both == 2 and domains.lookups == 1 and not rcpt.done(), (checks, domains.lookups)
             quitter.close()
             rcpt.cancel()
             reply = await other

@@ -18,7 +18,9 @@ import pytest
 from smtpguard.server import Server
 from tests.support import Upstream, base_config, password_hash, running_guard
 from tests.support import events as ev
+from tests.support.eventually import eventually
 from tests.support.hostile import MAILBOX
+from tests.wire.test_side_listener_limits import released_to
 
 READ = 0.6
 LIMITS = {
@@ -60,11 +62,7 @@ async def until_closed(reader: asyncio.StreamReader, limit: float = 5) -> float:
 
 async def logged(caplog: pytest.LogCaptureFixture, message: str, n: int) -> int:
     """How many times `message` was logged, once it was `n` times or 2 s passed."""
-    for _ in range(20):  # bounded: 2 s
-        if caplog.messages.count(message) >= n:
-            break
-        await asyncio.sleep(0.1)
-    return caplog.messages.count(message)
+    return await eventually(lambda: caplog.messages.count(message), lambda c: c >= n, timeout=2, interval=0.1)
 
 
 @pytest.mark.parametrize("how", ["client closes", "read_timeout"])
@@ -81,7 +79,6 @@ async def test_a_console_form_body_cut_short_is_one_line_without_a_traceback(
     )
     await writer.drain()
     if how == "client closes":
-        await asyncio.sleep(0.1)
         writer.close()
     else:
         assert await until_closed(reader) < READ + 1.0
@@ -247,7 +244,7 @@ async def test_a_client_that_never_reads_its_answers_is_closed(
                 # Each was admitted (refused ones would be closed, and sending would fail).
                 assert await logged(caplog, "response not taken within read_timeout", 3) == 3
                 # Their slots are back: the same address is served again.
-                await asyncio.sleep(0.2)
+                await released_to(guard, listener, 0)
                 reader, writer = await asyncio.open_connection(
                     "127.0.0.1", port, local_addr=("127.0.0.26", 0)
                 )
@@ -298,8 +295,7 @@ async def test_a_mailbox_client_that_never_reads_its_replies_is_cut(
                 for _ in range(30):
                     await asyncio.wait_for(loop.sock_sendall(sock, b"HELP\r\n" * 1000), 1)
             assert await logged(caplog, "too many errors; session closed", 1) == 1
-            await asyncio.sleep(0.2)
             # The connection is gone, and its slot with it.
-            assert guard.mailbox.admission.total == 0
+            await released_to(guard, "mailbox", 0)
         finally:
             sock.close()

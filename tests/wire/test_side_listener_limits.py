@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from smtpguard.admission import Admission
 from smtpguard.config import ConfigError, loads
 from smtpguard.policy.http_trust import limit_unit
 from smtpguard.server import Server
@@ -74,6 +75,25 @@ def port_of(guard: Server, listener: str) -> int:
     part = {"events": guard.events, "console": guard.console, "mailbox": guard.mailbox}[listener]
     assert part is not None
     return part.port
+
+
+def admission_of(guard: Server, listener: str) -> Admission:
+    """The listener's count of the connections it holds (what its limits are measured on)."""
+    if listener == "mailbox":
+        assert guard.mailbox is not None
+        return guard.mailbox.admission
+    if listener == "events":
+        assert guard.events is not None
+        return guard.events.listener.admission
+    assert guard.console is not None
+    return guard.console._listener.admission
+
+
+async def released_to(guard: Server, listener: str, total: int) -> None:
+    """Until the listener holds `total` connections (it has seen the others close)."""
+    admission = admission_of(guard, listener)
+    held = await eventually(lambda: admission.total, lambda n: n <= total, timeout=5, interval=0.02)
+    assert held <= total, f"{listener} still holds {held} connections"
 
 
 async def connect(port: int, source: str = "127.0.0.1") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -210,7 +230,7 @@ async def test_the_caps_refuse_at_accept_and_give_slots_back(
         assert [await _refused(r) for r, _ in b] == [False, False, True]
     # One of the first address closes: its slot is free again, for anyone.
     a[0][1].close()
-    await asyncio.sleep(0.2)
+    await released_to(guard, listener, 4)
     r, w = await connect(port, "127.0.0.12")
     if listener == "mailbox":
         assert (await asyncio.wait_for(r.readline(), 1)).startswith(b"220")
