@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from smtpguard.policy.ledger import Record
 from smtpguard.policy.outcome import Kind
+from smtpguard.replies import Reply
 from tests.relay.test_resilience import routed, smtp_provider
 from tests.relay.test_wire_attacks import CLOSE, HALF, OTHER, Scripted, _env, _provider, _send_all
 from tests.support import message as email
@@ -22,6 +24,17 @@ from tests.support import running_guard, send
 pytestmark = pytest.mark.usefixtures("no_tracebacks")
 
 OK_RCPT = b"250 2.1.5 ok\r\n"
+
+
+async def _two_messages(tmp: Path, up: Scripted) -> tuple[Reply, Reply, Record | None]:
+    """pool:1 through a guard relaying to `up` (its connection stays in the pool), then
+    pool:2 on that pooled connection: both replies, and pool:2's record afterwards."""
+    cfg = routed(tmp, smtp_provider("primary", up.port))
+    async with running_guard(cfg) as guard:
+        first = await send(guard.ports[0], email("pool:1"))
+        second = await send(guard.ports[0], email("pool:2"))
+        assert guard.store is not None
+        return first, second, await guard.store.get("acme", "pool:2")
 
 
 @pytest.mark.parametrize(
@@ -35,12 +48,7 @@ async def test_a_pooled_connection_dropped_at_rcpt_is_retried_once_on_a_fresh_on
     # The first message leaves its connection in the pool; on the second transaction the
     # provider answers MAIL, then closes (or says 421, ending the session) at RCPT.
     async with Scripted(pipelining=pipelining, rcpt=[OK_RCPT, fault]) as up:
-        cfg = routed(tmp, smtp_provider("primary", up.port))
-        async with running_guard(cfg) as guard:
-            first = await send(guard.ports[0], email("pool:1"))
-            second = await send(guard.ports[0], email("pool:2"))
-            assert guard.store is not None
-            record = await guard.store.get("acme", "pool:2")
+        first, second, record = await _two_messages(tmp, up)
     assert first.code == 250, first
     assert second.code == 250, second
     assert record is not None and record.state == "delivered"
@@ -99,12 +107,7 @@ async def test_a_retry_lost_at_the_data_command_again_leaves_the_event_not_sent(
     # of the message went out, so the event is not `unknown` (§11.6) but may be retried.
     # The data_sent mark is written once for the attempt, whichever connection carried it.
     async with Scripted(data=[b"354 go ahead\r\n", CLOSE, CLOSE]) as up:
-        cfg = routed(tmp, smtp_provider("primary", up.port))
-        async with running_guard(cfg) as guard:
-            first = await send(guard.ports[0], email("pool:1"))
-            second = await send(guard.ports[0], email("pool:2"))
-            assert guard.store is not None
-            record = await guard.store.get("acme", "pool:2")
+        first, second, record = await _two_messages(tmp, up)
     assert first.code == 250, first
     assert second.code // 100 == 4 and "unknown" not in second.text, second
     assert record is not None and record.state == "deferred", record
