@@ -226,16 +226,11 @@ class Submitter:
         the same recipients) is under that key, and this submission is that event's
         (docs/receivers.md, a rolling upgrade). One read, only for a derived key with
         recipients held."""
-        accepted = sub.accepted_fingerprint
-        if not sub.derived or accepted is None:
+        if not sub.derived or sub.accepted_fingerprint is None:
             return sub
-        earlier = derived_key(accepted)
+        earlier = derived_key(sub.accepted_fingerprint)
         rec = await self.store.get(sub.zone, earlier)
-        if rec is None:
-            return sub
-        if rec.fingerprint in (sub.fingerprint, accepted) or sub.fingerprint in rec.parts:
-            return replace(sub, key=earlier)
-        return sub
+        return replace(sub, key=earlier) if ledger.recorded_before_owed(rec, sub) else sub
 
     async def _paused_class(self, zone_name: str, parsed: Message, zone: ZoneConfig) -> str | None:
         """Relay mode: the message's class when `pause ZONE --class` holds it (DESIGN.md

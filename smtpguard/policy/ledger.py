@@ -206,6 +206,16 @@ def _held_before_owed(existing: Record, sub: Submission) -> bool:
     )
 
 
+def recorded_before_owed(earlier: Record | None, sub: Submission) -> bool:
+    """Is `earlier`, the record under the key a release before `owed` derived of this
+    transaction's accepted recipients alone, this submission's event? It is when it names
+    this transaction (by either release's fingerprint) or one of its parts."""
+    if earlier is None or sub.accepted_fingerprint is None:
+        return False
+    named = earlier.fingerprint in (sub.fingerprint, sub.accepted_fingerprint)
+    return named or sub.fingerprint in earlier.parts
+
+
 def _rest_of_event(existing: Record, sub: Submission, now: float, s: LedgerSettings) -> Verdict | None:
     """A submission of the key with another fingerprint that is still this event's: the
     client's retry of the recipients a receiver held at RCPT (DESIGN.md §21; `owed`), or a
